@@ -1,0 +1,1 @@
+"""The peer daemon and what it serves."""

@@ -1,0 +1,318 @@
+"""The span of blocks a peer holds: frozen blocks, per-adapter LoRA, per-micro-batch gradients, AdamW."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+from tqdm.auto import tqdm
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from swarm.blocks import LoraParam, add_lora, load_block, lora_config_from_wire
+from swarm.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request this peer refuses; the message says why. The peer keeps serving."""
+
+    kind = "bad_request"
+
+
+class StaleStepError(RequestError):
+    kind = "stale_step"
+
+
+class UnknownAdapterError(RequestError):
+    kind = "unknown_adapter"
+
+
+class MissingGradientsError(RequestError):
+    kind = "missing_gradients"
+
+
+@dataclass
+class OptimizerHParams:
+    """AdamW settings sent with every commit, so schedulers on the client just work."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+
+
+@dataclass
+class BlockAdapter:
+    """One adapter on one block: LoRA tensors, AdamW state, committed step and this step's gradients."""
+
+    params: list[LoraParam]
+    optimizer: torch.optim.AdamW
+    step: int = 0
+    grads: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+    def digest(self) -> str:
+        """Hash of everything that must agree between replicas: step, LoRA tensors, AdamW moments."""
+        h = hashlib.sha256(str(self.step).encode())
+        for lp in self.params:
+            h.update(lp.name.encode())
+            h.update(lp.param.detach().cpu().contiguous().numpy().tobytes())
+            for key, value in sorted(self.optimizer.state.get(lp.param, {}).items()):
+                h.update(key.encode())
+                h.update(value.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+
+@dataclass
+class Adapter:
+    """An adapter as this peer holds it: its identity and the per-block state."""
+
+    config_wire: dict
+    seed: int
+    blocks: dict[int, BlockAdapter]
+
+    def steps(self) -> dict[int, int]:
+        return {block: state.step for block, state in self.blocks.items()}
+
+
+class ActivationCache:
+    """Forward graphs kept for the backward of the same micro-batch, bounded in bytes (oldest dropped)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = OrderedDict()
+        self.bytes = 0
+
+    def put(self, key: tuple, inputs: torch.Tensor, outputs: torch.Tensor) -> None:
+        size = 4 * outputs.numel() * outputs.element_size()  # rough: the graph holds a few activations per block
+        if size > self.max_bytes:
+            return
+        self.pop(key)
+        self.entries[key] = (inputs, outputs, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, (_, _, dropped) = self.entries.popitem(last=False)
+            self.bytes -= dropped
+
+    def pop(self, key: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+        entry = self.entries.pop(key, None)
+        if entry is None:
+            return None
+        self.bytes -= entry[2]
+        return entry[0], entry[1]
+
+    def drop_adapter(self, adapter: str) -> None:
+        for key in [k for k in self.entries if k[0] == adapter]:
+            self.pop(key)
+
+
+class SpanBackend:
+    """Blocks [start, end) of a model and the adapters trained on them. Not thread-safe: one caller at a time."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        start: int,
+        end: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        quant: str,
+        activation_cache_bytes: int = 1 << 30,
+    ):
+        if not 0 <= start < end <= spec.num_blocks:
+            raise ValueError(f"--blocks {start}:{end} is outside the model's blocks 0:{spec.num_blocks}")
+        self.spec, self.start, self.end = spec, start, end
+        self.device, self.dtype, self.quant = device, dtype, quant
+        self.layers: dict[int, nn.Module] = {}
+        for block in tqdm(range(start, end), desc=f"loading blocks {start}:{end}", unit="block"):
+            self.layers[block] = load_block(spec, block, device, dtype, quant)
+        self.rotary = spec.family_class("RotaryEmbedding")(config=spec.config).to(device)
+        self.adapters: dict[str, Adapter] = {}
+        self.cache = ActivationCache(activation_cache_bytes)
+
+    @property
+    def blocks(self) -> range:
+        return range(self.start, self.end)
+
+    def open_adapter(self, name: str, config_wire: dict, seed: int) -> dict[int, int]:
+        """Create an adapter on every block of the span (deterministic init), or check it matches; return steps."""
+        existing = self.adapters.get(name)
+        if existing is not None:
+            if existing.config_wire != config_wire or existing.seed != seed:
+                raise RequestError(f"adapter {name!r} exists here with another LoRA config or seed; pick a new name")
+            return existing.steps()
+        config = lora_config_from_wire(config_wire)
+        blocks = {}
+        for block, layer in self.layers.items():
+            params = add_lora(layer, block, name, config, seed)
+            optimizer = torch.optim.AdamW([lp.param for lp in params], lr=0.0)
+            blocks[block] = BlockAdapter(params=params, optimizer=optimizer)
+        self.adapters[name] = Adapter(config_wire=config_wire, seed=seed, blocks=blocks)
+        logger.info("opened adapter %r on blocks %d:%d", name, self.start, self.end)
+        return self.adapters[name].steps()
+
+    def adapter(self, name: str) -> Adapter:
+        try:
+            return self.adapters[name]
+        except KeyError:
+            raise UnknownAdapterError(f"unknown adapter {name!r}: open it first") from None
+
+    def _activate(self, name: str) -> None:
+        for layer in self.layers.values():
+            for module in layer.modules():
+                if isinstance(module, BaseTunerLayer):
+                    module.set_adapter(name)
+
+    def _check_range(self, start: int, end: int) -> range:
+        if not self.start <= start < end <= self.end:
+            raise RequestError(f"blocks {start}:{end} are not inside this peer's span {self.start}:{self.end}")
+        return range(start, end)
+
+    def _run(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, blocks: range) -> torch.Tensor:
+        """The span's forward, with masks and rotary embeddings built exactly as the family's model builds them."""
+        position_ids = torch.arange(hidden.shape[1], device=self.device).unsqueeze(0)
+        mask_args = dict(
+            config=self.spec.config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            cache=None,
+            position_ids=position_ids,
+        )
+        masks: dict[str, torch.Tensor | None] = {}
+        position_embeddings = self.rotary(hidden, position_ids)
+        for block in blocks:
+            layer = self.layers[block]
+            kind = self.spec.attention_kind(block)
+            if kind not in masks:
+                make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+                masks[kind] = make(**mask_args)
+            hidden = layer(
+                hidden, attention_mask=masks[kind], position_ids=position_ids, position_embeddings=position_embeddings
+            )
+        return hidden
+
+    def _check_hidden(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        if hidden.ndim != 3 or hidden.shape[-1] != self.spec.hidden_size:
+            raise RequestError(f"hidden states must be [batch, seq, {self.spec.hidden_size}], got {list(hidden.shape)}")
+        if not hidden.is_floating_point():
+            raise RequestError(f"hidden states must be floating point, got {hidden.dtype}")
+        if attention_mask is not None and attention_mask.shape != hidden.shape[:2]:
+            raise RequestError(f"attention_mask must be {list(hidden.shape[:2])}, got {list(attention_mask.shape)}")
+        if not torch.isfinite(hidden).all():
+            raise RequestError("hidden states contain NaN or Inf")
+
+    def forward(
+        self,
+        name: str,
+        blocks: range,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache_key: tuple | None = None,
+    ) -> torch.Tensor:
+        """Run the span. With a cache key, keep the graph so the backward of that micro-batch skips a recompute."""
+        blocks = self._check_range(blocks.start, blocks.stop)
+        self._check_hidden(hidden, attention_mask)
+        self.adapter(name)
+        self._activate(name)
+        inputs = hidden.to(self.device, self.dtype)
+        mask = None if attention_mask is None else attention_mask.to(self.device)
+        if cache_key is None:
+            with torch.no_grad():
+                return self._run(inputs, mask, blocks).to(hidden.dtype).cpu()
+        inputs.requires_grad_(True)
+        with torch.enable_grad():
+            outputs = self._run(inputs, mask, blocks)
+        self.cache.put((name, *cache_key, blocks.start, blocks.stop), inputs, outputs)
+        return outputs.detach().to(hidden.dtype).cpu()
+
+    def backward(
+        self,
+        name: str,
+        blocks: range,
+        step: int,
+        micro_batch: str,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        grad_outputs: torch.Tensor,
+    ) -> torch.Tensor:
+        """Gradient w.r.t. the span input; the LoRA gradients are kept per micro-batch, counted once."""
+        blocks = self._check_range(blocks.start, blocks.stop)
+        self._check_hidden(hidden, attention_mask)
+        if grad_outputs.shape != hidden.shape:
+            raise RequestError(f"output gradients must be {list(hidden.shape)}, got {list(grad_outputs.shape)}")
+        if not torch.isfinite(grad_outputs).all():
+            raise RequestError("output gradients contain NaN or Inf")
+        adapter = self.adapter(name)
+        states = {block: adapter.blocks[block] for block in blocks}
+        if any(state.step != step for state in states.values()):
+            steps = sorted({state.step for state in states.values()})
+            raise StaleStepError(f"adapter {name!r} is at step {steps} here, the request is for step {step}")
+        self._activate(name)
+        cached = self.cache.pop((name, step, micro_batch, blocks.start, blocks.stop))
+        if cached is None:
+            inputs = hidden.to(self.device, self.dtype).requires_grad_(True)
+            mask = None if attention_mask is None else attention_mask.to(self.device)
+            with torch.enable_grad():
+                outputs = self._run(inputs, mask, blocks)
+        else:
+            inputs, outputs = cached
+        params = [lp.param for state in states.values() for lp in state.params]
+        grads = torch.autograd.grad(outputs, [inputs, *params], grad_outputs.to(outputs.device, outputs.dtype))
+        grad_inputs, param_grads = grads[0], list(grads[1:])
+        for state in states.values():
+            count = len(state.params)
+            block_grads, param_grads = param_grads[:count], param_grads[count:]
+            state.grads.setdefault(micro_batch, [g.detach() for g in block_grads])
+        return grad_inputs.to(hidden.dtype).cpu()
+
+    def commit(self, name: str, step: int, ledger: dict[int, list[str]], hparams: OptimizerHParams) -> dict[int, int]:
+        """Apply step ``step`` on the ledger's blocks: sum each block's micro-batch gradients in sorted order,
+        then one AdamW update. Idempotent: blocks already past ``step`` are left alone.
+        """
+        adapter = self.adapter(name)
+        states = {block: adapter.blocks[block] for block in self._check_range(min(ledger), max(ledger) + 1)}
+        behind = [block for block, state in states.items() if state.step < step]
+        if behind:
+            raise StaleStepError(f"blocks {behind} of adapter {name!r} are behind step {step}")
+        pending = {block: state for block, state in states.items() if state.step == step}
+        for block, state in pending.items():
+            missing = [mb for mb in ledger.get(block, []) if mb not in state.grads]
+            if missing:
+                raise MissingGradientsError(
+                    f"block {block} has no gradients for micro-batches {missing} at step {step}"
+                )
+        for block, state in pending.items():
+            summed = [torch.zeros_like(lp.param) for lp in state.params]
+            for mb in sorted(set(ledger.get(block, []))):
+                for total, grad in zip(summed, state.grads[mb]):
+                    total.add_(grad)
+            if not all(torch.isfinite(g).all() for g in summed):
+                raise RequestError(f"step {step} has non-finite gradients on block {block}; refusing to apply them")
+            for lp, grad in zip(state.params, summed):
+                lp.param.grad = grad
+            for group in state.optimizer.param_groups:
+                group.update(
+                    lr=hparams.lr, betas=tuple(hparams.betas), eps=hparams.eps, weight_decay=hparams.weight_decay
+                )
+            state.optimizer.step()
+            state.optimizer.zero_grad(set_to_none=True)
+            state.grads.clear()
+            state.step += 1
+        self.cache.drop_adapter(name)
+        return adapter.steps()
+
+    def lora_state(self, name: str) -> dict[int, dict[str, torch.Tensor]]:
+        """LoRA tensors per block, named as inside a peft adapter file (``self_attn.q_proj.lora_A.weight``)."""
+        adapter = self.adapter(name)
+        return {
+            block: {lp.name: lp.param.detach().cpu().clone() for lp in state.params}
+            for block, state in adapter.blocks.items()
+        }
+
+    def digests(self, name: str) -> dict[int, str]:
+        return {block: state.digest() for block, state in self.adapter(name).blocks.items()}

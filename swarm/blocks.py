@@ -1,0 +1,128 @@
+"""Build one decoder block from its own tensors on disk, quantize it, and give it deterministic LoRA."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import peft
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from swarm.spec import ModelSpec
+
+QUANT_MODES = ("none", "int8", "nf4")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LORA_FIELDS = ("r", "lora_alpha", "target_modules", "lora_dropout", "bias", "use_rslora", "fan_in_fan_out")
+
+
+class AdapterConfigError(ValueError):
+    """A LoRA config that the swarm cannot train exactly."""
+
+
+def load_block(spec: ModelSpec, block: int, device: torch.device, dtype: torch.dtype, quant: str) -> nn.Module:
+    """Build block ``block`` with transformers' own class, reading only that block's tensors."""
+    if quant not in QUANT_MODES:
+        raise ValueError(f"--quant must be one of {QUANT_MODES}, got {quant!r}")
+    prefix = spec.block_prefix(block)
+    state: dict[str, torch.Tensor] = {}
+    for path, names in spec.files_for(spec.tensor_names(prefix)).items():
+        with safe_open(str(path), framework="pt") as f:
+            for name in names:
+                state[name.removeprefix(prefix)] = f.get_tensor(name).to(dtype)
+    with torch.device("meta"):
+        layer = spec.family_class("DecoderLayer")(spec.config, layer_idx=block)
+    layer.load_state_dict(state, strict=True, assign=True)
+    layer.requires_grad_(False)
+    if quant != "none":
+        _quantize_linears(layer, quant, dtype)
+    return layer.to(device).eval()
+
+
+def _quantize_linears(module: nn.Module, quant: str, compute_dtype: torch.dtype) -> None:
+    """Swap every nn.Linear for its bitsandbytes twin; the weights are quantized when moved to a device."""
+    import bitsandbytes as bnb
+
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            bias = child.bias is not None
+            if quant == "nf4":
+                new = bnb.nn.Linear4bit(
+                    child.in_features, child.out_features, bias=bias, compute_dtype=compute_dtype, quant_type="nf4"
+                )
+                new.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4")
+            else:
+                new = bnb.nn.Linear8bitLt(
+                    child.in_features, child.out_features, bias=bias, has_fp16_weights=False, threshold=0.0
+                )
+                new.weight = bnb.nn.Int8Params(child.weight.data, requires_grad=False, has_fp16_weights=False)
+            if bias:
+                new.bias = nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(module, name, new)
+        else:
+            _quantize_linears(child, quant, compute_dtype)
+
+
+def lora_config_to_wire(config: peft.LoraConfig) -> dict:
+    """The fields of a LoRA config that decide its math, in a msgpack-friendly form."""
+    wire = {name: getattr(config, name) for name in LORA_FIELDS}
+    targets = wire["target_modules"]
+    wire["target_modules"] = sorted(targets) if not isinstance(targets, str) else targets
+    return wire
+
+
+def lora_config_from_wire(wire: dict) -> peft.LoraConfig:
+    """Rebuild and check a LoRA config: the swarm trains only what it can reproduce bit for bit."""
+    unknown = set(wire) - set(LORA_FIELDS)
+    if unknown:
+        raise AdapterConfigError(f"unknown LoRA fields {sorted(unknown)}; supported: {list(LORA_FIELDS)}")
+    config = peft.LoraConfig(**wire)
+    if config.lora_dropout != 0:
+        raise AdapterConfigError("lora_dropout must be 0: peers recompute forwards, so dropout would not replay")
+    if config.bias != "none":
+        raise AdapterConfigError("bias must be 'none': only LoRA A/B matrices are trained in the swarm")
+    if not config.r or config.r <= 0:
+        raise AdapterConfigError(f"LoRA rank r must be positive, got {config.r}")
+    return config
+
+
+def block_seed(adapter_seed: int, block: int) -> int:
+    """A 63-bit seed from (adapter seed, block index), the same on every peer."""
+    digest = hashlib.sha256(f"swarm-lora:{adapter_seed}:{block}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class LoraParam:
+    """One trainable LoRA tensor of a block: its name inside the block (as in a peft file) and the tensor."""
+
+    name: str
+    param: nn.Parameter
+
+
+def add_lora(layer: nn.Module, block: int, adapter: str, config: peft.LoraConfig, seed: int) -> list[LoraParam]:
+    """Inject a LoRA adapter into a block and initialise it from (seed, block) alone."""
+    peft.inject_adapter_in_model(config, layer, adapter_name=adapter)
+    marker = f".{adapter}."
+    params = sorted(
+        (LoraParam(name.replace(marker, "."), p) for name, p in layer.named_parameters() if marker in name),
+        key=lambda lp: lp.name,
+    )
+    if not params:
+        raise AdapterConfigError(
+            f"target_modules {config.target_modules} match no linear layer of block {block}; "
+            "name projections such as q_proj, v_proj, up_proj"
+        )
+    generator = torch.Generator().manual_seed(block_seed(seed, block))
+    with torch.no_grad():
+        for lp in params:
+            lp.param.requires_grad_(True)
+            if ".lora_A." in f".{lp.name}":
+                init = torch.empty(lp.param.shape, dtype=torch.float32)
+                nn.init.kaiming_uniform_(init, a=math.sqrt(5), generator=generator)
+                lp.param.copy_(init)
+            else:
+                lp.param.zero_()
+    return params

@@ -1,0 +1,34 @@
+"""Adapter files: export the swarm's LoRA tensors as a standard peft adapter folder."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import peft
+import torch
+from safetensors.torch import save_file
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def peft_key(block: int, name: str) -> str:
+    """The key peft uses for a LoRA tensor of decoder block ``block`` in a causal LM."""
+    return f"base_model.model.model.layers.{block}.{name}"
+
+
+def save_peft_adapter(
+    out_dir: str | Path, lora_config: peft.LoraConfig, base_model: str, tensors: dict[int, dict[str, torch.Tensor]]
+) -> Path:
+    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` as ``PeftModel.save_pretrained`` would."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = copy.deepcopy(lora_config)
+    config.base_model_name_or_path = base_model
+    config.task_type = peft.TaskType.CAUSAL_LM
+    config.save_pretrained(str(out))
+    flat = {peft_key(block, name): t.contiguous() for block, named in tensors.items() for name, t in named.items()}
+    tmp = out / (ADAPTER_WEIGHTS + ".tmp")
+    save_file(flat, str(tmp), metadata={"format": "pt"})
+    tmp.replace(out / ADAPTER_WEIGHTS)
+    return out

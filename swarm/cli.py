@@ -1,0 +1,112 @@
+"""The ``swarm`` command: ``swarm dht`` starts a bootstrap node, ``swarm peer`` serves blocks."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from swarm.blocks import DTYPES, QUANT_MODES
+
+
+def _parse_blocks(text: str) -> tuple[int, int]:
+    try:
+        start, end = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--blocks takes START:END, e.g. 0:4; got {text!r}") from None
+    if not 0 <= start < end:
+        raise argparse.ArgumentTypeError(f"--blocks needs 0 <= START < END, got {text!r}")
+    return start, end
+
+
+def _initial_peers(args: argparse.Namespace) -> list[str]:
+    peers = list(args.initial_peers or []) or os.environ.get("SWARM_INITIAL_PEERS", "").replace(",", " ").split()
+    return peers
+
+
+def cmd_dht(args: argparse.Namespace) -> None:
+    from hivemind import DHT
+
+    dht = DHT(
+        initial_peers=_initial_peers(args),
+        host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"],
+        identity_path=args.identity,
+        start=True,
+    )
+    for maddr in dht.get_visible_maddrs():
+        print(maddr, flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    dht.shutdown()
+
+
+def cmd_peer(args: argparse.Namespace) -> None:
+    from peers.daemon import PeerConfig, run_peer
+
+    peers = _initial_peers(args)
+    if not peers:
+        sys.exit("swarm peer: pass --initial-peers (the multiaddrs printed by `swarm dht`) or set SWARM_INITIAL_PEERS")
+    start, end = args.blocks
+    run_peer(
+        PeerConfig(
+            model=args.model,
+            initial_peers=peers,
+            start=start,
+            end=end,
+            device=args.device,
+            quant=args.quant,
+            dtype=args.dtype,
+            host=args.host,
+            port=args.port,
+            identity=args.identity,
+            activation_cache_mb=args.activation_cache_mb,
+        )
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swarm", description=__doc__)
+    parser.add_argument("--log-level", default=os.environ.get("SWARM_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--initial-peers", nargs="*", default=None, help="multiaddrs of peers already in the swarm")
+        p.add_argument("--host", default="0.0.0.0", help="address to listen on (127.0.0.1 for a local swarm)")
+        p.add_argument("--port", type=int, default=0, help="TCP port to listen on (0: any free port)")
+        p.add_argument("--identity", default=None, help="file with this node's private key (keeps its peer id)")
+
+    dht = sub.add_parser("dht", help="start a bootstrap DHT node and print its multiaddrs")
+    common(dht)
+    dht.set_defaults(func=cmd_dht)
+
+    peer = sub.add_parser("peer", help="serve a span of a model's decoder blocks")
+    common(peer)
+    peer.add_argument("--model", required=True, help="Hugging Face model folder (config.json + safetensors)")
+    peer.add_argument("--blocks", type=_parse_blocks, required=True, help="START:END, the blocks to serve")
+    peer.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    peer.add_argument(
+        "--quant", choices=QUANT_MODES, default=None, help="base weights: default nf4 on CUDA, none on CPU"
+    )
+    peer.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    peer.add_argument(
+        "--activation-cache-mb", type=int, default=1024, help="memory for forward graphs kept for backward"
+    )
+    peer.set_defaults(func=cmd_peer)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("hivemind", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The client: the model a user trains and its remote optimizer."""

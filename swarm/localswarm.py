@@ -1,0 +1,142 @@
+"""A swarm of real processes on 127.0.0.1 (bootstrap DHT + peer daemons), for the demo, tests and benchmarks."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+class LocalSwarmError(RuntimeError):
+    """A local process did not start; the message carries the tail of its log."""
+
+
+@dataclass
+class Process:
+    """A child process with its log file."""
+
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def tail(self, lines: int = 40) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_for_line(self, needle: str, timeout: float) -> str:
+        """Block until the log has a line containing ``needle``; raise with the log tail if it dies or times out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.log.read_text(errors="replace") if self.log.exists() else ""
+            for line in text.splitlines():
+                if needle in line:
+                    return line
+            if self.popen.poll() is not None:
+                raise LocalSwarmError(f"{self.name} exited with {self.popen.returncode}:\n{self.tail()}")
+            time.sleep(0.1)
+        raise LocalSwarmError(f"{self.name} did not print {needle!r} within {timeout:.0f}s:\n{self.tail()}")
+
+    def signal(self, sig: int) -> None:
+        if self.popen.poll() is None:
+            os.kill(self.pid, sig)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL if it lingers (a frozen process is thawed first so it can die)."""
+        if self.popen.poll() is not None:
+            return
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.popen.wait(timeout)
+
+
+@dataclass
+class LocalSwarm:
+    """Starts and owns processes; ``close()`` kills every one of them by PID."""
+
+    workdir: Path
+    processes: list[Process] = field(default_factory=list)
+    initial_peers: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def _spawn(self, name: str, args: list[str]) -> Process:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = self.workdir / f"{name}.log"
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+            **self.env,
+        }
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "swarm.cli", *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        process = Process(name, popen, log)
+        self.processes.append(process)
+        return process
+
+    def start_dht(self, timeout: float = 60.0) -> Process:
+        dht = self._spawn("dht", ["dht", "--host", "127.0.0.1"])
+        dht.wait_for_line("/ip4/", timeout)
+        self.initial_peers = [ln for ln in dht.log.read_text().splitlines() if ln.startswith("/ip4/127.0.0.1")]
+        return dht
+
+    def start_peer(
+        self,
+        model: str | Path,
+        blocks: str,
+        name: str | None = None,
+        extra: list[str] | None = None,
+        wait: bool = True,
+        timeout: float = 120.0,
+    ) -> Process:
+        """Start ``swarm peer`` on 127.0.0.1 serving ``blocks`` (START:END); by default wait until it serves."""
+        name = name or f"peer{len(self.processes)}"
+        args = [
+            "peer",
+            "--model",
+            str(model),
+            "--blocks",
+            blocks,
+            "--host",
+            "127.0.0.1",
+            "--initial-peers",
+            *self.initial_peers,
+            *(extra or []),
+        ]
+        peer = self._spawn(name, args)
+        if wait:
+            peer.wait_for_line("serving blocks", timeout)
+        return peer
+
+    def close(self) -> None:
+        for process in reversed(self.processes):
+            try:
+                process.stop()
+            except Exception:
+                logger.exception("could not stop %s (pid %d)", process.name, process.pid)
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,105 @@
+"""DHT records: which peer serves which blocks, in what state, how fast, with which adapters at which step."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import partial
+
+from hivemind import DHT
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+
+logger = logging.getLogger(__name__)
+
+RECORD_TTL = 30.0
+
+
+class ServerState(str, Enum):
+    JOINING = "joining"
+    ONLINE = "online"
+    LEAVING = "leaving"
+
+
+@dataclass
+class ServerRecord:
+    """One peer's announcement for one block."""
+
+    peer_id: PeerID
+    state: ServerState
+    start: int
+    end: int
+    throughput: float
+    adapters: dict[str, int] = field(default_factory=dict)
+
+    def to_value(self) -> dict:
+        return {
+            "state": self.state.value,
+            "start": self.start,
+            "end": self.end,
+            "throughput": self.throughput,
+            "adapters": self.adapters,
+        }
+
+    @classmethod
+    def from_value(cls, peer_id: PeerID, value: object) -> ServerRecord | None:
+        """Parse a record value; anything malformed is dropped (and logged), never trusted."""
+        try:
+            record = cls(
+                peer_id=peer_id,
+                state=ServerState(value["state"]),
+                start=int(value["start"]),
+                end=int(value["end"]),
+                throughput=float(value["throughput"]),
+                adapters={str(k): int(v) for k, v in dict(value.get("adapters", {})).items()},
+            )
+        except (TypeError, KeyError, ValueError, AttributeError):
+            logger.debug("ignoring a malformed record from %s", peer_id)
+            return None
+        return record if 0 <= record.start < record.end else None
+
+
+def block_key(model: str, block: int) -> str:
+    return f"swarm:{model}:block:{block}"
+
+
+async def _store(_dht: DHT, node: DHTNode, model: str, record: ServerRecord, blocks: range, ttl: float) -> None:
+    expiration = get_dht_time() + ttl
+    keys = [block_key(model, block) for block in blocks]
+    await node.store_many(
+        keys, [record.to_value()] * len(keys), expiration, subkeys=[record.peer_id.to_base58()] * len(keys)
+    )
+
+
+def announce(dht: DHT, model: str, record: ServerRecord, blocks: range, ttl: float = RECORD_TTL, wait: bool = True):
+    """Write (or refresh) this peer's record under every block it serves; records expire after ``ttl``."""
+    return dht.run_coroutine(
+        partial(_store, model=model, record=record, blocks=blocks, ttl=ttl), return_future=not wait
+    )
+
+
+async def _read(_dht: DHT, node: DHTNode, model: str, num_blocks: int) -> dict[int, list[ServerRecord]]:
+    keys = [block_key(model, block) for block in range(num_blocks)]
+    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
+    servers: dict[int, list[ServerRecord]] = {}
+    for block, key in enumerate(keys):
+        entry = found.get(key)
+        records = []
+        if entry is not None and isinstance(entry.value, dict):
+            for subkey, item in entry.value.items():
+                try:
+                    peer_id = PeerID.from_base58(subkey)
+                except Exception:
+                    continue
+                record = ServerRecord.from_value(peer_id, item.value)
+                if record is not None and record.start <= block < record.end:
+                    records.append(record)
+        servers[block] = records
+    return servers
+
+
+def read_servers(dht: DHT, model: str, num_blocks: int) -> dict[int, list[ServerRecord]]:
+    """Every live announcement, per block."""
+    return dht.run_coroutine(partial(_read, model=model, num_blocks=num_blocks))

@@ -1,0 +1,112 @@
+"""What a model folder is: its config, its family's classes, and where each tensor lives on disk."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import transformers
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
+SINGLE_FILE = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
+
+
+class ModelFolderError(ValueError):
+    """The model folder is missing, unsupported or incomplete."""
+
+
+@dataclass
+class ModelSpec:
+    """A Llama-family model folder: config plus a map from tensor name to its safetensors file."""
+
+    path: Path
+    config: transformers.PretrainedConfig
+    weight_files: dict[str, Path] = field(repr=False)
+
+    @property
+    def family(self) -> str:
+        return self.config.model_type
+
+    @property
+    def num_blocks(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def name(self) -> str:
+        """The name peers and clients agree on in DHT keys: the folder's own name."""
+        return self.path.resolve().name
+
+    @property
+    def modeling(self) -> ModuleType:
+        """The transformers module that defines this family's classes."""
+        class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[self.family]
+        module = sys.modules[getattr(transformers, class_name).__module__]
+        return module
+
+    def family_class(self, suffix: str) -> type:
+        """A class of this family by suffix, e.g. ``DecoderLayer`` -> ``LlamaDecoderLayer``."""
+        prefix = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[self.family].removesuffix("ForCausalLM")
+        return getattr(self.modeling, prefix + suffix)
+
+    def attention_kind(self, block: int) -> str:
+        """``full_attention`` or ``sliding_attention`` for a block, as the family's model decides it."""
+        layer_types = getattr(self.config, "layer_types", None)
+        if layer_types:
+            return layer_types[block]
+        return "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
+
+    def block_prefix(self, block: int) -> str:
+        return f"model.layers.{block}."
+
+    def files_for(self, names: list[str]) -> dict[Path, list[str]]:
+        """Group tensor names by the shard that holds them, so each shard is opened once."""
+        grouped: dict[Path, list[str]] = {}
+        for name in names:
+            if name not in self.weight_files:
+                raise ModelFolderError(
+                    f"{self.path}: tensor {name!r} is in no safetensors file; is the folder complete?"
+                )
+            grouped.setdefault(self.weight_files[name], []).append(name)
+        return grouped
+
+    def tensor_names(self, prefix: str) -> list[str]:
+        return sorted(name for name in self.weight_files if name.startswith(prefix))
+
+
+def load_spec(model_dir: str | Path) -> ModelSpec:
+    """Read config.json and the safetensors layout of an HF model folder, without loading any tensor."""
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise ModelFolderError(f"{path}: no config.json; point --model at a Hugging Face model folder")
+    config = transformers.AutoConfig.from_pretrained(path)
+    if config.model_type not in SUPPORTED_FAMILIES:
+        raise ModelFolderError(
+            f"{path}: model_type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}"
+        )
+    config._attn_implementation = "sdpa"
+    return ModelSpec(path=path, config=config, weight_files=_weight_files(path))
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    index = path / SHARD_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    single = path / SINGLE_FILE
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise ModelFolderError(
+        f"{path}: neither {SINGLE_FILE} nor {SHARD_INDEX}; only safetensors checkpoints are supported"
+    )

@@ -1,0 +1,114 @@
+"""Messages between client and peers: msgpack metadata plus hivemind-serialized tensors, unary or streamed."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE, MAX_UNARY_PAYLOAD_SIZE
+from hivemind.proto import runtime_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
+
+
+class WireError(ValueError):
+    """Bytes that are not a valid swarm message."""
+
+
+class RemoteError(RuntimeError):
+    """A peer refused a request; ``kind`` says which rule, the message says what to change."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+@dataclass
+class Message:
+    """What travels in one call: a method name or error in ``meta``, and tensors."""
+
+    meta: dict
+    tensors: list[torch.Tensor]
+
+
+def payload_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def is_unary(message: Message) -> bool:
+    return payload_bytes(message.tensors) <= MAX_UNARY_PAYLOAD_SIZE
+
+
+def encode(message: Message) -> list[runtime_pb2.ExpertRequest]:
+    """One protobuf for small messages; for large ones, chunks under the P2P message limit (meta on the first)."""
+    serialized = [serialize_torch_tensor(t) for t in message.tensors]
+    meta = MSGPackSerializer.dumps(message.meta)
+    if is_unary(message):
+        return [runtime_pb2.ExpertRequest(metadata=meta, tensors=serialized)]
+    parts = [runtime_pb2.ExpertRequest(metadata=meta, uid=str(len(serialized)))]
+    for index, tensor in enumerate(serialized):
+        for chunk in split_for_streaming(tensor, DEFAULT_MAX_MSG_SIZE // 2):
+            parts.append(runtime_pb2.ExpertRequest(uid=str(index), tensors=[chunk]))
+    return parts
+
+
+def decode(parts: list[runtime_pb2.ExpertRequest]) -> Message:
+    """Inverse of :func:`encode`; raises WireError on anything malformed."""
+    if not parts:
+        raise WireError("empty message")
+    try:
+        meta = MSGPackSerializer.loads(parts[0].metadata) if parts[0].metadata else {}
+    except Exception as e:
+        raise WireError(f"metadata is not valid msgpack: {e}") from None
+    if not isinstance(meta, dict):
+        raise WireError("metadata must be a msgpack map")
+    try:
+        if len(parts) == 1:
+            tensors = [deserialize_torch_tensor(t) for t in parts[0].tensors]
+        else:
+            tensors = _combine_chunks(parts)
+    except WireError:
+        raise
+    except Exception as e:
+        raise WireError(f"tensors could not be decoded: {type(e).__name__}: {e}") from None
+    return Message(meta=meta, tensors=tensors)
+
+
+def _combine_chunks(parts: list) -> list[torch.Tensor]:
+    try:
+        count = int(parts[0].uid)
+    except ValueError:
+        raise WireError("first streamed part must give the tensor count") from None
+    chunks: list[list] = [[] for _ in range(count)]
+    for part in parts[1:]:
+        if not part.uid.isdigit() or int(part.uid) >= count or len(part.tensors) != 1:
+            raise WireError("streamed part has a bad tensor index")
+        chunks[int(part.uid)].append(part.tensors[0])
+    if any(not c for c in chunks):
+        raise WireError("streamed message is missing a tensor")
+    return [deserialize_torch_tensor(combine_from_streaming(c)) for c in chunks]
+
+
+async def collect(stream: AsyncIterator, max_bytes: int) -> list:
+    """Read a streamed message, refusing it once it grows past ``max_bytes``."""
+    parts, size = [], 0
+    async for part in stream:
+        size += part.ByteSize()
+        if size > max_bytes:
+            raise WireError(f"message exceeds the {max_bytes}-byte limit; send smaller micro-batches")
+        parts.append(part)
+    return parts
+
+
+def error_message(kind: str, text: str) -> Message:
+    return Message(meta={"error": text, "kind": kind}, tensors=[])
+
+
+def raise_if_error(message: Message) -> Message:
+    if "error" in message.meta:
+        raise RemoteError(str(message.meta.get("kind", "error")), str(message.meta["error"]))
+    return message
