@@ -289,11 +289,11 @@ class SpanBackend:
         for block, state in pending.items():
             summed = [torch.zeros_like(lp.param) for lp in state.params]
             for mb in sorted(set(ledger.get(block, []))):
-                for total, grad in zip(summed, state.grads[mb]):
+                for total, grad in zip(summed, state.grads[mb], strict=True):
                     total.add_(grad)
             if not all(torch.isfinite(g).all() for g in summed):
                 raise RequestError(f"step {step} has non-finite gradients on block {block}; refusing to apply them")
-            for lp, grad in zip(state.params, summed):
+            for lp, grad in zip(state.params, summed, strict=True):
                 lp.param.grad = grad
             for group in state.optimizer.param_groups:
                 group.update(

@@ -184,7 +184,7 @@ class SwarmModelForCausalLM(nn.Module):
         state: dict[int, dict[str, torch.Tensor]] = {}
         for hop in self.router.route():
             reply = self.transport.call(hop.peer_id, Message({"method": "state", "adapter": self.adapter}, []))
-            for (block, name), tensor in zip(reply.meta["names"], reply.tensors):
+            for (block, name), tensor in zip(reply.meta["names"], reply.tensors, strict=True):
                 if hop.start <= block < hop.end:
                     state.setdefault(block, {})[name] = tensor
         return state
