@@ -9,6 +9,7 @@ from pathlib import Path
 import peft
 import torch
 from hivemind import DHT
+from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from safetensors import safe_open
 from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
@@ -194,4 +195,6 @@ class SwarmModelForCausalLM(nn.Module):
         return save_peft_adapter(out_dir, self.lora_config, str(self.spec.path.resolve()), self.adapter_state())
 
     def shutdown(self) -> None:
+        """Leave the swarm: close this client's P2P connection and DHT node."""
+        RemoteExpertWorker.run_coroutine(self.transport.p2p.shutdown())
         self.dht.shutdown()

@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny models on disk and local swarms of real processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from swarm.localswarm import LocalSwarm
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+make_tiny_model = _load_script("make_tiny_model").make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """One tiny random model per family, 4 blocks each, sharded safetensors."""
+    root = tmp_path_factory.mktemp("models")
+    return {
+        family: make_tiny_model(root / f"tiny-{family}", family=family, layers=4, seed=1)
+        for family in ("llama", "mistral", "qwen2")
+    }
+
+
+@pytest.fixture(scope="session")
+def llama_swarm(tiny_models, tmp_path_factory) -> Iterator[LocalSwarm]:
+    """A bootstrap node and two peers splitting the tiny llama's blocks 0:2 and 2:4."""
+    with LocalSwarm(tmp_path_factory.mktemp("llama-swarm")) as swarm:
+        swarm.start_dht()
+        swarm.start_peer(tiny_models["llama"], "0:2", name="peer-a")
+        swarm.start_peer(tiny_models["llama"], "2:4", name="peer-b")
+        yield swarm

@@ -1,0 +1,103 @@
+"""Promise 1: training through the swarm equals local transformers + peft training, within float tolerance."""
+
+from __future__ import annotations
+
+import peft
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+import swarm
+
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+HPARAMS = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+STEPS, MICRO_BATCHES = 5, 2
+
+
+def make_batches(vocab: int, seed: int = 0) -> list[list[dict[str, torch.Tensor]]]:
+    """The same MICRO_BATCHES batches at each of STEPS steps (so the loss must fall), with right padding in one row."""
+    g = torch.Generator().manual_seed(seed)
+    micro = []
+    for _ in range(MICRO_BATCHES):
+        ids = torch.randint(0, vocab, (2, 12), generator=g)
+        mask = torch.ones_like(ids)
+        mask[1, 9:] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        micro.append(dict(input_ids=ids, attention_mask=mask, labels=labels))
+    return [micro] * STEPS
+
+
+def train(model, optimizer, batches) -> list[float]:
+    losses = []
+    for micro in batches:
+        for batch in micro:
+            out = model(**batch)
+            (out.loss / MICRO_BATCHES).backward()
+            losses.append(out.loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def local_peft(model_dir, adapter_dir):
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    return peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
+
+
+@pytest.fixture(scope="module")
+def parity_run(llama_swarm, tiny_models, tmp_path_factory):
+    """Train 5 steps through the swarm and locally from the same initial adapter."""
+    model_dir = tiny_models["llama"]
+    out = tmp_path_factory.mktemp("parity")
+    model = swarm.SwarmModelForCausalLM.from_pretrained(
+        model_dir, initial_peers=llama_swarm.initial_peers, adapter="parity", lora_config=peft.LoraConfig(**LORA),
+        dtype=torch.float32, seed=7,
+    )
+    try:
+        model.save_adapter(out / "initial")
+        batches = make_batches(model.spec.config.vocab_size)
+        swarm_losses = train(model, swarm.RemoteOptimizer(model, **HPARAMS), batches)
+        model.save_adapter(out / "final")
+        probe = batches[0][0]
+        with torch.no_grad():
+            swarm_logits = model(probe["input_ids"], attention_mask=probe["attention_mask"]).logits
+        assert model.step == STEPS
+    finally:
+        model.shutdown()
+    reference = local_peft(model_dir, out / "initial")
+    trainable = [p for p in reference.parameters() if p.requires_grad]
+    local_losses = train(reference, torch.optim.AdamW(trainable, **HPARAMS), batches)
+    reference.save_pretrained(out / "local")
+    return dict(
+        out=out, model_dir=model_dir, swarm_losses=swarm_losses, local_losses=local_losses,
+        swarm_logits=swarm_logits, probe=probe,
+    )
+
+
+def test_losses_match_local_peft(parity_run):
+    swarm_losses, local_losses = parity_run["swarm_losses"], parity_run["local_losses"]
+    assert len(swarm_losses) == STEPS * MICRO_BATCHES
+    assert swarm_losses[-1] < swarm_losses[0], "training through the swarm did not lower the loss"
+    torch.testing.assert_close(torch.tensor(swarm_losses), torch.tensor(local_losses), rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_matches_local_peft(parity_run):
+    out = parity_run["out"]
+    swarm_state = load_file(out / "final" / "adapter_model.safetensors")
+    local_state = load_file(out / "local" / "adapter_model.safetensors")
+    initial_state = load_file(out / "initial" / "adapter_model.safetensors")
+    assert swarm_state.keys() == local_state.keys() == initial_state.keys()
+    assert len(swarm_state) == 4 * 7 * 2
+    moved = max((swarm_state[k] - initial_state[k]).abs().max().item() for k in swarm_state)
+    assert moved > 1e-3, "the adapter did not train"
+    for key in swarm_state:
+        torch.testing.assert_close(swarm_state[key], local_state[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_exported_adapter_reproduces_swarm_logits(parity_run):
+    reference = local_peft(parity_run["model_dir"], parity_run["out"] / "final")
+    probe = parity_run["probe"]
+    with torch.no_grad():
+        logits = reference(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
+    torch.testing.assert_close(logits, parity_run["swarm_logits"], rtol=1e-4, atol=1e-4)
