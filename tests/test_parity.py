@@ -10,7 +10,9 @@ from safetensors.torch import load_file
 
 import swarm
 
-LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+LORA = dict(
+    r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+)
 HPARAMS = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
 STEPS, MICRO_BATCHES = 5, 2
 
@@ -51,8 +53,12 @@ def parity_run(llama_swarm, tiny_models, tmp_path_factory):
     model_dir = tiny_models["llama"]
     out = tmp_path_factory.mktemp("parity")
     model = swarm.SwarmModelForCausalLM.from_pretrained(
-        model_dir, initial_peers=llama_swarm.initial_peers, adapter="parity", lora_config=peft.LoraConfig(**LORA),
-        dtype=torch.float32, seed=7,
+        model_dir,
+        initial_peers=llama_swarm.initial_peers,
+        adapter="parity",
+        lora_config=peft.LoraConfig(**LORA),
+        dtype=torch.float32,
+        seed=7,
     )
     try:
         model.save_adapter(out / "initial")
@@ -70,8 +76,12 @@ def parity_run(llama_swarm, tiny_models, tmp_path_factory):
     local_losses = train(reference, torch.optim.AdamW(trainable, **HPARAMS), batches)
     reference.save_pretrained(out / "local")
     return dict(
-        out=out, model_dir=model_dir, swarm_losses=swarm_losses, local_losses=local_losses,
-        swarm_logits=swarm_logits, probe=probe,
+        out=out,
+        model_dir=model_dir,
+        swarm_losses=swarm_losses,
+        local_losses=local_losses,
+        swarm_logits=swarm_logits,
+        probe=probe,
     )
 
 

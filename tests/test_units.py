@@ -1,0 +1,124 @@
+"""Unit tests of the pure logic: wire format, ledger, routing, LoRA init, per-block loading."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import peft
+import pytest
+import torch
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+
+from swarm.blocks import AdapterConfigError, add_lora, load_block, lora_config_from_wire, lora_config_to_wire
+from swarm.client.ledger import StepLedger
+from swarm.records import ServerRecord, ServerState
+from swarm.routing import NoRouteError, Router
+from swarm.spec import ModelFolderError, load_spec
+from swarm.wire import Message, WireError, decode, encode
+
+
+def test_wire_round_trips_small_and_large_messages():
+    small = Message({"method": "forward", "step": 3}, [torch.randn(2, 3), torch.ones(2, 3, dtype=torch.int64)])
+    parts = encode(small)
+    assert len(parts) == 1
+    back = decode(parts)
+    assert back.meta == small.meta and all(torch.equal(a, b) for a, b in zip(back.tensors, small.tensors, strict=True))
+    large = Message({"method": "state"}, [torch.randn(1024, 1024), torch.randn(7)])
+    parts = encode(large)
+    assert len(parts) > 2
+    back = decode(parts)
+    assert all(torch.equal(a, b) for a, b in zip(back.tensors, large.tensors, strict=True))
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        [],
+        [runtime_pb2.ExpertRequest(metadata=b"\xc1\xff garbage")],
+        [runtime_pb2.ExpertRequest(metadata=b"\x93\x01\x02\x03")],
+        [runtime_pb2.ExpertRequest(tensors=[runtime_pb2.Tensor(buffer=b"xyz", size=[5, 5], dtype="float32")])],
+        [runtime_pb2.ExpertRequest(uid="2"), runtime_pb2.ExpertRequest(uid="7")],
+    ],
+)
+def test_wire_rejects_malformed_messages(parts):
+    with pytest.raises(WireError):
+        decode(parts)
+
+
+def test_ledger_orders_micro_batches_and_tracks_acks():
+    ledger = StepLedger(step=4)
+    peer = PeerID(b"\x00" * 34)
+    first, second = ledger.new_micro_batch(), ledger.new_micro_batch()
+    ledger.acknowledge(second, range(0, 2), peer)
+    ledger.acknowledge(first, range(0, 4), peer)
+    assert ledger.micro_batches(range(0, 4)) == {0: [first, second], 1: [first, second], 2: [first], 3: [first]}
+    assert ledger.next().step == 5 and ledger.next().empty
+
+
+def _record(peer: int, start: int, end: int, throughput: float = 1.0, state=ServerState.ONLINE) -> ServerRecord:
+    return ServerRecord(PeerID(bytes([peer]) * 34), state, start, end, throughput)
+
+
+def test_route_covers_all_blocks_with_fewest_hops_and_avoids_banned_or_leaving_peers():
+    router = Router(dht=None, model="m", num_blocks=6)
+    records = [
+        _record(1, 0, 3),
+        _record(2, 0, 6, throughput=0.5),
+        _record(3, 3, 6),
+        _record(4, 0, 6, state=ServerState.LEAVING),
+    ]
+    router.servers = {b: [r for r in records if r.start <= b < r.end] for b in range(6)}
+    assert [(h.peer_id, h.start, h.end) for h in router.route()] == [(records[1].peer_id, 0, 6)]
+    router.ban(records[1].peer_id, 60)
+    assert [(h.start, h.end) for h in router.route()] == [(0, 3), (3, 6)]
+    router.ban(records[2].peer_id, 60)
+    with pytest.raises(NoRouteError, match=r"\[3, 4, 5\]"):
+        router.route()
+
+
+def test_lora_init_is_deterministic_per_seed_and_block(tiny_models):
+    spec = load_spec(tiny_models["llama"])
+    config = lora_config_from_wire(lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])))
+
+    def init(block: int, seed: int) -> dict[str, torch.Tensor]:
+        layer = load_block(spec, block, torch.device("cpu"), torch.float32, "none")
+        return {lp.name: lp.param.detach().clone() for lp in add_lora(layer, block, "a", config, seed)}
+
+    first, again = init(1, seed=5), init(1, seed=5)
+    assert first.keys() == {"self_attn.q_proj.lora_A.weight", "self_attn.q_proj.lora_B.weight"}
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert not torch.equal(first["self_attn.q_proj.lora_A.weight"], init(2, seed=5)["self_attn.q_proj.lora_A.weight"])
+    assert not torch.equal(first["self_attn.q_proj.lora_A.weight"], init(1, seed=6)["self_attn.q_proj.lora_A.weight"])
+    assert torch.count_nonzero(first["self_attn.q_proj.lora_B.weight"]) == 0
+
+
+def test_lora_configs_that_cannot_replay_are_refused():
+    with pytest.raises(AdapterConfigError, match="dropout"):
+        lora_config_from_wire(lora_config_to_wire(peft.LoraConfig(r=4, lora_dropout=0.1, target_modules=["q_proj"])))
+    with pytest.raises(AdapterConfigError, match="unknown"):
+        lora_config_from_wire({"r": 4, "evil": 1})
+
+
+def test_a_block_loads_from_its_own_tensors_only(tiny_models, tmp_path):
+    """Every other tensor points at a file that does not exist: loading block 1 must not touch them."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_models["llama"], model_dir)
+    index_path = model_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"] = {
+        name: file if name.startswith("model.layers.1.") else "absent.safetensors"
+        for name, file in index["weight_map"].items()
+    }
+    index_path.write_text(json.dumps(index))
+    spec = load_spec(model_dir)
+    layer = load_block(spec, 1, torch.device("cpu"), torch.float32, "none")
+    assert all(not p.is_meta for p in layer.parameters())
+    with pytest.raises(Exception, match="absent"):
+        load_block(spec, 0, torch.device("cpu"), torch.float32, "none")
+
+
+def test_model_folder_errors_say_what_to_do(tmp_path):
+    with pytest.raises(ModelFolderError, match="config.json"):
+        load_spec(tmp_path)
