@@ -36,6 +36,24 @@ class UnknownAdapterError(RequestError):
 class MissingGradientsError(RequestError):
     kind = "missing_gradients"
 
+    def __init__(self, message: str, missing: dict[int, list[str]]):
+        super().__init__(message)
+        self.missing = missing
+
+
+class FencedError(RequestError):
+    """The adapter was claimed by a newer trainer session; this one must stop."""
+
+    kind = "fenced"
+
+
+GradsByBlock = dict[int, dict[str, list[torch.Tensor]]]
+
+
+def session_of(micro_batch: str) -> str:
+    """Micro-batch ids are ``session:step:counter``."""
+    return micro_batch.split(":", 1)[0]
+
 
 @dataclass
 class OptimizerHParams:
@@ -69,12 +87,49 @@ class BlockAdapter:
 
 
 @dataclass
+class BlockState:
+    """A block's adapter state in transferable form: step, and per LoRA tensor its value and AdamW moments."""
+
+    step: int
+    tensors: dict[str, dict[str, torch.Tensor]]
+
+    @classmethod
+    def of(cls, state: BlockAdapter) -> BlockState:
+        tensors = {}
+        for lp in state.params:
+            entry = {"param": lp.param.detach().cpu().clone()}
+            for key, value in state.optimizer.state.get(lp.param, {}).items():
+                entry[key] = value.detach().cpu().clone()
+            tensors[lp.name] = entry
+        return cls(step=state.step, tensors=tensors)
+
+    def load_into(self, state: BlockAdapter) -> None:
+        names = {lp.name for lp in state.params}
+        if set(self.tensors) != names:
+            raise RequestError(f"state names {sorted(self.tensors)} do not match this block's LoRA {sorted(names)}")
+        with torch.no_grad():
+            for lp in state.params:
+                entry = self.tensors[lp.name]
+                if entry["param"].shape != lp.param.shape:
+                    raise RequestError(f"state tensor {lp.name} has shape {list(entry['param'].shape)}")
+                lp.param.copy_(entry["param"])
+                moments = {k: v.to(lp.param.device) for k, v in entry.items() if k != "param"}
+                if moments:
+                    state.optimizer.state[lp.param] = moments
+                else:
+                    state.optimizer.state.pop(lp.param, None)
+        state.step = self.step
+        state.grads.clear()
+
+
+@dataclass
 class Adapter:
-    """An adapter as this peer holds it: its identity and the per-block state."""
+    """An adapter as this peer holds it: its identity, the trainer session that holds it, per-block state."""
 
     config_wire: dict
     seed: int
     blocks: dict[int, BlockAdapter]
+    session: str | None = None
 
     def steps(self) -> dict[int, int]:
         return {block: state.step for block, state in self.blocks.items()}
@@ -139,28 +194,51 @@ class SpanBackend:
     def blocks(self) -> range:
         return range(self.start, self.end)
 
-    def open_adapter(self, name: str, config_wire: dict, seed: int) -> dict[int, int]:
-        """Create an adapter on every block of the span (deterministic init), or check it matches; return steps."""
-        existing = self.adapters.get(name)
-        if existing is not None:
-            if existing.config_wire != config_wire or existing.seed != seed:
-                raise RequestError(f"adapter {name!r} exists here with another LoRA config or seed; pick a new name")
-            return existing.steps()
-        config = lora_config_from_wire(config_wire)
-        blocks = {}
-        for block, layer in self.layers.items():
-            params = add_lora(layer, block, name, config, seed)
-            optimizer = torch.optim.AdamW([lp.param for lp in params], lr=0.0)
-            blocks[block] = BlockAdapter(params=params, optimizer=optimizer)
-        self.adapters[name] = Adapter(config_wire=config_wire, seed=seed, blocks=blocks)
-        logger.info("opened adapter %r on blocks %d:%d", name, self.start, self.end)
-        return self.adapters[name].steps()
+    # --- adapters -------------------------------------------------------------------------------------------
+
+    def open_adapter(self, name: str, config_wire: dict, seed: int, session: str | None = None) -> dict[int, int]:
+        """Create an adapter on every block (deterministic init) or check it matches; a session claims it."""
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            config = lora_config_from_wire(config_wire)
+            blocks = {}
+            for block, layer in self.layers.items():
+                params = add_lora(layer, block, name, config, seed)
+                optimizer = torch.optim.AdamW([lp.param for lp in params], lr=0.0)
+                blocks[block] = BlockAdapter(params=params, optimizer=optimizer)
+            adapter = self.adapters[name] = Adapter(config_wire=config_wire, seed=seed, blocks=blocks)
+            logger.info("opened adapter %r on blocks %d:%d", name, self.start, self.end)
+        elif adapter.config_wire != config_wire or adapter.seed != seed:
+            raise RequestError(f"adapter {name!r} exists here with another LoRA config or seed; pick a new name")
+        if session is not None and session != adapter.session:
+            if adapter.session is not None:
+                logger.info("adapter %r claimed by a new trainer session; dropping the old session's gradients", name)
+            adapter.session = session
+            for state in adapter.blocks.values():
+                state.grads = {mb: g for mb, g in state.grads.items() if session_of(mb) == session}
+            self.cache.drop_adapter(name)
+        return adapter.steps()
 
     def adapter(self, name: str) -> Adapter:
         try:
             return self.adapters[name]
         except KeyError:
             raise UnknownAdapterError(f"unknown adapter {name!r}: open it first") from None
+
+    def _trained(self, name: str, micro_batch: str) -> Adapter:
+        adapter = self.adapter(name)
+        if adapter.session is not None and session_of(micro_batch) != adapter.session:
+            raise FencedError(f"adapter {name!r} is held by another trainer session; this session was replaced")
+        return adapter
+
+    def _states(self, adapter: Adapter, blocks: range, step: int) -> dict[int, BlockAdapter]:
+        states = {block: adapter.blocks[block] for block in blocks}
+        steps = sorted({state.step for state in states.values()})
+        if steps != [step]:
+            raise StaleStepError(f"blocks {blocks.start}:{blocks.stop} are at step {steps} here, not {step}")
+        return states
+
+    # --- compute --------------------------------------------------------------------------------------------
 
     def _activate(self, name: str) -> None:
         for layer in self.layers.values():
@@ -173,7 +251,7 @@ class SpanBackend:
             raise RequestError(f"blocks {start}:{end} are not inside this peer's span {self.start}:{self.end}")
         return range(start, end)
 
-    def _run(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, blocks: range) -> torch.Tensor:
+    def run(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, blocks: range) -> torch.Tensor:
         """The span's forward, with masks and rotary embeddings built exactly as the family's model builds them."""
         position_ids = torch.arange(hidden.shape[1], device=self.device).unsqueeze(0)
         mask_args = dict(
@@ -186,12 +264,11 @@ class SpanBackend:
         masks: dict[str, torch.Tensor | None] = {}
         position_embeddings = self.rotary(hidden, position_ids)
         for block in blocks:
-            layer = self.layers[block]
             kind = self.spec.attention_kind(block)
             if kind not in masks:
                 make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
                 masks[kind] = make(**mask_args)
-            hidden = layer(
+            hidden = self.layers[block](
                 hidden, attention_mask=masks[kind], position_ids=position_ids, position_embeddings=position_embeddings
             )
         return hidden
@@ -210,24 +287,26 @@ class SpanBackend:
         self,
         name: str,
         blocks: range,
+        step: int,
         hidden: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        cache_key: tuple | None = None,
+        micro_batch: str | None = None,
     ) -> torch.Tensor:
-        """Run the span. With a cache key, keep the graph so the backward of that micro-batch skips a recompute."""
+        """Run the span at ``step``. For a training micro-batch, keep the graph so its backward skips a recompute."""
         blocks = self._check_range(blocks.start, blocks.stop)
         self._check_hidden(hidden, attention_mask)
-        self.adapter(name)
+        adapter = self.adapter(name) if micro_batch is None else self._trained(name, micro_batch)
+        self._states(adapter, blocks, step)
         self._activate(name)
         inputs = hidden.to(self.device, self.dtype)
         mask = None if attention_mask is None else attention_mask.to(self.device)
-        if cache_key is None:
+        if micro_batch is None:
             with torch.no_grad():
-                return self._run(inputs, mask, blocks).to(hidden.dtype).cpu()
+                return self.run(inputs, mask, blocks).to(hidden.dtype).cpu()
         inputs.requires_grad_(True)
         with torch.enable_grad():
-            outputs = self._run(inputs, mask, blocks)
-        self.cache.put((name, *cache_key, blocks.start, blocks.stop), inputs, outputs)
+            outputs = self.run(inputs, mask, blocks)
+        self.cache.put((name, micro_batch, blocks.start, blocks.stop), inputs, outputs)
         return outputs.detach().to(hidden.dtype).cpu()
 
     def backward(
@@ -240,25 +319,21 @@ class SpanBackend:
         attention_mask: torch.Tensor | None,
         grad_outputs: torch.Tensor,
     ) -> torch.Tensor:
-        """Gradient w.r.t. the span input; the LoRA gradients are kept per micro-batch, counted once."""
+        """Gradient w.r.t. the span input; LoRA gradients are kept per (micro-batch, block), counted once."""
         blocks = self._check_range(blocks.start, blocks.stop)
         self._check_hidden(hidden, attention_mask)
         if grad_outputs.shape != hidden.shape:
             raise RequestError(f"output gradients must be {list(hidden.shape)}, got {list(grad_outputs.shape)}")
         if not torch.isfinite(grad_outputs).all():
             raise RequestError("output gradients contain NaN or Inf")
-        adapter = self.adapter(name)
-        states = {block: adapter.blocks[block] for block in blocks}
-        if any(state.step != step for state in states.values()):
-            steps = sorted({state.step for state in states.values()})
-            raise StaleStepError(f"adapter {name!r} is at step {steps} here, the request is for step {step}")
+        states = self._states(self._trained(name, micro_batch), blocks, step)
         self._activate(name)
-        cached = self.cache.pop((name, step, micro_batch, blocks.start, blocks.stop))
+        cached = self.cache.pop((name, micro_batch, blocks.start, blocks.stop))
         if cached is None:
             inputs = hidden.to(self.device, self.dtype).requires_grad_(True)
             mask = None if attention_mask is None else attention_mask.to(self.device)
             with torch.enable_grad():
-                outputs = self._run(inputs, mask, blocks)
+                outputs = self.run(inputs, mask, blocks)
         else:
             inputs, outputs = cached
         params = [lp.param for state in states.values() for lp in state.params]
@@ -270,25 +345,65 @@ class SpanBackend:
             state.grads.setdefault(micro_batch, [g.detach() for g in block_grads])
         return grad_inputs.to(hidden.dtype).cpu()
 
-    def commit(self, name: str, step: int, ledger: dict[int, list[str]], hparams: OptimizerHParams) -> dict[int, int]:
-        """Apply step ``step`` on the ledger's blocks: sum each block's micro-batch gradients in sorted order,
-        then one AdamW update. Idempotent: blocks already past ``step`` are left alone.
-        """
+    # --- commit ---------------------------------------------------------------------------------------------
+
+    def _ledger_states(self, name: str, step: int, ledger: dict[int, list[str]]) -> dict[int, BlockAdapter]:
+        """The blocks of the ledger that this peer holds, checked to be at ``step`` or past it."""
         adapter = self.adapter(name)
-        states = {block: adapter.blocks[block] for block in self._check_range(min(ledger), max(ledger) + 1)}
+        states = {block: adapter.blocks[block] for block in ledger if block in adapter.blocks}
         behind = [block for block, state in states.items() if state.step < step]
         if behind:
-            raise StaleStepError(f"blocks {behind} of adapter {name!r} are behind step {step}")
-        pending = {block: state for block, state in states.items() if state.step == step}
-        for block, state in pending.items():
-            missing = [mb for mb in ledger.get(block, []) if mb not in state.grads]
-            if missing:
-                raise MissingGradientsError(
-                    f"block {block} has no gradients for micro-batches {missing} at step {step}"
-                )
-        for block, state in pending.items():
+            raise StaleStepError(f"blocks {behind} of adapter {name!r} are behind step {step}; sync them first")
+        return states
+
+    def missing(self, name: str, step: int, ledger: dict[int, list[str]]) -> dict[int, list[str]]:
+        """Micro-batches of the ledger whose gradients this peer lacks, on blocks still at ``step``."""
+        states = self._ledger_states(name, step, ledger)
+        missing = {
+            block: [mb for mb in ledger[block] if mb not in state.grads]
+            for block, state in states.items()
+            if state.step == step
+        }
+        return {block: mbs for block, mbs in missing.items() if mbs}
+
+    def micro_batch_grads(self, name: str, step: int, wanted: dict[int, list[str]]) -> GradsByBlock:
+        """Gradients this peer holds for (block, micro-batch) at ``step``, for a replica that lacks them."""
+        adapter = self.adapter(name)
+        found: GradsByBlock = {}
+        for block, mbs in wanted.items():
+            state = adapter.blocks.get(block)
+            if state is None or state.step != step:
+                continue
+            found[block] = {mb: state.grads[mb] for mb in mbs if mb in state.grads}
+        return found
+
+    def add_grads(self, name: str, step: int, grads: GradsByBlock) -> None:
+        """Take gradients fetched from a replica; shapes and values are checked like any input."""
+        adapter = self.adapter(name)
+        for block, by_mb in grads.items():
+            state = adapter.blocks.get(block)
+            if state is None or state.step != step:
+                continue
+            for mb, tensors in by_mb.items():
+                shapes = [tuple(lp.param.shape) for lp in state.params]
+                if [tuple(t.shape) for t in tensors] != shapes or not all(torch.isfinite(t).all() for t in tensors):
+                    raise RequestError(f"gradients for block {block}, micro-batch {mb} have wrong shapes or values")
+                state.grads.setdefault(mb, [t.to(lp.param.dtype) for t, lp in zip(tensors, state.params, strict=True)])
+
+    def apply(self, name: str, step: int, ledger: dict[int, list[str]], hparams: OptimizerHParams) -> dict[int, int]:
+        """Apply step ``step``: per block, sum the ledger's micro-batch gradients in sorted order, then one AdamW
+        update. Idempotent: blocks already past ``step`` are left alone.
+        """
+        adapter = self.adapter(name)
+        states = self._ledger_states(name, step, ledger)
+        missing = self.missing(name, step, ledger)
+        if missing:
+            raise MissingGradientsError(f"no gradients for {missing} at step {step}", missing)
+        for block, state in states.items():
+            if state.step != step:
+                continue
             summed = [torch.zeros_like(lp.param) for lp in state.params]
-            for mb in sorted(set(ledger.get(block, []))):
+            for mb in sorted(set(ledger[block])):
                 for total, grad in zip(summed, state.grads[mb], strict=True):
                     total.add_(grad)
             if not all(torch.isfinite(g).all() for g in summed):
@@ -303,6 +418,22 @@ class SpanBackend:
             state.optimizer.zero_grad(set_to_none=True)
             state.grads.clear()
             state.step += 1
+        self.cache.drop_adapter(name)
+        return adapter.steps()
+
+    # --- state ----------------------------------------------------------------------------------------------
+
+    def export_state(self, name: str, blocks: range) -> dict[int, BlockState]:
+        """LoRA tensors, AdamW moments and step of each block: what a lagging replica needs to catch up."""
+        adapter = self.adapter(name)
+        return {block: BlockState.of(adapter.blocks[block]) for block in blocks if block in adapter.blocks}
+
+    def import_state(self, name: str, states: dict[int, BlockState]) -> dict[int, int]:
+        """Replace this peer's state of some blocks by a current replica's (gradients in progress are dropped)."""
+        adapter = self.adapter(name)
+        for block, incoming in states.items():
+            if block in adapter.blocks:
+                incoming.load_into(adapter.blocks[block])
         self.cache.drop_adapter(name)
         return adapter.steps()
 

@@ -15,6 +15,7 @@ from peers.backend import SpanBackend
 from peers.service import PeerService
 from swarm.records import RECORD_TTL, ServerRecord, ServerState, announce
 from swarm.spec import load_spec
+from swarm.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +50,9 @@ def measure_throughput(backend: SpanBackend, tokens: int = 128) -> float:
     """Tokens per second through the whole span, without LoRA: what clients use to spread load."""
     hidden = torch.randn(1, tokens, backend.spec.hidden_size, device=backend.device, dtype=backend.dtype)
     with torch.no_grad():
-        backend._run(hidden, None, backend.blocks)
+        backend.run(hidden, None, backend.blocks)
         started = time.perf_counter()
-        backend._run(hidden, None, backend.blocks)
+        backend.run(hidden, None, backend.blocks)
     return tokens / max(time.perf_counter() - started, 1e-6)
 
 
@@ -120,8 +121,8 @@ class PeerDaemon:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         p2p = await self.dht.replicate_p2p()
-        service = PeerService(self.backend, self.info)
-        await service.add_p2p_handlers(p2p)
+        service = PeerService(self.backend, self.info, Transport(p2p))
+        await service.register(p2p)
         self.state = ServerState.ONLINE
         logger.info("serving blocks %d:%d of %s as %s", self.config.start, self.config.end, self.spec.name, p2p.peer_id)
         while not stop.is_set():
@@ -135,7 +136,7 @@ class PeerDaemon:
         await asyncio.to_thread(self._announce, True)
         await asyncio.sleep(self.config.leave_grace)
         await loop.run_in_executor(service.executor, lambda: None)
-        await service.remove_p2p_handlers(p2p)
+        await service.unregister(p2p)
         self.dht.shutdown()
         logger.info("left the swarm")
 

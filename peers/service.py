@@ -1,44 +1,68 @@
-"""RPC handlers of a peer: decode a request, run it on the backend (one at a time), encode the reply."""
+"""RPC handlers of a peer: decode a request, validate it, run it on the backend (one at a time), encode the reply."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator  # noqa: UP035 -- hivemind's servicer reads typing's alias to spot streams
+from typing import AsyncIterator  # noqa: UP035 -- matches the doors' signatures
 
 import torch
-from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
-from peers.backend import OptimizerHParams, RequestError, SpanBackend
-from swarm.wire import DEFAULT_MAX_PAYLOAD_BYTES, Message, WireError, collect, decode, encode, error_message
+from peers.backend import BlockState, GradsByBlock, MissingGradientsError, OptimizerHParams, RequestError, SpanBackend
+from swarm.transport import Transport
+from swarm.wire import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    Message,
+    PeerDoors,
+    WireError,
+    collect,
+    decode,
+    encode,
+    error_message,
+)
 
 logger = logging.getLogger(__name__)
 
+FETCH_TIMEOUT = 3.0
+SYNC_TIMEOUT = 60.0
 
-class PeerService(ServicerBase):
+
+class PeerService:
     """The doors of a peer. Every request is validated; a refused request never stops the peer."""
 
     def __init__(
-        self, backend: SpanBackend, info: Callable[[], dict], max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+        self,
+        backend: SpanBackend,
+        info: Callable[[], dict],
+        transport: Transport,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
     ):
-        self.backend = backend
-        self.info = info
+        self.backend, self.info, self.transport = backend, info, transport
         self.max_payload_bytes = max_payload_bytes
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
-        self.handlers: dict[str, Callable[[Message], Message]] = {
+        self.handlers: dict[str, Callable[[Message], Awaitable[Message]]] = {
             "info": self._info,
             "open": self._open,
             "forward": self._forward,
             "backward": self._backward,
-            "commit": self._commit,
+            "gather": self._gather,
+            "apply": self._apply,
+            "grads": self._grads,
+            "export": self._export,
+            "sync": self._sync,
             "state": self._state,
             "digest": self._digest,
         }
-        self.busy_seconds = 0.0
+
+    async def register(self, p2p: P2P) -> None:
+        await PeerDoors().add_p2p_handlers(p2p, wrapper=self)
+
+    async def unregister(self, p2p: P2P) -> None:
+        await PeerDoors().remove_p2p_handlers(p2p)
 
     async def rpc_call(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertRequest:
         if request.ByteSize() > self.max_payload_bytes:
@@ -66,10 +90,9 @@ class PeerService(ServicerBase):
             handler = self.handlers.get(method) if isinstance(method, str) else None
             if handler is None:
                 raise RequestError(f"unknown method {method!r}; known: {sorted(self.handlers)}")
-            started = time.perf_counter()
-            reply = await asyncio.get_running_loop().run_in_executor(self.executor, handler, message)
-            self.busy_seconds += time.perf_counter() - started
-            return reply
+            return await handler(message)
+        except MissingGradientsError as e:
+            return error_message(e.kind, str(e), missing=_by_block(e.missing))
         except (RequestError, WireError) as e:
             logger.info("refused a request from %s: %s", context.remote_id, e)
             return error_message(getattr(e, "kind", "bad_request"), str(e))
@@ -77,25 +100,37 @@ class PeerService(ServicerBase):
             logger.exception("request from %s failed", context.remote_id)
             return error_message("internal", f"{type(e).__name__}: {e}")
 
-    def _info(self, message: Message) -> Message:
+    async def _compute(self, fn: Callable, *args):
+        """Run backend work on the single compute thread, so requests never interleave on the blocks."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def _info(self, message: Message) -> Message:
         return Message(meta=self.info(), tensors=[])
 
-    def _open(self, message: Message) -> Message:
+    async def _open(self, message: Message) -> Message:
         meta = message.meta
-        steps = self.backend.open_adapter(_str(meta, "adapter"), _dict(meta, "lora"), _int(meta, "seed"))
+        session = meta.get("session")
+        if session is not None and not isinstance(session, str):
+            raise RequestError("'session' must be a string")
+        steps = await self._compute(
+            self.backend.open_adapter, _str(meta, "adapter"), _dict(meta, "lora"), _int(meta, "seed"), session
+        )
         return Message(meta={"steps": _by_block(steps)}, tensors=[])
 
-    def _forward(self, message: Message) -> Message:
+    async def _forward(self, message: Message) -> Message:
         meta = message.meta
         hidden, mask = _hidden_and_mask(message, extra=0)
-        cache_key = (_int(meta, "step"), _str(meta, "micro_batch")) if meta.get("train") else None
-        outputs = self.backend.forward(_str(meta, "adapter"), _blocks(meta), hidden, mask, cache_key)
+        micro_batch = _str(meta, "micro_batch") if meta.get("micro_batch") is not None else None
+        outputs = await self._compute(
+            self.backend.forward, _str(meta, "adapter"), _blocks(meta), _int(meta, "step"), hidden, mask, micro_batch
+        )
         return Message(meta={}, tensors=[outputs])
 
-    def _backward(self, message: Message) -> Message:
+    async def _backward(self, message: Message) -> Message:
         meta = message.meta
         hidden, mask = _hidden_and_mask(message, extra=1)
-        grad_inputs = self.backend.backward(
+        grad_inputs = await self._compute(
+            self.backend.backward,
             _str(meta, "adapter"),
             _blocks(meta),
             _int(meta, "step"),
@@ -106,33 +141,131 @@ class PeerService(ServicerBase):
         )
         return Message(meta={}, tensors=[grad_inputs])
 
-    def _commit(self, message: Message) -> Message:
+    async def _gather(self, message: Message) -> Message:
+        """Commit phase 1: fetch the micro-batch gradients this peer lacks from replicas; report any still missing."""
         meta = message.meta
-        ledger = _ledger(meta)
-        hp = _dict(meta, "hparams")
+        name, step, holders = _str(meta, "adapter"), _int(meta, "step"), _holders(meta)
+        ledger = {block: sorted(by_mb) for block, by_mb in holders.items()}
+        missing = await self._compute(self.backend.missing, name, step, ledger)
+        wanted_from: dict[str, dict[int, list[str]]] = {}
+        for block, mbs in missing.items():
+            for mb in mbs:
+                wanted_from.setdefault(holders[block][mb], {}).setdefault(block, []).append(mb)
+        timeout = meta.get("fetch_timeout", FETCH_TIMEOUT)
+        if not isinstance(timeout, (int, float)) or not 0 < timeout <= 600:
+            raise RequestError("'fetch_timeout' must be a number of seconds in (0, 600]")
+        fetched = await asyncio.gather(
+            *(self._fetch(peer, name, step, wanted, timeout) for peer, wanted in wanted_from.items())
+        )
+        for grads in fetched:
+            await self._compute(self.backend.add_grads, name, step, grads)
+        still = await self._compute(self.backend.missing, name, step, ledger)
+        if still:
+            raise MissingGradientsError(f"gradients for {still} at step {step} could not be fetched", still)
+        return Message(meta={"steps": _by_block(self.backend.adapter(name).steps())}, tensors=[])
+
+    async def _fetch(
+        self, peer: str, name: str, step: int, wanted: dict[int, list[str]], timeout: float
+    ) -> GradsByBlock:
+        """Ask a replica for gradients; a dead or silent replica just yields nothing (the client replays)."""
+        meta = {"method": "grads", "adapter": name, "step": step, "wanted": _by_block(wanted)}
         try:
-            hparams = OptimizerHParams(
-                lr=float(hp["lr"]),
-                betas=(float(hp["betas"][0]), float(hp["betas"][1])),
-                eps=float(hp["eps"]),
-                weight_decay=float(hp["weight_decay"]),
-            )
-        except (KeyError, TypeError, ValueError, IndexError):
-            raise RequestError("commit 'hparams' needs lr, betas (two numbers), eps and weight_decay") from None
-        steps = self.backend.commit(_str(meta, "adapter"), _int(meta, "step"), ledger, hparams)
+            reply = await self.transport.acall(PeerID.from_base58(peer), Message(meta, []), timeout=timeout)
+        except Exception as e:
+            logger.warning("could not fetch gradients from %s: %s", peer, e)
+            return {}
+        grads: GradsByBlock = {}
+        tensors = iter(reply.tensors)
+        for block, mb, count in reply.meta.get("index", []):
+            grads.setdefault(int(block), {})[str(mb)] = [next(tensors) for _ in range(int(count))]
+        return grads
+
+    async def _grads(self, message: Message) -> Message:
+        meta = message.meta
+        wanted = {int(block): [str(mb) for mb in mbs] for block, mbs in _dict(meta, "wanted").items()}
+        grads = await self._compute(self.backend.micro_batch_grads, _str(meta, "adapter"), _int(meta, "step"), wanted)
+        index, tensors = [], []
+        for block, by_mb in grads.items():
+            for mb, block_grads in by_mb.items():
+                index.append([block, mb, len(block_grads)])
+                tensors.extend(block_grads)
+        return Message(meta={"index": index}, tensors=tensors)
+
+    async def _apply(self, message: Message) -> Message:
+        """Commit phase 2: one AdamW update from the ledger's gradients, identical on every replica."""
+        meta = message.meta
+        ledger = {block: sorted(by_mb) for block, by_mb in _holders(meta).items()}
+        steps = await self._compute(
+            self.backend.apply, _str(meta, "adapter"), _int(meta, "step"), ledger, _hparams(meta)
+        )
         return Message(meta={"steps": _by_block(steps)}, tensors=[])
 
-    def _state(self, message: Message) -> Message:
-        state = self.backend.lora_state(_str(message.meta, "adapter"))
+    async def _export(self, message: Message) -> Message:
+        states = await self._compute(self.backend.export_state, _str(message.meta, "adapter"), _blocks(message.meta))
+        index, tensors = [], []
+        for block, state in states.items():
+            for name, entry in state.tensors.items():
+                index.append([block, state.step, name, sorted(entry)])
+                tensors.extend(entry[key] for key in sorted(entry))
+        return Message(meta={"index": index}, tensors=tensors)
+
+    async def _sync(self, message: Message) -> Message:
+        """Pull the adapter state of some blocks from a current replica, so this peer can serve them again."""
+        meta = message.meta
+        name, blocks = _str(meta, "adapter"), _blocks(meta)
+        source = PeerID.from_base58(_str(meta, "source"))
+        export = {"method": "export", "adapter": name, "start": blocks.start, "end": blocks.stop}
+        reply = await self.transport.acall(source, Message(export, []), timeout=SYNC_TIMEOUT)
+        states: dict[int, BlockState] = {}
+        tensors = iter(reply.tensors)
+        for block, step, param_name, keys in reply.meta.get("index", []):
+            state = states.setdefault(int(block), BlockState(step=int(step), tensors={}))
+            state.tensors[str(param_name)] = {str(key): next(tensors) for key in keys}
+        steps = await self._compute(self.backend.import_state, name, states)
+        logger.info("synced adapter %r blocks %s from %s: steps %s", name, sorted(states), source, steps)
+        return Message(meta={"steps": _by_block(steps)}, tensors=[])
+
+    async def _state(self, message: Message) -> Message:
+        state = await self._compute(self.backend.lora_state, _str(message.meta, "adapter"))
         names = [[block, name] for block, tensors in state.items() for name in tensors]
         return Message(meta={"names": names}, tensors=[state[block][name] for block, name in names])
 
-    def _digest(self, message: Message) -> Message:
-        return Message(meta={"digests": _by_block(self.backend.digests(_str(message.meta, "adapter")))}, tensors=[])
+    async def _digest(self, message: Message) -> Message:
+        digests = await self._compute(self.backend.digests, _str(message.meta, "adapter"))
+        return Message(meta={"digests": _by_block(digests)}, tensors=[])
 
 
 def _by_block(values: dict[int, object]) -> dict[str, object]:
     return {str(block): value for block, value in values.items()}
+
+
+def _blocks(meta: dict) -> range:
+    return range(_int(meta, "start"), _int(meta, "end"))
+
+
+def _holders(meta: dict) -> dict[int, dict[str, str]]:
+    """The commit ledger: block -> {micro-batch id: peer that holds its gradients}."""
+    raw = meta.get("ledger")
+    try:
+        ledger = {int(block): {str(mb): str(peer) for mb, peer in by_mb.items()} for block, by_mb in raw.items()}
+    except (AttributeError, TypeError, ValueError):
+        raise RequestError("'ledger' must map block -> {micro-batch id: peer id}") from None
+    if not ledger:
+        raise RequestError("'ledger' must name at least one block")
+    return ledger
+
+
+def _hparams(meta: dict) -> OptimizerHParams:
+    hp = _dict(meta, "hparams")
+    try:
+        return OptimizerHParams(
+            lr=float(hp["lr"]),
+            betas=(float(hp["betas"][0]), float(hp["betas"][1])),
+            eps=float(hp["eps"]),
+            weight_decay=float(hp["weight_decay"]),
+        )
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise RequestError("'hparams' needs lr, betas (two numbers), eps and weight_decay") from None
 
 
 def _hidden_and_mask(message: Message, extra: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -145,22 +278,6 @@ def _hidden_and_mask(message: Message, extra: int) -> tuple[torch.Tensor, torch.
     if mask is not None and (mask.is_floating_point() or mask.is_complex()):
         raise RequestError(f"attention_mask must be integer or bool, got {mask.dtype}")
     return message.tensors[0], mask
-
-
-def _blocks(meta: dict) -> range:
-    return range(_int(meta, "start"), _int(meta, "end"))
-
-
-def _ledger(meta: dict) -> dict[int, list[str]]:
-    """The commit ledger: block -> ids of the micro-batches whose backward passed through it."""
-    raw = meta.get("ledger")
-    try:
-        ledger = {int(block): list(mbs) for block, mbs in raw.items()}
-    except (AttributeError, TypeError, ValueError):
-        raise RequestError("commit needs 'ledger': a map from block to a list of micro-batch ids") from None
-    if not ledger or not all(isinstance(mb, str) for mbs in ledger.values() for mb in mbs):
-        raise RequestError("commit 'ledger' must name at least one block, with string micro-batch ids")
-    return ledger
 
 
 def _str(meta: dict, key: str) -> str:

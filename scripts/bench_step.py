@@ -174,7 +174,11 @@ def run_swarm(
         )
         optimizer = swarm.RemoteOptimizer(model, **HPARAMS)
         stats = train("swarm", model, optimizer, batches, steps, warmup)
-        rtts = ping(model)
+        try:
+            rtts = ping(model)
+        except Exception as e:  # a diagnostic only: never lose the timings over it
+            logger.warning("could not ping the peers: %s: %s", type(e).__name__, e)
+            rtts = {}
         return stats, rtts
     finally:
         if model is not None:
@@ -201,7 +205,10 @@ def report(args: argparse.Namespace, peers_desc: str, local: StepStats, remote: 
     print("median per phase (s):      " + "  ".join(f"{p:>9}" for p in PHASES))
     for stats in (local, remote):
         print(f"  {stats.name:<24}" + "  ".join(f"{stats.phase_median(p):9.3f}" for p in PHASES))
-    print("peer round trip (empty info call): " + ", ".join(f"blocks {k} {v * 1e3:.2f} ms" for k, v in rtts.items()))
+    if rtts:
+        print(
+            "peer round trip (empty info call): " + ", ".join(f"blocks {k} {v * 1e3:.2f} ms" for k, v in rtts.items())
+        )
     print()
     for stats in (local, remote):
         falls = "falls" if stats.losses[-1] < stats.losses[0] else "DOES NOT FALL"

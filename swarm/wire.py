@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import AsyncIterator  # noqa: UP035 -- hivemind's servicer reads typing's alias to spot streams
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE, MAX_UNARY_PAYLOAD_SIZE
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
@@ -22,9 +24,10 @@ class WireError(ValueError):
 class RemoteError(RuntimeError):
     """A peer refused a request; ``kind`` says which rule, the message says what to change."""
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: str, message: str, meta: dict | None = None):
         super().__init__(f"{kind}: {message}")
         self.kind = kind
+        self.meta = meta or {}
 
 
 @dataclass
@@ -104,11 +107,26 @@ async def collect(stream: AsyncIterator, max_bytes: int) -> list:
     return parts
 
 
-def error_message(kind: str, text: str) -> Message:
-    return Message(meta={"error": text, "kind": kind}, tensors=[])
+def error_message(kind: str, text: str, **details) -> Message:
+    return Message(meta={"error": text, "kind": kind, **details}, tensors=[])
 
 
 def raise_if_error(message: Message) -> Message:
     if "error" in message.meta:
-        raise RemoteError(str(message.meta.get("kind", "error")), str(message.meta["error"]))
+        raise RemoteError(str(message.meta.get("kind", "error")), str(message.meta["error"]), message.meta)
     return message
+
+
+class PeerDoors(ServicerBase):
+    """The two RPC doors every peer opens (implemented by ``peers.service.PeerService``); callers build stubs here.
+
+    ``rpc_call`` carries a whole message in one protobuf; ``rpc_stream`` carries large messages in chunks.
+    """
+
+    async def rpc_call(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertRequest:
+        raise NotImplementedError
+
+    async def rpc_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        raise NotImplementedError

@@ -12,7 +12,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
 from swarm.blocks import AdapterConfigError, add_lora, load_block, lora_config_from_wire, lora_config_to_wire
-from swarm.client.ledger import StepLedger
+from swarm.client.ledger import Segment, StepLedger
 from swarm.records import ServerRecord, ServerState
 from swarm.routing import NoRouteError, Router
 from swarm.spec import ModelFolderError, load_spec
@@ -47,14 +47,25 @@ def test_wire_rejects_malformed_messages(parts):
         decode(parts)
 
 
-def test_ledger_orders_micro_batches_and_tracks_acks():
+def test_ledger_tracks_holders_and_plans_replays():
     ledger = StepLedger(step=4)
-    peer = PeerID(b"\x00" * 34)
+    peer_a, peer_b = PeerID(b"\x00" * 34), PeerID(b"\x01" * 34)
     first, second = ledger.new_micro_batch(), ledger.new_micro_batch()
-    ledger.acknowledge(second, range(0, 2), peer)
-    ledger.acknowledge(first, range(0, 4), peer)
-    assert ledger.micro_batches(range(0, 4)) == {0: [first, second], 1: [first, second], 2: [first], 3: [first]}
-    assert ledger.next().step == 5 and ledger.next().empty
+    assert sorted([second, first]) == [first, second]
+    hidden = grad = torch.zeros(1, 2, 3)
+    ledger.acknowledge(second, range(2, 4), peer_b)
+    ledger.keep(second, Segment(2, 4, hidden, grad), None)
+    ledger.acknowledge(second, range(0, 2), peer_a)
+    ledger.keep(second, Segment(0, 2, hidden, grad), None)
+    ledger.acknowledge(first, range(0, 4), peer_a)
+    ledger.keep(first, Segment(0, 4, hidden, grad), None)
+    assert ledger.wire_holders(range(1, 3)) == {
+        "1": {second: peer_a.to_base58(), first: peer_a.to_base58()},
+        "2": {second: peer_b.to_base58(), first: peer_a.to_base58()},
+    }
+    plan = ledger.replay_plan({3: [second]})
+    assert [(mb, s.start, s.end) for mb, s in plan] == [(second, 2, 4)]
+    assert ledger.next().step == 5 and ledger.next().empty and ledger.discarded().step == 4
 
 
 def _record(peer: int, start: int, end: int, throughput: float = 1.0, state=ServerState.ONLINE) -> ServerRecord:

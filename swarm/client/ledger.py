@@ -1,12 +1,22 @@
-"""The step ledger: which peer acknowledged the backward of which micro-batch on which blocks."""
+"""The step ledger: which peer holds the gradients of which micro-batch on which block, and what to replay."""
 
 from __future__ import annotations
 
 import uuid
-from collections import defaultdict
 from dataclasses import dataclass, field
 
+import torch
 from hivemind.p2p import PeerID
+
+
+@dataclass
+class Segment:
+    """Blocks [start, end) of one micro-batch: the input and output gradient the client keeps until commit."""
+
+    start: int
+    end: int
+    hidden: torch.Tensor
+    grad_outputs: torch.Tensor
 
 
 @dataclass
@@ -14,26 +24,47 @@ class StepLedger:
     """Everything the client knows about the step in progress, until it is committed."""
 
     step: int
-    session: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    session: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     counter: int = 0
-    acks: dict[int, dict[str, PeerID]] = field(default_factory=lambda: defaultdict(dict))
+    holders: dict[int, dict[str, PeerID]] = field(default_factory=dict)
+    segments: dict[str, list[Segment]] = field(default_factory=dict)
+    masks: dict[str, torch.Tensor | None] = field(default_factory=dict)
 
     def new_micro_batch(self) -> str:
-        """A fresh id; ids of one session sort in the order the micro-batches were made."""
+        """A fresh id ``session:step:counter``; ids of one session sort in the order they were made."""
         self.counter += 1
         return f"{self.session}:{self.step}:{self.counter:09d}"
 
     def acknowledge(self, micro_batch: str, blocks: range, peer_id: PeerID) -> None:
+        """``peer_id`` acknowledged the backward of ``micro_batch`` on ``blocks``: it holds those gradients."""
         for block in blocks:
-            self.acks[block][micro_batch] = peer_id
+            self.holders.setdefault(block, {})[micro_batch] = peer_id
 
-    def micro_batches(self, blocks: range) -> dict[int, list[str]]:
-        """Per block, the micro-batches that must be summed at commit, in canonical order."""
-        return {block: sorted(self.acks.get(block, {})) for block in blocks}
+    def keep(self, micro_batch: str, segment: Segment, mask: torch.Tensor | None) -> None:
+        self.segments.setdefault(micro_batch, []).append(segment)
+        self.masks[micro_batch] = mask
+
+    def wire_holders(self, blocks: range) -> dict[str, dict[str, str]]:
+        """The ledger as a commit request carries it for ``blocks``: block -> {micro-batch: holder peer id}."""
+        return {
+            str(block): {mb: peer.to_base58() for mb, peer in self.holders.get(block, {}).items()} for block in blocks
+        }
+
+    def replay_plan(self, missing: dict[int, list[str]]) -> list[tuple[str, Segment]]:
+        """The kept segments that cover the (block, micro-batch) pairs whose gradients were lost."""
+        plan = []
+        for micro_batch, segments in self.segments.items():
+            blocks = {block for block, mbs in missing.items() if micro_batch in mbs}
+            plan.extend((micro_batch, s) for s in segments if any(s.start <= b < s.end for b in blocks))
+        return plan
 
     def next(self) -> StepLedger:
-        return StepLedger(step=self.step + 1, session=self.session)
+        return StepLedger(step=self.step + 1, session=self.session, counter=self.counter)
+
+    def discarded(self) -> StepLedger:
+        """The same step with nothing recorded (the gradients already sent are never committed)."""
+        return StepLedger(step=self.step, session=self.session, counter=self.counter)
 
     @property
     def empty(self) -> bool:
-        return not any(self.acks.values())
+        return not any(self.holders.values())

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import getpass
 import logging
 import os
+import socket
 from pathlib import Path
 
 import peft
 import torch
 from hivemind import DHT
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+from hivemind.p2p import PeerID
 from safetensors import safe_open
 from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
@@ -17,12 +20,13 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from swarm.blocks import lora_config_from_wire, lora_config_to_wire
 from swarm.checkpoint import save_peft_adapter
+from swarm.client.commit import ReplicaSet, commit
+from swarm.client.lease import AdapterLease
 from swarm.client.ledger import StepLedger
-from swarm.client.remote import RemoteStack, RemoteStackFunction
+from swarm.client.remote import PeerFailure, RemoteStack, RemoteStackFunction
 from swarm.routing import Router
 from swarm.spec import ModelSpec, load_spec
 from swarm.transport import Transport
-from swarm.wire import Message
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +47,7 @@ def _read_tensors(spec: ModelSpec, names: list[str]) -> dict[str, torch.Tensor]:
 def initial_peers_from_env(initial_peers: list[str] | None) -> list[str]:
     if initial_peers:
         return list(initial_peers)
-    env = os.environ.get("SWARM_INITIAL_PEERS", "")
-    peers = [p for p in env.replace(",", " ").split() if p]
+    peers = os.environ.get("SWARM_INITIAL_PEERS", "").replace(",", " ").split()
     if not peers:
         raise ValueError("pass initial_peers=[...] (multiaddrs printed by `swarm dht`) or set SWARM_INITIAL_PEERS")
     return peers
@@ -62,18 +65,35 @@ class SwarmModelForCausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         seed: int,
-        request_timeout: float,
+        patience: float,
+        trainer: str,
     ):
         super().__init__()
         self.spec, self.dht, self.adapter = spec, dht, adapter
         self.lora_wire = lora_config_to_wire(lora_config)
         self.lora_config = lora_config_from_wire(self.lora_wire)
         self.seed, self.dtype, self.device = seed, dtype, device
-        config = spec.config
+        self._load_local_modules(dtype, device)
+        self.transport = Transport.for_dht(dht)
+        self.router = Router(dht, spec.name, spec.num_blocks)
+        self.stack = RemoteStack(self.transport, self.router, adapter, patience)
+        self.replicas = ReplicaSet(self.stack, self._open_on)
+        self.ledger = StepLedger(step=0)
+        self.lease = AdapterLease(dht, spec.name, adapter, trainer, self.ledger.session)
+        self.lease.acquire(patience)
+        self.router.refresh()
+        self.ledger = StepLedger(step=self._resume_step(), session=self.ledger.session)
+        self.replicas.refresh(self.ledger.step)
+        self.router.start()
+        logger.info("adapter %r at step %d", adapter, self.ledger.step)
+
+    def _load_local_modules(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Embeddings, final norm and LM head: the only tensors of the model the client reads."""
+        config = self.spec.config
         names = [EMBEDDINGS, FINAL_NORM] + ([] if config.tie_word_embeddings else [LM_HEAD])
-        tensors = _read_tensors(spec, names)
+        tensors = _read_tensors(self.spec, names)
         self.embed_tokens = nn.Embedding.from_pretrained(tensors[EMBEDDINGS].to(dtype), freeze=True)
-        self.norm = spec.family_class("RMSNorm")(config.hidden_size, eps=config.rms_norm_eps).to(dtype)
+        self.norm = self.spec.family_class("RMSNorm")(config.hidden_size, eps=config.rms_norm_eps).to(dtype)
         self.norm.weight = nn.Parameter(tensors[FINAL_NORM].to(dtype), requires_grad=False)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.lm_head.weight = (
@@ -82,11 +102,6 @@ class SwarmModelForCausalLM(nn.Module):
             else nn.Parameter(tensors[LM_HEAD].to(dtype), requires_grad=False)
         )
         self.to(device)
-        self.transport = Transport(dht)
-        self.router = Router(dht, spec.name, spec.num_blocks)
-        self.stack = RemoteStack(self.transport, self.router, adapter, request_timeout)
-        self.opened: set = set()
-        self.ledger = StepLedger(step=self._open_adapter())
 
     @classmethod
     def from_pretrained(
@@ -98,35 +113,62 @@ class SwarmModelForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         seed: int = 0,
-        request_timeout: float = 300.0,
+        patience: float = 60.0,
+        trainer: str | None = None,
     ) -> SwarmModelForCausalLM:
-        """Join the swarm as a client and open (or resume) ``adapter`` on the peers serving ``model_dir``."""
+        """Join the swarm as a client and open (or resume) ``adapter`` on the peers serving ``model_dir``.
+
+        ``patience``: seconds to wait when some blocks have no live server before raising.
+        ``trainer``: who trains this adapter (default: user@host); the same trainer takes its lease back at once
+        after a restart, another one waits for the lease to expire.
+        """
         if lora_config is None:
             raise ValueError("pass lora_config=peft.LoraConfig(r=..., lora_alpha=..., target_modules=[...])")
         spec = load_spec(model_dir)
         dht = DHT(initial_peers=initial_peers_from_env(initial_peers), client_mode=True, start=True)
-        return cls(spec, dht, adapter, lora_config, dtype, torch.device(device), seed, request_timeout)
+        trainer = trainer or f"{getpass.getuser()}@{socket.gethostname()}"
+        return cls(spec, dht, adapter, lora_config, dtype, torch.device(device), seed, patience, trainer)
 
-    def _open_adapter(self) -> int:
-        """Open the adapter on every peer of the route; they must all be at the same committed step."""
-        self.router.refresh()
-        steps: set[int] = set()
-        for hop in self.router.route():
-            steps.update(self._open_on(hop.peer_id).values())
-        if len(steps) != 1:
-            raise RuntimeError(f"peers hold adapter {self.adapter!r} at different steps {sorted(steps)}")
-        return steps.pop()
-
-    def _open_on(self, peer_id) -> dict[int, int]:
-        meta = {"method": "open", "adapter": self.adapter, "lora": self.lora_wire, "seed": self.seed}
-        reply = self.transport.call(peer_id, Message(meta, []), self.stack.timeout)
-        self.opened.add(peer_id)
+    def _open_on(self, peer_id: PeerID) -> dict[int, int]:
+        """Open (or claim) the adapter on a peer; returns its committed step per block."""
+        meta = {
+            "method": "open",
+            "adapter": self.adapter,
+            "lora": self.lora_wire,
+            "seed": self.seed,
+            "session": self.ledger.session,
+        }
+        reply = self.stack.call(peer_id, meta, [])
         return {int(b): s for b, s in reply.meta["steps"].items()}
+
+    def _resume_step(self) -> int:
+        """The adapter's last committed step: the newest step any live replica holds for every block."""
+        self.router.wait_covered(self.stack.patience)
+        newest: dict[int, int] = {}
+        for peer in self.router.live_servers(eligible_only=False):
+            try:
+                steps = self._open_on(peer)
+            except PeerFailure:
+                continue
+            for block, step in steps.items():
+                newest[block] = max(step, newest.get(block, 0))
+        steps = set(newest.values())
+        if len(steps) > 1:
+            raise RuntimeError(
+                f"blocks of adapter {self.adapter!r} are at different steps {sorted(steps)}: a commit was cut short "
+                "on every replica of some blocks; restore those blocks from checkpoints"
+            )
+        return steps.pop() if steps else 0
 
     @property
     def step(self) -> int:
         """The number of committed optimizer steps of this adapter."""
         return self.ledger.step
+
+    @property
+    def recoveries(self):
+        """Failures routed around so far (peer, during what, at which step, how long the retry took)."""
+        return self.stack.recoveries
 
     def forward(
         self,
@@ -136,15 +178,15 @@ class SwarmModelForCausalLM(nn.Module):
     ) -> CausalLMOutputWithPast:
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {list(input_ids.shape)}")
-        input_ids = input_ids.to(self.device)
-        hidden = self.embed_tokens(input_ids)
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask must have the shape of input_ids {list(input_ids.shape)}")
+        hidden = self.embed_tokens(input_ids.to(self.device)).cpu()
         mask = None if attention_mask is None else attention_mask.to(torch.int64).cpu()
         if torch.is_grad_enabled():
-            hidden = hidden.detach().requires_grad_(True)
             micro_batch = self.ledger.new_micro_batch()
-            hidden = RemoteStackFunction.apply(hidden.cpu(), mask, self.stack, self.ledger, micro_batch)
+            hidden = RemoteStackFunction.apply(hidden.requires_grad_(True), mask, self.stack, self.ledger, micro_batch)
         else:
-            hidden, _ = self.stack.forward(hidden.cpu(), mask, None, None)
+            hidden, _ = self.stack.forward(hidden, mask, self.ledger.step, None)
         logits = self.lm_head(self.norm(hidden.to(self.device)))
         loss = None
         if labels is not None:
@@ -152,49 +194,56 @@ class SwarmModelForCausalLM(nn.Module):
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     def commit(self, hparams: dict) -> int:
-        """Commit the step in progress on every peer that holds the adapter; returns the new step."""
+        """Commit the step in progress on every live replica of every block; returns the new step."""
         if self.ledger.empty:
             logger.warning("optimizer step with no backward since the last step: nothing to commit")
             return self.step
-        for peer_id in sorted(self.opened, key=str):
-            record_blocks = self._blocks_of(peer_id)
-            meta = {
-                "method": "commit",
-                "adapter": self.adapter,
-                "step": self.ledger.step,
-                "hparams": hparams,
-                "ledger": {str(b): mbs for b, mbs in self.ledger.micro_batches(record_blocks).items()},
-            }
-            self.transport.call(peer_id, Message(meta, []), self.stack.timeout)
+        commit(self.stack, self.replicas, self.ledger, hparams)
         self.ledger = self.ledger.next()
         return self.step
 
     def discard_step(self) -> None:
         """Forget the micro-batches of the step in progress (their gradients are never committed)."""
-        self.ledger = StepLedger(step=self.ledger.step, session=self.ledger.session, counter=self.ledger.counter)
+        self.ledger = self.ledger.discarded()
 
-    def _blocks_of(self, peer_id) -> range:
-        spans = [(r.start, r.end) for records in self.router.servers.values() for r in records if r.peer_id == peer_id]
-        if not spans:
-            raise RuntimeError(f"peer {peer_id} holds adapter {self.adapter!r} but is not announced any more")
-        start, end = spans[0]
-        return range(start, end)
+    def _each_block(self, method: str) -> list[tuple[PeerID, range, dict, list[torch.Tensor]]]:
+        """Ask every current replica; used for exports and checks."""
+        self.replicas.refresh(self.step)
+        answers = []
+        for peer, span in self.replicas.peers(self.step).items():
+            try:
+                reply = self.stack.call(peer, {"method": method, "adapter": self.adapter}, [])
+            except PeerFailure:
+                continue
+            answers.append((peer, span, reply.meta, reply.tensors))
+        return answers
 
     def adapter_state(self) -> dict[int, dict[str, torch.Tensor]]:
-        """LoRA tensors of every block, gathered from the route's peers."""
+        """LoRA tensors of every block, from live replicas at the current step."""
         state: dict[int, dict[str, torch.Tensor]] = {}
-        for hop in self.router.route():
-            reply = self.transport.call(hop.peer_id, Message({"method": "state", "adapter": self.adapter}, []))
-            for (block, name), tensor in zip(reply.meta["names"], reply.tensors, strict=True):
-                if hop.start <= block < hop.end:
-                    state.setdefault(block, {})[name] = tensor
+        for _, _, meta, tensors in self._each_block("state"):
+            for (block, name), tensor in zip(meta["names"], tensors, strict=True):
+                state.setdefault(block, {})[name] = tensor
+        missing = [b for b in range(self.spec.num_blocks) if b not in state]
+        if missing:
+            raise RuntimeError(f"no live replica holds blocks {missing} of adapter {self.adapter!r}")
         return state
+
+    def replica_digests(self) -> dict[int, dict[PeerID, str]]:
+        """Per block, the state digest each live replica reports: equal digests mean identical replicas."""
+        digests: dict[int, dict[PeerID, str]] = {}
+        for peer, _, meta, _ in self._each_block("digest"):
+            for block, digest in meta["digests"].items():
+                digests.setdefault(int(block), {})[peer] = digest
+        return digests
 
     def save_adapter(self, out_dir: str | Path) -> Path:
         """Write a standard peft adapter folder for this model."""
         return save_peft_adapter(out_dir, self.lora_config, str(self.spec.path.resolve()), self.adapter_state())
 
     def shutdown(self) -> None:
-        """Leave the swarm: close this client's P2P connection and DHT node."""
-        RemoteExpertWorker.run_coroutine(self.transport.p2p.shutdown())
+        """Leave the swarm: release the adapter's lease, close this client's P2P connection and DHT node."""
+        self.router.stop()
+        self.lease.release()
+        RemoteExpertWorker.run_coroutine(self.transport.shutdown())
         self.dht.shutdown()

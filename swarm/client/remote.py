@@ -1,79 +1,206 @@
-"""The remote decoder stack as one autograd op: forward through a chain of peers, backward in reverse."""
+"""The remote decoder stack as one autograd op: forward through a chain of peers, backward in reverse,
+re-routing around peers that fail, from what the client keeps."""
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
+from hivemind.p2p import PeerID
 
-from swarm.client.ledger import StepLedger
+from swarm.client.ledger import Segment, StepLedger
 from swarm.routing import Hop, Router
 from swarm.transport import Transport
-from swarm.wire import Message
+from swarm.wire import Message, RemoteError
 
 logger = logging.getLogger(__name__)
+
+# Refusals that mean "this peer cannot serve this now", not "the request is wrong".
+PEER_STATE_ERRORS = frozenset({"stale_step", "unknown_adapter", "internal", "too_large"})
+
+
+class PeerFailure(Exception):
+    """A peer failed or refused for its own reasons; the peer is banned and the work goes elsewhere."""
+
+    def __init__(self, peer: PeerID, reason: str):
+        super().__init__(f"{peer}: {reason}")
+        self.peer = peer
+
+
+class LeaseLostError(RuntimeError):
+    """Another trainer session claimed the adapter; this client must stop training it."""
 
 
 @dataclass
 class HopInput:
-    """What the client keeps per hop until the step commits: enough to redo the hop anywhere."""
+    """A hop of a forward pass and its input, kept for the backward."""
 
     hop: Hop
     hidden: torch.Tensor
 
 
+@dataclass
+class Recovery:
+    """A failure the client routed around: who, during what, and how long the retry took."""
+
+    peer: PeerID
+    during: str
+    step: int
+    seconds: float
+
+
 class RemoteStack:
-    """Runs blocks [0, n) of one adapter through the swarm and records backward acknowledgements."""
+    """Runs blocks of one adapter through the swarm with retries, and records who holds which gradients."""
 
-    def __init__(self, transport: Transport, router: Router, adapter: str, timeout: float):
-        self.transport, self.router, self.adapter, self.timeout = transport, router, adapter, timeout
+    def __init__(self, transport: Transport, router: Router, adapter: str, patience: float):
+        self.transport, self.router, self.adapter, self.patience = transport, router, adapter, patience
+        self.on_peer_state: list = []  # callbacks(peer) run when a peer turns out stale or fresh
+        self.recoveries: list[Recovery] = []
 
-    def _tensors(self, hidden: torch.Tensor, mask: torch.Tensor | None, *extra: torch.Tensor) -> list[torch.Tensor]:
+    # --- calls ----------------------------------------------------------------------------------------------
+
+    def call(
+        self, peer: PeerID, meta: dict, tensors: list[torch.Tensor], units: float = 1.0, floor: float = 0.0
+    ) -> Message:
+        """One request; failures of the peer become PeerFailure (after a ban), refusals of the request raise."""
+        method = meta["method"]
+        started = time.monotonic()
+        timeout = floor + self.router.timeout(peer, method, units)
+        try:
+            reply = self.transport.call(peer, Message(meta, tensors), timeout)
+        except RemoteError as e:
+            if e.kind == "fenced":
+                raise LeaseLostError(str(e)) from None
+            if e.kind not in PEER_STATE_ERRORS:
+                raise
+            self.router.ban(peer, str(e))
+            for callback in self.on_peer_state:
+                callback(peer)
+            raise PeerFailure(peer, str(e)) from e
+        except Exception as e:
+            reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            self.router.ban(peer, f"{method}: {reason}")
+            for callback in self.on_peer_state:
+                callback(peer)
+            raise PeerFailure(peer, reason) from e
+        self.router.succeeded(peer, method, units, time.monotonic() - started)
+        return reply
+
+    @staticmethod
+    def _tensors(hidden: torch.Tensor, mask: torch.Tensor | None, *extra: torch.Tensor) -> list[torch.Tensor]:
         return [hidden, *extra] + ([mask] if mask is not None else [])
 
+    def _forward_hop(
+        self, hop: Hop, hidden: torch.Tensor, mask: torch.Tensor | None, step: int, micro_batch: str | None
+    ) -> torch.Tensor:
+        meta = {
+            "method": "forward",
+            "adapter": self.adapter,
+            "start": hop.start,
+            "end": hop.end,
+            "step": step,
+            "has_mask": mask is not None,
+            "micro_batch": micro_batch,
+        }
+        units = hidden.shape[0] * hidden.shape[1] * (hop.end - hop.start)
+        return self.call(hop.peer_id, meta, self._tensors(hidden, mask), units).tensors[0]
+
+    def _backward_hop(
+        self,
+        hop: Hop,
+        hidden: torch.Tensor,
+        grad: torch.Tensor,
+        mask: torch.Tensor | None,
+        ledger: StepLedger,
+        micro_batch: str,
+    ) -> torch.Tensor:
+        meta = {
+            "method": "backward",
+            "adapter": self.adapter,
+            "start": hop.start,
+            "end": hop.end,
+            "step": ledger.step,
+            "micro_batch": micro_batch,
+            "has_mask": mask is not None,
+        }
+        units = hidden.shape[0] * hidden.shape[1] * (hop.end - hop.start)
+        reply = self.call(hop.peer_id, meta, self._tensors(hidden, mask, grad), units)
+        ledger.acknowledge(micro_batch, hop.blocks, hop.peer_id)
+        return reply.tensors[0]
+
+    def _recovered(self, failed: PeerID | None, during: str, step: int, since: float | None) -> None:
+        if failed is None or since is None:
+            return
+        seconds = time.monotonic() - since
+        self.recoveries.append(Recovery(failed, during, step, seconds))
+        logger.warning(
+            "recovered from the failure of peer %s during %s (step %d) in %.2fs", failed, during, step, seconds
+        )
+
+    # --- forward and backward -------------------------------------------------------------------------------
+
     def forward(
-        self, hidden: torch.Tensor, mask: torch.Tensor | None, ledger: StepLedger | None, micro_batch: str | None
+        self, hidden: torch.Tensor, mask: torch.Tensor | None, step: int, micro_batch: str | None
     ) -> tuple[torch.Tensor, list[HopInput]]:
-        inputs = []
-        for hop in self.router.route():
-            meta = {
-                "method": "forward",
-                "adapter": self.adapter,
-                "start": hop.start,
-                "end": hop.end,
-                "has_mask": mask is not None,
-            }
-            if micro_batch is not None:
-                meta.update(train=True, step=ledger.step, micro_batch=micro_batch)
-            reply = self.transport.call(hop.peer_id, Message(meta, self._tensors(hidden, mask)), self.timeout)
+        """Through blocks [0, n); a hop that fails is redone on another replica from the same input."""
+        inputs: list[HopInput] = []
+        block, failed, since = 0, None, None
+        while block < self.router.num_blocks:
+            hop = self.router.wait_route(block, patience=self.patience)[0]
+            try:
+                outputs = self._forward_hop(hop, hidden, mask, step, micro_batch)
+            except PeerFailure as e:
+                failed, since = e.peer, since or time.monotonic()
+                continue
+            self._recovered(failed, "forward", step, since)
+            failed, since = None, None
             inputs.append(HopInput(hop, hidden))
-            hidden = reply.tensors[0]
+            hidden, block = outputs, hop.end
         return hidden, inputs
 
     def backward(
         self,
         inputs: list[HopInput],
-        grad_outputs: torch.Tensor,
+        grad: torch.Tensor,
         mask: torch.Tensor | None,
         ledger: StepLedger,
         micro_batch: str,
     ) -> torch.Tensor:
         for item in reversed(inputs):
-            meta = {
-                "method": "backward",
-                "adapter": self.adapter,
-                "start": item.hop.start,
-                "end": item.hop.end,
-                "step": ledger.step,
-                "micro_batch": micro_batch,
-                "has_mask": mask is not None,
-            }
-            message = Message(meta, self._tensors(item.hidden, mask, grad_outputs))
-            reply = self.transport.call(item.hop.peer_id, message, self.timeout)
-            ledger.acknowledge(micro_batch, item.hop.blocks, item.hop.peer_id)
-            grad_outputs = reply.tensors[0]
-        return grad_outputs
+            segment = Segment(item.hop.start, item.hop.end, item.hidden, grad)
+            grad = self.backward_segment(segment, mask, ledger, micro_batch, prefer=item.hop.peer_id)
+            ledger.keep(micro_batch, segment, mask)
+        return grad
+
+    def backward_segment(
+        self,
+        segment: Segment,
+        mask: torch.Tensor | None,
+        ledger: StepLedger,
+        micro_batch: str,
+        prefer: PeerID | None = None,
+    ) -> torch.Tensor:
+        """Backward through blocks [start, end) from their input and output gradient, on whichever peers are live.
+
+        Backwards are idempotent per (micro-batch, block) on the peers, so redoing part of a segment is safe.
+        """
+        failed, since = None, None
+        while True:
+            hops = self.router.wait_route(segment.start, segment.end, prefer=prefer, patience=self.patience)
+            try:
+                hiddens = [segment.hidden]
+                for hop in hops[:-1]:
+                    hiddens.append(self._forward_hop(hop, hiddens[-1], mask, ledger.step, None))
+                grad = segment.grad_outputs
+                for hop, hidden in zip(reversed(hops), reversed(hiddens), strict=True):
+                    grad = self._backward_hop(hop, hidden, grad, mask, ledger, micro_batch)
+            except PeerFailure as e:
+                failed, since, prefer = e.peer, since or time.monotonic(), None
+                continue
+            self._recovered(failed, "backward", ledger.step, since)
+            return grad
 
 
 class RemoteStackFunction(torch.autograd.Function):
@@ -81,7 +208,7 @@ class RemoteStackFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, mask, stack: RemoteStack, ledger: StepLedger, micro_batch: str):
-        outputs, inputs = stack.forward(hidden.detach(), mask, ledger, micro_batch)
+        outputs, inputs = stack.forward(hidden.detach(), mask, ledger.step, micro_batch)
         ctx.stack, ctx.ledger, ctx.micro_batch, ctx.mask, ctx.inputs = stack, ledger, micro_batch, mask, inputs
         return outputs
 

@@ -1,0 +1,185 @@
+"""Committing a step on every live replica of every block, exactly once, whatever fails in between.
+
+Phase 1 (gather): each replica fetches, peer to peer, the micro-batch gradients it lacks. Gradients that died
+with a peer are replayed on a live replica from the segments the client kept, then gathering is redone.
+Phase 2 (apply): each replica sums the gradients in canonical order and runs the same AdamW update.
+Replicas that are behind (or new) first pull the state from a current one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from hivemind.p2p import PeerID
+
+from swarm.client.ledger import StepLedger
+from swarm.client.remote import PeerFailure, RemoteStack
+from swarm.routing import SwarmUnavailableError
+from swarm.wire import RemoteError
+
+logger = logging.getLogger(__name__)
+
+MAX_COMMIT_ROUNDS = 8
+FETCH_TIMEOUT = 3.0  # how long a replica waits for another's gradients before the client replays them
+
+
+class CommitError(RuntimeError):
+    """A step could not be committed on every block."""
+
+
+class ReplicaSet:
+    """Which peers hold the adapter at the client's step; opens new peers and brings laggards up to date."""
+
+    def __init__(self, stack: RemoteStack, open_on: Callable[[PeerID], dict[int, int]]):
+        self.stack, self.open_on = stack, open_on
+        self.current: dict[PeerID, int] = {}
+        stack.router.eligible = lambda peer: peer in self.current
+        stack.on_peer_state.append(self.forget)
+
+    def forget(self, peer: PeerID) -> None:
+        """After a failure or refusal the peer's state is unknown: re-check it before it serves again."""
+        self.current.pop(peer, None)
+
+    def refresh(self, step: int) -> None:
+        """Open the adapter on every announced peer not known current; sync those that are behind."""
+        for peer, span in self.stack.router.live_servers(eligible_only=False).items():
+            if self.current.get(peer) == step:
+                continue
+            try:
+                steps = self.open_on(peer)
+                if any(s < step for s in steps.values()):
+                    steps = self._sync(peer, span, step)
+            except (PeerFailure, RemoteError) as e:
+                logger.warning("peer %s cannot be brought to step %d yet: %s", peer, step, e)
+                continue
+            if set(steps.values()) == {step}:
+                self.current[peer] = step
+            else:
+                logger.warning("peer %s holds steps %s, not %d; not using it", peer, sorted(set(steps.values())), step)
+
+    def _sync(self, peer: PeerID, span: range, step: int) -> dict[int, int]:
+        """Pull the state of ``span`` from current replicas, one source per stretch of blocks."""
+        block, steps = span.start, {}
+        while block < span.stop:
+            sources = [
+                (p, s)
+                for p, s in self.stack.router.live_servers().items()
+                if p != peer and self.current.get(p) == step and s.start <= block < s.stop
+            ]
+            if not sources:
+                raise CommitError(f"no current replica of block {block} to sync peer {peer} from")
+            source, source_span = max(sources, key=lambda item: item[1].stop)
+            end = min(source_span.stop, span.stop)
+            meta = {
+                "method": "sync",
+                "adapter": self.stack.adapter,
+                "source": source.to_base58(),
+                "start": block,
+                "end": end,
+            }
+            reply = self.stack.call(peer, meta, [])
+            steps = {int(b): s for b, s in reply.meta["steps"].items()}
+            logger.info("peer %s synced blocks %d:%d to step %d from %s", peer, block, end, step, source)
+            block = end
+        return steps
+
+    def peers(self, step: int) -> dict[PeerID, range]:
+        return {p: s for p, s in self.stack.router.live_servers().items() if self.current.get(p) == step}
+
+
+def commit(stack: RemoteStack, replicas: ReplicaSet, ledger: StepLedger, hparams: dict) -> None:
+    """Apply ``ledger.step`` on every live replica; replay lost gradients first. Raises CommitError if impossible."""
+    step, started, rounds = ledger.step, time.monotonic(), 0
+    while True:
+        replicas.refresh(step)
+        peers = replicas.peers(step)
+        uncovered = [b for b in range(stack.router.num_blocks) if not any(b in span for span in peers.values())]
+        if uncovered:
+            if time.monotonic() - started > stack.patience:
+                raise SwarmUnavailableError(
+                    f"blocks {uncovered} have had no live replica at step {step} for {stack.patience:.0f}s; "
+                    "start peers serving them or raise the client's patience"
+                )
+            logger.warning("blocks %s have no live replica at step %d; waiting", uncovered, step)
+            time.sleep(1.0)
+            stack.router.refresh()
+            continue
+        rounds += 1
+        if rounds > MAX_COMMIT_ROUNDS:
+            raise CommitError(f"step {step} could not be committed in {MAX_COMMIT_ROUNDS} rounds; see the log for why")
+        lost = _held_by_departed(ledger, peers)
+        missing = lost or _gather(stack, peers, ledger)
+        if missing:
+            _replay(stack, ledger, missing)
+            continue
+        applied = _apply(stack, peers, ledger, hparams)
+        unapplied = [b for b in range(stack.router.num_blocks) if not any(b in peers[p] for p in applied)]
+        if not unapplied:
+            for peer in applied:
+                replicas.current[peer] = step + 1
+            logger.debug("step %d committed on %d peers in %.2fs", step, len(applied), time.monotonic() - started)
+            return
+        logger.warning("blocks %s lost every replica during apply of step %d; retrying", unapplied, step)
+
+
+def _held_by_departed(ledger: StepLedger, peers: dict[PeerID, range]) -> dict[int, list[str]]:
+    """Gradients whose holder is no longer a live, current replica: replay them without asking anyone."""
+    lost: dict[int, list[str]] = {}
+    for block, by_mb in ledger.holders.items():
+        gone = [mb for mb, holder in by_mb.items() if holder not in peers]
+        if gone:
+            lost[block] = sorted(gone)
+    return lost
+
+
+def _meta(stack: RemoteStack, method: str, ledger: StepLedger, span: range) -> dict:
+    return {
+        "method": method,
+        "adapter": stack.adapter,
+        "step": ledger.step,
+        "ledger": ledger.wire_holders(span),
+        "fetch_timeout": FETCH_TIMEOUT,
+    }
+
+
+def _gather(stack: RemoteStack, peers: dict[PeerID, range], ledger: StepLedger) -> dict[int, list[str]]:
+    """Phase 1 on every replica; returns the (block, micro-batch) gradients nobody live could provide."""
+    missing: dict[int, set[str]] = {}
+    for peer, span in peers.items():
+        try:
+            stack.call(peer, _meta(stack, "gather", ledger, span), [], floor=2 * FETCH_TIMEOUT)
+        except PeerFailure:
+            continue
+        except RemoteError as e:
+            if e.kind != "missing_gradients":
+                raise
+            for block, mbs in e.meta.get("missing", {}).items():
+                missing.setdefault(int(block), set()).update(mbs)
+    return {block: sorted(mbs) for block, mbs in missing.items()}
+
+
+def _replay(stack: RemoteStack, ledger: StepLedger, missing: dict[int, list[str]]) -> None:
+    """Recompute lost gradients on live replicas from the segments the client kept."""
+    plan = ledger.replay_plan(missing)
+    logger.warning("replaying %d segment(s) whose gradients died with a peer (step %d)", len(plan), ledger.step)
+    for micro_batch, segment in plan:
+        stack.backward_segment(segment, ledger.masks.get(micro_batch), ledger, micro_batch)
+
+
+def _apply(stack: RemoteStack, peers: dict[PeerID, range], ledger: StepLedger, hparams: dict) -> list[PeerID]:
+    applied = []
+    for peer, span in peers.items():
+        meta = {**_meta(stack, "apply", ledger, span), "hparams": hparams}
+        try:
+            stack.call(peer, meta, [])
+        except PeerFailure:
+            continue
+        except RemoteError as e:
+            if e.kind != "missing_gradients":
+                raise
+            logger.warning("peer %s lost gradients between gather and apply: %s", peer, e)
+            continue
+        applied.append(peer)
+    return applied
