@@ -48,20 +48,33 @@ class Process:
         raise LocalSwarmError(f"{self.name} did not print {needle!r} within {timeout:.0f}s:\n{self.tail()}")
 
     def signal(self, sig: int) -> None:
+        """SIGKILL, SIGSTOP and SIGCONT hit the whole process group (the daemon, its DHT process and their p2pd),
+        like a machine failing or freezing; other signals go to the daemon itself, which shuts its children down."""
         if self.popen.poll() is None:
-            os.kill(self.pid, sig)
+            if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCONT):
+                os.killpg(self.pid, sig)
+            else:
+                os.kill(self.pid, sig)
+
+    @property
+    def peer_id(self) -> str:
+        """The peer id a daemon printed once serving (``... serving blocks S:E of MODEL as PEER_ID``)."""
+        return self.wait_for_line("serving blocks", timeout=0.1).rsplit(" as ", 1)[1].strip()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL if it lingers (a frozen process is thawed first so it can die)."""
-        if self.popen.poll() is not None:
-            return
-        self.signal(signal.SIGCONT)
-        self.signal(signal.SIGTERM)
+        """SIGTERM, then SIGKILL to the whole group (a frozen process is thawed first so it can die)."""
+        if self.popen.poll() is None:
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGTERM)
         try:
             self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.signal(signal.SIGKILL)
-            self.popen.wait(timeout)
+            pass
+        try:
+            os.killpg(self.pid, signal.SIGKILL)  # whatever is left of the group, p2pd included
+        except ProcessLookupError:
+            pass
+        self.popen.wait(timeout)
 
 
 @dataclass

@@ -1,0 +1,110 @@
+"""One training recipe for every fault test: same data, same LoRA, a reference from local peft, digest checks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import peft
+import torch
+from safetensors.torch import load_file
+
+import swarm
+from swarm.localswarm import LocalSwarm, Process
+
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "up_proj"])
+HPARAMS = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+STEPS, MICRO_BATCHES = 4, 2
+
+
+def batches_for_step(step: int, vocab: int = 256) -> list[dict[str, torch.Tensor]]:
+    """Deterministic data for step ``step``: a restarted client gets the same batches for the same step."""
+    g = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for _ in range(MICRO_BATCHES):
+        ids = torch.randint(0, vocab, (2, 12), generator=g)
+        out.append(dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids))
+    return out
+
+
+def start_replicated_swarm(local: LocalSwarm, model_dir: Path) -> dict[str, Process]:
+    """Bootstrap + two replicas of each half of the tiny model's 4 blocks, started in parallel."""
+    local.start_dht()
+    peers = {
+        name: local.start_peer(model_dir, blocks, name=name, wait=False)
+        for name, blocks in (("a1", "0:2"), ("a2", "0:2"), ("b1", "2:4"), ("b2", "2:4"))
+    }
+    for peer in peers.values():
+        peer.wait_for_line("serving blocks", 180)
+    return peers
+
+
+def connect(local: LocalSwarm, model_dir: Path, adapter: str, **kwargs) -> swarm.SwarmModelForCausalLM:
+    return swarm.SwarmModelForCausalLM.from_pretrained(
+        model_dir,
+        initial_peers=local.initial_peers,
+        adapter=adapter,
+        lora_config=peft.LoraConfig(**LORA),
+        seed=11,
+        **kwargs,
+    )
+
+
+Hook = Callable[[str, str, int], None]
+
+
+def instrument(model: swarm.SwarmModelForCausalLM, hook: Hook) -> None:
+    """Call ``hook(method, peer_id, step)`` just before each request the client sends (to time a fault)."""
+    original = model.stack.call
+
+    def call(peer, meta, tensors, *args, **kwargs):
+        hook(meta["method"], peer.to_base58(), model.step)
+        return original(peer, meta, tensors, *args, **kwargs)
+
+    model.stack.call = call
+
+
+def assert_replicas_identical(model: swarm.SwarmModelForCausalLM) -> None:
+    digests = model.replica_digests()
+    assert sorted(digests) == list(range(model.spec.num_blocks)), digests
+    for block, by_peer in digests.items():
+        assert len(set(by_peer.values())) == 1, f"replicas of block {block} differ after step {model.step}: {by_peer}"
+
+
+def train(model: swarm.SwarmModelForCausalLM, steps: int = STEPS, check_replicas: bool = True) -> list[float]:
+    """The training loop of every fault test: accumulate MICRO_BATCHES, commit, check replicas agree."""
+    optimizer = swarm.RemoteOptimizer(model, **HPARAMS)
+    losses = []
+    while model.step < steps:
+        for batch in batches_for_step(model.step):
+            out = model(**batch)
+            (out.loss / MICRO_BATCHES).backward()
+            losses.append(out.loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+        if check_replicas:
+            assert_replicas_identical(model)
+    return losses
+
+
+def reference_adapter(model_dir: Path, initial_adapter: Path, out: Path, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """The failure-free result: the same recipe trained locally with transformers + peft (parity is tested)."""
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = peft.PeftModel.from_pretrained(base, initial_adapter, is_trainable=True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **HPARAMS)
+    for step in range(steps):
+        for batch in batches_for_step(step):
+            (model(**batch).loss / MICRO_BATCHES).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(out)
+    return load_file(out / "adapter_model.safetensors")
+
+
+def assert_same_adapter(swarm_dir: Path, reference: dict[str, torch.Tensor]) -> None:
+    state = load_file(swarm_dir / "adapter_model.safetensors")
+    assert state.keys() == reference.keys()
+    for key in state:
+        torch.testing.assert_close(state[key], reference[key], rtol=1e-4, atol=1e-5, msg=key)
