@@ -92,6 +92,7 @@ class ReplicaSet:
 def commit(stack: RemoteStack, replicas: ReplicaSet, ledger: StepLedger, hparams: dict) -> None:
     """Apply ``ledger.step`` on every live replica; replay lost gradients first. Raises CommitError if impossible."""
     step, started, rounds = ledger.step, time.monotonic(), 0
+    failed: list[PeerID] = []
     while True:
         replicas.refresh(step)
         peers = replicas.peers(step)
@@ -110,16 +111,18 @@ def commit(stack: RemoteStack, replicas: ReplicaSet, ledger: StepLedger, hparams
         if rounds > MAX_COMMIT_ROUNDS:
             raise CommitError(f"step {step} could not be committed in {MAX_COMMIT_ROUNDS} rounds; see the log for why")
         lost = _held_by_departed(ledger, peers)
-        missing = lost or _gather(stack, peers, ledger)
+        missing = lost or _gather(stack, peers, ledger, failed)
         if missing:
             _replay(stack, ledger, missing)
             continue
-        applied = _apply(stack, peers, ledger, hparams)
+        applied = _apply(stack, peers, ledger, hparams, failed)
         unapplied = [b for b in range(stack.router.num_blocks) if not any(b in peers[p] for p in applied)]
         if not unapplied:
             for peer in applied:
                 replicas.current[peer] = step + 1
             logger.debug("step %d committed on %d peers in %.2fs", step, len(applied), time.monotonic() - started)
+            if failed:
+                stack.recovered(failed[0], "commit", step, started)
             return
         logger.warning("blocks %s lost every replica during apply of step %d; retrying", unapplied, step)
 
@@ -144,13 +147,16 @@ def _meta(stack: RemoteStack, method: str, ledger: StepLedger, span: range) -> d
     }
 
 
-def _gather(stack: RemoteStack, peers: dict[PeerID, range], ledger: StepLedger) -> dict[int, list[str]]:
+def _gather(
+    stack: RemoteStack, peers: dict[PeerID, range], ledger: StepLedger, failed: list[PeerID]
+) -> dict[int, list[str]]:
     """Phase 1 on every replica; returns the (block, micro-batch) gradients nobody live could provide."""
     missing: dict[int, set[str]] = {}
     for peer, span in peers.items():
         try:
             stack.call(peer, _meta(stack, "gather", ledger, span), [], floor=2 * FETCH_TIMEOUT)
         except PeerFailure:
+            failed.append(peer)
             continue
         except RemoteError as e:
             if e.kind != "missing_gradients":
@@ -168,13 +174,16 @@ def _replay(stack: RemoteStack, ledger: StepLedger, missing: dict[int, list[str]
         stack.backward_segment(segment, ledger.masks.get(micro_batch), ledger, micro_batch)
 
 
-def _apply(stack: RemoteStack, peers: dict[PeerID, range], ledger: StepLedger, hparams: dict) -> list[PeerID]:
+def _apply(
+    stack: RemoteStack, peers: dict[PeerID, range], ledger: StepLedger, hparams: dict, failed: list[PeerID]
+) -> list[PeerID]:
     applied = []
     for peer, span in peers.items():
         meta = {**_meta(stack, "apply", ledger, span), "hparams": hparams}
         try:
             stack.call(peer, meta, [])
         except PeerFailure:
+            failed.append(peer)
             continue
         except RemoteError as e:
             if e.kind != "missing_gradients":

@@ -130,7 +130,7 @@ class RemoteStack:
         ledger.acknowledge(micro_batch, hop.blocks, hop.peer_id)
         return reply.tensors[0]
 
-    def _recovered(self, failed: PeerID | None, during: str, step: int, since: float | None) -> None:
+    def recovered(self, failed: PeerID | None, during: str, step: int, since: float | None) -> None:
         if failed is None or since is None:
             return
         seconds = time.monotonic() - since
@@ -154,7 +154,7 @@ class RemoteStack:
             except PeerFailure as e:
                 failed, since = e.peer, since or time.monotonic()
                 continue
-            self._recovered(failed, "forward", step, since)
+            self.recovered(failed, "forward", step, since)
             failed, since = None, None
             inputs.append(HopInput(hop, hidden))
             hidden, block = outputs, hop.end
@@ -199,7 +199,7 @@ class RemoteStack:
             except PeerFailure as e:
                 failed, since, prefer = e.peer, since or time.monotonic(), None
                 continue
-            self._recovered(failed, "backward", ledger.step, since)
+            self.recovered(failed, "backward", ledger.step, since)
             return grad
 
 
