@@ -1,10 +1,13 @@
-"""Local swarm demo: a tiny Llama trained with LoRA through peer daemons on 127.0.0.1, losses printed as they fall."""
+"""Local swarm demo: a tiny Llama trained with LoRA through four peer daemons on 127.0.0.1 (two replicas of each
+half of the model); one peer is SIGKILLed mid-training and the swarm routes around it. Losses fall throughout."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "demo")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--kill-at-step", type=int, default=8, help="SIGKILL a peer during this step (0: never)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("hivemind").setLevel(logging.WARNING)
@@ -47,8 +51,11 @@ def main() -> None:
     with LocalSwarm(args.workdir / "logs") as local:
         local.start_dht()
         logger.info("bootstrap node: %s", local.initial_peers[0])
-        local.start_peer(model_dir, "0:2", name="peer-0-2")
-        local.start_peer(model_dir, "2:4", name="peer-2-4")
+        spans = {"peer-a1": "0:2", "peer-a2": "0:2", "peer-b1": "2:4", "peer-b2": "2:4"}
+        peers = {name: local.start_peer(model_dir, blocks, name=name, wait=False) for name, blocks in spans.items()}
+        for name, peer in peers.items():
+            peer.wait_for_line("serving blocks", 180)
+            logger.info("%s serves blocks %s as %s", name, spans[name], peer.peer_id)
         model = swarm.SwarmModelForCausalLM.from_pretrained(
             model_dir,
             initial_peers=local.initial_peers,
@@ -58,7 +65,11 @@ def main() -> None:
         try:
             optimizer = swarm.RemoteOptimizer(model, lr=3e-3, weight_decay=0.0)
             batches = synthetic_batches(model.spec.config.vocab_size, count=2)
-            for step in range(args.steps):
+            for step in range(1, args.steps + 1):
+                if step == args.kill_at_step:
+                    victim = peers["peer-a1"]
+                    threading.Timer(0.05, victim.signal, args=(signal.SIGKILL,)).start()
+                    print(f"--- SIGKILL peer-a1 ({victim.peer_id}) during step {step} ---")
                 started = time.perf_counter()
                 losses = []
                 for batch in batches:  # two micro-batches per step: gradient accumulation
@@ -67,9 +78,14 @@ def main() -> None:
                     losses.append(out.loss.item())
                 optimizer.step()
                 optimizer.zero_grad()
+                print(f"step {step:3d}  loss {sum(losses) / len(losses):.4f}  ({time.perf_counter() - started:.2f}s)")
+            for r in model.recoveries:
                 print(
-                    f"step {step + 1:3d}  loss {sum(losses) / len(losses):.4f}  ({time.perf_counter() - started:.2f}s)"
+                    f"recovered: peer {r.peer} failed during {r.during} of step {r.step + 1}; "
+                    f"the retry took {r.seconds:.2f}s"
                 )
+            if args.kill_at_step and not model.recoveries:
+                print("the killed peer was not in use when it died: the swarm simply stopped routing to it")
             adapter_dir = model.save_adapter(args.workdir / "adapter")
             print(f"adapter saved to {adapter_dir} (load it with peft.PeftModel.from_pretrained)")
         finally:

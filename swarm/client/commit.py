@@ -179,6 +179,8 @@ def _apply(
 ) -> list[PeerID]:
     applied = []
     for peer, span in peers.items():
+        if peer in failed:
+            continue
         meta = {**_meta(stack, "apply", ledger, span), "hparams": hparams}
         try:
             stack.call(peer, meta, [])
