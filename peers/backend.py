@@ -13,16 +13,11 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from peers.doors import RequestError
 from swarm.blocks import LoraParam, add_lora, load_block, lora_config_from_wire
 from swarm.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request this peer refuses; the message says why. The peer keeps serving."""
-
-    kind = "bad_request"
 
 
 class StaleStepError(RequestError):
@@ -39,6 +34,7 @@ class MissingGradientsError(RequestError):
     def __init__(self, message: str, missing: dict[int, list[str]]):
         super().__init__(message)
         self.missing = missing
+        self.details = {"missing": {str(block): mbs for block, mbs in missing.items()}}
 
 
 class FencedError(RequestError):
@@ -178,11 +174,12 @@ class SpanBackend:
         dtype: torch.dtype,
         quant: str,
         activation_cache_bytes: int = 1 << 30,
+        max_tokens: int = 1 << 16,
     ):
         if not 0 <= start < end <= spec.num_blocks:
             raise ValueError(f"--blocks {start}:{end} is outside the model's blocks 0:{spec.num_blocks}")
         self.spec, self.start, self.end = spec, start, end
-        self.device, self.dtype, self.quant = device, dtype, quant
+        self.device, self.dtype, self.quant, self.max_tokens = device, dtype, quant, max_tokens
         self.layers: dict[int, nn.Module] = {}
         for block in tqdm(range(start, end), desc=f"loading blocks {start}:{end}", unit="block"):
             self.layers[block] = load_block(spec, block, device, dtype, quant)
@@ -276,8 +273,13 @@ class SpanBackend:
     def _check_hidden(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         if hidden.ndim != 3 or hidden.shape[-1] != self.spec.hidden_size:
             raise RequestError(f"hidden states must be [batch, seq, {self.spec.hidden_size}], got {list(hidden.shape)}")
-        if not hidden.is_floating_point():
-            raise RequestError(f"hidden states must be floating point, got {hidden.dtype}")
+        if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise RequestError(f"hidden states must be float32, bfloat16 or float16, got {hidden.dtype}")
+        if hidden.shape[0] * hidden.shape[1] > self.max_tokens:
+            raise RequestError(
+                f"{hidden.shape[0]}x{hidden.shape[1]} tokens exceed this peer's limit of {self.max_tokens} "
+                "(--max-tokens); send smaller micro-batches"
+            )
         if attention_mask is not None and attention_mask.shape != hidden.shape[:2]:
             raise RequestError(f"attention_mask must be {list(hidden.shape[:2])}, got {list(attention_mask.shape)}")
         if not torch.isfinite(hidden).all():

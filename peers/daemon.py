@@ -9,11 +9,12 @@ import time
 from dataclasses import dataclass
 
 import torch
-from hivemind import DHT
 
 from peers.backend import SpanBackend
 from peers.service import PeerService
+from swarm.network import check_access, join_dht, load_swarm_key
 from swarm.records import RECORD_TTL, ServerRecord, ServerState, announce
+from swarm.security import Identity
 from swarm.spec import load_spec
 from swarm.transport import Transport
 
@@ -34,9 +35,12 @@ class PeerConfig:
     host: str = "0.0.0.0"
     port: int = 0
     identity: str | None = None
+    swarm_key: str | None = None
     record_ttl: float = RECORD_TTL
     leave_grace: float = 2.0
     activation_cache_mb: int = 1024
+    max_payload_mb: int = 1024
+    max_tokens: int = 1 << 16
 
     @property
     def quant_mode(self) -> str:
@@ -60,20 +64,19 @@ class PeerDaemon:
     """One process serving blocks [start, end) of one model."""
 
     def __init__(self, config: PeerConfig):
-        from swarm.blocks import DTYPES
-
         self.config = config
         self.spec = load_spec(config.model)
-        self.dht = DHT(
-            initial_peers=config.initial_peers,
-            host_maddrs=[f"/ip4/{config.host}/tcp/{config.port}"],
-            identity_path=config.identity,
-            start=True,
-        )
+        self.swarm_key = load_swarm_key(config.swarm_key)
+        self.identity = Identity.load_or_create(config.identity)
         self.blocks = range(config.start, config.end)
         self.state = ServerState.JOINING
         self.throughput = 0.0
-        self._announce(wait=True)
+
+    def _load(self) -> None:
+        """Load the span (slow: runs in a thread while the event loop keeps the P2P connection alive)."""
+        from swarm.blocks import DTYPES
+
+        config = self.config
         self.backend = SpanBackend(
             self.spec,
             config.start,
@@ -82,6 +85,7 @@ class PeerDaemon:
             DTYPES[config.dtype],
             config.quant_mode,
             activation_cache_bytes=config.activation_cache_mb << 20,
+            max_tokens=config.max_tokens,
         )
         self.throughput = measure_throughput(self.backend)
         logger.info("blocks %d:%d loaded, %.0f tokens/s", config.start, config.end, self.throughput)
@@ -93,7 +97,7 @@ class PeerDaemon:
             else {}
         )
         return ServerRecord(
-            peer_id=self.dht.peer_id,
+            peer_id=self.identity.peer_id,
             state=self.state,
             start=self.config.start,
             end=self.config.end,
@@ -112,16 +116,25 @@ class PeerDaemon:
         }
 
     def _announce(self, wait: bool):
-        return announce(self.dht, self.spec.name, self.record(), self.blocks, ttl=self.config.record_ttl, wait=wait)
+        return announce(
+            self.dht, self.spec.name, self.identity.owner, self.record(), self.blocks, self.config.record_ttl, wait
+        )
 
     async def serve(self) -> None:
-        """Serve until SIGINT/SIGTERM, then announce leaving, let in-flight requests finish, and go."""
+        """Join, check access, load, serve until SIGINT/SIGTERM; then announce leaving, finish in-flight work, go."""
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        config = self.config
+        self.dht = join_dht(config.initial_peers, self.identity, self.swarm_key, host=config.host, port=config.port)
         p2p = await self.dht.replicate_p2p()
-        service = PeerService(self.backend, self.info, Transport(p2p))
+        await check_access(Transport(p2p, self.swarm_key), config.initial_peers)
+        await asyncio.to_thread(self._announce, True)
+        await asyncio.to_thread(self._load)
+        service = PeerService(
+            self.backend, self.info, Transport(p2p, self.swarm_key), self.swarm_key, self.config.max_payload_mb << 20
+        )
         await service.register(p2p)
         self.state = ServerState.ONLINE
         logger.info("serving blocks %d:%d of %s as %s", self.config.start, self.config.end, self.spec.name, p2p.peer_id)

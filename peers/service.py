@@ -4,26 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator  # noqa: UP035 -- matches the doors' signatures
 
 import torch
-from hivemind.p2p import P2P, P2PContext, PeerID
-from hivemind.proto import runtime_pb2
+from hivemind.p2p import PeerID
 
-from peers.backend import BlockState, GradsByBlock, MissingGradientsError, OptimizerHParams, RequestError, SpanBackend
+from peers.backend import BlockState, GradsByBlock, MissingGradientsError, OptimizerHParams, SpanBackend
+from peers.doors import Doorkeeper, RequestError
+from swarm.security import SwarmKey
 from swarm.transport import Transport
-from swarm.wire import (
-    DEFAULT_MAX_PAYLOAD_BYTES,
-    Message,
-    PeerDoors,
-    WireError,
-    collect,
-    decode,
-    encode,
-    error_message,
-)
+from swarm.wire import DEFAULT_MAX_PAYLOAD_BYTES, Message
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +22,7 @@ FETCH_TIMEOUT = 3.0
 SYNC_TIMEOUT = 60.0
 
 
-class PeerService:
+class PeerService(Doorkeeper):
     """The doors of a peer. Every request is validated; a refused request never stops the peer."""
 
     def __init__(
@@ -39,66 +30,25 @@ class PeerService:
         backend: SpanBackend,
         info: Callable[[], dict],
         transport: Transport,
+        swarm_key: SwarmKey | None = None,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
     ):
+        super().__init__(swarm_key, max_payload_bytes)
         self.backend, self.info, self.transport = backend, info, transport
-        self.max_payload_bytes = max_payload_bytes
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
-        self.handlers: dict[str, Callable[[Message], Awaitable[Message]]] = {
-            "info": self._info,
-            "open": self._open,
-            "forward": self._forward,
-            "backward": self._backward,
-            "gather": self._gather,
-            "apply": self._apply,
-            "grads": self._grads,
-            "export": self._export,
-            "sync": self._sync,
-            "state": self._state,
-            "digest": self._digest,
-        }
-
-    async def register(self, p2p: P2P) -> None:
-        await PeerDoors().add_p2p_handlers(p2p, wrapper=self)
-
-    async def unregister(self, p2p: P2P) -> None:
-        await PeerDoors().remove_p2p_handlers(p2p)
-
-    async def rpc_call(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertRequest:
-        if request.ByteSize() > self.max_payload_bytes:
-            return encode(error_message("too_large", f"request exceeds the {self.max_payload_bytes}-byte limit"))[0]
-        parts = encode(await self._handle([request], context))
-        if len(parts) > 1:
-            return encode(error_message("too_large", "reply too large for a unary call; use the stream door"))[0]
-        return parts[0]
-
-    async def rpc_stream(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        try:
-            parts = await collect(requests, self.max_payload_bytes)
-            reply = await self._handle(parts, context)
-        except WireError as e:
-            reply = error_message("bad_request", str(e))
-        for part in encode(reply):
-            yield part
-
-    async def _handle(self, parts: list[runtime_pb2.ExpertRequest], context: P2PContext) -> Message:
-        try:
-            message = decode(parts)
-            method = message.meta.get("method")
-            handler = self.handlers.get(method) if isinstance(method, str) else None
-            if handler is None:
-                raise RequestError(f"unknown method {method!r}; known: {sorted(self.handlers)}")
-            return await handler(message)
-        except MissingGradientsError as e:
-            return error_message(e.kind, str(e), missing=_by_block(e.missing))
-        except (RequestError, WireError) as e:
-            logger.info("refused a request from %s: %s", context.remote_id, e)
-            return error_message(getattr(e, "kind", "bad_request"), str(e))
-        except Exception as e:
-            logger.exception("request from %s failed", context.remote_id)
-            return error_message("internal", f"{type(e).__name__}: {e}")
+        self.handlers.update(
+            info=self._info,
+            open=self._open,
+            forward=self._forward,
+            backward=self._backward,
+            gather=self._gather,
+            apply=self._apply,
+            grads=self._grads,
+            export=self._export,
+            sync=self._sync,
+            state=self._state,
+            digest=self._digest,
+        )
 
     async def _compute(self, fn: Callable, *args):
         """Run backend work on the single compute thread, so requests never interleave on the blocks."""

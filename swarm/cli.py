@@ -22,20 +22,18 @@ def _parse_blocks(text: str) -> tuple[int, int]:
     return start, end
 
 
-def _initial_peers(args: argparse.Namespace) -> list[str]:
-    peers = list(args.initial_peers or []) or os.environ.get("SWARM_INITIAL_PEERS", "").replace(",", " ").split()
-    return peers
-
-
 def cmd_dht(args: argparse.Namespace) -> None:
-    from hivemind import DHT
+    from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 
-    dht = DHT(
-        initial_peers=_initial_peers(args),
-        host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"],
-        identity_path=args.identity,
-        start=True,
-    )
+    from peers.doors import Doorkeeper
+    from swarm.network import initial_peers_or_env, join_dht, load_swarm_key
+    from swarm.security import Identity
+
+    swarm_key = load_swarm_key(args.swarm_key)
+    identity = Identity.load_or_create(args.identity)
+    dht = join_dht(initial_peers_or_env(args.initial_peers), identity, swarm_key, host=args.host, port=args.port)
+    p2p = RemoteExpertWorker.run_coroutine(dht.replicate_p2p())
+    RemoteExpertWorker.run_coroutine(Doorkeeper(swarm_key).register(p2p))  # answers `hello` for newcomers
     for maddr in dht.get_visible_maddrs():
         print(maddr, flush=True)
     stop = threading.Event()
@@ -45,10 +43,18 @@ def cmd_dht(args: argparse.Namespace) -> None:
     dht.shutdown()
 
 
+def cmd_keygen(args: argparse.Namespace) -> None:
+    from swarm.security import SwarmKey, keygen
+
+    path = keygen(args.out)
+    print(f"wrote swarm key {path} (key id {SwarmKey.load(path).key_id}); give it to every member, keep it secret")
+
+
 def cmd_peer(args: argparse.Namespace) -> None:
     from peers.daemon import PeerConfig, run_peer
+    from swarm.network import initial_peers_or_env
 
-    peers = _initial_peers(args)
+    peers = initial_peers_or_env(args.initial_peers)
     if not peers:
         sys.exit("swarm peer: pass --initial-peers (the multiaddrs printed by `swarm dht`) or set SWARM_INITIAL_PEERS")
     start, end = args.blocks
@@ -79,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--host", default="0.0.0.0", help="address to listen on (127.0.0.1 for a local swarm)")
         p.add_argument("--port", type=int, default=0, help="TCP port to listen on (0: any free port)")
         p.add_argument("--identity", default=None, help="file with this node's private key (keeps its peer id)")
+        p.add_argument("--swarm-key", default=None, help="key file of a private swarm (made by `swarm keygen`)")
 
     dht = sub.add_parser("dht", help="start a bootstrap DHT node and print its multiaddrs")
     common(dht)
@@ -96,7 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument(
         "--activation-cache-mb", type=int, default=1024, help="memory for forward graphs kept for backward"
     )
+    peer.add_argument("--max-payload-mb", type=int, default=1024, help="largest request accepted, in MiB")
+    peer.add_argument("--max-tokens", type=int, default=1 << 16, help="largest batch x sequence accepted per request")
     peer.set_defaults(func=cmd_peer)
+
+    keys = sub.add_parser("keygen", help="write a new swarm key for a private swarm")
+    keys.add_argument("out", help="file to create")
+    keys.set_defaults(func=cmd_keygen)
     return parser
 
 

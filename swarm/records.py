@@ -12,6 +12,8 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
+from swarm.security import peer_id_of_owner
+
 logger = logging.getLogger(__name__)
 
 RECORD_TTL = 30.0
@@ -36,6 +38,7 @@ class ServerRecord:
 
     def to_value(self) -> dict:
         return {
+            "kind": "server",
             "state": self.state.value,
             "start": self.start,
             "end": self.end,
@@ -65,19 +68,21 @@ def block_key(model: str, block: int) -> str:
     return f"swarm:{model}:block:{block}"
 
 
-async def _store(_dht: DHT, node: DHTNode, model: str, record: ServerRecord, blocks: range, ttl: float) -> None:
+async def _store(
+    _dht: DHT, node: DHTNode, model: str, owner: bytes, value: dict, blocks: range, ttl: float
+) -> None:
     expiration = get_dht_time() + ttl
     keys = [block_key(model, block) for block in blocks]
-    await node.store_many(
-        keys, [record.to_value()] * len(keys), expiration, subkeys=[record.peer_id.to_base58()] * len(keys)
-    )
+    await node.store_many(keys, [value] * len(keys), expiration, subkeys=[owner] * len(keys))
 
 
-def announce(dht: DHT, model: str, record: ServerRecord, blocks: range, ttl: float = RECORD_TTL, wait: bool = True):
-    """Write (or refresh) this peer's record under every block it serves; records expire after ``ttl``."""
-    return dht.run_coroutine(
-        partial(_store, model=model, record=record, blocks=blocks, ttl=ttl), return_future=not wait
-    )
+def announce(
+    dht: DHT, model: str, owner: bytes, record: ServerRecord, blocks: range, ttl: float = RECORD_TTL, wait: bool = True
+):
+    """Write (or refresh) this peer's record under every block it serves, as a subkey only its owner can sign
+    (the owner marker); records expire after ``ttl``."""
+    store = partial(_store, model=model, owner=owner, value=record.to_value(), blocks=blocks, ttl=ttl)
+    return dht.run_coroutine(store, return_future=not wait)
 
 
 async def _read(_dht: DHT, node: DHTNode, model: str, num_blocks: int) -> dict[int, list[ServerRecord]]:
@@ -90,7 +95,7 @@ async def _read(_dht: DHT, node: DHTNode, model: str, num_blocks: int) -> dict[i
         if entry is not None and isinstance(entry.value, dict):
             for subkey, item in entry.value.items():
                 try:
-                    peer_id = PeerID.from_base58(subkey)
+                    peer_id = peer_id_of_owner(subkey)
                 except Exception:
                     continue
                 record = ServerRecord.from_value(peer_id, item.value)

@@ -11,6 +11,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import as_aiter
 
+from swarm.security import SwarmKey
 from swarm.wire import DEFAULT_MAX_PAYLOAD_BYTES, Message, PeerDoors, collect, decode, encode, raise_if_error
 
 # Methods whose replies can be large even when the request is small.
@@ -20,14 +21,13 @@ STREAMED_REPLIES = frozenset({"state", "grads", "export"})
 class Transport:
     """A way to call other peers' doors over hivemind P2P: async inside peers, sync for the client."""
 
-    def __init__(self, p2p: P2P, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES):
-        self.p2p = p2p
-        self.max_payload_bytes = max_payload_bytes
+    def __init__(self, p2p: P2P, swarm_key: SwarmKey | None = None, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES):
+        self.p2p, self.swarm_key, self.max_payload_bytes = p2p, swarm_key, max_payload_bytes
 
     @classmethod
-    def for_dht(cls, dht: DHT) -> Transport:
+    def for_dht(cls, dht: DHT, swarm_key: SwarmKey | None = None) -> Transport:
         """A transport sharing the P2P daemon of a DHT, driven from synchronous code."""
-        return cls(RemoteExpertWorker.run_coroutine(dht.replicate_p2p()))
+        return cls(RemoteExpertWorker.run_coroutine(dht.replicate_p2p()), swarm_key)
 
     def call(self, peer: PeerID, message: Message, timeout: float | None = None) -> Message:
         """Send ``message`` and wait for the reply; a refusal becomes a RemoteError."""
@@ -35,7 +35,7 @@ class Transport:
 
     async def acall(self, peer: PeerID, message: Message, timeout: float | None = None) -> Message:
         stub = PeerDoors.get_stub(self.p2p, peer)
-        parts = encode(message)
+        parts = encode(message, self.swarm_key)
         if len(parts) == 1 and message.meta.get("method") not in STREAMED_REPLIES:
             reply = await stub.rpc_call(parts[0], timeout=timeout)
             return raise_if_error(decode([reply]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import AsyncIterator  # noqa: UP035 -- hivemind's servicer reads typing's alias to spot streams
@@ -13,6 +14,8 @@ from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE, MAX_U
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+from swarm.security import SwarmKey
 
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
 
@@ -46,17 +49,37 @@ def is_unary(message: Message) -> bool:
     return payload_bytes(message.tensors) <= MAX_UNARY_PAYLOAD_SIZE
 
 
-def encode(message: Message) -> list[runtime_pb2.ExpertRequest]:
-    """One protobuf for small messages; for large ones, chunks under the P2P message limit (meta on the first)."""
+def encode(message: Message, key: SwarmKey | None = None) -> list[runtime_pb2.ExpertRequest]:
+    """One protobuf for small messages; for large ones, chunks under the P2P message limit (meta on the first).
+
+    With a swarm key, the metadata carries ``auth``: an HMAC over the metadata and every tensor buffer.
+    """
     serialized = [serialize_torch_tensor(t) for t in message.tensors]
-    meta = MSGPackSerializer.dumps(message.meta)
     if is_unary(message):
-        return [runtime_pb2.ExpertRequest(metadata=meta, tensors=serialized)]
-    parts = [runtime_pb2.ExpertRequest(metadata=meta, uid=str(len(serialized)))]
-    for index, tensor in enumerate(serialized):
-        for chunk in split_for_streaming(tensor, DEFAULT_MAX_MSG_SIZE // 2):
-            parts.append(runtime_pb2.ExpertRequest(uid=str(index), tensors=[chunk]))
+        parts = [runtime_pb2.ExpertRequest(tensors=serialized)]
+    else:
+        parts = [runtime_pb2.ExpertRequest(uid=str(len(serialized)))]
+        for index, tensor in enumerate(serialized):
+            for chunk in split_for_streaming(tensor, DEFAULT_MAX_MSG_SIZE // 2):
+                parts.append(runtime_pb2.ExpertRequest(uid=str(index), tensors=[chunk]))
+    meta = dict(message.meta)
+    if key is not None:
+        meta["auth"] = _mac(key, meta, parts)
+    parts[0].metadata = MSGPackSerializer.dumps(meta)
     return parts
+
+
+def _mac(key: SwarmKey, meta: dict, parts: list[runtime_pb2.ExpertRequest]) -> bytes:
+    unsigned = {k: v for k, v in meta.items() if k != "auth"}
+    buffers = [t.buffer for part in parts for t in part.tensors]
+    return key.mac(MSGPackSerializer.dumps(unsigned), *buffers)
+
+
+def verify(key: SwarmKey, message: Message, parts: list[runtime_pb2.ExpertRequest]) -> None:
+    """Raise unless the message was made by a holder of ``key``."""
+    auth = message.meta.get("auth")
+    if not isinstance(auth, bytes) or not hmac.compare_digest(auth, _mac(key, message.meta, parts)):
+        raise WireError("unauthorized: this peer belongs to a private swarm; pass its swarm key (--swarm-key)")
 
 
 def decode(parts: list[runtime_pb2.ExpertRequest]) -> Message:

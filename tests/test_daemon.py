@@ -5,10 +5,10 @@ from __future__ import annotations
 import signal
 import time
 
-from hivemind import DHT
-
 from swarm.localswarm import LocalSwarm
+from swarm.network import join_dht
 from swarm.records import ServerState, read_servers
+from swarm.security import Identity
 from swarm.spec import load_spec
 
 
@@ -20,7 +20,7 @@ def test_dht_prints_multiaddrs_and_peer_announces_then_leaves_cleanly(tiny_model
         lines = [ln for ln in dht_process.log.read_text().splitlines() if ln.startswith("/")]
         assert lines and all(ln.startswith(("/ip4/", "/ip6/")) and "/p2p/" in ln for ln in lines)
         peer = local.start_peer(model_dir, "1:3")
-        observer = DHT(initial_peers=local.initial_peers, client_mode=True, start=True)
+        observer = join_dht(local.initial_peers, Identity.load_or_create(None), None, client_mode=True)
         try:
             servers = read_servers(observer, name, 4)
             assert [len(servers[b]) for b in range(4)] == [0, 1, 1, 0]

@@ -24,27 +24,34 @@ class AdapterLease:
     """The right to train ``adapter``. ``trainer`` names who holds it: a restarted process with the same trainer
     name takes it back at once; a different trainer waits until the holder's lease expires."""
 
-    def __init__(self, dht: DHT, model: str, adapter: str, trainer: str, session: str, ttl: float = 30.0):
-        self.dht, self.key, self.trainer, self.session, self.ttl = dht, lease_key(model, adapter), trainer, session, ttl
+    def __init__(self, dht: DHT, model: str, adapter: str, owner: bytes, trainer: str, session: str, ttl: float = 30.0):
+        self.dht, self.key, self.owner, self.ttl = dht, lease_key(model, adapter), owner, ttl
+        self.trainer, self.session = trainer, session
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def holder(self) -> dict | None:
+    def holders(self) -> list[dict]:
+        """Live, unreleased leases on this adapter (each signed by its holder)."""
         found = self.dht.get(self.key, latest=True)
-        if found is None or not isinstance(found.value, dict) or found.expiration_time < get_dht_time():
-            return None
-        return None if found.value.get("released") else found.value
+        if found is None or not isinstance(found.value, dict):
+            return []
+        now = get_dht_time()
+        return [
+            item.value
+            for item in found.value.values()
+            if item.expiration_time >= now and isinstance(item.value, dict) and not item.value.get("released")
+        ]
 
     def acquire(self, patience: float) -> None:
         """Take the lease, waiting up to ``patience`` seconds for another trainer's lease to expire."""
         deadline = time.monotonic() + patience
         while True:
-            holder = self.holder()
-            if holder is None or holder.get("trainer") == self.trainer:
+            others = [h for h in self.holders() if h.get("trainer") != self.trainer]
+            if not others:
                 self._write()
-                if (self.holder() or {}).get("session") == self.session:
-                    break
-            elif time.monotonic() > deadline:
+                break
+            holder = others[0]
+            if time.monotonic() > deadline:
                 raise AdapterBusyError(
                     f"adapter is being trained by {holder.get('trainer')!r}; stop that trainer, wait for its lease "
                     f"to expire ({self.ttl:.0f}s after it stops), or pick another adapter name"
@@ -55,8 +62,8 @@ class AdapterLease:
         logger.info("holding the lease of %s as trainer %r", self.key, self.trainer)
 
     def _write(self, released: bool = False) -> None:
-        value = {"trainer": self.trainer, "session": self.session, "released": released}
-        self.dht.store(self.key, value, get_dht_time() + self.ttl)
+        value = {"kind": "lease", "trainer": self.trainer, "session": self.session, "released": released}
+        self.dht.store(self.key, value, get_dht_time() + self.ttl, subkey=self.owner)
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl / 3):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import getpass
 import logging
-import os
 import socket
 from pathlib import Path
 
@@ -24,7 +23,9 @@ from swarm.client.commit import ReplicaSet, commit
 from swarm.client.lease import AdapterLease
 from swarm.client.ledger import StepLedger
 from swarm.client.remote import PeerFailure, RemoteStack, RemoteStackFunction
+from swarm.network import check_access, initial_peers_or_env, join_dht, load_swarm_key
 from swarm.routing import Router
+from swarm.security import Identity, SwarmKey
 from swarm.spec import ModelSpec, load_spec
 from swarm.transport import Transport
 
@@ -44,15 +45,6 @@ def _read_tensors(spec: ModelSpec, names: list[str]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def initial_peers_from_env(initial_peers: list[str] | None) -> list[str]:
-    if initial_peers:
-        return list(initial_peers)
-    peers = os.environ.get("SWARM_INITIAL_PEERS", "").replace(",", " ").split()
-    if not peers:
-        raise ValueError("pass initial_peers=[...] (multiaddrs printed by `swarm dht`) or set SWARM_INITIAL_PEERS")
-    return peers
-
-
 class SwarmModelForCausalLM(nn.Module):
     """A causal LM whose decoder blocks (and their LoRA adapter) live on swarm peers."""
 
@@ -67,6 +59,9 @@ class SwarmModelForCausalLM(nn.Module):
         seed: int,
         patience: float,
         trainer: str,
+        identity: Identity,
+        swarm_key: SwarmKey | None,
+        initial_peers: list[str],
     ):
         super().__init__()
         self.spec, self.dht, self.adapter = spec, dht, adapter
@@ -74,12 +69,13 @@ class SwarmModelForCausalLM(nn.Module):
         self.lora_config = lora_config_from_wire(self.lora_wire)
         self.seed, self.dtype, self.device = seed, dtype, device
         self._load_local_modules(dtype, device)
-        self.transport = Transport.for_dht(dht)
+        self.transport = Transport.for_dht(dht, swarm_key)
+        RemoteExpertWorker.run_coroutine(check_access(self.transport, initial_peers))
         self.router = Router(dht, spec.name, spec.num_blocks)
         self.stack = RemoteStack(self.transport, self.router, adapter, patience)
         self.replicas = ReplicaSet(self.stack, self._open_on)
         self.ledger = StepLedger(step=0)
-        self.lease = AdapterLease(dht, spec.name, adapter, trainer, self.ledger.session)
+        self.lease = AdapterLease(dht, spec.name, adapter, identity.owner, trainer, self.ledger.session)
         self.lease.acquire(patience)
         self.router.refresh()
         self.ledger = StepLedger(step=self._resume_step(), session=self.ledger.session)
@@ -115,19 +111,43 @@ class SwarmModelForCausalLM(nn.Module):
         seed: int = 0,
         patience: float = 60.0,
         trainer: str | None = None,
+        swarm_key: str | Path | None = None,
     ) -> SwarmModelForCausalLM:
         """Join the swarm as a client and open (or resume) ``adapter`` on the peers serving ``model_dir``.
 
         ``patience``: seconds to wait when some blocks have no live server before raising.
         ``trainer``: who trains this adapter (default: user@host); the same trainer takes its lease back at once
         after a restart, another one waits for the lease to expire.
+        ``swarm_key``: the key file of a private swarm (``swarm keygen``).
         """
         if lora_config is None:
             raise ValueError("pass lora_config=peft.LoraConfig(r=..., lora_alpha=..., target_modules=[...])")
         spec = load_spec(model_dir)
-        dht = DHT(initial_peers=initial_peers_from_env(initial_peers), client_mode=True, start=True)
+        peers = initial_peers_or_env(initial_peers)
+        if not peers:
+            raise ValueError("pass initial_peers=[...] (multiaddrs printed by `swarm dht`) or set SWARM_INITIAL_PEERS")
+        key = load_swarm_key(swarm_key)
+        identity = Identity.load_or_create(None)
+        dht = join_dht(peers, identity, key, client_mode=True)
         trainer = trainer or f"{getpass.getuser()}@{socket.gethostname()}"
-        return cls(spec, dht, adapter, lora_config, dtype, torch.device(device), seed, patience, trainer)
+        try:
+            return cls(
+                spec,
+                dht,
+                adapter,
+                lora_config,
+                dtype,
+                torch.device(device),
+                seed,
+                patience,
+                trainer,
+                identity,
+                key,
+                peers,
+            )
+        except BaseException:
+            dht.shutdown()
+            raise
 
     def _open_on(self, peer_id: PeerID) -> dict[int, int]:
         """Open (or claim) the adapter on a peer; returns its committed step per block."""

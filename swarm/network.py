@@ -1,0 +1,75 @@
+"""Joining the swarm's DHT with the right identity, record validators and (for private swarms) key."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from hivemind import DHT
+from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from swarm.security import Identity, SwarmKey, record_validators
+from swarm.transport import Transport
+from swarm.wire import Message
+
+logger = logging.getLogger(__name__)
+
+
+class SwarmAccessError(RuntimeError):
+    """This process cannot take part in the swarm as configured (private swarm, wrong or missing key)."""
+
+
+def initial_peers_or_env(initial_peers: list[str] | None) -> list[str]:
+    """``--initial-peers`` / ``initial_peers=``, else ``SWARM_INITIAL_PEERS`` (space or comma separated)."""
+    if initial_peers:
+        return list(initial_peers)
+    return os.environ.get("SWARM_INITIAL_PEERS", "").replace(",", " ").split()
+
+
+def load_swarm_key(path: str | Path | None) -> SwarmKey | None:
+    return None if path is None else SwarmKey.load(path)
+
+
+def join_dht(
+    initial_peers: list[str],
+    identity: Identity,
+    swarm_key: SwarmKey | None,
+    client_mode: bool = False,
+    host: str = "0.0.0.0",
+    port: int = 0,
+) -> DHT:
+    """A DHT node whose records are signed by ``identity`` and, in a private swarm, sealed with the key."""
+    kwargs = {} if client_mode else {"host_maddrs": [f"/ip4/{host}/tcp/{port}"]}
+    return DHT(
+        initial_peers=initial_peers,
+        client_mode=client_mode,
+        identity_path=str(identity.path),
+        record_validators=record_validators(identity, swarm_key),
+        start=True,
+        **kwargs,
+    )
+
+
+async def check_access(transport: Transport, initial_peers: list[str], timeout: float = 10.0) -> None:
+    """Ask the bootstrap peers ``hello``: a private swarm and a missing or different key give a clear error."""
+    mine = None if transport.swarm_key is None else transport.swarm_key.key_id
+    for maddr in initial_peers:
+        try:
+            peer = PeerID.from_base58(Multiaddr(maddr).value_for_protocol("p2p"))
+            reply = await transport.acall(peer, Message({"method": "hello"}, []), timeout)
+        except Exception as e:
+            logger.debug("no hello from %s: %s", maddr, e)
+            continue
+        theirs = reply.meta.get("key_id")
+        if reply.meta.get("private") and mine is None:
+            raise SwarmAccessError(f"{maddr} belongs to a private swarm: pass its swarm key (--swarm-key FILE)")
+        if reply.meta.get("private") and theirs != mine:
+            raise SwarmAccessError(
+                f"wrong swarm key: {maddr} belongs to the private swarm with key id {theirs}, yours is {mine}"
+            )
+        if not reply.meta.get("private") and mine is not None:
+            raise SwarmAccessError(f"{maddr} belongs to a public swarm; drop --swarm-key to join it")
+        return
+    logger.warning("none of the initial peers answered hello; continuing")
