@@ -70,7 +70,10 @@ def cmd_peer(args: argparse.Namespace) -> None:
             host=args.host,
             port=args.port,
             identity=args.identity,
+            swarm_key=args.swarm_key,
             activation_cache_mb=args.activation_cache_mb,
+            max_payload_mb=args.max_payload_mb,
+            max_tokens=args.max_tokens,
         )
     )
 

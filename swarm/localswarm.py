@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -12,6 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGKILL if the process that started us dies (Linux), so no swarm outlives its owner."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 class LocalSwarmError(RuntimeError):
@@ -102,13 +111,14 @@ class LocalSwarm:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         process = Process(name, popen, log)
         self.processes.append(process)
         return process
 
-    def start_dht(self, timeout: float = 60.0) -> Process:
-        dht = self._spawn("dht", ["dht", "--host", "127.0.0.1"])
+    def start_dht(self, extra: list[str] | None = None, timeout: float = 60.0) -> Process:
+        dht = self._spawn("dht", ["dht", "--host", "127.0.0.1", *(extra or [])])
         dht.wait_for_line("/ip4/", timeout)
         self.initial_peers = [ln for ln in dht.log.read_text().splitlines() if ln.startswith("/ip4/127.0.0.1")]
         return dht

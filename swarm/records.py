@@ -68,9 +68,7 @@ def block_key(model: str, block: int) -> str:
     return f"swarm:{model}:block:{block}"
 
 
-async def _store(
-    _dht: DHT, node: DHTNode, model: str, owner: bytes, value: dict, blocks: range, ttl: float
-) -> None:
+async def _store(_dht: DHT, node: DHTNode, model: str, owner: bytes, value: dict, blocks: range, ttl: float) -> None:
     expiration = get_dht_time() + ttl
     keys = [block_key(model, block) for block in blocks]
     await node.store_many(keys, [value] * len(keys), expiration, subkeys=[owner] * len(keys))

@@ -120,13 +120,19 @@ def _combine_chunks(parts: list) -> list[torch.Tensor]:
 
 
 async def collect(stream: AsyncIterator, max_bytes: int) -> list:
-    """Read a streamed message, refusing it once it grows past ``max_bytes``."""
+    """Read a streamed message, refusing it once it grows past ``max_bytes``.
+
+    Past the limit the rest is read and dropped (up to 4x the limit) so the sender gets the refusal, not a reset.
+    """
     parts, size = [], 0
     async for part in stream:
         size += part.ByteSize()
-        if size > max_bytes:
-            raise WireError(f"message exceeds the {max_bytes}-byte limit; send smaller micro-batches")
-        parts.append(part)
+        if size > 4 * max_bytes:
+            break
+        if size <= max_bytes:
+            parts.append(part)
+    if size > max_bytes:
+        raise WireError(f"message exceeds the {max_bytes}-byte limit; send smaller micro-batches")
     return parts
 
 
