@@ -95,7 +95,7 @@ class LocalSwarm:
     initial_peers: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
-    def _spawn(self, name: str, args: list[str]) -> Process:
+    def _spawn(self, name: str, args: list[str], launcher: list[str] | None = None) -> Process:
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = self.workdir / f"{name}.log"
         env = {
@@ -106,7 +106,7 @@ class LocalSwarm:
         }
         with open(log, "wb") as out:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "swarm.cli", *args],
+                [*(launcher or [sys.executable, "-m", "swarm.cli"]), *args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -131,8 +131,11 @@ class LocalSwarm:
         extra: list[str] | None = None,
         wait: bool = True,
         timeout: float = 120.0,
+        launcher: list[str] | None = None,
     ) -> Process:
-        """Start ``swarm peer`` on 127.0.0.1 serving ``blocks`` (START:END); by default wait until it serves."""
+        """Start ``swarm peer`` on 127.0.0.1 serving ``blocks`` (START:END); by default wait until it serves.
+
+        ``launcher`` replaces ``python -m swarm.cli`` (a test can start a patched peer this way)."""
         name = name or f"peer{len(self.processes)}"
         args = [
             "peer",
@@ -146,7 +149,7 @@ class LocalSwarm:
             *self.initial_peers,
             *(extra or []),
         ]
-        peer = self._spawn(name, args)
+        peer = self._spawn(name, args, launcher)
         if wait:
             peer.wait_for_line("serving blocks", timeout)
         return peer

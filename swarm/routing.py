@@ -110,6 +110,11 @@ class Router:
         logger.warning("peer %s failed (%s); banned for %.0fs", peer, reason, seconds)
         return seconds
 
+    def distrust(self, peer: PeerID, reason: str) -> None:
+        """Never use this peer again in this client (it returned results its replicas disagree with)."""
+        self._health(peer).banned_until = float("inf")
+        logger.error("peer %s is banned for good: %s", peer, reason)
+
     def succeeded(self, peer: PeerID, method: str, units: float, seconds: float) -> None:
         health = self._health(peer)
         health.failures = 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+import sys
+from pathlib import Path
 
 import peft
 import psutil
@@ -237,3 +239,30 @@ def test_a_peer_survives_a_fuzz_of_malformed_requests_and_still_trains(tiny_mode
             assert peer.popen.poll() is None
         finally:
             model.shutdown()
+
+
+def test_a_peer_returning_wrong_activations_is_caught_and_training_matches_the_honest_run(tiny_models, tmp_path):
+    from failover_helpers import assert_same_adapter, connect, reference_adapter, train
+
+    model_dir = tiny_models["llama"]
+    corrupt_launcher = [sys.executable, str(Path(__file__).with_name("corrupt_peer.py"))]
+    with LocalSwarm(tmp_path / "swarm", env={"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}) as local:
+        local.start_dht()
+        peers = [
+            local.start_peer(model_dir, "0:2", name="honest-1", wait=False),
+            local.start_peer(model_dir, "0:2", name="honest-2", wait=False),
+            local.start_peer(model_dir, "0:2", name="dishonest", wait=False, launcher=corrupt_launcher),
+            local.start_peer(model_dir, "2:4", name="honest-3", wait=False),
+        ]
+        for peer in peers:
+            peer.wait_for_line("serving blocks", 180)
+        model = connect(local, model_dir, adapter="spot-checked", spot_check=1.0)
+        try:
+            model.save_adapter(tmp_path / "initial")
+            train(model, steps=3)
+            assert [p.to_base58() for p in model.dishonest] == [peers[2].peer_id]
+            model.save_adapter(tmp_path / "final")
+        finally:
+            model.shutdown()
+    reference = reference_adapter(model_dir, tmp_path / "initial", tmp_path / "reference", steps=3)
+    assert_same_adapter(tmp_path / "final", reference)

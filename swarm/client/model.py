@@ -62,6 +62,7 @@ class SwarmModelForCausalLM(nn.Module):
         identity: Identity,
         swarm_key: SwarmKey | None,
         initial_peers: list[str],
+        spot_check: float = 0.0,
     ):
         super().__init__()
         self.spec, self.dht, self.adapter = spec, dht, adapter
@@ -72,7 +73,7 @@ class SwarmModelForCausalLM(nn.Module):
         self.transport = Transport.for_dht(dht, swarm_key)
         RemoteExpertWorker.run_coroutine(check_access(self.transport, initial_peers))
         self.router = Router(dht, spec.name, spec.num_blocks)
-        self.stack = RemoteStack(self.transport, self.router, adapter, patience)
+        self.stack = RemoteStack(self.transport, self.router, adapter, patience, spot_check)
         self.replicas = ReplicaSet(self.stack, self._open_on)
         self.ledger = StepLedger(step=0)
         self.lease = AdapterLease(dht, spec.name, adapter, identity.owner, trainer, self.ledger.session)
@@ -112,6 +113,7 @@ class SwarmModelForCausalLM(nn.Module):
         patience: float = 60.0,
         trainer: str | None = None,
         swarm_key: str | Path | None = None,
+        spot_check: float = 0.0,
     ) -> SwarmModelForCausalLM:
         """Join the swarm as a client and open (or resume) ``adapter`` on the peers serving ``model_dir``.
 
@@ -119,6 +121,8 @@ class SwarmModelForCausalLM(nn.Module):
         ``trainer``: who trains this adapter (default: user@host); the same trainer takes its lease back at once
         after a restart, another one waits for the lease to expire.
         ``swarm_key``: the key file of a private swarm (``swarm keygen``).
+        ``spot_check``: fraction of hops also computed on other replicas; a peer outvoted by two agreeing
+        replicas is banned for good and listed in ``model.dishonest``.
         """
         if lora_config is None:
             raise ValueError("pass lora_config=peft.LoraConfig(r=..., lora_alpha=..., target_modules=[...])")
@@ -144,6 +148,7 @@ class SwarmModelForCausalLM(nn.Module):
                 identity,
                 key,
                 peers,
+                spot_check,
             )
         except BaseException:
             dht.shutdown()
@@ -184,6 +189,11 @@ class SwarmModelForCausalLM(nn.Module):
     def step(self) -> int:
         """The number of committed optimizer steps of this adapter."""
         return self.ledger.step
+
+    @property
+    def dishonest(self) -> list[PeerID]:
+        """Peers caught returning results that their replicas disagree with."""
+        return self.stack.dishonest
 
     @property
     def recoveries(self):

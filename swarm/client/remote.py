@@ -4,7 +4,9 @@ re-routing around peers that fail, from what the client keeps."""
 from __future__ import annotations
 
 import logging
+import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -54,10 +56,21 @@ class Recovery:
 class RemoteStack:
     """Runs blocks of one adapter through the swarm with retries, and records who holds which gradients."""
 
-    def __init__(self, transport: Transport, router: Router, adapter: str, patience: float):
+    def __init__(
+        self,
+        transport: Transport,
+        router: Router,
+        adapter: str,
+        patience: float,
+        spot_check: float = 0.0,
+        spot_check_tolerance: float = 1e-3,
+    ):
         self.transport, self.router, self.adapter, self.patience = transport, router, adapter, patience
+        self.spot_check, self.spot_check_tolerance = spot_check, spot_check_tolerance
         self.on_peer_state: list = []  # callbacks(peer) run when a peer turns out stale or fresh
         self.recoveries: list[Recovery] = []
+        self.dishonest: list[PeerID] = []
+        self.random = random.Random()
 
     # --- calls ----------------------------------------------------------------------------------------------
 
@@ -139,6 +152,52 @@ class RemoteStack:
             "recovered from the failure of peer %s during %s (step %d) in %.2fs", failed, during, step, seconds
         )
 
+    # --- spot checks ------------------------------------------------------------------------------------------
+
+    def _agree(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        scale = max(a.abs().max().item(), b.abs().max().item(), 1e-6)
+        return a.shape == b.shape and (a - b).abs().max().item() <= self.spot_check_tolerance * scale
+
+    def _spot_check(
+        self, hop: Hop, result: torch.Tensor, redo: Callable[[PeerID], torch.Tensor]
+    ) -> tuple[torch.Tensor, PeerID]:
+        """With probability ``spot_check``, redo the hop on other replicas; a peer outvoted by two that agree
+        is banned for good. Returns the result to use and the peer that produced it."""
+        if self.spot_check <= 0 or self.random.random() >= self.spot_check:
+            return result, hop.peer_id
+        opinions: dict[PeerID, torch.Tensor] = {hop.peer_id: result}
+        others = [
+            r.peer_id
+            for r in self.router.replicas(hop.start)
+            if r.peer_id != hop.peer_id and r.start <= hop.start and hop.end <= r.end
+        ]
+        majority: list[PeerID] = []
+        for peer in others:
+            try:
+                opinions[peer] = redo(peer)
+            except PeerFailure:
+                continue
+            for value in opinions.values():
+                agreeing = [p for p, v in opinions.items() if self._agree(value, v)]
+                if len(agreeing) >= 2 and len(agreeing) > len(majority):
+                    majority = agreeing
+            if len(majority) >= 2 and len(majority) == len(opinions):
+                break  # everyone asked so far agrees
+            if len(majority) >= 2 and len(opinions) >= 3:
+                break
+        if len(majority) < 2:
+            if len(opinions) > 1:
+                logger.warning("replicas of blocks %d:%d disagree and no majority exists", hop.start, hop.end)
+            return result, hop.peer_id
+        for peer in opinions:
+            if peer not in majority:
+                self.router.distrust(peer, f"its blocks {hop.start}:{hop.end} results disagree with its replicas'")
+                self.dishonest.append(peer)
+                for callback in self.on_peer_state:
+                    callback(peer)
+        chosen = hop.peer_id if hop.peer_id in majority else majority[0]
+        return opinions[chosen], chosen
+
     # --- forward and backward -------------------------------------------------------------------------------
 
     def forward(
@@ -151,6 +210,12 @@ class RemoteStack:
             hop = self.router.wait_route(block, patience=self.patience)[0]
             try:
                 outputs = self._forward_hop(hop, hidden, mask, step, micro_batch)
+                outputs, chosen = self._spot_check(
+                    hop,
+                    outputs,
+                    lambda peer, h=hop, x=hidden: self._forward_hop(Hop(peer, h.start, h.end), x, mask, step, None),
+                )
+                hop = Hop(chosen, hop.start, hop.end)
             except PeerFailure as e:
                 failed, since = e.peer, since or time.monotonic()
                 continue
@@ -195,7 +260,16 @@ class RemoteStack:
                     hiddens.append(self._forward_hop(hop, hiddens[-1], mask, ledger.step, None))
                 grad = segment.grad_outputs
                 for hop, hidden in zip(reversed(hops), reversed(hiddens), strict=True):
-                    grad = self._backward_hop(hop, hidden, grad, mask, ledger, micro_batch)
+                    grad_out = grad
+                    grad = self._backward_hop(hop, hidden, grad_out, mask, ledger, micro_batch)
+                    grad, chosen = self._spot_check(
+                        hop,
+                        grad,
+                        lambda peer, h=hop, x=hidden, g=grad_out: self._backward_hop(
+                            Hop(peer, h.start, h.end), x, g, mask, ledger, micro_batch
+                        ),
+                    )
+                    ledger.acknowledge(micro_batch, hop.blocks, chosen)
             except PeerFailure as e:
                 failed, since, prefer = e.peer, since or time.monotonic(), None
                 continue
