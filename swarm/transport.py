@@ -16,6 +16,7 @@ from swarm.wire import DEFAULT_MAX_PAYLOAD_BYTES, Message, PeerDoors, collect, d
 
 # Methods whose replies can be large even when the request is small.
 STREAMED_REPLIES = frozenset({"state", "grads", "export"})
+STREAM_ATTEMPTS = 3
 
 
 class Transport:
@@ -42,8 +43,14 @@ class Transport:
         return raise_if_error(decode(await asyncio.wait_for(self._stream(stub, parts), timeout=timeout)))
 
     async def _stream(self, stub, parts: list[runtime_pb2.ExpertRequest]) -> list:
-        replies: AsyncIterator = await stub.rpc_stream(as_aiter(*parts))
-        return await collect(replies, self.max_payload_bytes)
+        """Stream a request and collect the reply. A stream that closes with no reply at all (seen rarely under
+        load) is retried: every streamed method is idempotent."""
+        for _ in range(STREAM_ATTEMPTS):
+            replies: AsyncIterator = await stub.rpc_stream(as_aiter(*parts))
+            reply = await collect(replies, self.max_payload_bytes)
+            if reply:
+                return reply
+        return []
 
     async def shutdown(self) -> None:
         await self.p2p.shutdown()

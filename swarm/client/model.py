@@ -5,6 +5,7 @@ from __future__ import annotations
 import getpass
 import logging
 import socket
+import time
 from pathlib import Path
 
 import peft
@@ -237,16 +238,24 @@ class SwarmModelForCausalLM(nn.Module):
         self.ledger = self.ledger.discarded()
 
     def _each_block(self, method: str) -> list[tuple[PeerID, range, dict, list[torch.Tensor]]]:
-        """Ask every current replica; used for exports and checks."""
-        self.replicas.refresh(self.step)
-        answers = []
-        for peer, span in self.replicas.peers(self.step).items():
-            try:
-                reply = self.stack.call(peer, {"method": method, "adapter": self.adapter}, [])
-            except PeerFailure:
-                continue
-            answers.append((peer, span, reply.meta, reply.tensors))
-        return answers
+        """Ask every current replica (used for exports and checks), waiting up to ``patience`` for every block
+        to have answered at least once: a replica banned a moment ago may be back in seconds."""
+        deadline = time.monotonic() + self.stack.patience
+        answers: dict[PeerID, tuple[PeerID, range, dict, list[torch.Tensor]]] = {}
+        while True:
+            self.replicas.refresh(self.step)
+            for peer, span in self.replicas.peers(self.step).items():
+                if peer in answers:
+                    continue
+                try:
+                    reply = self.stack.call(peer, {"method": method, "adapter": self.adapter}, [])
+                except PeerFailure:
+                    continue
+                answers[peer] = (peer, span, reply.meta, reply.tensors)
+            covered = {b for _, span, _, _ in answers.values() for b in span}
+            if len(covered) == self.spec.num_blocks or time.monotonic() > deadline:
+                return list(answers.values())
+            time.sleep(1.0)
 
     def adapter_state(self) -> dict[int, dict[str, torch.Tensor]]:
         """LoRA tensors of every block, from live replicas at the current step."""
