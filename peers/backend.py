@@ -120,15 +120,25 @@ class BlockState:
 
 @dataclass
 class Adapter:
-    """An adapter as this peer holds it: its identity, the trainer session that holds it, per-block state."""
+    """An adapter as this peer holds it: its identity, the trainer session that holds it, the live state of the
+    blocks it serves, and standby copies of blocks it may have to take over (state only, no base weights)."""
 
     config_wire: dict
     seed: int
-    blocks: dict[int, BlockAdapter]
+    blocks: dict[int, BlockAdapter] = field(default_factory=dict)
+    standby: dict[int, BlockState] = field(default_factory=dict)
     session: str | None = None
 
     def steps(self) -> dict[int, int]:
         return {block: state.step for block, state in self.blocks.items()}
+
+    def standby_steps(self) -> dict[int, int]:
+        return {block: state.step for block, state in self.standby.items()}
+
+    @property
+    def meta(self) -> dict:
+        """What a checkpoint or another peer needs to rebuild this adapter: its LoRA config and seed."""
+        return {"lora": self.config_wire, "seed": self.seed}
 
 
 class ActivationCache:
@@ -163,50 +173,91 @@ class ActivationCache:
 
 
 class SpanBackend:
-    """Blocks [start, end) of a model and the adapters trained on them. Not thread-safe: one caller at a time."""
+    """The blocks a peer serves and the adapters trained on them. Not thread-safe: one caller at a time (the
+    service's compute thread); only ``load_layers`` is safe to run elsewhere, since it touches nothing shared."""
 
     def __init__(
         self,
         spec: ModelSpec,
-        start: int,
-        end: int,
+        blocks: range,
         device: torch.device,
         dtype: torch.dtype,
         quant: str,
         activation_cache_bytes: int = 1 << 30,
         max_tokens: int = 1 << 16,
     ):
-        if not 0 <= start < end <= spec.num_blocks:
-            raise ValueError(f"--blocks {start}:{end} is outside the model's blocks 0:{spec.num_blocks}")
-        self.spec, self.start, self.end = spec, start, end
-        self.device, self.dtype, self.quant, self.max_tokens = device, dtype, quant, max_tokens
+        self.spec, self.device, self.dtype, self.quant, self.max_tokens = spec, device, dtype, quant, max_tokens
         self.layers: dict[int, nn.Module] = {}
-        for block in tqdm(range(start, end), desc=f"loading blocks {start}:{end}", unit="block"):
-            self.layers[block] = load_block(spec, block, device, dtype, quant)
         self.rotary = spec.family_class("RotaryEmbedding")(config=spec.config).to(device)
         self.adapters: dict[str, Adapter] = {}
         self.cache = ActivationCache(activation_cache_bytes)
+        self.install(self.load_layers(blocks))
 
     @property
-    def blocks(self) -> range:
-        return range(self.start, self.end)
+    def blocks(self) -> list[int]:
+        return sorted(self.layers)
+
+    # --- which blocks ---------------------------------------------------------------------------------------
+
+    def load_layers(self, blocks: range) -> dict[int, nn.Module]:
+        """Read and build blocks from the model folder (slow; runs beside serving, shares nothing)."""
+        if not 0 <= blocks.start < blocks.stop <= self.spec.num_blocks:
+            raise ValueError(
+                f"blocks {blocks.start}:{blocks.stop} are outside the model's blocks 0:{self.spec.num_blocks}"
+            )
+        wanted = [block for block in blocks if block not in self.layers]
+        return {
+            block: load_block(self.spec, block, self.device, self.dtype, self.quant)
+            for block in tqdm(wanted, desc=f"loading blocks {blocks.start}:{blocks.stop}", unit="block")
+        }
+
+    def install(self, layers: dict[int, nn.Module]) -> None:
+        """Start serving loaded blocks; each adapter's state comes from its standby copy when this peer has one."""
+        self.layers.update(layers)
+        for name, adapter in self.adapters.items():
+            self._fill(name, adapter)
+
+    def remove(self, blocks: list[int]) -> None:
+        """Stop serving blocks; their adapter state stays here as standby copies (a peer that moves keeps them)."""
+        for block in blocks:
+            self.layers.pop(block, None)
+            for adapter in self.adapters.values():
+                state = adapter.blocks.pop(block, None)
+                if state is not None:
+                    adapter.standby[block] = BlockState.of(state)
+        for name in self.adapters:
+            self.cache.drop_adapter(name)
+
+    def _fill(self, name: str, adapter: Adapter) -> None:
+        """Give every served block this adapter's LoRA: from the standby copy if any, else the deterministic init."""
+        config = lora_config_from_wire(adapter.config_wire)
+        for block, layer in self.layers.items():
+            if block in adapter.blocks:
+                continue
+            params = add_lora(layer, block, name, config, adapter.seed)
+            optimizer = torch.optim.AdamW([lp.param for lp in params], lr=0.0)
+            state = adapter.blocks[block] = BlockAdapter(params=params, optimizer=optimizer)
+            standby = adapter.standby.pop(block, None)
+            if standby is not None:
+                standby.load_into(state)
+                logger.info("adapter %r block %d starts from its standby copy at step %d", name, block, state.step)
 
     # --- adapters -------------------------------------------------------------------------------------------
 
-    def open_adapter(self, name: str, config_wire: dict, seed: int, session: str | None = None) -> dict[int, int]:
-        """Create an adapter on every block (deterministic init) or check it matches; a session claims it."""
+    def ensure_adapter(self, name: str, config_wire: dict, seed: int) -> Adapter:
+        """The adapter ``name``, created (deterministic init on served blocks) if new; its config must match."""
         adapter = self.adapters.get(name)
         if adapter is None:
-            config = lora_config_from_wire(config_wire)
-            blocks = {}
-            for block, layer in self.layers.items():
-                params = add_lora(layer, block, name, config, seed)
-                optimizer = torch.optim.AdamW([lp.param for lp in params], lr=0.0)
-                blocks[block] = BlockAdapter(params=params, optimizer=optimizer)
-            adapter = self.adapters[name] = Adapter(config_wire=config_wire, seed=seed, blocks=blocks)
-            logger.info("opened adapter %r on blocks %d:%d", name, self.start, self.end)
+            adapter = self.adapters[name] = Adapter(config_wire=config_wire, seed=seed)
+            self._fill(name, adapter)
+            logger.info("opened adapter %r on blocks %s", name, spans_text(self.blocks))
         elif adapter.config_wire != config_wire or adapter.seed != seed:
             raise RequestError(f"adapter {name!r} exists here with another LoRA config or seed; pick a new name")
+        return adapter
+
+    def open_adapter(self, name: str, config_wire: dict, seed: int, session: str | None = None) -> dict[int, int]:
+        """Create an adapter on every block (deterministic init) or check it matches; a session claims it."""
+        adapter = self.ensure_adapter(name, config_wire, seed)
         if session is not None and session != adapter.session:
             if adapter.session is not None:
                 logger.info("adapter %r claimed by a new trainer session; dropping the old session's gradients", name)
@@ -244,8 +295,10 @@ class SpanBackend:
                     module.set_adapter(name)
 
     def _check_range(self, start: int, end: int) -> range:
-        if not self.start <= start < end <= self.end:
-            raise RequestError(f"blocks {start}:{end} are not inside this peer's span {self.start}:{self.end}")
+        if not (start < end and all(block in self.layers for block in range(start, end))):
+            raise RequestError(
+                f"blocks {start}:{end} are not all served here (this peer serves {spans_text(self.blocks)})"
+            )
         return range(start, end)
 
     def run(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, blocks: range) -> torch.Tensor:
@@ -426,18 +479,75 @@ class SpanBackend:
     # --- state ----------------------------------------------------------------------------------------------
 
     def export_state(self, name: str, blocks: range) -> dict[int, BlockState]:
-        """LoRA tensors, AdamW moments and step of each block: what a lagging replica needs to catch up."""
+        """LoRA tensors, AdamW moments and step of each block, served or standby: what another peer needs."""
         adapter = self.adapter(name)
-        return {block: BlockState.of(adapter.blocks[block]) for block in blocks if block in adapter.blocks}
+        states = {}
+        for block in blocks:
+            if block in adapter.blocks:
+                states[block] = BlockState.of(adapter.blocks[block])
+            elif block in adapter.standby:
+                states[block] = adapter.standby[block]
+        return states
 
     def import_state(self, name: str, states: dict[int, BlockState]) -> dict[int, int]:
-        """Replace this peer's state of some blocks by a current replica's (gradients in progress are dropped)."""
+        """Replace this peer's state of served blocks by a current replica's (gradients in progress are dropped)."""
         adapter = self.adapter(name)
         for block, incoming in states.items():
             if block in adapter.blocks:
                 incoming.load_into(adapter.blocks[block])
         self.cache.drop_adapter(name)
         return adapter.steps()
+
+    def keep_standby(self, name: str, meta: dict, states: dict[int, BlockState], keep: set[int] | None) -> None:
+        """Store newer standby copies of blocks; forget copies outside ``keep`` (None: forget nothing). A served
+        block behind its copy (fresh from a checkpoint or a takeover) starts from the copy."""
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            adapter = self.adapters[name] = Adapter(config_wire=meta["lora"], seed=meta["seed"])
+        elif adapter.config_wire != meta["lora"] or adapter.seed != meta["seed"]:
+            raise RequestError(f"adapter {name!r} exists here with another LoRA config or seed")
+        for block, state in states.items():
+            served = adapter.blocks.get(block)
+            if served is not None:
+                if served.step < state.step:
+                    state.load_into(served)
+                continue
+            held = adapter.standby.get(block)
+            if held is None or held.step <= state.step:
+                adapter.standby[block] = state
+        if keep is not None:
+            for block in [b for b in adapter.standby if b not in keep]:
+                del adapter.standby[block]
+        self._fill(name, adapter)
+        self.cache.drop_adapter(name)
+
+    def fast_forward(self, name: str, blocks: range, step: int) -> dict[int, int]:
+        """Declare blocks whose newest surviving state is older than ``step`` current at ``step``: the updates
+        between are lost. Returns the steps lost per block (reported by the caller, never silent)."""
+        adapter = self.adapter(name)
+        lost = {}
+        for block in blocks:
+            state = adapter.blocks.get(block)
+            if state is not None and state.step < step:
+                lost[block] = step - state.step
+                logger.warning(
+                    "adapter %r block %d: newest surviving state is step %d, the trainer is at %d: %d step(s) lost",
+                    name,
+                    block,
+                    state.step,
+                    step,
+                    lost[block],
+                )
+                state.step = step
+                state.grads.clear()
+        self.cache.drop_adapter(name)
+        return lost
+
+    def snapshot(self, name: str) -> dict[int, BlockState]:
+        """Every block state this peer holds for the adapter (served and standby), for a checkpoint."""
+        adapter = self.adapter(name)
+        states = {block: BlockState.of(state) for block, state in adapter.blocks.items()}
+        return {**adapter.standby, **states}
 
     def lora_state(self, name: str) -> dict[int, dict[str, torch.Tensor]]:
         """LoRA tensors per block, named as inside a peft adapter file (``self_attn.q_proj.lora_A.weight``)."""
@@ -449,3 +559,14 @@ class SpanBackend:
 
     def digests(self, name: str) -> dict[int, str]:
         return {block: state.digest() for block, state in self.adapter(name).blocks.items()}
+
+
+def spans_text(blocks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0:3,5:6"``: blocks as START:END runs, for messages."""
+    runs: list[list[int]] = []
+    for block in blocks:
+        if runs and runs[-1][1] == block:
+            runs[-1][1] = block + 1
+        else:
+            runs.append([block, block + 1])
+    return ",".join(f"{a}:{b}" for a, b in runs) or "nothing"

@@ -1,24 +1,33 @@
-"""The peer daemon: join the DHT, load a span of blocks, serve it, keep announcing it, leave cleanly."""
+"""The peer daemon: join the DHT, choose and load a span of blocks, serve it, keep announcing it, keep standby
+copies and checkpoints of adapter state, move to where the swarm needs it, leave cleanly."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import signal
 import time
 from dataclasses import dataclass
 
 import torch
 
-from peers.backend import SpanBackend
+from peers.backend import SpanBackend, spans_text
+from peers.balancer import badness, choose_span, coverage_with, plan_move, safe_to_drop
+from peers.checkpoints import CheckpointStore, CheckpointWriter
+from peers.replication import Replicator, StandbyPolicy
 from peers.service import PeerService
 from swarm.network import check_access, join_dht, load_swarm_key
-from swarm.records import RECORD_TTL, ServerRecord, ServerState, announce
+from swarm.records import RECORD_TTL, ServerRecord, ServerState, announce, announce_model
 from swarm.security import Identity
-from swarm.spec import load_spec
+from swarm.spec import ModelSpec, load_spec
 from swarm.transport import Transport
+from swarm.view import SwarmView, observe
+from swarm.wire import Message
 
 logger = logging.getLogger(__name__)
+
+QUANT_BYTES = {"nf4": 0.55, "int8": 1.05}
 
 
 @dataclass
@@ -27,8 +36,16 @@ class PeerConfig:
 
     model: str
     initial_peers: list[str]
-    start: int
-    end: int
+    blocks: range | None = None
+    num_blocks: int | None = None
+    max_blocks: int | None = None
+    replication: int = 2
+    rebalance: bool = True
+    balance_interval: float = 5.0
+    standby_blocks: int | None = None
+    standby_every: int = 1
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 1
     device: str = "cpu"
     quant: str | None = None
     dtype: str = "float32"
@@ -53,75 +70,251 @@ class PeerConfig:
 def measure_throughput(backend: SpanBackend, tokens: int = 128) -> float:
     """Tokens per second through the whole span, without LoRA: what clients use to spread load."""
     hidden = torch.randn(1, tokens, backend.spec.hidden_size, device=backend.device, dtype=backend.dtype)
+    blocks = range(backend.blocks[0], backend.blocks[-1] + 1)
     with torch.no_grad():
-        backend.run(hidden, None, backend.blocks)
+        backend.run(hidden, None, blocks)
         started = time.perf_counter()
-        backend.run(hidden, None, backend.blocks)
+        backend.run(hidden, None, blocks)
     return tokens / max(time.perf_counter() - started, 1e-6)
 
 
+def blocks_that_fit(spec: ModelSpec, config: PeerConfig) -> int:
+    """How many blocks fit in 80% of the device's free memory (base weights, plus a margin for LoRA and
+    activations): the default span length when neither --blocks nor --num-blocks is given."""
+    import psutil
+
+    from swarm.blocks import DTYPES
+
+    c = spec.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv = c.num_key_value_heads * head_dim
+    params = 2 * c.hidden_size * c.hidden_size + 2 * c.hidden_size * kv + 3 * c.hidden_size * c.intermediate_size
+    per_param = QUANT_BYTES.get(config.quant_mode, torch.finfo(DTYPES[config.dtype]).bits / 8)
+    if config.device.startswith("cuda"):
+        free = torch.cuda.mem_get_info(torch.device(config.device))[0]
+    else:
+        free = psutil.virtual_memory().available
+    fit = int(0.8 * free / (1.25 * params * per_param))
+    return max(1, min(spec.num_blocks, fit))
+
+
 class PeerDaemon:
-    """One process serving blocks [start, end) of one model."""
+    """One process serving a span of one model's blocks, moving it when the swarm needs it elsewhere."""
 
     def __init__(self, config: PeerConfig):
         self.config = config
         self.spec = load_spec(config.model)
         self.swarm_key = load_swarm_key(config.swarm_key)
         self.identity = Identity.load_or_create(config.identity)
-        self.blocks = range(config.start, config.end)
+        self.span_len = len(config.blocks) if config.blocks else config.num_blocks or blocks_that_fit(self.spec, config)
+        self.max_blocks = max(self.span_len, config.max_blocks or 0)
+        self.serving = config.blocks or range(0)
         self.state = ServerState.JOINING
+        self.joining: range | None = None
+        self.moving_to: range | None = None
         self.throughput = 0.0
+        self.rng = random.Random(self.identity.peer_id.to_bytes())
+        self.store = CheckpointStore(config.checkpoint_dir) if config.checkpoint_dir else None
+        self.writer = CheckpointWriter(self.store, config.checkpoint_every) if self.store else None
+        self.view: SwarmView | None = None
+        self._notices: set[asyncio.Task] = set()
 
-    def _load(self) -> None:
-        """Load the span (slow: runs in a thread while the event loop keeps the P2P connection alive)."""
+    # --- what this peer tells others ------------------------------------------------------------------------
+
+    def _records(self) -> list[tuple[ServerRecord, range]]:
+        adapters = {}
+        if hasattr(self, "backend"):
+            for name, adapter in self.backend.adapters.items():
+                steps = [step for block, step in adapter.steps().items() if block in self.serving]
+                if steps:
+                    adapters[name] = min(steps)
+        records = []
+        if self.serving:
+            record = ServerRecord(
+                self.identity.peer_id,
+                self.state,
+                self.serving.start,
+                self.serving.stop,
+                self.throughput,
+                adapters,
+                self.moving_to,
+            )
+            records.append((record, self.serving))
+        if self.joining:
+            record = ServerRecord(
+                self.identity.peer_id, ServerState.JOINING, self.joining.start, self.joining.stop, self.throughput
+            )
+            records.append((record, range(max(self.joining.start, self.serving.stop), self.joining.stop)))
+            records.append((record, range(self.joining.start, min(self.joining.stop, self.serving.start))))
+        return [(record, blocks) for record, blocks in records if len(blocks)]
+
+    async def _announce(self, records: list[tuple[ServerRecord, range]] | None = None) -> None:
+        for record, blocks in records if records is not None else self._records():
+            await asyncio.to_thread(
+                announce, self.dht, self.spec.name, self.identity.owner, record, blocks, self.config.record_ttl, True
+            )
+        await asyncio.to_thread(
+            announce_model, self.dht, self.spec.name, self.spec.num_blocks, self.identity.owner, self.config.record_ttl
+        )
+
+    def info(self) -> dict:
+        adapters = {}
+        if hasattr(self, "backend"):
+            for name, a in self.backend.adapters.items():
+                adapters[name] = {
+                    **a.meta,
+                    "steps": {str(b): s for b, s in a.steps().items()},
+                    "standby": {str(b): s for b, s in a.standby_steps().items()},
+                }
+        return {
+            "model": self.spec.name,
+            "start": self.serving.start,
+            "end": self.serving.stop,
+            "state": self.state.value,
+            "throughput": self.throughput,
+            "adapters": adapters,
+            "standby_blocks": self.replicator.standby if hasattr(self, "replicator") else [],
+        }
+
+    # --- choosing, loading, moving ----------------------------------------------------------------------------
+
+    async def _observe(self) -> SwarmView:
+        self.view = await observe(self.dht, self.transport, self.spec.name, self.spec.num_blocks, self.identity.peer_id)
+        return self.view
+
+    async def _choose_span(self) -> range:
+        """Pick the span that helps most; announce it as joining; look again, and yield to a smaller-id peer that
+        chose the same span at the same moment."""
+        config, me = self.config, self.identity.peer_id
+        await asyncio.sleep(self.rng.uniform(0.0, 1.0))
+        view = await self._observe()
+        span = choose_span(
+            view.coverage(me), self.spec.num_blocks, self.span_len, config.replication, view.throughput(), self.rng
+        )
+        for _ in range(3):
+            self.joining = span
+            await self._announce()
+            await asyncio.sleep(1.0 + self.rng.uniform(0.0, 1.0))
+            view = await self._observe()
+            coverage = view.coverage(me, joining_before=me)
+            best = choose_span(
+                coverage, self.spec.num_blocks, self.span_len, config.replication, view.throughput(), self.rng
+            )
+            mine = badness(coverage_with(coverage, self.spec.num_blocks, span), config.replication)
+            if mine <= badness(coverage_with(coverage, self.spec.num_blocks, best), config.replication):
+                break
+            logger.info(
+                "span %s was taken by another joining peer; choosing %s instead",
+                spans_text(list(span)),
+                spans_text(list(best)),
+            )
+            span = best
+        logger.info("chose blocks %d:%d", span.start, span.stop)
+        return span
+
+    def _load(self, blocks: range) -> None:
+        """Build the backend (slow: runs in a thread while the event loop keeps the P2P connection alive)."""
         from swarm.blocks import DTYPES
 
         config = self.config
         self.backend = SpanBackend(
             self.spec,
-            config.start,
-            config.end,
+            blocks,
             torch.device(config.device),
             DTYPES[config.dtype],
             config.quant_mode,
             activation_cache_bytes=config.activation_cache_mb << 20,
             max_tokens=config.max_tokens,
         )
+        if self.store is not None:
+            for name, (meta, states) in self.store.load().items():
+                self.backend.keep_standby(name, meta, states, keep=None)
+                logger.info("loaded checkpoint of adapter %r: steps %s", name, _steps_by_block(states))
         self.throughput = measure_throughput(self.backend)
-        logger.info("blocks %d:%d loaded, %.0f tokens/s", config.start, config.end, self.throughput)
+        logger.info("blocks %d:%d loaded, %.0f tokens/s", blocks.start, blocks.stop, self.throughput)
 
-    def record(self) -> ServerRecord:
-        adapters = (
-            {name: min(adapter.steps().values()) for name, adapter in self.backend.adapters.items()}
-            if hasattr(self, "backend")
-            else {}
-        )
-        return ServerRecord(
-            peer_id=self.identity.peer_id,
-            state=self.state,
-            start=self.config.start,
-            end=self.config.end,
-            throughput=self.throughput,
-            adapters=adapters,
-        )
+    async def _move(self, target: range) -> None:
+        """Serve ``target`` instead of the current span without a gap: load it and take its state while still
+        serving the old span, announce the move, check that the blocks handed over stay covered, then switch."""
+        me, old = self.identity.peer_id, self.serving
+        logger.info("moving from blocks %d:%d to %d:%d", old.start, old.stop, target.start, target.stop)
+        self.joining = target
+        await self._announce()
+        layers = await asyncio.to_thread(self.backend.load_layers, target)
+        await self.replicator.take_state(await self._observe(), target)
+        await self.service.compute(self.backend.install, layers)
+        handed_over = [b for b in old if b not in target]
+        if handed_over:
+            self.moving_to = target
+            await self._announce()
+            await asyncio.sleep(1.0 + self.rng.uniform(0.0, 1.0))
+            view = await self._observe()
+            unsafe = [b for b in handed_over if not safe_to_drop(b, _others(view, b, me), me.to_base58())]
+            if unsafe:
+                logger.info("not moving: blocks %s would be left without a server; keeping them", unsafe)
+                self.moving_to, self.joining = None, None
+                await self.service.compute(self.backend.remove, [b for b in target if b not in old])
+                await self._announce()
+                return
+        self.serving, self.joining, self.moving_to = target, None, None
+        leaving = ServerRecord(me, ServerState.LEAVING, old.start, old.stop, self.throughput)
+        await self._announce([(leaving, range(b, b + 1)) for b in handed_over] + self._records())
+        await asyncio.sleep(self.config.leave_grace)
+        await self.service.compute(self.backend.remove, handed_over)
+        logger.info("now serving blocks %d:%d", target.start, target.stop)
 
-    def info(self) -> dict:
-        return {
-            "model": self.spec.name,
-            "start": self.config.start,
-            "end": self.config.end,
-            "state": self.state.value,
-            "throughput": self.throughput,
-            "adapters": {name: {str(b): s for b, s in a.steps().items()} for name, a in self.backend.adapters.items()},
+    async def _balance_round(self) -> None:
+        """Refresh standby copies, then move if that strictly helps the swarm."""
+        view = await self._observe()
+        changed = await self.replicator.refresh_standby(view, self.serving)
+        for name in changed:
+            await self._checkpoint(name)
+        if not self.config.rebalance:
+            return
+        coverage = view.coverage(self.identity.peer_id)
+        target = plan_move(
+            coverage, self.spec.num_blocks, self.serving, self.span_len, self.config.replication, self.max_blocks
+        )
+        if target is not None:
+            await self._move(target)
+
+    async def _checkpoint(self, name: str) -> None:
+        if self.writer is not None:
+            states = await self.service.compute(self.backend.snapshot, name)
+            self.writer.submit(name, self.backend.adapters[name].meta, states)
+
+    async def _after_commit(self, name: str) -> None:
+        """A step was applied here: checkpoint it (in the background) and tell the peers keeping standby copies
+        of these blocks, so they pull the new state now rather than at their next round."""
+        await self._checkpoint(name)
+        adapter = self.backend.adapters[name]
+        steps = adapter.steps()
+        step = min(steps.values())
+        notice = {
+            "method": "committed",
+            "adapter": name,
+            **adapter.meta,
+            "step": step,
+            "start": min(steps),
+            "end": max(steps) + 1,
+            "source": self.identity.peer_id.to_base58(),
         }
+        for peer in self.view.watchers(list(steps)) if self.view is not None else ():
+            task = asyncio.create_task(self._notify(peer, notice))
+            self._notices.add(task)
+            task.add_done_callback(self._notices.discard)
 
-    def _announce(self, wait: bool):
-        return announce(
-            self.dht, self.spec.name, self.identity.owner, self.record(), self.blocks, self.config.record_ttl, wait
-        )
+    async def _notify(self, peer, notice: dict) -> None:
+        try:
+            await self.transport.acall(peer, Message(notice, []), timeout=5.0)
+        except Exception as e:
+            logger.debug("could not notify %s of a commit: %s", peer, e)
+
+    # --- the life of a peer -----------------------------------------------------------------------------------
 
     async def serve(self) -> None:
-        """Join, check access, load, serve until SIGINT/SIGTERM; then announce leaving, finish in-flight work, go."""
+        """Join, check access, choose and load blocks, serve until SIGINT/SIGTERM; then announce leaving,
+        finish in-flight work, go."""
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -129,29 +322,59 @@ class PeerDaemon:
         config = self.config
         self.dht = join_dht(config.initial_peers, self.identity, self.swarm_key, host=config.host, port=config.port)
         p2p = await self.dht.replicate_p2p()
-        await check_access(Transport(p2p, self.swarm_key), config.initial_peers)
-        await asyncio.to_thread(self._announce, True)
-        await asyncio.to_thread(self._load)
-        service = PeerService(
-            self.backend, self.info, Transport(p2p, self.swarm_key), self.swarm_key, self.config.max_payload_mb << 20
-        )
-        await service.register(p2p)
-        self.state = ServerState.ONLINE
-        logger.info("serving blocks %d:%d of %s as %s", self.config.start, self.config.end, self.spec.name, p2p.peer_id)
+        self.transport = Transport(p2p, self.swarm_key)
+        await check_access(self.transport, config.initial_peers)
+        if config.blocks is None:
+            self.joining = await self._choose_span()
+        else:
+            self.joining = config.blocks
+            await self._announce()
+        await asyncio.to_thread(self._load, self.joining)
+        self.service = PeerService(self.backend, self.info, self.transport, self.swarm_key, config.max_payload_mb << 20)
+        self.service.after_commit = self._after_commit
+        me = self.identity.peer_id
+        policy = StandbyPolicy(config.standby_blocks, config.standby_every)
+        self.replicator = Replicator(self.backend, self.service.compute, self.transport, me, policy)
+        self.replicator.on_refreshed = self._checkpoint
+        self.service.on_committed = self.replicator.on_committed
+        await self.replicator.take_state(await self._observe(), self.joining)
+        await self.service.register(p2p)
+        self.serving, self.joining, self.state = self.joining, None, ServerState.ONLINE
+        logger.info("serving blocks %d:%d of %s as %s", self.serving.start, self.serving.stop, self.spec.name, me)
+        next_announce = 0.0
         while not stop.is_set():
-            await asyncio.to_thread(self._announce, True)
+            if time.monotonic() >= next_announce:
+                await self._announce()
+                next_announce = time.monotonic() + config.record_ttl / 3
             try:
-                await asyncio.wait_for(stop.wait(), timeout=self.config.record_ttl / 3)
+                await asyncio.wait_for(stop.wait(), timeout=config.balance_interval * self.rng.uniform(0.5, 1.5))
             except asyncio.TimeoutError:
-                pass
+                try:
+                    await self._balance_round()
+                except Exception as e:
+                    logger.warning("balancing round failed (will retry): %s", e)
         logger.info("leaving: announcing it, then finishing in-flight requests")
         self.state = ServerState.LEAVING
-        await asyncio.to_thread(self._announce, True)
-        await asyncio.sleep(self.config.leave_grace)
-        await loop.run_in_executor(service.executor, lambda: None)
-        await service.unregister(p2p)
+        await self._announce()
+        await asyncio.sleep(config.leave_grace)
+        await self.service.compute(lambda: None)
+        if self.writer is not None:
+            self.writer.close()
+        await self.service.unregister(p2p)
         self.dht.shutdown()
         logger.info("left the swarm")
+
+
+def _others(view: SwarmView, block: int, me) -> list[tuple[str, bool]]:
+    """Other live servers of ``block`` and whether each is moving away from it too."""
+    return [
+        (r.peer_id.to_base58(), r.moving_to is not None and block not in r.moving_to)
+        for r in view.online(block, exclude=me)
+    ]
+
+
+def _steps_by_block(states: dict) -> dict[int, int]:
+    return {block: state.step for block, state in sorted(states.items())}
 
 
 def run_peer(config: PeerConfig) -> None:

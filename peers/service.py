@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -48,9 +48,14 @@ class PeerService(Doorkeeper):
             sync=self._sync,
             state=self._state,
             digest=self._digest,
+            fast_forward=self._fast_forward,
+            committed=self._committed,
         )
+        self.after_commit: Callable[[str], Awaitable[None]] | None = None
+        self.on_committed: Callable[[str, dict, range, int, PeerID], Awaitable[None]] | None = None
+        self._background: set[asyncio.Task] = set()
 
-    async def _compute(self, fn: Callable, *args):
+    async def compute(self, fn: Callable, *args):
         """Run backend work on the single compute thread, so requests never interleave on the blocks."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
@@ -62,7 +67,7 @@ class PeerService(Doorkeeper):
         session = meta.get("session")
         if session is not None and not isinstance(session, str):
             raise RequestError("'session' must be a string")
-        steps = await self._compute(
+        steps = await self.compute(
             self.backend.open_adapter, _str(meta, "adapter"), _dict(meta, "lora"), _int(meta, "seed"), session
         )
         return Message(meta={"steps": _by_block(steps)}, tensors=[])
@@ -71,7 +76,7 @@ class PeerService(Doorkeeper):
         meta = message.meta
         hidden, mask = _hidden_and_mask(message, extra=0)
         micro_batch = _str(meta, "micro_batch") if meta.get("micro_batch") is not None else None
-        outputs = await self._compute(
+        outputs = await self.compute(
             self.backend.forward, _str(meta, "adapter"), _blocks(meta), _int(meta, "step"), hidden, mask, micro_batch
         )
         return Message(meta={}, tensors=[outputs])
@@ -79,7 +84,7 @@ class PeerService(Doorkeeper):
     async def _backward(self, message: Message) -> Message:
         meta = message.meta
         hidden, mask = _hidden_and_mask(message, extra=1)
-        grad_inputs = await self._compute(
+        grad_inputs = await self.compute(
             self.backend.backward,
             _str(meta, "adapter"),
             _blocks(meta),
@@ -96,7 +101,7 @@ class PeerService(Doorkeeper):
         meta = message.meta
         name, step, holders = _str(meta, "adapter"), _int(meta, "step"), _holders(meta)
         ledger = {block: sorted(by_mb) for block, by_mb in holders.items()}
-        missing = await self._compute(self.backend.missing, name, step, ledger)
+        missing = await self.compute(self.backend.missing, name, step, ledger)
         wanted_from: dict[str, dict[int, list[str]]] = {}
         for block, mbs in missing.items():
             for mb in mbs:
@@ -108,8 +113,8 @@ class PeerService(Doorkeeper):
             *(self._fetch(peer, name, step, wanted, timeout) for peer, wanted in wanted_from.items())
         )
         for grads in fetched:
-            await self._compute(self.backend.add_grads, name, step, grads)
-        still = await self._compute(self.backend.missing, name, step, ledger)
+            await self.compute(self.backend.add_grads, name, step, grads)
+        still = await self.compute(self.backend.missing, name, step, ledger)
         if still:
             raise MissingGradientsError(f"gradients for {still} at step {step} could not be fetched", still)
         return Message(meta={"steps": _by_block(self.backend.adapter(name).steps())}, tensors=[])
@@ -133,7 +138,7 @@ class PeerService(Doorkeeper):
     async def _grads(self, message: Message) -> Message:
         meta = message.meta
         wanted = {int(block): [str(mb) for mb in mbs] for block, mbs in _dict(meta, "wanted").items()}
-        grads = await self._compute(self.backend.micro_batch_grads, _str(meta, "adapter"), _int(meta, "step"), wanted)
+        grads = await self.compute(self.backend.micro_batch_grads, _str(meta, "adapter"), _int(meta, "step"), wanted)
         index, tensors = [], []
         for block, by_mb in grads.items():
             for mb, block_grads in by_mb.items():
@@ -145,13 +150,14 @@ class PeerService(Doorkeeper):
         """Commit phase 2: one AdamW update from the ledger's gradients, identical on every replica."""
         meta = message.meta
         ledger = {block: sorted(by_mb) for block, by_mb in _holders(meta).items()}
-        steps = await self._compute(
-            self.backend.apply, _str(meta, "adapter"), _int(meta, "step"), ledger, _hparams(meta)
-        )
+        name = _str(meta, "adapter")
+        steps = await self.compute(self.backend.apply, name, _int(meta, "step"), ledger, _hparams(meta))
+        if self.after_commit is not None:
+            await self.after_commit(name)
         return Message(meta={"steps": _by_block(steps)}, tensors=[])
 
     async def _export(self, message: Message) -> Message:
-        states = await self._compute(self.backend.export_state, _str(message.meta, "adapter"), _blocks(message.meta))
+        states = await self.compute(self.backend.export_state, _str(message.meta, "adapter"), _blocks(message.meta))
         index, tensors = [], []
         for block, state in states.items():
             for name, entry in state.tensors.items():
@@ -163,26 +169,53 @@ class PeerService(Doorkeeper):
         """Pull the adapter state of some blocks from a current replica, so this peer can serve them again."""
         meta = message.meta
         name, blocks = _str(meta, "adapter"), _blocks(meta)
-        source = PeerID.from_base58(_str(meta, "source"))
-        export = {"method": "export", "adapter": name, "start": blocks.start, "end": blocks.stop}
-        reply = await self.transport.acall(source, Message(export, []), timeout=SYNC_TIMEOUT)
-        states: dict[int, BlockState] = {}
-        tensors = iter(reply.tensors)
-        for block, step, param_name, keys in reply.meta.get("index", []):
-            state = states.setdefault(int(block), BlockState(step=int(step), tensors={}))
-            state.tensors[str(param_name)] = {str(key): next(tensors) for key in keys}
-        steps = await self._compute(self.backend.import_state, name, states)
+        source = _peer(meta, "source")
+        states = await fetch_state(self.transport, source, name, blocks)
+        steps = await self.compute(self.backend.import_state, name, states)
         logger.info("synced adapter %r blocks %s from %s: steps %s", name, sorted(states), source, steps)
         return Message(meta={"steps": _by_block(steps)}, tensors=[])
 
+    async def _fast_forward(self, message: Message) -> Message:
+        """No current copy of these blocks survived anywhere: the trainer declares the newest one current."""
+        meta = message.meta
+        name = _str(meta, "adapter")
+        lost = await self.compute(self.backend.fast_forward, name, _blocks(meta), _int(meta, "step"))
+        steps = self.backend.adapter(name).steps()
+        return Message(meta={"steps": _by_block(steps), "lost": _by_block(lost)}, tensors=[])
+
+    async def _committed(self, message: Message) -> Message:
+        """A server of blocks this peer keeps on standby committed a step: pull the new state, in the background."""
+        meta = message.meta
+        if self.on_committed is not None:
+            meta_adapter = {"lora": _dict(meta, "lora"), "seed": _int(meta, "seed")}
+            notice = self.on_committed(
+                _str(meta, "adapter"), meta_adapter, _blocks(meta), _int(meta, "step"), _peer(meta, "source")
+            )
+            task = asyncio.create_task(notice)
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return Message(meta={}, tensors=[])
+
     async def _state(self, message: Message) -> Message:
-        state = await self._compute(self.backend.lora_state, _str(message.meta, "adapter"))
+        state = await self.compute(self.backend.lora_state, _str(message.meta, "adapter"))
         names = [[block, name] for block, tensors in state.items() for name in tensors]
         return Message(meta={"names": names}, tensors=[state[block][name] for block, name in names])
 
     async def _digest(self, message: Message) -> Message:
-        digests = await self._compute(self.backend.digests, _str(message.meta, "adapter"))
+        digests = await self.compute(self.backend.digests, _str(message.meta, "adapter"))
         return Message(meta={"digests": _by_block(digests)}, tensors=[])
+
+
+async def fetch_state(transport: Transport, peer: PeerID, name: str, blocks: range) -> dict[int, BlockState]:
+    """The state of ``blocks`` (served or standby) as another peer holds it."""
+    export = {"method": "export", "adapter": name, "start": blocks.start, "end": blocks.stop}
+    reply = await transport.acall(peer, Message(export, []), timeout=SYNC_TIMEOUT)
+    states: dict[int, BlockState] = {}
+    tensors = iter(reply.tensors)
+    for block, step, param_name, keys in reply.meta.get("index", []):
+        state = states.setdefault(int(block), BlockState(step=int(step), tensors={}))
+        state.tensors[str(param_name)] = {str(key): next(tensors) for key in keys}
+    return states
 
 
 def _by_block(values: dict[int, object]) -> dict[str, object]:
@@ -228,6 +261,13 @@ def _hidden_and_mask(message: Message, extra: int) -> tuple[torch.Tensor, torch.
     if mask is not None and (mask.is_floating_point() or mask.is_complex()):
         raise RequestError(f"attention_mask must be integer or bool, got {mask.dtype}")
     return message.tensors[0], mask
+
+
+def _peer(meta: dict, key: str) -> PeerID:
+    try:
+        return PeerID.from_base58(_str(meta, key))
+    except ValueError:
+        raise RequestError(f"{key!r} must be a base58 peer id") from None
 
 
 def _str(meta: dict, key: str) -> str:

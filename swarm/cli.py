@@ -1,4 +1,5 @@
-"""The ``swarm`` command: ``swarm dht`` starts a bootstrap node, ``swarm peer`` serves blocks."""
+"""The ``swarm`` command: ``swarm dht`` starts a bootstrap node, ``swarm peer`` serves blocks, ``swarm status``
+shows who serves what."""
 
 from __future__ import annotations
 
@@ -20,6 +21,23 @@ def _parse_blocks(text: str) -> tuple[int, int]:
     if not 0 <= start < end:
         raise argparse.ArgumentTypeError(f"--blocks needs 0 <= START < END, got {text!r}")
     return start, end
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def cmd_status(args: argparse.Namespace) -> None:
+    from swarm.network import initial_peers_or_env, load_swarm_key
+    from swarm.status import status
+
+    peers = initial_peers_or_env(args.initial_peers)
+    if not peers:
+        sys.exit("swarm status: pass --initial-peers (the multiaddrs printed by `swarm dht`)")
+    print(status(peers, load_swarm_key(args.swarm_key), args.model, args.replication), flush=True)
 
 
 def cmd_dht(args: argparse.Namespace) -> None:
@@ -57,13 +75,20 @@ def cmd_peer(args: argparse.Namespace) -> None:
     peers = initial_peers_or_env(args.initial_peers)
     if not peers:
         sys.exit("swarm peer: pass --initial-peers (the multiaddrs printed by `swarm dht`) or set SWARM_INITIAL_PEERS")
-    start, end = args.blocks
     run_peer(
         PeerConfig(
             model=args.model,
             initial_peers=peers,
-            start=start,
-            end=end,
+            blocks=range(*args.blocks) if args.blocks else None,
+            num_blocks=args.num_blocks,
+            max_blocks=args.max_blocks,
+            replication=args.replication,
+            rebalance=not args.no_rebalance,
+            balance_interval=args.balance_interval,
+            standby_blocks=args.standby_blocks,
+            standby_every=args.standby_every,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every,
             device=args.device,
             quant=args.quant,
             dtype=args.dtype,
@@ -97,7 +122,22 @@ def build_parser() -> argparse.ArgumentParser:
     peer = sub.add_parser("peer", help="serve a span of a model's decoder blocks")
     common(peer)
     peer.add_argument("--model", required=True, help="Hugging Face model folder (config.json + safetensors)")
-    peer.add_argument("--blocks", type=_parse_blocks, required=True, help="START:END, the blocks to serve")
+    peer.add_argument(
+        "--blocks", type=_parse_blocks, default=None, help="START:END, the blocks to start with (default: chosen)"
+    )
+    peer.add_argument("--num-blocks", type=_positive, default=None, help="span length (default: what fits in memory)")
+    peer.add_argument(
+        "--max-blocks", type=_positive, default=None, help="blocks this peer may serve to cover orphaned ones"
+    )
+    peer.add_argument("--replication", type=_positive, default=2, help="target number of servers per block")
+    peer.add_argument("--no-rebalance", action="store_true", help="never move to other blocks")
+    peer.add_argument("--balance-interval", type=float, default=5.0, help="seconds between looks at the swarm")
+    peer.add_argument(
+        "--standby-blocks", type=int, default=None, help="blocks to keep standby state of (default: span length)"
+    )
+    peer.add_argument("--standby-every", type=_positive, default=1, help="refresh standby copies every K steps")
+    peer.add_argument("--checkpoint-dir", default=None, help="write adapter + optimizer state here (and resume)")
+    peer.add_argument("--checkpoint-every", type=_positive, default=1, help="checkpoint every K committed steps")
     peer.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     peer.add_argument(
         "--quant", choices=QUANT_MODES, default=None, help="base weights: default nf4 on CUDA, none on CPU"
@@ -109,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--max-payload-mb", type=int, default=1024, help="largest request accepted, in MiB")
     peer.add_argument("--max-tokens", type=int, default=1 << 16, help="largest batch x sequence accepted per request")
     peer.set_defaults(func=cmd_peer)
+
+    stat = sub.add_parser("status", help="show which peers serve which blocks, and what is uncovered")
+    stat.add_argument("--initial-peers", nargs="*", default=None, help="multiaddrs of peers already in the swarm")
+    stat.add_argument("--swarm-key", default=None, help="key file of a private swarm")
+    stat.add_argument("--model", default=None, help="only this model (its name as peers announce it)")
+    stat.add_argument("--replication", type=_positive, default=2, help="target replication to compare against")
+    stat.set_defaults(func=cmd_status)
 
     keys = sub.add_parser("keygen", help="write a new swarm key for a private swarm")
     keys.add_argument("out", help="file to create")

@@ -126,14 +126,15 @@ class LocalSwarm:
     def start_peer(
         self,
         model: str | Path,
-        blocks: str,
+        blocks: str | None,
         name: str | None = None,
         extra: list[str] | None = None,
         wait: bool = True,
         timeout: float = 120.0,
         launcher: list[str] | None = None,
     ) -> Process:
-        """Start ``swarm peer`` on 127.0.0.1 serving ``blocks`` (START:END); by default wait until it serves.
+        """Start ``swarm peer`` on 127.0.0.1 serving ``blocks`` (START:END, or None: the peer chooses); by default
+        wait until it serves.
 
         ``launcher`` replaces ``python -m swarm.cli`` (a test can start a patched peer this way)."""
         name = name or f"peer{len(self.processes)}"
@@ -141,8 +142,7 @@ class LocalSwarm:
             "peer",
             "--model",
             str(model),
-            "--blocks",
-            blocks,
+            *(["--blocks", blocks] if blocks else []),
             "--host",
             "127.0.0.1",
             "--initial-peers",

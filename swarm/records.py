@@ -35,9 +35,14 @@ class ServerRecord:
     end: int
     throughput: float
     adapters: dict[str, int] = field(default_factory=dict)
+    moving_to: range | None = None  # an online peer about to hand these blocks over and serve this span instead
+
+    @property
+    def blocks(self) -> range:
+        return range(self.start, self.end)
 
     def to_value(self) -> dict:
-        return {
+        value = {
             "kind": "server",
             "state": self.state.value,
             "start": self.start,
@@ -45,6 +50,9 @@ class ServerRecord:
             "throughput": self.throughput,
             "adapters": self.adapters,
         }
+        if self.moving_to is not None:
+            value["moving_to"] = [self.moving_to.start, self.moving_to.stop]
+        return value
 
     @classmethod
     def from_value(cls, peer_id: PeerID, value: object) -> ServerRecord | None:
@@ -57,6 +65,7 @@ class ServerRecord:
                 end=int(value["end"]),
                 throughput=float(value["throughput"]),
                 adapters={str(k): int(v) for k, v in dict(value.get("adapters", {})).items()},
+                moving_to=range(*(int(x) for x in value["moving_to"])) if value.get("moving_to") else None,
             )
         except (TypeError, KeyError, ValueError, AttributeError):
             logger.debug("ignoring a malformed record from %s", peer_id)
@@ -66,6 +75,42 @@ class ServerRecord:
 
 def block_key(model: str, block: int) -> str:
     return f"swarm:{model}:block:{block}"
+
+
+MODELS_KEY = "swarm:models"
+
+
+def model_value(model: str, num_blocks: int) -> dict:
+    """A peer's note that ``model`` (with ``num_blocks`` blocks) is served in this swarm, for ``swarm status``."""
+    return {"kind": "model", "name": model, "num_blocks": num_blocks}
+
+
+async def _store_model(_dht: DHT, node: DHTNode, owner: bytes, value: dict, ttl: float) -> None:
+    await node.store(MODELS_KEY, value, get_dht_time() + ttl, subkey=owner)
+
+
+def announce_model(dht: DHT, model: str, num_blocks: int, owner: bytes, ttl: float = RECORD_TTL):
+    return dht.run_coroutine(partial(_store_model, owner=owner, value=model_value(model, num_blocks), ttl=ttl))
+
+
+async def _read_models(_dht: DHT, node: DHTNode) -> dict[str, int]:
+    found = await node.get(MODELS_KEY, latest=True)
+    models: dict[str, int] = {}
+    if found is not None and isinstance(found.value, dict):
+        for item in found.value.values():
+            value = item.value
+            if (
+                isinstance(value, dict)
+                and isinstance(value.get("name"), str)
+                and isinstance(value.get("num_blocks"), int)
+            ):
+                models[value["name"]] = value["num_blocks"]
+    return models
+
+
+def read_models(dht: DHT) -> dict[str, int]:
+    """Models announced in the swarm and their number of blocks."""
+    return dht.run_coroutine(_read_models)
 
 
 async def _store(_dht: DHT, node: DHTNode, model: str, owner: bytes, value: dict, blocks: range, ttl: float) -> None:

@@ -69,6 +69,7 @@ class Router:
         self.servers: dict[int, list[ServerRecord]] = {}
         self.health: dict[PeerID, PeerHealth] = {}
         self.eligible: Callable[[PeerID], bool] = lambda peer: True
+        self.on_wait: Callable[[], None] = lambda: None  # run while waiting for a route: bring new peers in
         self.random = random.Random(seed)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -149,6 +150,14 @@ class Router:
             records = [r for records in self.servers.values() for r in records if self.usable(r, eligible_only)]
         return {r.peer_id: range(r.start, r.end) for r in records}
 
+    def announced(self) -> dict[int, list[PeerID]]:
+        """Per block, every peer announcing it online (banned or not): who might still hold its state."""
+        with self._lock:
+            return {
+                block: [r.peer_id for r in records if r.state == ServerState.ONLINE]
+                for block, records in self.servers.items()
+            }
+
     def uncovered(self, start: int = 0, end: int | None = None, eligible_only: bool = True) -> list[int]:
         end = self.num_blocks if end is None else end
         return [b for b in range(start, end) if not self.replicas(b, eligible_only)]
@@ -208,6 +217,7 @@ class Router:
             time.sleep(min(1.0, self.min_ban))
             try:
                 self.refresh()
+                self.on_wait()
             except Exception as e:
                 logger.warning("could not refresh the swarm view: %s", e)
             result = attempt()

@@ -178,6 +178,8 @@ def _valid_value(value: dict) -> bool:
     kind = value.get("kind")
     if kind == "server":
         return ServerRecord.from_value(PeerID(b"\x00"), value) is not None
+    if kind == "model":
+        return isinstance(value.get("name"), str) and isinstance(value.get("num_blocks"), int)
     if kind == "lease":
         return (
             isinstance(value.get("trainer"), str)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from hivemind.p2p import PeerID
 
@@ -29,12 +30,23 @@ class CommitError(RuntimeError):
     """A step could not be committed on every block."""
 
 
+@dataclass(frozen=True)
+class StepsLost:
+    """Blocks whose every current copy died: they resumed from an older state and lost ``steps`` updates."""
+
+    peer: PeerID
+    blocks: tuple[int, ...]
+    steps: int
+    at_step: int
+
+
 class ReplicaSet:
     """Which peers hold the adapter at the client's step; opens new peers and brings laggards up to date."""
 
     def __init__(self, stack: RemoteStack, open_on: Callable[[PeerID], dict[int, int]]):
         self.stack, self.open_on = stack, open_on
         self.current: dict[PeerID, int] = {}
+        self.lost: list[StepsLost] = []
         stack.router.eligible = lambda peer: peer in self.current
         stack.on_peer_state.append(self.forget)
 
@@ -43,21 +55,74 @@ class ReplicaSet:
         self.current.pop(peer, None)
 
     def refresh(self, step: int) -> None:
-        """Open the adapter on every announced peer not known current; sync those that are behind."""
-        for peer, span in self.stack.router.live_servers(eligible_only=False).items():
+        """Open the adapter on every announced peer not known current; sync those that are behind. A block whose
+        current copies all died resumes from the newest surviving one, and the steps lost are reported."""
+        servers = self.stack.router.live_servers(eligible_only=False)
+        behind: dict[PeerID, dict[int, int]] = {}
+        for peer in servers:
             if self.current.get(peer) == step:
                 continue
             try:
                 steps = self.open_on(peer)
-                if any(s < step for s in steps.values()):
-                    steps = self._sync(peer, span, step)
             except (PeerFailure, RemoteError) as e:
+                logger.warning("peer %s cannot be opened yet: %s", peer, e)
+                continue
+            if set(steps.values()) == {step}:
+                self.current[peer] = step
+            else:
+                behind[peer] = steps
+        if behind:
+            self._adopt_survivors(step, behind)
+        for peer, steps in behind.items():
+            try:
+                if any(s < step for s in steps.values()):
+                    steps = self._sync(peer, servers[peer], step)
+            except (PeerFailure, RemoteError, CommitError) as e:
                 logger.warning("peer %s cannot be brought to step %d yet: %s", peer, step, e)
                 continue
             if set(steps.values()) == {step}:
                 self.current[peer] = step
             else:
                 logger.warning("peer %s holds steps %s, not %d; not using it", peer, sorted(set(steps.values())), step)
+
+    def _adopt_survivors(self, step: int, behind: dict[PeerID, dict[int, int]]) -> None:
+        """For blocks that no announced peer could hold at ``step`` (none current, none unreachable), declare the
+        newest surviving copy current: its updates since are lost, and that is reported."""
+        current = self.peers(step)
+        announced = self.stack.router.announced()
+        for block in range(self.stack.router.num_blocks):
+            if any(block in span for span in current.values()):
+                continue
+            unknown = [p for p in announced.get(block, []) if p not in behind and self.current.get(p) != step]
+            survivors = [(steps[block], peer) for peer, steps in behind.items() if block in steps]
+            if unknown or not survivors:
+                continue  # a peer we could not ask may still be current: wait for it (or for its record to expire)
+            newest, peer = max(survivors, key=lambda item: item[0])
+            if newest >= step:
+                continue
+            meta = {
+                "method": "fast_forward",
+                "adapter": self.stack.adapter,
+                "step": step,
+                "start": block,
+                "end": block + 1,
+            }
+            try:
+                reply = self.stack.call(peer, meta, [])
+            except (PeerFailure, RemoteError) as e:
+                logger.warning("could not resume block %d on %s: %s", block, peer, e)
+                continue
+            behind[peer] = {int(b): s for b, s in reply.meta["steps"].items()}
+            lost = StepsLost(peer, (block,), step - newest, step)
+            self.lost.append(lost)
+            logger.error(
+                "block %d lost every current copy of adapter %r: resumed from step %d on %s; %d step(s) lost",
+                block,
+                self.stack.adapter,
+                newest,
+                peer,
+                lost.steps,
+            )
 
     def _sync(self, peer: PeerID, span: range, step: int) -> dict[int, int]:
         """Pull the state of ``span`` from current replicas, one source per stretch of blocks."""

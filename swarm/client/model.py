@@ -20,7 +20,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from swarm.blocks import lora_config_from_wire, lora_config_to_wire
 from swarm.checkpoint import save_peft_adapter
-from swarm.client.commit import ReplicaSet, commit
+from swarm.client.commit import ReplicaSet, StepsLost, commit
 from swarm.client.lease import AdapterLease
 from swarm.client.ledger import StepLedger
 from swarm.client.remote import PeerFailure, RemoteStack, RemoteStackFunction
@@ -76,6 +76,7 @@ class SwarmModelForCausalLM(nn.Module):
         self.router = Router(dht, spec.name, spec.num_blocks)
         self.stack = RemoteStack(self.transport, self.router, adapter, patience, spot_check)
         self.replicas = ReplicaSet(self.stack, self._open_on)
+        self.router.on_wait = lambda: self.replicas.refresh(self.ledger.step)
         self.ledger = StepLedger(step=0)
         self.lease = AdapterLease(dht, spec.name, adapter, identity.owner, trainer, self.ledger.session)
         self.lease.acquire(patience)
@@ -168,23 +169,17 @@ class SwarmModelForCausalLM(nn.Module):
         return {int(b): s for b, s in reply.meta["steps"].items()}
 
     def _resume_step(self) -> int:
-        """The adapter's last committed step: the newest step any live replica holds for every block."""
+        """The adapter's last committed step: the newest step any live peer holds for any block. Blocks behind it
+        are brought up to it by ``ReplicaSet.refresh`` (synced, or reported as steps lost)."""
         self.router.wait_covered(self.stack.patience)
-        newest: dict[int, int] = {}
+        newest = 0
         for peer in self.router.live_servers(eligible_only=False):
             try:
                 steps = self._open_on(peer)
             except PeerFailure:
                 continue
-            for block, step in steps.items():
-                newest[block] = max(step, newest.get(block, 0))
-        steps = set(newest.values())
-        if len(steps) > 1:
-            raise RuntimeError(
-                f"blocks of adapter {self.adapter!r} are at different steps {sorted(steps)}: a commit was cut short "
-                "on every replica of some blocks; restore those blocks from checkpoints"
-            )
-        return steps.pop() if steps else 0
+            newest = max([newest, *steps.values()])
+        return newest
 
     @property
     def step(self) -> int:
@@ -195,6 +190,11 @@ class SwarmModelForCausalLM(nn.Module):
     def dishonest(self) -> list[PeerID]:
         """Peers caught returning results that their replicas disagree with."""
         return self.stack.dishonest
+
+    @property
+    def steps_lost(self) -> list[StepsLost]:
+        """Blocks that lost every current copy of their state and resumed from an older one (empty: none lost)."""
+        return self.replicas.lost
 
     @property
     def recoveries(self):
@@ -260,9 +260,10 @@ class SwarmModelForCausalLM(nn.Module):
     def adapter_state(self) -> dict[int, dict[str, torch.Tensor]]:
         """LoRA tensors of every block, from live replicas at the current step."""
         state: dict[int, dict[str, torch.Tensor]] = {}
-        for _, _, meta, tensors in self._each_block("state"):
+        for _, span, meta, tensors in self._each_block("state"):
             for (block, name), tensor in zip(meta["names"], tensors, strict=True):
-                state.setdefault(block, {})[name] = tensor
+                if block in span:  # a peer handing blocks over may still hold them, not current any more
+                    state.setdefault(block, {})[name] = tensor
         missing = [b for b in range(self.spec.num_blocks) if b not in state]
         if missing:
             raise RuntimeError(f"no live replica holds blocks {missing} of adapter {self.adapter!r}")
@@ -271,9 +272,10 @@ class SwarmModelForCausalLM(nn.Module):
     def replica_digests(self) -> dict[int, dict[PeerID, str]]:
         """Per block, the state digest each live replica reports: equal digests mean identical replicas."""
         digests: dict[int, dict[PeerID, str]] = {}
-        for peer, _, meta, _ in self._each_block("digest"):
+        for peer, span, meta, _ in self._each_block("digest"):
             for block, digest in meta["digests"].items():
-                digests.setdefault(int(block), {})[peer] = digest
+                if int(block) in span:
+                    digests.setdefault(int(block), {})[peer] = digest
         return digests
 
     def save_adapter(self, out_dir: str | Path) -> Path:

@@ -1,0 +1,132 @@
+"""Redundant adapter state: standby copies of blocks a peer does not serve, and the state of blocks it takes over.
+
+Each round a peer pulls, from live peers, the newest adapter + AdamW state of the blocks it keeps on standby (the
+blocks with the fewest holders), so that the state of every block outlives any one peer. When it starts serving
+a block it takes the newest state it can find: a live server's, another peer's standby copy, or its own copy
+(standby or checkpoint); what is older than the trainer's step is reported as steps lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from hivemind.p2p import PeerID
+
+from peers.backend import SpanBackend
+from peers.balancer import choose_standby
+from peers.service import fetch_state
+from swarm.transport import Transport
+from swarm.view import SwarmView
+
+logger = logging.getLogger(__name__)
+
+Compute = Callable[..., Awaitable]
+
+
+@dataclass
+class StandbyPolicy:
+    """How many blocks to keep on standby (None: as many as this peer serves) and how often to refresh them."""
+
+    blocks: int | None = None
+    every: int = 1
+
+
+class Replicator:
+    """Moves adapter state between peers on behalf of one peer's backend (all backend access on its compute thread)."""
+
+    def __init__(self, backend: SpanBackend, compute: Compute, transport: Transport, me: PeerID, policy: StandbyPolicy):
+        self.backend, self.compute, self.transport, self.me, self.policy = backend, compute, transport, me, policy
+        self.standby: list[int] = []
+        self.on_refreshed: Callable[[str], Awaitable[None]] | None = None
+        self._lock = asyncio.Lock()
+
+    async def refresh_standby(self, view: SwarmView, serving: range) -> list[str]:
+        """Pull newer state of this peer's standby blocks; returns the adapters whose copies changed."""
+        count = len(serving) if self.policy.blocks is None else self.policy.blocks
+        num_blocks = self.backend.spec.num_blocks
+        self.standby = choose_standby(view.holders(self.me), serving, num_blocks, count)
+        changed = []
+        async with self._lock:
+            for name, meta in view.adapters().items():
+                if await self._refresh_adapter(view, name, meta):
+                    changed.append(name)
+        return changed
+
+    async def _refresh_adapter(self, view: SwarmView, name: str, meta: dict) -> bool:
+        held = self.backend.adapters[name].standby_steps() if name in self.backend.adapters else {}
+        wanted = {}
+        for block in self.standby:
+            newest = view.newest(name, block, self.me)
+            if newest is not None and (block not in held or newest[0] - held[block] >= self.policy.every):
+                wanted[block] = newest
+        return await self._pull(name, meta, wanted, keep=set(self.standby))
+
+    async def on_committed(self, name: str, meta: dict, blocks: range, step: int, source: PeerID) -> None:
+        """A server of ``blocks`` committed ``step``: pull it for the blocks kept here on standby, unless this
+        peer's copy is fewer than ``every`` steps behind (or a notice from another replica already brought it)."""
+        async with self._lock:
+            adapter = self.backend.adapters.get(name)
+            held = adapter.standby_steps() if adapter is not None else {}
+            wanted = {
+                block: (step, source)
+                for block in blocks
+                if block in self.standby and step - held.get(block, -self.policy.every) >= self.policy.every
+            }
+            if wanted:
+                await self._pull(name, meta, wanted, keep=None)
+                if self.on_refreshed is not None:
+                    await self.on_refreshed(name)
+
+    async def take_state(self, view: SwarmView, blocks: range) -> None:
+        """Before serving ``blocks``: hold the newest state of each (adapter, block) the swarm still has."""
+        for name, meta in view.adapters().items():
+            adapter = self.backend.adapters.get(name)
+            held = {**adapter.standby_steps(), **adapter.steps()} if adapter is not None else {}
+            wanted = {}
+            for block in blocks:
+                newest = view.newest(name, block, self.me)
+                if newest is not None and newest[0] > held.get(block, -1):
+                    wanted[block] = newest
+            await self._pull(name, meta, wanted, keep=None)
+            await self.compute(self.backend.ensure_adapter, name, meta["lora"], meta["seed"])
+            took = {**self.backend.adapters[name].standby_steps(), **self.backend.adapters[name].steps()}
+            trainer = view.trainer_step(name)
+            for block in blocks:
+                step = took.get(block)
+                if step is None:
+                    logger.warning(
+                        "adapter %r block %d: no surviving state anywhere; starting from the init", name, block
+                    )
+                elif trainer is not None and step < trainer:
+                    logger.warning(
+                        "adapter %r block %d: newest surviving state is step %d, trainer at %d: %d step(s) lost",
+                        name,
+                        block,
+                        step,
+                        trainer,
+                        trainer - step,
+                    )
+                else:
+                    logger.info("adapter %r block %d: taking over at step %d, no step lost", name, block, step)
+
+    async def _pull(self, name: str, meta: dict, wanted: dict[int, tuple[int, PeerID]], keep: set[int] | None) -> bool:
+        """Fetch ``wanted`` blocks (block -> (step, holder)), one request per holder, into the standby store."""
+        by_peer: dict[PeerID, list[int]] = {}
+        for block, (_, peer) in wanted.items():
+            by_peer.setdefault(peer, []).append(block)
+        fetched = {}
+        for peer, blocks in by_peer.items():
+            try:
+                states = await fetch_state(self.transport, peer, name, range(min(blocks), max(blocks) + 1))
+            except Exception as e:
+                logger.warning("could not fetch adapter %r state from %s: %s", name, peer, e)
+                continue
+            fetched.update({block: state for block, state in states.items() if block in blocks})
+        if fetched or keep is not None:
+            await self.compute(self.backend.keep_standby, name, meta, fetched, keep)
+        if fetched:
+            logger.debug("adapter %r: standby copies of blocks %s refreshed", name, sorted(fetched))
+        return bool(fetched)

@@ -1,0 +1,76 @@
+"""``swarm status``: what a swarm serves, block by block, from its records and its live peers' answers."""
+
+from __future__ import annotations
+
+from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+from hivemind.p2p import PeerID
+
+from swarm.network import join_dht
+from swarm.records import ServerState, read_models
+from swarm.security import Identity, SwarmKey
+from swarm.transport import Transport
+from swarm.view import SwarmView, observe
+
+ME = PeerID(b"status")
+
+
+def _short(peer: PeerID) -> str:
+    text = peer.to_base58()
+    return f"{text[:6]}..{text[-4:]}"
+
+
+def render(model: str, num_blocks: int, view: SwarmView, replication: int) -> str:
+    """A table: one row per block with its servers (state, span, throughput, adapter steps), the replication
+    level, the peers keeping standby copies, and UNCOVERED where no live peer serves it."""
+    rows = [f"model {model}: {num_blocks} blocks, target replication {replication}"]
+    rows.append(f"{'block':>5}  {'repl':>4}  servers / standby copies")
+    uncovered = []
+    for block in range(num_blocks):
+        servers, online = [], 0
+        for record in view.records.get(block, []):
+            info = view.alive.get(record.peer_id)
+            state = record.state.value if info is not None else "unreachable"
+            online += info is not None and record.state == ServerState.ONLINE
+            steps = ""
+            if info is not None:
+                steps = " ".join(
+                    f"{name}@{a.steps[block]}" for name, a in sorted(info.adapters.items()) if block in a.steps
+                )
+            servers.append(
+                f"{_short(record.peer_id)} {state} {record.start}:{record.end} {record.throughput:.0f} tok/s"
+                + (f" [{steps}]" if steps else "")
+            )
+        standby = []
+        for peer, info in view.alive.items():
+            copies = [f"{name}@{a.standby[block]}" for name, a in sorted(info.adapters.items()) if block in a.standby]
+            if copies:
+                standby.append(f"{_short(peer)} [{' '.join(copies)}]")
+        mark = "" if online else "  UNCOVERED"
+        if not online:
+            uncovered.append(block)
+        low = "" if online >= replication or not online else "  (under-replicated)"
+        rows.append(f"{block:>5}  {online:>4}  " + ("; ".join(servers) or "-") + mark + low)
+        if standby:
+            rows.append(f"{'':>5}  {'':>4}  standby: " + "; ".join(standby))
+    if uncovered:
+        rows.append(f"UNCOVERED blocks {uncovered}: start `swarm peer` serving them (or wait for a takeover)")
+    return "\n".join(rows)
+
+
+def status(initial_peers: list[str], swarm_key: SwarmKey | None, model: str | None, replication: int) -> str:
+    """Join as a client, find the models announced (or the one named), and render each."""
+    dht = join_dht(initial_peers, Identity.load_or_create(None), swarm_key, client_mode=True)
+    try:
+        transport = Transport.for_dht(dht, swarm_key)
+        models = read_models(dht)
+        if model is not None:
+            models = {model: models[model]} if model in models else {}
+        if not models:
+            return "no model is served in this swarm (yet): start peers with `swarm peer --model ...`"
+        tables = []
+        for name, num_blocks in sorted(models.items()):
+            view = RemoteExpertWorker.run_coroutine(observe(dht, transport, name, num_blocks, ME))
+            tables.append(render(name, num_blocks, view, replication))
+        return "\n\n".join(tables)
+    finally:
+        dht.shutdown()
