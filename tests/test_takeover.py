@@ -4,9 +4,11 @@ their adapter state; peers joining fill uncovered or under-replicated spans; tra
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 
-from failover_helpers import STEPS, assert_same_adapter, connect, reference_adapter, train
+from failover_helpers import STEPS, assert_same_adapter, connect, instrument, reference_adapter, train
 from hivemind.p2p import PeerID
 
 from swarm.localswarm import LocalSwarm, Process
@@ -63,5 +65,79 @@ def test_only_server_of_a_span_killed_is_taken_over(tiny_models, tmp_path):
         finally:
             model.shutdown()
         assert len(moved_to(peers["a1"], peers["a2"], span="2:4")) == 1, "one replica of 0:2 should have moved"
+    reference = reference_adapter(model_dir, tmp_path / "initial", tmp_path / "reference")
+    assert_same_adapter(tmp_path / "final", reference)
+
+
+def test_two_peers_killed_at_once_including_every_replica_of_a_span(tiny_models, tmp_path):
+    model_dir = tiny_models["llama"]
+    with LocalSwarm(tmp_path / "swarm") as local:
+        local.start_dht()
+        spans = (("a1", "0:2"), ("a2", "0:2"), ("b1", "2:4"), ("b2", "2:4"))
+        peers = {name: local.start_peer(model_dir, blocks, name=name, extra=FAST, wait=False) for name, blocks in spans}
+        for peer in peers.values():
+            peer.wait_for_line("serving blocks", 180)
+        model = connect(local, model_dir, adapter="double-kill", patience=120)
+        try:
+            model.save_adapter(tmp_path / "initial")
+            train(model, steps=1)
+            wait_standby_current(model, [peers["a1"], peers["a2"]], [2, 3])
+            victims = [peers["b1"], peers["b2"]]
+
+            def hook(method: str, peer_id: str, step: int) -> None:
+                if victims and method == "backward" and step == 1:  # mid-step: their gradients die with them
+                    for victim in victims:
+                        victim.signal(signal.SIGKILL)
+                    victims.clear()
+
+            instrument(model, hook)
+            train(model, steps=STEPS)
+            assert not victims, "the fault was never injected"
+            assert model.steps_lost == []
+            model.save_adapter(tmp_path / "final")
+        finally:
+            model.shutdown()
+        assert len(moved_to(peers["a1"], peers["a2"], span="2:4")) == 1
+    reference = reference_adapter(model_dir, tmp_path / "initial", tmp_path / "reference")
+    assert_same_adapter(tmp_path / "final", reference)
+
+
+def test_joining_peers_fill_uncovered_then_under_replicated_blocks(tiny_models, tmp_path):
+    model_dir = tiny_models["llama"]
+    pinned = [*FAST, "--no-rebalance"]
+    with LocalSwarm(tmp_path / "swarm") as local:
+        local.start_dht()
+        for name in ("a1", "a2"):
+            local.start_peer(model_dir, "0:2", name=name, extra=pinned, wait=False)
+        # Two peers with room for one block each start at the same moment: they must not pick the same block.
+        joiners = [
+            local.start_peer(model_dir, None, name=n, extra=[*FAST, "--num-blocks", "1"], wait=False)
+            for n in ("d", "e")
+        ]
+        chosen = sorted(p.wait_for_line("serving blocks", 180).split("serving blocks ")[1].split()[0] for p in joiners)
+        assert chosen == ["2:3", "3:4"], chosen
+        model = connect(local, model_dir, adapter="joiners", patience=120)
+        try:
+            model.save_adapter(tmp_path / "initial")
+            train(model, steps=2)
+            # Every block is covered; 2 and 3 have one server each: a peer with room for two fills 2:4.
+            late = local.start_peer(model_dir, None, name="f", extra=[*FAST, "--num-blocks", "2"])
+            assert "serving blocks 2:4" in late.wait_for_line("serving blocks", 1)
+            train(model, steps=STEPS)
+            digests = model.replica_digests()
+            assert all(PeerID.from_base58(late.peer_id) in digests[b] for b in (2, 3)), "the new peer is not used"
+            model.save_adapter(tmp_path / "final")
+        finally:
+            model.shutdown()
+        status = subprocess.run(
+            [sys.executable, "-m", "swarm.cli", "status", "--initial-peers", *local.initial_peers],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert status.returncode == 0, status.stderr
+        rows = {line.split()[0]: line for line in status.stdout.splitlines() if line.strip()[:1].isdigit()}
+        assert all(rows[str(b)].split()[1] == "2" for b in range(4)), status.stdout
+        assert "UNCOVERED" not in status.stdout
     reference = reference_adapter(model_dir, tmp_path / "initial", tmp_path / "reference")
     assert_same_adapter(tmp_path / "final", reference)

@@ -40,6 +40,7 @@ def main() -> None:
         optimizer.zero_grad()
         print(f"committed step {model.step}", flush=True)
     model.save_adapter(args.out / "final")
+    print(f"steps lost: {model.steps_lost}", flush=True)
     model.shutdown()
     print("done", flush=True)
 
