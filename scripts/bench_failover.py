@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from make_tiny_model import make_tiny_model  # noqa: E402
+from make_tiny_model import make_bench_model  # noqa: E402
 
 import swarm  # noqa: E402
 from swarm.localswarm import LocalSwarm  # noqa: E402
@@ -55,15 +55,7 @@ def main() -> None:
     logger.setLevel(logging.INFO)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-failover-"))
     half = args.layers // 2
-    model_dir = make_tiny_model(
-        workdir / "model",
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=8,
-        kv_heads=8,
-        intermediate=args.hidden * 11 // 4,
-        vocab=1024,
-    )
+    model_dir = make_bench_model(workdir / "model", args.layers, args.hidden)
     with LocalSwarm(workdir / "logs") as local:
         local.start_dht()
         spans = {"a1": f"0:{half}", "a2": f"0:{half}", "b1": f"{half}:{args.layers}", "b2": f"{half}:{args.layers}"}

@@ -1,5 +1,9 @@
-"""Local swarm demo: a tiny Llama trained with LoRA through four peer daemons on 127.0.0.1 (two replicas of each
-half of the model); one peer is SIGKILLed mid-training and the swarm routes around it. Losses fall throughout."""
+"""Local swarm demo: a tiny Llama trained with LoRA through four peer daemons on 127.0.0.1.
+
+peer-a1 and peer-a2 serve blocks 0:2, peer-b serves 2:4, and peer-c chooses its blocks itself (it picks 2:4, the
+under-replicated half). Mid-training peer-b is SIGKILLed during a step (the client retries on peer-c); later
+peer-c, by then the last server of 2:4, is SIGKILLed too: a replica of 0:2 takes 2:4 over from its standby copy
+of the adapter state. Losses fall throughout; recoveries, steps lost and the final `swarm status` are printed."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from make_tiny_model import make_tiny_model  # noqa: E402
 
 import swarm  # noqa: E402
 from swarm.localswarm import LocalSwarm  # noqa: E402
+from swarm.status import status  # noqa: E402
 
 logger = logging.getLogger("demo")
 
@@ -40,7 +45,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "demo")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--kill-at-step", type=int, default=8, help="SIGKILL a peer during this step (0: never)")
+    parser.add_argument("--kill-at-step", type=int, default=6, help="SIGKILL peer-b during this step (0: never)")
+    parser.add_argument(
+        "--orphan-at-step", type=int, default=12, help="SIGKILL peer-c, the last server of 2:4, before it (0: never)"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("hivemind").setLevel(logging.WARNING)
@@ -51,11 +59,12 @@ def main() -> None:
     with LocalSwarm(args.workdir / "logs") as local:
         local.start_dht()
         logger.info("bootstrap node: %s", local.initial_peers[0])
-        spans = {"peer-a1": "0:2", "peer-a2": "0:2", "peer-b1": "2:4", "peer-b2": "2:4"}
-        peers = {name: local.start_peer(model_dir, blocks, name=name, wait=False) for name, blocks in spans.items()}
+        spans = {"peer-a1": "0:2", "peer-a2": "0:2", "peer-b": "2:4"}
+        extra = ["--balance-interval", "2"]
+        peers = local.start_peers(model_dir, spans, extra)
+        peers |= local.start_peers(model_dir, {"peer-c": None}, [*extra, "--num-blocks", "2"])
         for name, peer in peers.items():
-            peer.wait_for_line("serving blocks", 180)
-            logger.info("%s serves blocks %s as %s", name, spans[name], peer.peer_id)
+            logger.info("%s: %s", name, peer.wait_for_line("serving blocks", 1).split("peers.daemon: ")[-1])
         model = swarm.SwarmModelForCausalLM.from_pretrained(
             model_dir,
             initial_peers=local.initial_peers,
@@ -67,9 +76,12 @@ def main() -> None:
             batches = synthetic_batches(model.spec.config.vocab_size, count=2)
             for step in range(1, args.steps + 1):
                 if step == args.kill_at_step:
-                    victim = peers["peer-a1"]
-                    threading.Timer(0.05, victim.signal, args=(signal.SIGKILL,)).start()
-                    print(f"--- SIGKILL peer-a1 ({victim.peer_id}) during step {step} ---")
+                    threading.Timer(0.05, peers["peer-b"].signal, args=(signal.SIGKILL,)).start()
+                    print(f"--- SIGKILL peer-b ({peers['peer-b'].peer_id}) during step {step} ---")
+                if step == args.orphan_at_step:
+                    time.sleep(1.0)  # let the standby copies of the last commit land
+                    peers["peer-c"].signal(signal.SIGKILL)
+                    print(f"--- SIGKILL peer-c ({peers['peer-c'].peer_id}), the last server of blocks 2:4 ---")
                 started = time.perf_counter()
                 losses = []
                 for batch in batches:  # two micro-batches per step: gradient accumulation
@@ -84,12 +96,16 @@ def main() -> None:
                     f"recovered: peer {r.peer} failed during {r.during} of step {r.step + 1}; "
                     f"the retry took {r.seconds:.2f}s"
                 )
-            if args.kill_at_step and not model.recoveries:
-                print("the killed peer was not in use when it died: the swarm simply stopped routing to it")
+            print(f"steps lost: {sum(e.steps for e in model.steps_lost)} {model.steps_lost or ''}")
+            for name in ("peer-a1", "peer-a2"):
+                moved = [ln for ln in peers[name].log.read_text().splitlines() if "now serving blocks" in ln]
+                if moved:
+                    print(f"{name} took over: {moved[-1].split('peers.daemon: ')[-1]}")
             adapter_dir = model.save_adapter(args.workdir / "adapter")
             print(f"adapter saved to {adapter_dir} (load it with peft.PeftModel.from_pretrained)")
         finally:
             model.shutdown()
+        print(status(local.initial_peers, None, None, replication=2))
 
 
 if __name__ == "__main__":

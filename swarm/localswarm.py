@@ -154,6 +154,15 @@ class LocalSwarm:
             peer.wait_for_line("serving blocks", timeout)
         return peer
 
+    def start_peers(
+        self, model: str | Path, spans: dict[str, str | None], extra: list[str] | None = None, timeout: float = 300.0
+    ) -> dict[str, Process]:
+        """Start one peer per name -> START:END (None: it chooses) at once; return when all serve."""
+        peers = {name: self.start_peer(model, span, name=name, extra=extra, wait=False) for name, span in spans.items()}
+        for peer in peers.values():
+            peer.wait_for_line("serving blocks", timeout)
+        return peers
+
     def close(self) -> None:
         for process in reversed(self.processes):
             try:

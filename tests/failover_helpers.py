@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,16 +32,63 @@ def batches_for_step(step: int, vocab: int = 256) -> list[dict[str, torch.Tensor
     return out
 
 
-def start_replicated_swarm(local: LocalSwarm, model_dir: Path) -> dict[str, Process]:
-    """Bootstrap + two replicas of each half of the tiny model's 4 blocks, started in parallel."""
+def start_swarm(
+    local: LocalSwarm, model_dir: Path, spans: dict[str, str], extra: list[str] | None = None
+) -> dict[str, Process]:
+    """Bootstrap + one peer per name -> START:END, started in parallel; returns once all serve."""
     local.start_dht()
     peers = {
-        name: local.start_peer(model_dir, blocks, name=name, wait=False)
-        for name, blocks in (("a1", "0:2"), ("a2", "0:2"), ("b1", "2:4"), ("b2", "2:4"))
+        name: local.start_peer(model_dir, blocks, name=name, extra=extra, wait=False) for name, blocks in spans.items()
     }
     for peer in peers.values():
         peer.wait_for_line("serving blocks", 180)
     return peers
+
+
+def start_replicated_swarm(local: LocalSwarm, model_dir: Path) -> dict[str, Process]:
+    """Two replicas of each half of the tiny model's 4 blocks."""
+    return start_swarm(local, model_dir, {"a1": "0:2", "a2": "0:2", "b1": "2:4", "b2": "2:4"})
+
+
+def start_client(
+    local: LocalSwarm, model_dir: Path, out: Path, name: str, adapter: str, *extra: str
+) -> subprocess.Popen:
+    """tests/train_client.py as its own process (so it can be SIGKILLed), training ``adapter`` to step 4."""
+    log = open(out / f"{name}.log", "wb")
+    args = [
+        sys.executable,
+        str(Path(__file__).with_name("train_client.py")),
+        "--model",
+        str(model_dir),
+        "--initial-peers",
+        *local.initial_peers,
+        "--adapter",
+        adapter,
+        "--steps",
+        "4",
+        "--out",
+        str(out),
+        *extra,
+    ]
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish_client(client: subprocess.Popen, log: Path, timeout: float = 240) -> str:
+    """Wait for a client to exit 0 (killing it if it does not) and return its log."""
+    try:
+        assert client.wait(timeout) == 0, log.read_text()[-3000:]
+    finally:
+        if client.poll() is None:
+            os.killpg(client.pid, signal.SIGKILL)
+    return log.read_text()
+
+
+def wait_for_text(log: Path, needle: str, process: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while needle not in (log.read_text() if log.exists() else ""):
+        assert process.poll() is None, f"client exited early:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"client never printed {needle!r}:\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)
 
 
 def connect(local: LocalSwarm, model_dir: Path, adapter: str, **kwargs) -> swarm.SwarmModelForCausalLM:
@@ -103,8 +155,10 @@ def reference_adapter(model_dir: Path, initial_adapter: Path, out: Path, steps: 
     return load_file(out / "adapter_model.safetensors")
 
 
-def assert_same_adapter(swarm_dir: Path, reference: dict[str, torch.Tensor]) -> None:
-    state = load_file(swarm_dir / "adapter_model.safetensors")
+def assert_matches_local_peft(model_dir: Path, tmp_path: Path, steps: int = STEPS) -> None:
+    """``tmp_path/final`` (the swarm's adapter) equals local peft trained from ``tmp_path/initial``."""
+    reference = reference_adapter(model_dir, tmp_path / "initial", tmp_path / "reference", steps)
+    state = load_file(tmp_path / "final" / "adapter_model.safetensors")
     assert state.keys() == reference.keys()
     for key in state:
         torch.testing.assert_close(state[key], reference[key], rtol=1e-4, atol=1e-5, msg=key)

@@ -7,12 +7,11 @@ import ast
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from failover_helpers import assert_same_adapter, connect, reference_adapter, train
+from failover_helpers import assert_matches_local_peft, connect, finish_client, start_client, train, wait_for_text
 
 from peers.checkpoints import CheckpointStore
 from swarm.localswarm import LocalSwarm
@@ -71,42 +70,17 @@ def test_the_whole_swarm_killed_resumes_from_its_last_committed_step(tiny_models
     dirs = {"p1": tmp_path / "ckpt-p1", "p2": tmp_path / "ckpt-p2"}
     spans = {"p1": "0:2", "p2": "2:4"}
 
-    def start_swarm(local: LocalSwarm, round_: int) -> None:
+    def start_peers(local: LocalSwarm) -> None:
         local.start_dht()
         for name, blocks in spans.items():
-            local.start_peer(
-                model_dir, blocks, name=f"{name}-{round_}", extra=["--checkpoint-dir", str(dirs[name])], wait=False
-            )
-        for process in local.processes[1:]:
-            process.wait_for_line("serving blocks", 180)
-
-    def client(local: LocalSwarm, name: str, *extra: str) -> subprocess.Popen:
-        log = open(tmp_path / f"{name}.log", "wb")
-        args = [
-            sys.executable,
-            str(TESTS / "train_client.py"),
-            "--model",
-            str(model_dir),
-            "--initial-peers",
-            *local.initial_peers,
-            "--adapter",
-            "restart",
-            "--steps",
-            "4",
-            "--out",
-            str(tmp_path),
-            *extra,
-        ]
-        return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            local.start_peers(model_dir, {name: blocks}, ["--checkpoint-dir", str(dirs[name])])
 
     with LocalSwarm(tmp_path / "first") as local:
-        start_swarm(local, 1)
-        first = client(local, "first", "--hang-in-step", "2")
+        start_peers(local)
+        first = start_client(local, model_dir, tmp_path, "first", "restart", "--hang-in-step", "2")
         try:
-            deadline = time.monotonic() + 240
-            while "hanging mid-step" not in (tmp_path / "first.log").read_text():
-                assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
-                time.sleep(0.2)
+            wait_for_text(tmp_path / "first.log", "hanging mid-step", first)
+            deadline = time.monotonic() + 120
             for name, blocks in spans.items():  # wait until step 2 is on disk for every served block
                 served = range(*map(int, blocks.split(":")))
                 while any(CheckpointStore(dirs[name]).steps().get("restart", {}).get(b) != 2 for b in served):
@@ -119,14 +93,7 @@ def test_the_whole_swarm_killed_resumes_from_its_last_committed_step(tiny_models
                 process.signal(signal.SIGKILL)
 
     with LocalSwarm(tmp_path / "second") as local:
-        start_swarm(local, 2)
-        second = client(local, "second")
-        try:
-            assert second.wait(240) == 0, (tmp_path / "second.log").read_text()[-3000:]
-        finally:
-            if second.poll() is None:
-                os.killpg(second.pid, signal.SIGKILL)
-        log = (tmp_path / "second.log").read_text()
+        start_peers(local)
+        log = finish_client(start_client(local, model_dir, tmp_path, "second", "restart"), tmp_path / "second.log")
         assert "resumed at step 2" in log and "steps lost: []" in log, log[-3000:]
-    reference = reference_adapter(model_dir, tmp_path / "initial", tmp_path / "reference")
-    assert_same_adapter(tmp_path / "final", reference)
+    assert_matches_local_peft(model_dir, tmp_path)

@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 from failover_helpers import (
+    assert_matches_local_peft,
     assert_replicas_identical,
-    assert_same_adapter,
     connect,
+    finish_client,
     instrument,
-    reference_adapter,
+    start_client,
     start_replicated_swarm,
+    start_swarm,
     train,
+    wait_for_text,
 )
 
 from swarm.localswarm import LocalSwarm
@@ -75,8 +75,7 @@ def test_training_survives_a_replica_failure(fault, tiny_models, tmp_path):
             model.save_adapter(tmp_path / "final")
         finally:
             model.shutdown()
-    reference = reference_adapter(model_dir, tmp_path / "initial", tmp_path / "reference")
-    assert_same_adapter(tmp_path / "final", reference)
+    assert_matches_local_peft(model_dir, tmp_path)
 
 
 def test_client_raises_a_clear_error_when_every_replica_of_a_block_is_gone(tiny_models, tmp_path):
@@ -99,52 +98,14 @@ def test_client_raises_a_clear_error_when_every_replica_of_a_block_is_gone(tiny_
 
 def test_a_killed_client_restarts_and_resumes_at_the_last_committed_step(tiny_models, tmp_path):
     model_dir = tiny_models["llama"]
-    script = Path(__file__).with_name("train_client.py")
     with LocalSwarm(tmp_path / "swarm") as local:
-        local.start_dht()
-        local.start_peer(model_dir, "0:2")
-        local.start_peer(model_dir, "2:4")
-
-        def client(name: str, *extra: str) -> subprocess.Popen:
-            log = open(tmp_path / f"{name}.log", "wb")
-            args = [
-                sys.executable,
-                str(script),
-                "--model",
-                str(model_dir),
-                "--initial-peers",
-                *local.initial_peers,
-                "--adapter",
-                "restarted",
-                "--steps",
-                "4",
-                "--out",
-                str(tmp_path),
-                *extra,
-            ]
-            return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-        first = client("first", "--hang-in-step", "2")
+        start_swarm(local, model_dir, {"a": "0:2", "b": "2:4"})
+        first = start_client(local, model_dir, tmp_path, "first", "restarted", "--hang-in-step", "2")
         try:
-            _wait_for(tmp_path / "first.log", "hanging mid-step", first)
+            wait_for_text(tmp_path / "first.log", "hanging mid-step", first)
         finally:
             os.killpg(first.pid, signal.SIGKILL)
             first.wait()
-        second = client("second")
-        try:
-            assert second.wait(240) == 0, (tmp_path / "second.log").read_text()[-3000:]
-        finally:
-            if second.poll() is None:
-                os.killpg(second.pid, signal.SIGKILL)
-        log = (tmp_path / "second.log").read_text()
+        log = finish_client(start_client(local, model_dir, tmp_path, "second", "restarted"), tmp_path / "second.log")
         assert "resumed at step 2" in log, log[-3000:]
-    reference = reference_adapter(model_dir, tmp_path / "initial", tmp_path / "reference")
-    assert_same_adapter(tmp_path / "final", reference)
-
-
-def _wait_for(log: Path, needle: str, process: subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while needle not in (log.read_text() if log.exists() else ""):
-        assert process.poll() is None, f"client exited early:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"client never printed {needle!r}:\n{log.read_text()[-3000:]}"
-        time.sleep(0.2)
+    assert_matches_local_peft(model_dir, tmp_path)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from failover_helpers import STEPS, assert_same_adapter, connect, instrument, reference_adapter, train
+from failover_helpers import STEPS, assert_matches_local_peft, connect, instrument, start_swarm, train
 from hivemind.p2p import PeerID
 
 from swarm.localswarm import LocalSwarm, Process
@@ -48,11 +48,7 @@ def moved_to(*peers: Process, span: str, timeout: float = 30) -> list[Process]:
 def test_only_server_of_a_span_killed_is_taken_over(tiny_models, tmp_path):
     model_dir = tiny_models["llama"]
     with LocalSwarm(tmp_path / "swarm") as local:
-        local.start_dht()
-        spans = (("a1", "0:2"), ("a2", "0:2"), ("c", "2:4"))
-        peers = {name: local.start_peer(model_dir, blocks, name=name, extra=FAST, wait=False) for name, blocks in spans}
-        for peer in peers.values():
-            peer.wait_for_line("serving blocks", 180)
+        peers = start_swarm(local, model_dir, {"a1": "0:2", "a2": "0:2", "c": "2:4"}, FAST)
         model = connect(local, model_dir, adapter="takeover", patience=120)
         try:
             model.save_adapter(tmp_path / "initial")
@@ -65,18 +61,13 @@ def test_only_server_of_a_span_killed_is_taken_over(tiny_models, tmp_path):
         finally:
             model.shutdown()
         assert len(moved_to(peers["a1"], peers["a2"], span="2:4")) == 1, "one replica of 0:2 should have moved"
-    reference = reference_adapter(model_dir, tmp_path / "initial", tmp_path / "reference")
-    assert_same_adapter(tmp_path / "final", reference)
+    assert_matches_local_peft(model_dir, tmp_path)
 
 
 def test_two_peers_killed_at_once_including_every_replica_of_a_span(tiny_models, tmp_path):
     model_dir = tiny_models["llama"]
     with LocalSwarm(tmp_path / "swarm") as local:
-        local.start_dht()
-        spans = (("a1", "0:2"), ("a2", "0:2"), ("b1", "2:4"), ("b2", "2:4"))
-        peers = {name: local.start_peer(model_dir, blocks, name=name, extra=FAST, wait=False) for name, blocks in spans}
-        for peer in peers.values():
-            peer.wait_for_line("serving blocks", 180)
+        peers = start_swarm(local, model_dir, {"a1": "0:2", "a2": "0:2", "b1": "2:4", "b2": "2:4"}, FAST)
         model = connect(local, model_dir, adapter="double-kill", patience=120)
         try:
             model.save_adapter(tmp_path / "initial")
@@ -98,8 +89,7 @@ def test_two_peers_killed_at_once_including_every_replica_of_a_span(tiny_models,
         finally:
             model.shutdown()
         assert len(moved_to(peers["a1"], peers["a2"], span="2:4")) == 1
-    reference = reference_adapter(model_dir, tmp_path / "initial", tmp_path / "reference")
-    assert_same_adapter(tmp_path / "final", reference)
+    assert_matches_local_peft(model_dir, tmp_path)
 
 
 def test_joining_peers_fill_uncovered_then_under_replicated_blocks(tiny_models, tmp_path):
@@ -123,9 +113,13 @@ def test_joining_peers_fill_uncovered_then_under_replicated_blocks(tiny_models, 
             # Every block is covered; 2 and 3 have one server each: a peer with room for two fills 2:4.
             late = local.start_peer(model_dir, None, name="f", extra=[*FAST, "--num-blocks", "2"])
             assert "serving blocks 2:4" in late.wait_for_line("serving blocks", 1)
+            late_id = PeerID.from_base58(late.peer_id)
+            while late_id not in model.router.live_servers(eligible_only=False):
+                time.sleep(0.2)
+                model.router.refresh()
             train(model, steps=STEPS)
             digests = model.replica_digests()
-            assert all(PeerID.from_base58(late.peer_id) in digests[b] for b in (2, 3)), "the new peer is not used"
+            assert all(late_id in digests[b] for b in (2, 3)), "the new peer is not used"
             model.save_adapter(tmp_path / "final")
         finally:
             model.shutdown()
@@ -139,5 +133,4 @@ def test_joining_peers_fill_uncovered_then_under_replicated_blocks(tiny_models, 
         rows = {line.split()[0]: line for line in status.stdout.splitlines() if line.strip()[:1].isdigit()}
         assert all(rows[str(b)].split()[1] == "2" for b in range(4)), status.stdout
         assert "UNCOVERED" not in status.stdout
-    reference = reference_adapter(model_dir, tmp_path / "initial", tmp_path / "reference")
-    assert_same_adapter(tmp_path / "final", reference)
+    assert_matches_local_peft(model_dir, tmp_path)
