@@ -117,7 +117,6 @@ class PeerDaemon:
         self.store = CheckpointStore(config.checkpoint_dir) if config.checkpoint_dir else None
         self.writer = CheckpointWriter(self.store, config.checkpoint_every) if self.store else None
         self.view: SwarmView | None = None
-        self._notices: set[asyncio.Task] = set()
 
     # --- what this peer tells others ------------------------------------------------------------------------
 
@@ -288,21 +287,16 @@ class PeerDaemon:
         of these blocks, so they pull the new state now rather than at their next round."""
         await self._checkpoint(name)
         adapter = self.backend.adapters[name]
-        steps = adapter.steps()
-        step = min(steps.values())
+        steps = {block: step for block, step in adapter.steps().items() if block in self.serving}
         notice = {
             "method": "committed",
             "adapter": name,
             **adapter.meta,
-            "step": step,
-            "start": min(steps),
-            "end": max(steps) + 1,
+            "steps": {str(block): step for block, step in steps.items()},
             "source": self.identity.peer_id.to_base58(),
         }
         for peer in self.view.watchers(list(steps)) if self.view is not None else ():
-            task = asyncio.create_task(self._notify(peer, notice))
-            self._notices.add(task)
-            task.add_done_callback(self._notices.discard)
+            self.service.in_background(self._notify(peer, notice))
 
     async def _notify(self, peer, notice: dict) -> None:
         try:

@@ -64,15 +64,15 @@ class Replicator:
                 wanted[block] = newest
         return await self._pull(name, meta, wanted, keep=set(self.standby))
 
-    async def on_committed(self, name: str, meta: dict, blocks: range, step: int, source: PeerID) -> None:
-        """A server of ``blocks`` committed ``step``: pull it for the blocks kept here on standby, unless this
-        peer's copy is fewer than ``every`` steps behind (or a notice from another replica already brought it)."""
+    async def on_committed(self, name: str, meta: dict, steps: dict[int, int], source: PeerID) -> None:
+        """A server committed a step (``steps``: its blocks' new steps): pull the blocks kept here on standby,
+        unless this peer's copy is fewer than ``every`` steps behind (or another replica's notice brought it)."""
         async with self._lock:
             adapter = self.backend.adapters.get(name)
             held = adapter.standby_steps() if adapter is not None else {}
             wanted = {
                 block: (step, source)
-                for block in blocks
+                for block, step in steps.items()
                 if block in self.standby and step - held.get(block, -self.policy.every) >= self.policy.every
             }
             if wanted:

@@ -52,7 +52,7 @@ class PeerService(Doorkeeper):
             committed=self._committed,
         )
         self.after_commit: Callable[[str], Awaitable[None]] | None = None
-        self.on_committed: Callable[[str, dict, range, int, PeerID], Awaitable[None]] | None = None
+        self.on_committed: Callable[[str, dict, dict[int, int], PeerID], Awaitable[None]] | None = None
         self._background: set[asyncio.Task] = set()
 
     async def compute(self, fn: Callable, *args):
@@ -153,7 +153,7 @@ class PeerService(Doorkeeper):
         name = _str(meta, "adapter")
         steps = await self.compute(self.backend.apply, name, _int(meta, "step"), ledger, _hparams(meta))
         if self.after_commit is not None:
-            await self.after_commit(name)
+            self.in_background(self.after_commit(name))  # queued on the compute thread before any next request
         return Message(meta={"steps": _by_block(steps)}, tensors=[])
 
     async def _export(self, message: Message) -> Message:
@@ -188,13 +188,18 @@ class PeerService(Doorkeeper):
         meta = message.meta
         if self.on_committed is not None:
             meta_adapter = {"lora": _dict(meta, "lora"), "seed": _int(meta, "seed")}
-            notice = self.on_committed(
-                _str(meta, "adapter"), meta_adapter, _blocks(meta), _int(meta, "step"), _peer(meta, "source")
-            )
-            task = asyncio.create_task(notice)
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            try:
+                steps = {int(block): int(step) for block, step in _dict(meta, "steps").items()}
+            except (TypeError, ValueError):
+                raise RequestError("'steps' must map block -> step") from None
+            notice = self.on_committed(_str(meta, "adapter"), meta_adapter, steps, _peer(meta, "source"))
+            self.in_background(notice)
         return Message(meta={}, tensors=[])
+
+    def in_background(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _state(self, message: Message) -> Message:
         state = await self.compute(self.backend.lora_state, _str(message.meta, "adapter"))

@@ -97,10 +97,12 @@ def main() -> None:
                     f"the retry took {r.seconds:.2f}s"
                 )
             print(f"steps lost: {sum(e.steps for e in model.steps_lost)} {model.steps_lost or ''}")
-            for name in ("peer-a1", "peer-a2"):
-                moved = [ln for ln in peers[name].log.read_text().splitlines() if "now serving blocks" in ln]
-                if moved:
-                    print(f"{name} took over: {moved[-1].split('peers.daemon: ')[-1]}")
+            if args.orphan_at_step:
+                time.sleep(3.0)  # the mover hands its old blocks over after a grace period
+                for name in ("peer-a1", "peer-a2"):
+                    moved = [ln for ln in peers[name].log.read_text().splitlines() if "now serving blocks" in ln]
+                    if moved:
+                        print(f"{name} took over: {moved[-1].split('peers.daemon: ')[-1]}")
             adapter_dir = model.save_adapter(args.workdir / "adapter")
             print(f"adapter saved to {adapter_dir} (load it with peft.PeftModel.from_pretrained)")
         finally:
