@@ -1,0 +1,89 @@
+"""Unit tests of the redundancy logic in one process: standby copies, hand-over and resume in the backend, the
+swarm view's counting, record fields, the status table, and default span sizing."""
+
+from __future__ import annotations
+
+import torch
+from hivemind.p2p import PeerID
+
+from peers.backend import OptimizerHParams, SpanBackend
+from peers.daemon import PeerConfig, blocks_that_fit
+from swarm.blocks import lora_config_to_wire
+from swarm.records import ServerRecord, ServerState
+from swarm.spec import load_spec
+from swarm.status import render
+from swarm.view import AdapterInfo, PeerInfo, SwarmView
+
+HPARAMS = OptimizerHParams(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+
+
+def _backend(model_dir, blocks: range) -> SpanBackend:
+    return SpanBackend(load_spec(model_dir), blocks, torch.device("cpu"), torch.float32, "none")
+
+
+def _train_one_step(backend: SpanBackend, name: str, blocks: range, step: int) -> None:
+    hidden = torch.randn(1, 6, backend.spec.hidden_size, generator=torch.Generator().manual_seed(step))
+    mb = f"s:{step}:0"
+    backend.forward(name, blocks, step, hidden, None, mb)
+    backend.backward(name, blocks, step, mb, hidden, None, torch.ones_like(hidden))
+    backend.apply(name, step, {b: [mb] for b in blocks}, HPARAMS)
+
+
+def test_standby_copies_take_over_exactly_and_moves_keep_state(tiny_models):
+    import peft
+
+    wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    server, other = _backend(tiny_models["llama"], range(2, 4)), _backend(tiny_models["llama"], range(0, 2))
+    server.open_adapter("a", wire, seed=3, session="s")
+    for step in range(2):
+        _train_one_step(server, "a", range(2, 4), step)
+    exported = server.export_state("a", range(2, 4))
+    other.keep_standby("a", {"lora": wire, "seed": 3}, exported, keep={2, 3})
+    assert other.adapters["a"].standby_steps() == {2: 2, 3: 2}
+    assert other.export_state("a", range(2, 4))[2].step == 2  # a standby copy can be passed on
+    other.install(other.load_layers(range(2, 4)))  # takeover: the served block starts from the copy
+    assert other.digests("a")[2] == server.digests("a")[2] and other.digests("a")[3] == server.digests("a")[3]
+    assert other.adapters["a"].standby_steps() == {}
+    other.remove([0, 1])  # handed over: the state stays as a standby copy
+    assert sorted(other.layers) == [2, 3] and set(other.adapters["a"].standby_steps()) == {0, 1}
+
+
+def test_fast_forward_declares_an_older_state_current_and_reports_the_loss(tiny_models):
+    import peft
+
+    wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    backend = _backend(tiny_models["llama"], range(0, 2))
+    backend.open_adapter("a", wire, seed=0)
+    assert backend.fast_forward("a", range(0, 2), 3) == {0: 3, 1: 3}
+    assert backend.adapters["a"].steps() == {0: 3, 1: 3}
+    assert backend.fast_forward("a", range(0, 2), 3) == {}  # nothing lost twice
+
+
+def test_view_counts_only_live_peers_and_settles_joiners_by_id():
+    alive_id, dead_id, joiner_small, joiner_big = (PeerID(bytes([i]) * 8) for i in (1, 2, 3, 4))
+    records = {
+        0: [ServerRecord(alive_id, ServerState.ONLINE, 0, 2, 10.0), ServerRecord(dead_id, ServerState.ONLINE, 0, 2, 9)],
+        1: [ServerRecord(alive_id, ServerState.ONLINE, 0, 2, 10.0)],
+        2: [
+            ServerRecord(joiner_small, ServerState.JOINING, 2, 3, 1.0),
+            ServerRecord(joiner_big, ServerState.JOINING, 2, 3, 1.0),
+        ],
+    }
+    info = PeerInfo({"a": AdapterInfo({"lora": {}, "seed": 0}, {0: 5, 1: 5}, {2: 4})}, [2])
+    empty = PeerInfo({}, [])
+    view = SwarmView(records, {alive_id: info, joiner_small: empty, joiner_big: empty})
+    assert view.coverage(exclude=joiner_big) == {0: 1, 1: 1, 2: 1}  # the dead peer does not count
+    assert view.coverage(exclude=joiner_big, joining_before=joiner_big) == {0: 1, 1: 1, 2: 1}
+    assert view.coverage(exclude=joiner_small, joining_before=joiner_small) == {0: 1, 1: 1, 2: 0}
+    assert view.newest("a", 2, exclude=joiner_big) == (4, alive_id)
+    assert view.trainer_step("a") == 5 and view.watchers([2, 3]) == [alive_id]
+    table = render("m", 4, view, replication=2)
+    assert "unreachable" in table and "UNCOVERED blocks [2, 3]" in table
+
+
+def test_records_carry_a_move_and_span_sizing_fits_the_model(tiny_models):
+    record = ServerRecord(PeerID(b"x" * 8), ServerState.ONLINE, 0, 2, 1.0, {"a": 3}, moving_to=range(2, 4))
+    back = ServerRecord.from_value(record.peer_id, record.to_value())
+    assert back == record
+    config = PeerConfig(model=str(tiny_models["llama"]), initial_peers=[])
+    assert blocks_that_fit(load_spec(tiny_models["llama"]), config) == 4  # a tiny model fits whole
