@@ -10,7 +10,15 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from hivemind.p2p import PeerID
 
-from peers.backend import BlockState, GradsByBlock, MissingGradientsError, OptimizerHParams, SpanBackend
+from peers.backend import (
+    BlockState,
+    GradsByBlock,
+    MissingGradientsError,
+    OptimizerHParams,
+    SpanBackend,
+    pack_states,
+    unpack_states,
+)
 from peers.doors import Doorkeeper, RequestError
 from swarm.security import SwarmKey
 from swarm.transport import Transport
@@ -158,12 +166,8 @@ class PeerService(Doorkeeper):
 
     async def _export(self, message: Message) -> Message:
         states = await self.compute(self.backend.export_state, _str(message.meta, "adapter"), _blocks(message.meta))
-        index, tensors = [], []
-        for block, state in states.items():
-            for name, entry in state.tensors.items():
-                index.append([block, state.step, name, sorted(entry)])
-                tensors.extend(entry[key] for key in sorted(entry))
-        return Message(meta={"index": index}, tensors=tensors)
+        index, flat = pack_states(states)
+        return Message(meta={"index": index}, tensors=[flat])
 
     async def _sync(self, message: Message) -> Message:
         """Pull the adapter state of some blocks from a current replica, so this peer can serve them again."""
@@ -215,12 +219,10 @@ async def fetch_state(transport: Transport, peer: PeerID, name: str, blocks: ran
     """The state of ``blocks`` (served or standby) as another peer holds it."""
     export = {"method": "export", "adapter": name, "start": blocks.start, "end": blocks.stop}
     reply = await transport.acall(peer, Message(export, []), timeout=SYNC_TIMEOUT)
-    states: dict[int, BlockState] = {}
-    tensors = iter(reply.tensors)
-    for block, step, param_name, keys in reply.meta.get("index", []):
-        state = states.setdefault(int(block), BlockState(step=int(step), tensors={}))
-        state.tensors[str(param_name)] = {str(key): next(tensors) for key in keys}
-    return states
+    try:
+        return unpack_states(reply.meta["index"], reply.tensors[0])
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        raise RequestError(f"malformed state export from {peer}: {e}") from None
 
 
 def _by_block(values: dict[int, object]) -> dict[str, object]:

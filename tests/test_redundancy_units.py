@@ -3,10 +3,11 @@ swarm view's counting, record fields, the status table, and default span sizing.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hivemind.p2p import PeerID
 
-from peers.backend import OptimizerHParams, SpanBackend
+from peers.backend import BlockState, OptimizerHParams, SpanBackend, pack_states, unpack_states
 from peers.daemon import PeerConfig, blocks_that_fit
 from swarm.blocks import lora_config_to_wire
 from swarm.records import ServerRecord, ServerState
@@ -46,6 +47,23 @@ def test_standby_copies_take_over_exactly_and_moves_keep_state(tiny_models):
     assert other.adapters["a"].standby_steps() == {}
     other.remove([0, 1])  # handed over: the state stays as a standby copy
     assert sorted(other.layers) == [2, 3] and set(other.adapters["a"].standby_steps()) == {0, 1}
+
+
+def test_states_pack_into_one_tensor_and_back_exactly():
+    states = {
+        3: BlockState(2, {"a.lora_A.weight": {"param": torch.randn(4, 8).bfloat16(), "step": torch.tensor(2.0)}}),
+        1: BlockState(5, {"b.lora_B.weight": {"param": torch.randn(8, 4), "exp_avg": torch.randn(8, 4)}}),
+    }
+    index, flat = pack_states(states)
+    back = unpack_states(index, flat)
+    assert {b: s.step for b, s in back.items()} == {3: 2, 1: 5}
+    for block, state in states.items():
+        for name, entry in state.tensors.items():
+            for key, tensor in entry.items():
+                assert back[block].tensors[name][key].dtype == tensor.dtype
+                assert torch.equal(back[block].tensors[name][key], tensor)
+    with pytest.raises(ValueError):
+        unpack_states(index, flat[:-1])
 
 
 def test_fast_forward_declares_an_older_state_current_and_reports_the_loss(tiny_models):
