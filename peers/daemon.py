@@ -108,7 +108,7 @@ class PeerDaemon:
         self.identity = Identity.load_or_create(config.identity)
         self.span_len = len(config.blocks) if config.blocks else config.num_blocks or blocks_that_fit(self.spec, config)
         self.max_blocks = max(self.span_len, config.max_blocks or 0)
-        self.serving = config.blocks or range(0)
+        self.serving = range(0)  # what it announces online; set once loaded
         self.state = ServerState.JOINING
         self.joining: range | None = None
         self.moving_to: range | None = None
