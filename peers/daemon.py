@@ -260,7 +260,8 @@ class PeerDaemon:
         await self._announce([(leaving, range(b, b + 1)) for b in handed_over] + self._records())
         await asyncio.sleep(self.config.leave_grace)
         await self.service.compute(self.backend.remove, handed_over)
-        logger.info("now serving blocks %d:%d", target.start, target.stop)
+        self.throughput = await self.service.compute(measure_throughput, self.backend)
+        logger.info("now serving blocks %d:%d, %.0f tokens/s", target.start, target.stop, self.throughput)
 
     async def _balance_round(self) -> None:
         """Refresh standby copies, then move if that strictly helps the swarm."""
