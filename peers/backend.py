@@ -534,24 +534,25 @@ class SpanBackend:
         """Store newer standby copies of blocks; forget copies outside ``keep`` (None: forget nothing). A served
         block behind its copy (fresh from a checkpoint or a takeover) starts from the copy."""
         adapter = self.adapters.get(name)
+        created = adapter is None
         if adapter is None:
             adapter = self.adapters[name] = Adapter(config_wire=meta["lora"], seed=meta["seed"])
         elif adapter.config_wire != meta["lora"] or adapter.seed != meta["seed"]:
             raise RequestError(f"adapter {name!r} exists here with another LoRA config or seed")
         for block, state in states.items():
             served = adapter.blocks.get(block)
-            if served is not None:
-                if served.step < state.step:
-                    state.load_into(served)
-                continue
-            held = adapter.standby.get(block)
-            if held is None or held.step <= state.step:
-                adapter.standby[block] = state
+            if served is None:
+                held = adapter.standby.get(block)
+                if held is None or held.step <= state.step:
+                    adapter.standby[block] = state
+            elif served.step < state.step:
+                state.load_into(served)
+                self.cache.drop_adapter(name)  # only then: a plain refresh must not drop graphs kept for backward
         if keep is not None:
             for block in [b for b in adapter.standby if b not in keep]:
                 del adapter.standby[block]
-        self._fill(name, adapter)
-        self.cache.drop_adapter(name)
+        if created:
+            self._fill(name, adapter)  # served blocks start from the copies just stored
 
     def fast_forward(self, name: str, blocks: range, step: int) -> dict[int, int]:
         """Declare blocks whose newest surviving state is older than ``step`` current at ``step``: the updates

@@ -66,7 +66,7 @@ class SwarmView:
         counts = {}
         for block in self.records:
             online = len(self.online(block, exclude))
-            joining = [r for r in self._live(block, (ServerState.JOINING,), exclude)]
+            joining = self._live(block, (ServerState.JOINING,), exclude)
             if joining_before is not None:
                 joining = [r for r in joining if r.peer_id.to_bytes() < joining_before.to_bytes()]
             counts[block] = online + len(joining)
