@@ -332,6 +332,7 @@ class PeerDaemon:
         self.replicator = Replicator(self.backend, self.service.compute, self.transport, me, policy)
         self.replicator.on_refreshed = self._checkpoint
         self.service.on_committed = self.replicator.on_committed
+        self.service.on_replicate = self.replicator.hold
         await self.replicator.take_state(await self._observe(), self.joining)
         await self.service.register(p2p)
         self.serving, self.joining, self.state = self.joining, None, ServerState.ONLINE

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from hivemind.p2p import PeerID
 
-from peers.backend import SpanBackend
+from peers.backend import SpanBackend, spans_text
 from peers.balancer import choose_standby
 from peers.service import fetch_state
 from swarm.transport import Transport
@@ -40,8 +40,10 @@ class Replicator:
     def __init__(self, backend: SpanBackend, compute: Compute, transport: Transport, me: PeerID, policy: StandbyPolicy):
         self.backend, self.compute, self.transport, self.me, self.policy = backend, compute, transport, me, policy
         self.standby: list[int] = []
+        self.pinned: dict[str, set[int]] = {}  # adapter -> blocks its trainer asked this peer to hold copies of
         self.on_refreshed: Callable[[str], Awaitable[None]] | None = None
         self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task] = set()
 
     async def refresh_standby(self, view: SwarmView, serving: range) -> list[str]:
         """Pull newer state of this peer's standby blocks; returns the adapters whose copies changed."""
@@ -62,7 +64,40 @@ class Replicator:
             newest = view.newest(name, block, self.me)
             if newest is not None and (block not in held or newest[0] - held[block] >= self.policy.every):
                 wanted[block] = newest
-        return await self._pull(name, meta, wanted, keep=set(self.standby))
+        return await self._pull(name, meta, wanted, keep=set(self.standby) | self.pinned.get(name, set()))
+
+    async def hold(self, name: str, meta: dict, step: int, sources: list[tuple[range, PeerID]]) -> dict[int, int]:
+        """The trainer's request: hold copies of these blocks at ``step`` (at least), pulled from ``sources``, before
+        it acknowledges the step. Pinned: kept whatever this peer's own standby choice. Returns the steps held."""
+        blocks = [block for span, _ in sources for block in span]
+        self.pinned.setdefault(name, set()).update(blocks)
+        async with self._lock:
+            held = await self.compute(self._held, name)
+            todo = [(span, peer) for span, peer in sources if any(held.get(b, -1) < step for b in span)]
+            fetched = await asyncio.gather(
+                *(fetch_state(self.transport, peer, name, span) for span, peer in todo), return_exceptions=True
+            )
+            states = {}
+            for (span, peer), part in zip(todo, fetched, strict=True):
+                if isinstance(part, BaseException):
+                    logger.warning(
+                        "could not copy adapter %r blocks %s from %s: %s", name, spans_text(span), peer, part
+                    )
+                    continue
+                states.update({block: state for block, state in part.items() if state.step >= step})
+            if states:
+                await self.compute(self.backend.keep_standby, name, meta, states, None)
+                held = await self.compute(self._held, name)
+        if states and self.on_refreshed is not None:
+            task = asyncio.ensure_future(self.on_refreshed(name))  # checkpoint in the background
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return {block: held[block] for block in blocks if block in held}
+
+    def _held(self, name: str) -> dict[int, int]:
+        """Steps of every block of the adapter this peer holds, served or standby."""
+        adapter = self.backend.adapters.get(name)
+        return {**adapter.standby_steps(), **adapter.steps()} if adapter is not None else {}
 
     async def on_committed(self, name: str, meta: dict, steps: dict[int, int], source: PeerID) -> None:
         """A server committed a step (``steps``: its blocks' new steps): pull the blocks kept here on standby,

@@ -58,9 +58,13 @@ class PeerService(Doorkeeper):
             digest=self._digest,
             fast_forward=self._fast_forward,
             committed=self._committed,
+            replicate=self._replicate,
         )
         self.after_commit: Callable[[str], Awaitable[None]] | None = None
         self.on_committed: Callable[[str, dict, dict[int, int], PeerID], Awaitable[None]] | None = None
+        self.on_replicate: Callable[[str, dict, int, list[tuple[range, PeerID]]], Awaitable[dict[int, int]]] | None = (
+            None
+        )
         self._background: set[asyncio.Task] = set()
 
     async def compute(self, fn: Callable, *args):
@@ -75,10 +79,13 @@ class PeerService(Doorkeeper):
         session = meta.get("session")
         if session is not None and not isinstance(session, str):
             raise RequestError("'session' must be a string")
-        steps = await self.compute(
-            self.backend.open_adapter, _str(meta, "adapter"), _dict(meta, "lora"), _int(meta, "seed"), session
-        )
-        return Message(meta={"steps": _by_block(steps)}, tensors=[])
+        name, lora, seed = _str(meta, "adapter"), _dict(meta, "lora"), _int(meta, "seed")
+
+        def open_adapter() -> tuple[dict[int, int], dict[int, int]]:
+            return self.backend.open_adapter(name, lora, seed, session), self.backend.adapter(name).standby_steps()
+
+        steps, standby = await self.compute(open_adapter)
+        return Message(meta={"steps": _by_block(steps), "standby": _by_block(standby)}, tensors=[])
 
     async def _forward(self, message: Message) -> Message:
         meta = message.meta
@@ -199,6 +206,23 @@ class PeerService(Doorkeeper):
             notice = self.on_committed(_str(meta, "adapter"), meta_adapter, steps, _peer(meta, "source"))
             self.in_background(notice)
         return Message(meta={}, tensors=[])
+
+    async def _replicate(self, message: Message) -> Message:
+        """The trainer asks this peer to hold a copy of some blocks' state at ``step`` (pulled from the named
+        sources) before it acknowledges the step: what makes a committed step survive the loss of any one peer."""
+        meta = message.meta
+        if self.on_replicate is None:
+            raise RequestError("this peer keeps no standby copies")
+        adapter_meta = {"lora": _dict(meta, "lora"), "seed": _int(meta, "seed")}
+        raw = meta.get("sources")
+        try:
+            sources = [(range(int(start), int(end)), PeerID.from_base58(str(peer))) for start, end, peer in raw]
+        except (TypeError, ValueError):
+            raise RequestError("'sources' must be a list of [start, end, peer id]") from None
+        if not sources or any(not 0 <= blocks.start < blocks.stop for blocks, _ in sources):
+            raise RequestError("'sources' must name at least one non-empty block range")
+        held = await self.on_replicate(_str(meta, "adapter"), adapter_meta, _int(meta, "step"), sources)
+        return Message(meta={"steps": _by_block(held)}, tensors=[])
 
     def in_background(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)

@@ -2,8 +2,8 @@
 
 peer-a1 and peer-a2 serve blocks 0:2, peer-b serves 2:4, and peer-c chooses its blocks itself (it picks 2:4, the
 under-replicated half). Mid-training peer-b is SIGKILLed during a step (the client retries on peer-c); later
-peer-c, by then the last server of 2:4, is SIGKILLed too: a replica of 0:2 takes 2:4 over from its standby copy
-of the adapter state. Losses fall throughout; recoveries, steps lost and the final `swarm status` are printed."""
+peer-c, by then the last server of 2:4, is SIGKILLed right after a step returned: a replica of 0:2 takes 2:4 over
+from the copy of the adapter state it was asked to hold before that step was acknowledged. Losses fall throughout; recoveries, steps lost and the final `swarm status` are printed."""
 
 from __future__ import annotations
 
@@ -78,8 +78,7 @@ def main() -> None:
                 if step == args.kill_at_step:
                     threading.Timer(0.05, peers["peer-b"].signal, args=(signal.SIGKILL,)).start()
                     print(f"--- SIGKILL peer-b ({peers['peer-b'].peer_id}) during step {step} ---")
-                if step == args.orphan_at_step:
-                    time.sleep(1.0)  # let the standby copies of the last commit land
+                if step == args.orphan_at_step:  # right after a step returned: durable, so nothing is lost
                     peers["peer-c"].signal(signal.SIGKILL)
                     print(f"--- SIGKILL peer-c ({peers['peer-c'].peer_id}), the last server of blocks 2:4 ---")
                 started = time.perf_counter()
@@ -97,6 +96,7 @@ def main() -> None:
                     f"the retry took {r.seconds:.2f}s"
                 )
             print(f"steps lost: {sum(e.steps for e in model.steps_lost)} {model.steps_lost or ''}")
+            print(f"copies of step {model.step} per block: {model.copies}")
             if args.orphan_at_step:
                 time.sleep(3.0)  # the mover hands its old blocks over after a grace period
                 for name in ("peer-a1", "peer-a2"):

@@ -11,6 +11,7 @@ import sys
 import threading
 
 from swarm.blocks import DTYPES, QUANT_MODES
+from swarm.records import RECORD_TTL
 
 
 def _parse_blocks(text: str) -> tuple[int, int]:
@@ -99,6 +100,8 @@ def cmd_peer(args: argparse.Namespace) -> None:
             activation_cache_mb=args.activation_cache_mb,
             max_payload_mb=args.max_payload_mb,
             max_tokens=args.max_tokens,
+            record_ttl=args.record_ttl,
+            leave_grace=args.leave_grace,
         )
     )
 
@@ -148,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     peer.add_argument("--max-payload-mb", type=int, default=1024, help="largest request accepted, in MiB")
     peer.add_argument("--max-tokens", type=int, default=1 << 16, help="largest batch x sequence accepted per request")
+    # For tests and experiments: how long records live (a dead peer's record lingers that long) and how long a
+    # leaving peer keeps serving in-flight requests.
+    peer.add_argument("--record-ttl", type=float, default=RECORD_TTL, help=argparse.SUPPRESS)
+    peer.add_argument("--leave-grace", type=float, default=2.0, help=argparse.SUPPRESS)
     peer.set_defaults(func=cmd_peer)
 
     stat = sub.add_parser("status", help="show which peers serve which blocks, and what is uncovered")

@@ -36,6 +36,7 @@ class ServerRecord:
     throughput: float
     adapters: dict[str, int] = field(default_factory=dict)
     moving_to: range | None = None  # an online peer about to hand these blocks over and serve this span instead
+    announced_at: float = 0.0  # DHT time of the announcement: tells a peer that announced again after it was gone
 
     @property
     def blocks(self) -> range:
@@ -49,6 +50,7 @@ class ServerRecord:
             "end": self.end,
             "throughput": self.throughput,
             "adapters": self.adapters,
+            "announced_at": self.announced_at,
         }
         if self.moving_to is not None:
             value["moving_to"] = [self.moving_to.start, self.moving_to.stop]
@@ -66,6 +68,7 @@ class ServerRecord:
                 throughput=float(value["throughput"]),
                 adapters={str(k): int(v) for k, v in dict(value.get("adapters", {})).items()},
                 moving_to=range(*(int(x) for x in value["moving_to"])) if value.get("moving_to") else None,
+                announced_at=float(value.get("announced_at", 0.0)),
             )
         except (TypeError, KeyError, ValueError, AttributeError):
             logger.debug("ignoring a malformed record from %s", peer_id)
@@ -124,7 +127,8 @@ def announce(
 ):
     """Write (or refresh) this peer's record under every block it serves, as a subkey only its owner can sign
     (the owner marker); records expire after ``ttl``."""
-    store = partial(_store, model=model, owner=owner, value=record.to_value(), blocks=blocks, ttl=ttl)
+    value = {**record.to_value(), "announced_at": get_dht_time()}
+    store = partial(_store, model=model, owner=owner, value=value, blocks=blocks, ttl=ttl)
     return dht.run_coroutine(store, return_future=not wait)
 
 
@@ -151,3 +155,50 @@ async def _read(_dht: DHT, node: DHTNode, model: str, num_blocks: int) -> dict[i
 def read_servers(dht: DHT, model: str, num_blocks: int) -> dict[int, list[ServerRecord]]:
     """Every live announcement, per block."""
     return dht.run_coroutine(partial(_read, model=model, num_blocks=num_blocks))
+
+
+# --- the adapter's committed step -------------------------------------------------------------------------------
+
+COMMITTED_TTL = 30 * 24 * 3600.0  # the committed step must outlive the trainer and every peer that held it
+
+
+def committed_key(model: str, adapter: str) -> str:
+    return f"swarm:{model}:adapter:{adapter}:committed"
+
+
+@dataclass(frozen=True)
+class CommittedRecord:
+    """What the trainer wrote after its last commit: the step every block of the adapter is at, and the adapter's
+    identity (LoRA config and seed), so that a restarted client knows what to wait for."""
+
+    step: int
+    lora: dict
+    seed: int
+    trainer: str
+
+    def to_value(self) -> dict:
+        return {"kind": "committed", "step": self.step, "lora": self.lora, "seed": self.seed, "trainer": self.trainer}
+
+    @classmethod
+    def from_value(cls, value: object) -> CommittedRecord | None:
+        try:
+            step, lora, seed, trainer = value["step"], value["lora"], value["seed"], value["trainer"]
+        except (TypeError, KeyError):
+            return None
+        valid = isinstance(step, int) and step >= 0 and isinstance(seed, int) and isinstance(lora, dict)
+        return cls(step, lora, seed, trainer) if valid and isinstance(trainer, str) else None
+
+
+def announce_committed(dht: DHT, model: str, adapter: str, owner: bytes, record: CommittedRecord):
+    """Write the committed step (signed by the trainer); returns a future: a commit does not wait for the DHT."""
+    key, value = committed_key(model, adapter), record.to_value()
+    return dht.store(key, value, get_dht_time() + COMMITTED_TTL, subkey=owner, return_future=True)
+
+
+def read_committed(dht: DHT, model: str, adapter: str) -> CommittedRecord | None:
+    """The newest committed step any trainer of this adapter wrote, or None if none is known to this swarm."""
+    found = dht.get(committed_key(model, adapter), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return None
+    records = [CommittedRecord.from_value(item.value) for item in found.value.values()]
+    return max((r for r in records if r is not None), key=lambda r: r.step, default=None)

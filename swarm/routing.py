@@ -13,6 +13,7 @@ from hivemind import DHT
 from hivemind.p2p import PeerID
 
 from swarm.records import ServerRecord, ServerState, read_servers
+from swarm.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -40,22 +41,36 @@ class Hop:
 
 @dataclass
 class PeerHealth:
-    """What the client learned about one peer: failures in a row, ban, and its speed per method."""
+    """What the client learned about one peer: failures in a row (since when), ban, and its speed per method."""
 
     failures: int = 0
+    failing_since: float | None = None
     banned_until: float = 0.0
     seconds_per_unit: dict[str, float] = field(default_factory=dict)
 
 
+# Small requests that never wait for compute beyond a moment: a peer that does not answer them within this time is
+# not worth waiting for (a dial to a dead address would otherwise take libp2p ~20 s to give up).
+CONTROL_METHODS = frozenset({"open", "info", "digest", "replicate", "fast_forward"})
+FIRST_CONTROL_TIMEOUT = 10.0
+
+
 class Router:
-    """The client's view of who serves what, refreshed from the DHT in the background."""
+    """The client's view of who serves what, refreshed from the DHT in the background.
+
+    Peers whose process is gone (the transport saw their connection close) are left out at once, whatever their
+    records still say, until they announce again. A peer that stopped answering but keeps its connection (frozen,
+    overloaded) may still hold state: it counts as a possible holder for ``unreachable_wait`` seconds.
+    """
 
     def __init__(
         self,
         dht: DHT,
+        transport: Transport,
         model: str,
         num_blocks: int,
         *,
+        unreachable_wait: float = 30.0,
         first_timeout: float = 60.0,
         min_timeout: float = 2.0,
         min_ban: float = 2.0,
@@ -63,7 +78,8 @@ class Router:
         refresh_every: float = 3.0,
         seed: int | None = None,
     ):
-        self.dht, self.model, self.num_blocks = dht, model, num_blocks
+        self.dht, self.transport, self.model, self.num_blocks = dht, transport, model, num_blocks
+        self.unreachable_wait = unreachable_wait
         self.first_timeout, self.min_timeout = first_timeout, min_timeout
         self.min_ban, self.max_ban, self.refresh_every = min_ban, max_ban, refresh_every
         self.servers: dict[int, list[ServerRecord]] = {}
@@ -73,22 +89,32 @@ class Router:
         self.random = random.Random(seed)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     # --- the swarm's view -------------------------------------------------------------------------------------
 
     def refresh(self) -> None:
         servers = read_servers(self.dht, self.model, self.num_blocks)
+        self.transport.revive({r.peer_id: r.announced_at for records in servers.values() for r in records})
         with self._lock:
             self.servers = servers
 
     def start(self) -> None:
-        """Refresh the view every ``refresh_every`` seconds until ``stop()``."""
+        """Refresh the view every ``refresh_every`` seconds (or sooner, see ``refresh_soon``) until ``stop()``."""
         self._thread = threading.Thread(target=self._refresh_loop, name="swarm-router", daemon=True)
         self._thread.start()
 
+    def refresh_soon(self) -> None:
+        """Refresh in the background now (after a commit: peers that joined or moved are brought in next step)."""
+        self._wake.set()
+
     def _refresh_loop(self) -> None:
-        while not self._stop.wait(self.refresh_every):
+        while True:
+            self._wake.wait(self.refresh_every)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.refresh()
             except Exception as e:
@@ -96,6 +122,9 @@ class Router:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
 
     # --- health -----------------------------------------------------------------------------------------------
 
@@ -106,6 +135,8 @@ class Router:
         """Stop using a peer for a while; each failure in a row doubles the ban (capped)."""
         health = self._health(peer)
         health.failures += 1
+        if health.failing_since is None:
+            health.failing_since = time.monotonic()
         seconds = min(self.max_ban, self.min_ban * 2 ** (health.failures - 1))
         health.banned_until = time.monotonic() + seconds
         logger.warning("peer %s failed (%s); banned for %.0fs", peer, reason, seconds)
@@ -118,7 +149,7 @@ class Router:
 
     def succeeded(self, peer: PeerID, method: str, units: float, seconds: float) -> None:
         health = self._health(peer)
-        health.failures = 0
+        health.failures, health.failing_since = 0, None
         rate = seconds / max(units, 1.0)
         old = health.seconds_per_unit.get(method)
         health.seconds_per_unit[method] = rate if old is None else 0.7 * old + 0.3 * rate
@@ -127,13 +158,15 @@ class Router:
         """Generous before the first answer; afterwards a few times the peer's measured speed."""
         rate = self._health(peer).seconds_per_unit.get(method)
         if rate is None:
-            return self.first_timeout
+            return min(self.first_timeout, FIRST_CONTROL_TIMEOUT) if method in CONTROL_METHODS else self.first_timeout
         return max(self.min_timeout, 1.0 + 5.0 * rate * max(units, 1.0))
 
     def usable(self, record: ServerRecord, eligible_only: bool = True) -> bool:
-        """Online, not banned, and (unless told otherwise) eligible: holding the adapter at the client's step."""
+        """Online, not gone, not banned, and (unless told otherwise) eligible: holding the adapter at the client's
+        step."""
         return (
             record.state == ServerState.ONLINE
+            and not self.transport.is_gone(record.peer_id)
             and self._health(record.peer_id).banned_until <= time.monotonic()
             and (not eligible_only or self.eligible(record.peer_id))
         )
@@ -150,11 +183,19 @@ class Router:
             records = [r for records in self.servers.values() for r in records if self.usable(r, eligible_only)]
         return {r.peer_id: range(r.start, r.end) for r in records}
 
+    def may_hold_state(self, peer: PeerID) -> bool:
+        """Whether a peer that announces blocks may still hold their state: not gone, and not silent for longer
+        than ``unreachable_wait`` (a frozen or partitioned peer is waited for that long, no longer)."""
+        if self.transport.is_gone(peer):
+            return False
+        since = self._health(peer).failing_since
+        return since is None or time.monotonic() - since < self.unreachable_wait
+
     def announced(self) -> dict[int, list[PeerID]]:
-        """Per block, every peer announcing it online (banned or not): who might still hold its state."""
+        """Per block, every peer announcing it online (banned or not) that may still hold its state."""
         with self._lock:
             return {
-                block: [r.peer_id for r in records if r.state == ServerState.ONLINE]
+                block: [r.peer_id for r in records if r.state == ServerState.ONLINE and self.may_hold_state(r.peer_id)]
                 for block, records in self.servers.items()
             }
 

@@ -173,13 +173,15 @@ class RecordSchemaValidator(RecordValidatorBase):
 
 
 def _valid_value(value: dict) -> bool:
-    from swarm.records import ServerRecord
+    from swarm.records import CommittedRecord, ServerRecord
 
     kind = value.get("kind")
     if kind == "server":
         return ServerRecord.from_value(PeerID(b"\x00"), value) is not None
     if kind == "model":
         return isinstance(value.get("name"), str) and isinstance(value.get("num_blocks"), int)
+    if kind == "committed":
+        return CommittedRecord.from_value(value) is not None
     if kind == "lease":
         return (
             isinstance(value.get("trainer"), str)

@@ -21,9 +21,11 @@ def _short(peer: PeerID) -> str:
 
 def render(model: str, num_blocks: int, view: SwarmView, replication: int) -> str:
     """A table: one row per block with its servers (state, span, throughput, adapter steps), the replication
-    level, the peers keeping standby copies, and UNCOVERED where no live peer serves it."""
+    level, the peers keeping standby copies, how many peers hold each adapter's newest step, and UNCOVERED where
+    no live peer serves it."""
     rows = [f"model {model}: {num_blocks} blocks, target replication {replication}"]
-    rows.append(f"{'block':>5}  {'repl':>4}  servers / standby copies")
+    rows.append(f"{'block':>5}  {'repl':>4}  servers / standby copies / copies of each adapter's newest step")
+    newest = _newest_steps(view)
     uncovered = []
     for block in range(num_blocks):
         servers, online = [], 0
@@ -42,9 +44,9 @@ def render(model: str, num_blocks: int, view: SwarmView, replication: int) -> st
             )
         standby = []
         for peer, info in view.alive.items():
-            copies = [f"{name}@{a.standby[block]}" for name, a in sorted(info.adapters.items()) if block in a.standby]
-            if copies:
-                standby.append(f"{_short(peer)} [{' '.join(copies)}]")
+            held = [f"{name}@{a.standby[block]}" for name, a in sorted(info.adapters.items()) if block in a.standby]
+            if held:
+                standby.append(f"{_short(peer)} [{' '.join(held)}]")
         mark = "" if online else "  UNCOVERED"
         if not online:
             uncovered.append(block)
@@ -52,9 +54,36 @@ def render(model: str, num_blocks: int, view: SwarmView, replication: int) -> st
         rows.append(f"{block:>5}  {online:>4}  " + ("; ".join(servers) or "-") + mark + low)
         if standby:
             rows.append(f"{'':>5}  {'':>4}  standby: " + "; ".join(standby))
+        copies = _copies(view, block, newest)
+        if copies:
+            text = "; ".join(f"{name}@{step}: {count}" for name, (step, count) in sorted(copies.items()))
+            single = any(count < 2 for _, count in copies.values())
+            rows.append(f"{'':>5}  {'':>4}  copies: {text}" + ("  (one failure would lose it)" if single else ""))
     if uncovered:
         rows.append(f"UNCOVERED blocks {uncovered}: start `swarm peer` serving them (or wait for a takeover)")
     return "\n".join(rows)
+
+
+def _newest_steps(view: SwarmView) -> dict[str, int]:
+    """Per adapter, the newest step any live peer holds of any block: the trainer's committed step."""
+    newest: dict[str, int] = {}
+    for info in view.alive.values():
+        for name, adapter in info.adapters.items():
+            for step in [*adapter.steps.values(), *adapter.standby.values()]:
+                newest[name] = max(newest.get(name, step), step)
+    return newest
+
+
+def _copies(view: SwarmView, block: int, newest: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """Per adapter, (its newest step, how many live peers hold ``block`` at that step, served or standby): one copy
+    means a single failure there would lose the step."""
+    counts: dict[str, tuple[int, int]] = {}
+    for name, step in newest.items():
+        count = sum(
+            1 for info in view.alive.values() if name in info.adapters and info.adapters[name].step_of(block) == step
+        )
+        counts[name] = (step, count)
+    return counts
 
 
 def status(initial_peers: list[str], swarm_key: SwarmKey | None, model: str | None, replication: int) -> str:

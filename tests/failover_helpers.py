@@ -162,3 +162,14 @@ def assert_matches_local_peft(model_dir: Path, tmp_path: Path, steps: int = STEP
     assert state.keys() == reference.keys()
     for key in state:
         torch.testing.assert_close(state[key], reference[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def moved_to(*peers: Process, span: str, timeout: float = 30) -> list[Process]:
+    """The peers that finished moving to ``span`` (a move completes a grace period after it is announced)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        movers = [p for p in peers if f"now serving blocks {span}" in p.log.read_text()]
+        if movers:
+            return movers
+        time.sleep(0.2)
+    return []

@@ -54,7 +54,8 @@ def test_a_kill_mid_checkpoint_write_leaves_the_previous_checkpoint(tiny_models,
         steps = loaded_steps(log)
         assert steps[stalled_block] == 1, f"block {stalled_block} should be back at its previous checkpoint: {steps}"
         assert sorted(set(steps.values())) == [1, 2], steps
-        model = connect(local, model_dir, adapter="ckpt")
+        # Step 2 of the stalled block is gone from the swarm (a swarm of one peer holds one copy): accept the loss.
+        model = connect(local, model_dir, adapter="ckpt", resume="latest")
         try:
             assert model.step == 2
             lost = {block for event in model.steps_lost for block in event.blocks}

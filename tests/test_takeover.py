@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from failover_helpers import STEPS, assert_matches_local_peft, connect, instrument, start_swarm, train
+from failover_helpers import STEPS, assert_matches_local_peft, connect, instrument, moved_to, start_swarm, train
 from hivemind.p2p import PeerID
 
 from swarm.localswarm import LocalSwarm, Process
@@ -32,17 +32,6 @@ def wait_standby_current(model, holders: list[Process], blocks: list[int], timeo
             return
         time.sleep(0.2)
     raise AssertionError(f"no current standby copy of blocks {blocks} at step {model.step}: {held}")
-
-
-def moved_to(*peers: Process, span: str, timeout: float = 30) -> list[Process]:
-    """The peers that finished moving to ``span`` (a move completes a grace period after it is announced)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        movers = [p for p in peers if f"now serving blocks {span}" in p.log.read_text()]
-        if movers:
-            return movers
-        time.sleep(0.2)
-    return []
 
 
 def test_only_server_of_a_span_killed_is_taken_over(tiny_models, tmp_path):

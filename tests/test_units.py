@@ -12,10 +12,13 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
 from swarm.blocks import AdapterConfigError, add_lora, load_block, lora_config_from_wire, lora_config_to_wire
+from swarm.client.copies import CopyKeeper
 from swarm.client.ledger import Segment, StepLedger
-from swarm.records import ServerRecord, ServerState
+from swarm.records import CommittedRecord, ServerRecord, ServerState
 from swarm.routing import NoRouteError, Router
+from swarm.security import _valid_value
 from swarm.spec import ModelFolderError, load_spec
+from swarm.transport import Transport
 from swarm.wire import Message, WireError, decode, encode
 
 
@@ -73,7 +76,7 @@ def _record(peer: int, start: int, end: int, throughput: float = 1.0, state=Serv
 
 
 def test_route_covers_all_blocks_with_fewest_hops_and_avoids_banned_or_leaving_peers():
-    router = Router(dht=None, model="m", num_blocks=6)
+    router = Router(dht=None, transport=Transport(p2p=None), model="m", num_blocks=6)
     records = [
         _record(1, 0, 3),
         _record(2, 0, 6, throughput=0.5),
@@ -87,6 +90,47 @@ def test_route_covers_all_blocks_with_fewest_hops_and_avoids_banned_or_leaving_p
     router.ban(records[2].peer_id, 60)
     with pytest.raises(NoRouteError, match=r"\[3, 4, 5\]"):
         router.route()
+
+
+def test_gone_peers_are_skipped_at_once_and_unreachable_ones_waited_for_a_bound():
+    transport = Transport(p2p=None)
+    router = Router(dht=None, transport=transport, model="m", num_blocks=2, unreachable_wait=5.0)
+    dead, frozen, fine = _record(1, 0, 2), _record(2, 0, 2), _record(3, 0, 2)
+    router.servers = {b: [dead, frozen, fine] for b in range(2)}
+    transport.gone[dead.peer_id] = 100.0  # its connection closed at t=100
+    router.ban(frozen.peer_id, "timeout")
+    assert router.announced()[0] == [frozen.peer_id, fine.peer_id]  # the frozen one may still hold state
+    assert list(router.live_servers(eligible_only=False)) == [fine.peer_id]
+    router.health[frozen.peer_id].failing_since -= 6.0  # silent for longer than unreachable_wait
+    assert router.announced()[0] == [fine.peer_id]
+    transport.revive({dead.peer_id: 99.0})  # an old announcement does not bring it back
+    assert transport.is_gone(dead.peer_id)
+    transport.revive({dead.peer_id: 101.0})  # announced again after it was gone (restarted)
+    assert not transport.is_gone(dead.peer_id) and dead.peer_id in router.live_servers(eligible_only=False)
+    router.succeeded(frozen.peer_id, "open", 1.0, 0.01)
+    assert frozen.peer_id in router.announced()[0]
+
+
+def test_copy_plan_spreads_holders_keeps_previous_ones_and_skips_servers():
+    keeper = CopyKeeper(stack=None, replicas=None, min_copies=2, adapter_meta={})
+    a, b, c = (PeerID(bytes([i]) * 34) for i in (1, 2, 3))
+    servers = {0: [a], 1: [a], 2: [b], 3: [b, c]}
+    confirmed = {block: [] for block in servers}
+    plan = keeper._plan(servers, confirmed, [a, b, c])
+    assert plan == {b: [0], c: [1], a: [2]}, "block 3 has two servers; each other block gets one more holder"
+    keeper.holders = {0: [c], 1: [c]}
+    assert keeper._plan(servers, confirmed, [a, b, c]) == {c: [0, 1], a: [2]}
+    assert keeper._plan(servers, confirmed, [a]) == {a: [2]}, "a server of a block never holds its standby copy"
+    with pytest.raises(ValueError, match="min_copies"):
+        CopyKeeper(stack=None, replicas=None, min_copies=0, adapter_meta={})
+
+
+def test_committed_records_are_schema_checked():
+    record = CommittedRecord(step=3, lora={"r": 4}, seed=11, trainer="me@host")
+    assert CommittedRecord.from_value(record.to_value()) == record
+    assert _valid_value(record.to_value())
+    for broken in ({**record.to_value(), "step": -1}, {**record.to_value(), "step": "3"}, {"kind": "committed"}):
+        assert CommittedRecord.from_value(broken) is None and not _valid_value(broken)
 
 
 def test_lora_init_is_deterministic_per_seed_and_block(tiny_models):

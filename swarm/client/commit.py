@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from hivemind.p2p import PeerID
@@ -43,12 +44,42 @@ class StepsLost:
 class ReplicaSet:
     """Which peers hold the adapter at the client's step; opens new peers and brings laggards up to date."""
 
-    def __init__(self, stack: RemoteStack, open_on: Callable[[PeerID], dict[int, int]]):
+    def __init__(self, stack: RemoteStack, open_on: Callable[[PeerID], tuple[dict[int, int], dict[int, int]]]):
         self.stack, self.open_on = stack, open_on
         self.current: dict[PeerID, int] = {}
+        self.standby: dict[PeerID, dict[int, int]] = {}  # peer -> block -> step of the standby copy it holds
         self.lost: list[StepsLost] = []
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="swarm-open")
         stack.router.eligible = lambda peer: peer in self.current
         stack.on_peer_state.append(self.forget)
+
+    def note_standby(self, peer: PeerID, steps: dict[int, int]) -> None:
+        """``peer`` said it holds standby copies of these blocks at these steps."""
+        self.standby.setdefault(peer, {}).update(steps)
+
+    def standby_holders(self, block: int, step: int) -> list[PeerID]:
+        """Live peers known to hold a standby copy of ``block`` at ``step``: a source to sync or resume from."""
+        router = self.stack.router
+        return [p for p, held in self.standby.items() if held.get(block) == step and router.may_hold_state(p)]
+
+    def open_many(self, peers: list[PeerID]) -> dict[PeerID, dict[int, int]]:
+        """Open the adapter on ``peers`` at once, so that a dead or slow peer does not hold up the others; returns
+        each answering peer's served steps per block (and notes its standby copies)."""
+
+        def attempt(peer: PeerID) -> tuple[dict[int, int], dict[int, int]] | None:
+            try:
+                return self.open_on(peer)
+            except (PeerFailure, RemoteError) as e:
+                logger.warning("peer %s cannot be opened yet: %s", peer, e)
+                return None
+
+        answers = {}
+        for peer, reply in zip(peers, self._pool.map(attempt, peers), strict=True):
+            if reply is not None:
+                steps, standby = reply
+                self.note_standby(peer, standby)
+                answers[peer] = steps
+        return answers
 
     def forget(self, peer: PeerID) -> None:
         """After a failure or refusal the peer's state is unknown: re-check it before it serves again."""
@@ -59,14 +90,7 @@ class ReplicaSet:
         current copies all died resumes from the newest surviving one, and the steps lost are reported."""
         servers = self.stack.router.live_servers(eligible_only=False)
         behind: dict[PeerID, dict[int, int]] = {}
-        for peer in servers:
-            if self.current.get(peer) == step:
-                continue
-            try:
-                steps = self.open_on(peer)
-            except (PeerFailure, RemoteError) as e:
-                logger.warning("peer %s cannot be opened yet: %s", peer, e)
-                continue
+        for peer, steps in self.open_many([p for p in servers if self.current.get(p) != step]).items():
             if set(steps.values()) == {step}:
                 self.current[peer] = step
             else:
@@ -91,8 +115,8 @@ class ReplicaSet:
         current = self.peers(step)
         announced = self.stack.router.announced()
         for block in range(self.stack.router.num_blocks):
-            if any(block in span for span in current.values()):
-                continue
+            if any(block in span for span in current.values()) or self.standby_holders(block, step):
+                continue  # a current copy lives: laggards sync from it
             unknown = [p for p in announced.get(block, []) if p not in behind and self.current.get(p) != step]
             survivors = [(steps[block], peer) for peer, steps in behind.items() if block in steps]
             if unknown or not survivors:
@@ -129,14 +153,20 @@ class ReplicaSet:
         block, steps = span.start, {}
         while block < span.stop:
             sources = [
-                (p, s)
+                (p, s.stop)
                 for p, s in self.stack.router.live_servers().items()
                 if p != peer and self.current.get(p) == step and s.start <= block < s.stop
             ]
+            for holder in self.standby_holders(block, step):
+                end = block
+                while end < span.stop and self.standby[holder].get(end) == step:
+                    end += 1
+                sources.append((holder, end))
+            sources = [(p, end) for p, end in sources if p != peer]
             if not sources:
-                raise CommitError(f"no current replica of block {block} to sync peer {peer} from")
-            source, source_span = max(sources, key=lambda item: item[1].stop)
-            end = min(source_span.stop, span.stop)
+                raise CommitError(f"no current copy of block {block} to sync peer {peer} from")
+            source, source_end = max(sources, key=lambda item: item[1])
+            end = min(source_end, span.stop)
             meta = {
                 "method": "sync",
                 "adapter": self.stack.adapter,
@@ -150,12 +180,16 @@ class ReplicaSet:
             block = end
         return steps
 
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
     def peers(self, step: int) -> dict[PeerID, range]:
         return {p: s for p, s in self.stack.router.live_servers().items() if self.current.get(p) == step}
 
 
-def commit(stack: RemoteStack, replicas: ReplicaSet, ledger: StepLedger, hparams: dict) -> None:
-    """Apply ``ledger.step`` on every live replica; replay lost gradients first. Raises CommitError if impossible."""
+def commit(stack: RemoteStack, replicas: ReplicaSet, ledger: StepLedger, hparams: dict) -> dict[PeerID, range]:
+    """Apply ``ledger.step`` on every live replica; replay lost gradients first. Returns the replicas that applied
+    it (and their spans). Raises CommitError if impossible."""
     step, started, rounds = ledger.step, time.monotonic(), 0
     failed: list[PeerID] = []
     while True:
@@ -188,7 +222,7 @@ def commit(stack: RemoteStack, replicas: ReplicaSet, ledger: StepLedger, hparams
             logger.debug("step %d committed on %d peers in %.2fs", step, len(applied), time.monotonic() - started)
             if failed:
                 stack.recovered(failed[0], "commit", step, started)
-            return
+            return {peer: peers[peer] for peer in applied}
         logger.warning("blocks %s lost every replica during apply of step %d; retrying", unapplied, step)
 
 

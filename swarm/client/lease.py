@@ -73,7 +73,11 @@ class AdapterLease:
                 logger.warning("could not renew the adapter lease: %s", e)
 
     def release(self) -> None:
+        """Stop renewing (waiting for a renewal in flight) and mark the lease released, if it was ever taken."""
+        if self._thread is None:
+            return
         self._stop.set()
+        self._thread.join(timeout=10)
         try:
             self._write(released=True)
         except Exception as e:

@@ -6,6 +6,7 @@ import getpass
 import logging
 import socket
 import time
+import uuid
 from pathlib import Path
 
 import peft
@@ -21,11 +22,14 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from swarm.blocks import lora_config_from_wire, lora_config_to_wire
 from swarm.checkpoint import save_peft_adapter
 from swarm.client.commit import ReplicaSet, StepsLost, commit
+from swarm.client.copies import CopyKeeper
 from swarm.client.lease import AdapterLease
 from swarm.client.ledger import StepLedger
 from swarm.client.remote import PeerFailure, RemoteStack, RemoteStackFunction
+from swarm.errors import AdapterStateLostError
 from swarm.network import check_access, initial_peers_or_env, join_dht, load_swarm_key
-from swarm.routing import Router
+from swarm.records import CommittedRecord, announce_committed, read_committed
+from swarm.routing import Router, SwarmUnavailableError
 from swarm.security import Identity, SwarmKey
 from swarm.spec import ModelSpec, load_spec
 from swarm.transport import Transport
@@ -46,6 +50,9 @@ def _read_tensors(spec: ModelSpec, names: list[str]) -> dict[str, torch.Tensor]:
     return tensors
 
 
+RESUME_MODES = ("committed", "latest")
+
+
 class SwarmModelForCausalLM(nn.Module):
     """A causal LM whose decoder blocks (and their LoRA adapter) live on swarm peers."""
 
@@ -64,26 +71,36 @@ class SwarmModelForCausalLM(nn.Module):
         swarm_key: SwarmKey | None,
         initial_peers: list[str],
         spot_check: float = 0.0,
+        min_copies: int = 2,
+        resume: str = "committed",
+        unreachable_wait: float = 30.0,
     ):
         super().__init__()
-        self.spec, self.dht, self.adapter = spec, dht, adapter
+        self.spec, self.dht, self.adapter, self.trainer = spec, dht, adapter, trainer
         self.lora_wire = lora_config_to_wire(lora_config)
         self.lora_config = lora_config_from_wire(self.lora_wire)
-        self.seed, self.dtype, self.device = seed, dtype, device
-        self._load_local_modules(dtype, device)
-        self.transport = Transport.for_dht(dht, swarm_key)
-        RemoteExpertWorker.run_coroutine(check_access(self.transport, initial_peers))
-        self.router = Router(dht, spec.name, spec.num_blocks)
-        self.stack = RemoteStack(self.transport, self.router, adapter, patience, spot_check)
-        self.replicas = ReplicaSet(self.stack, self._open_on)
-        self.router.on_wait = lambda: self.replicas.refresh(self.ledger.step)
-        self.ledger = StepLedger(step=0)
-        self.lease = AdapterLease(dht, spec.name, adapter, identity.owner, trainer, self.ledger.session)
-        self.lease.acquire(patience)
-        self.router.refresh()
-        self.ledger = StepLedger(step=self._resume_step(), session=self.ledger.session)
-        self.replicas.refresh(self.ledger.step)
-        self.router.start()
+        self.seed, self.dtype, self.device, self.owner = seed, dtype, device, identity.owner
+        self.session = uuid.uuid4().hex[:16]
+        try:
+            self._load_local_modules(dtype, device)
+            self.transport = Transport.for_dht(dht, swarm_key)
+            RemoteExpertWorker.run_coroutine(check_access(self.transport, initial_peers))
+            self.router = Router(dht, self.transport, spec.name, spec.num_blocks, unreachable_wait=unreachable_wait)
+            self.stack = RemoteStack(self.transport, self.router, adapter, patience, spot_check)
+            self.replicas = ReplicaSet(self.stack, self._open_on)
+            self.copies_keeper = CopyKeeper(
+                self.stack, self.replicas, min_copies, {"lora": self.lora_wire, "seed": seed}
+            )
+            self.lease = AdapterLease(dht, spec.name, adapter, identity.owner, trainer, self.session)
+            self.lease.acquire(patience)
+            self.ledger = StepLedger(step=self._resume_step(resume), session=self.session)
+            self.router.on_wait = lambda: self.replicas.refresh(self.ledger.step)
+            self.replicas.refresh(self.ledger.step)
+            self.copies_keeper.ensure(self.ledger.step, self.replicas.peers(self.ledger.step))
+            self.router.start()
+        except BaseException:
+            self.shutdown()
+            raise
         logger.info("adapter %r at step %d", adapter, self.ledger.step)
 
     def _load_local_modules(self, dtype: torch.dtype, device: torch.device) -> None:
@@ -116,10 +133,21 @@ class SwarmModelForCausalLM(nn.Module):
         trainer: str | None = None,
         swarm_key: str | Path | None = None,
         spot_check: float = 0.0,
+        min_copies: int = 2,
+        resume: str = "committed",
+        unreachable_wait: float = 30.0,
     ) -> SwarmModelForCausalLM:
         """Join the swarm as a client and open (or resume) ``adapter`` on the peers serving ``model_dir``.
 
-        ``patience``: seconds to wait when some blocks have no live server before raising.
+        ``patience``: seconds to wait when some blocks have no live server (or, on resume, no peer holding the
+        adapter's committed step) before raising.
+        ``min_copies``: ``opt.step()`` returns only once every block's new state is held by this many peers (live
+        replicas plus standby copies), whenever the swarm has that many; fewer is warned about, never an error.
+        ``resume``: ``"committed"`` waits for peers holding the adapter's committed step (as recorded in the swarm)
+        and raises ``AdapterStateLostError`` if it is gone; ``"latest"`` accepts the newest state the peers still
+        hold, and the steps lost are reported in ``model.steps_lost``.
+        ``unreachable_wait``: how long a peer that stopped answering but may be alive (frozen, cut off) is waited
+        for as the possible holder of the only current state of a block; a peer whose process is gone is not.
         ``trainer``: who trains this adapter (default: user@host); the same trainer takes its lease back at once
         after a restart, another one waits for the lease to expire.
         ``swarm_key``: the key file of a private swarm (``swarm keygen``).
@@ -128,6 +156,10 @@ class SwarmModelForCausalLM(nn.Module):
         """
         if lora_config is None:
             raise ValueError("pass lora_config=peft.LoraConfig(r=..., lora_alpha=..., target_modules=[...])")
+        if resume not in RESUME_MODES:
+            raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
+        if min_copies < 1:
+            raise ValueError(f"min_copies must be at least 1, got {min_copies}")
         spec = load_spec(model_dir)
         peers = initial_peers_or_env(initial_peers)
         if not peers:
@@ -136,50 +168,93 @@ class SwarmModelForCausalLM(nn.Module):
         identity = Identity.load_or_create(None)
         dht = join_dht(peers, identity, key, client_mode=True)
         trainer = trainer or f"{getpass.getuser()}@{socket.gethostname()}"
-        try:
-            return cls(
-                spec,
-                dht,
-                adapter,
-                lora_config,
-                dtype,
-                torch.device(device),
-                seed,
-                patience,
-                trainer,
-                identity,
-                key,
-                peers,
-                spot_check,
-            )
-        except BaseException:
-            dht.shutdown()
-            raise
+        return cls(
+            spec,
+            dht,
+            adapter,
+            lora_config,
+            dtype,
+            torch.device(device),
+            seed,
+            patience,
+            trainer,
+            identity,
+            key,
+            peers,
+            spot_check,
+            min_copies,
+            resume,
+            unreachable_wait,
+        )
 
-    def _open_on(self, peer_id: PeerID) -> dict[int, int]:
-        """Open (or claim) the adapter on a peer; returns its committed step per block."""
+    def _open_on(self, peer_id: PeerID) -> tuple[dict[int, int], dict[int, int]]:
+        """Open (or claim) the adapter on a peer; returns its committed step per served block and per standby copy."""
         meta = {
             "method": "open",
             "adapter": self.adapter,
             "lora": self.lora_wire,
             "seed": self.seed,
-            "session": self.ledger.session,
+            "session": self.session,
         }
         reply = self.stack.call(peer_id, meta, [])
-        return {int(b): s for b, s in reply.meta["steps"].items()}
+        standby = reply.meta.get("standby", {})
+        return {int(b): s for b, s in reply.meta["steps"].items()}, {int(b): s for b, s in standby.items()}
 
-    def _resume_step(self) -> int:
-        """The adapter's last committed step: the newest step any live peer holds for any block. Blocks behind it
-        are brought up to it by ``ReplicaSet.refresh`` (synced, or reported as steps lost)."""
-        self.router.wait_covered(self.stack.patience)
-        newest = 0
-        for peer in self.router.live_servers(eligible_only=False):
-            try:
-                steps = self._open_on(peer)
-            except PeerFailure:
-                continue
-            newest = max([newest, *steps.values()])
-        return newest
+    def _resume_step(self, resume: str) -> int:
+        """The adapter's last committed step, and wait (up to ``patience``) until the swarm can serve it.
+
+        The trainer records the committed step in the DHT at every commit; peers hold their blocks' steps. The step
+        to resume at is the newest of both: a restarted client never starts over on an adapter that has committed
+        steps, and waits for peers that still load. It goes once every block has a live server and a live copy at
+        that step (laggards sync from it), or, with nothing recorded (a new swarm), once every block has a server.
+        """
+        recorded = read_committed(self.dht, self.spec.name, self.adapter)
+        if recorded is not None and (recorded.lora != self.lora_wire or recorded.seed != self.seed):
+            raise ValueError(
+                f"adapter {self.adapter!r} was trained with another LoRA config or seed (by {recorded.trainer!r}); "
+                "pass the same lora_config and seed to resume it, or pick another adapter name"
+            )
+        deadline = time.monotonic() + self.stack.patience
+        while True:
+            self.router.refresh()
+            served = self.replicas.open_many(list(self.router.live_servers(eligible_only=False)))
+            held: dict[int, set[int]] = {}
+            for steps in [*served.values(), *self.replicas.standby.values()]:
+                for block, step in steps.items():
+                    held.setdefault(block, set()).add(step)
+            newest = max([recorded.step if recorded else 0, *(s for steps in held.values() for s in steps)])
+            covered = {block for steps in served.values() for block in steps}
+            uncovered = [b for b in range(self.spec.num_blocks) if b not in covered]
+            missing = [b for b in range(self.spec.num_blocks) if newest not in held.get(b, ())]
+            unanswered = {p for peers in self.router.announced().values() for p in peers} - set(served)
+            give_up = time.monotonic() > deadline  # on peers that never answered, with resume="latest"
+            if not uncovered and (
+                not missing or recorded is None or (resume == "latest" and (give_up or not unanswered))
+            ):
+                if missing:
+                    logger.warning("resuming adapter %r without step %d on blocks %s", self.adapter, newest, missing)
+                return newest
+            if give_up:
+                if uncovered:
+                    raise SwarmUnavailableError(
+                        f"blocks {uncovered} have had no live server for {self.stack.patience:.0f}s; start peers "
+                        "serving them (swarm peer --model ...) or raise the client's patience"
+                    )
+                newest_held = {b: max(held[b]) for b in missing if b in held}
+                raise AdapterStateLostError(
+                    f"adapter {self.adapter!r} is at step {newest}, but no live peer holds blocks {missing} at that "
+                    f"step (the newest they hold: {newest_held or 'none'}). Restart the peers that held them with "
+                    'their --checkpoint-dir, or pass resume="latest" to continue from the newest state they hold '
+                    "(the steps in between are lost and listed in model.steps_lost)"
+                )
+            logger.info(
+                "waiting for peers holding adapter %r at step %d (no server yet: %s; not at that step: %s)",
+                self.adapter,
+                newest,
+                uncovered,
+                missing,
+            )
+            time.sleep(1.0)
 
     @property
     def step(self) -> int:
@@ -190,6 +265,11 @@ class SwarmModelForCausalLM(nn.Module):
     def dishonest(self) -> list[PeerID]:
         """Peers caught returning results that their replicas disagree with."""
         return self.stack.dishonest
+
+    @property
+    def copies(self) -> dict[int, int]:
+        """Per block, how many peers hold the state of the last committed step (live replicas + standby copies)."""
+        return dict(self.copies_keeper.copies)
 
     @property
     def steps_lost(self) -> list[StepsLost]:
@@ -229,8 +309,12 @@ class SwarmModelForCausalLM(nn.Module):
         if self.ledger.empty:
             logger.warning("optimizer step with no backward since the last step: nothing to commit")
             return self.step
-        commit(self.stack, self.replicas, self.ledger, hparams)
+        applied = commit(self.stack, self.replicas, self.ledger, hparams)
         self.ledger = self.ledger.next()
+        self.copies_keeper.ensure(self.step, applied)
+        record = CommittedRecord(self.step, self.lora_wire, self.seed, self.trainer)
+        announce_committed(self.dht, self.spec.name, self.adapter, self.owner, record)
+        self.router.refresh_soon()  # peers that joined or moved meanwhile are brought in at the next step
         return self.step
 
     def discard_step(self) -> None:
@@ -283,8 +367,15 @@ class SwarmModelForCausalLM(nn.Module):
         return save_peft_adapter(out_dir, self.lora_config, str(self.spec.path.resolve()), self.adapter_state())
 
     def shutdown(self) -> None:
-        """Leave the swarm: release the adapter's lease, close this client's P2P connection and DHT node."""
-        self.router.stop()
-        self.lease.release()
-        RemoteExpertWorker.run_coroutine(self.transport.shutdown())
+        """Leave the swarm: release the adapter's lease, close this client's P2P connection and DHT node. Safe to
+        call on a model whose construction failed half-way (it releases what was started)."""
+        if hasattr(self, "router"):
+            self.router.stop()
+        for part in ("copies_keeper", "replicas"):
+            if hasattr(self, part):
+                getattr(self, part).close()
+        if hasattr(self, "lease"):
+            self.lease.release()
+        if hasattr(self, "transport"):
+            RemoteExpertWorker.run_coroutine(self.transport.shutdown())
         self.dht.shutdown()

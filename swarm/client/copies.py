@@ -1,0 +1,118 @@
+"""Acknowledged means durable: before a step is acknowledged, every block's new state is held by ``min_copies``
+peers, whenever the swarm has that many that can hold it.
+
+A block's live replicas count; for blocks with fewer, the trainer asks other live peers to hold a standby copy of the
+new state (``replicate``: the holder pulls it peer to peer from a replica, and keeps it whatever its own standby
+choice). Holders are sticky, so the same peers keep refreshing the same blocks, and they are asked in parallel, so
+the cost is one round trip plus one state transfer per step, whatever the number of holders. Like synchronous
+replication in a database: an acknowledged step survives the loss of any single peer, from the first step on.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+from hivemind.p2p import PeerID
+
+from swarm.client.commit import ReplicaSet
+from swarm.client.remote import PeerFailure, RemoteStack
+from swarm.wire import RemoteError
+
+logger = logging.getLogger(__name__)
+
+MAX_ROUNDS = 3  # a holder that fails is replaced by the next candidate, this many times per step
+
+
+class CopyKeeper:
+    """Chooses standby holders for under-replicated blocks and has them copy each committed state."""
+
+    def __init__(self, stack: RemoteStack, replicas: ReplicaSet, min_copies: int, adapter_meta: dict, workers: int = 8):
+        if min_copies < 1:
+            raise ValueError(f"min_copies must be at least 1, got {min_copies}")
+        self.stack, self.replicas, self.min_copies, self.adapter_meta = stack, replicas, min_copies, adapter_meta
+        self.holders: dict[int, list[PeerID]] = {}  # block -> standby holders, kept from step to step
+        self.copies: dict[int, int] = {}  # block -> peers holding the last acknowledged state
+        self._short: dict[int, int] | None = None  # the shortfall last warned about
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="swarm-copies")
+
+    def ensure(self, step: int, replicas: dict[PeerID, range]) -> dict[int, int]:
+        """Make every block's state at ``step`` held by ``min_copies`` peers: ``replicas`` (current at ``step``)
+        plus standby holders. Returns the copies per block; a shortfall is warned about once, never raised."""
+        num_blocks = self.stack.router.num_blocks
+        servers = {b: [p for p, span in replicas.items() if b in span] for b in range(num_blocks)}
+        confirmed: dict[int, list[PeerID]] = {b: [] for b in range(num_blocks)}
+        if self.min_copies > 1:
+            candidates = sorted(self.stack.router.live_servers(eligible_only=False), key=lambda p: p.to_bytes())
+            asked: set[PeerID] = set()
+            for _ in range(MAX_ROUNDS):
+                plan = self._plan(servers, confirmed, [p for p in candidates if p not in asked])
+                if not plan:
+                    break
+                asked.update(plan)
+                replies = self._pool.map(lambda item: self._replicate(*item, step, replicas), plan.items())
+                for (holder, blocks), held in zip(plan.items(), replies, strict=True):
+                    for block in blocks:
+                        if held.get(block, -1) >= step:
+                            confirmed[block].append(holder)
+            self.holders = {b: holders for b, holders in confirmed.items() if holders}
+        self.copies = {b: len(servers[b]) + len(confirmed[b]) for b in range(num_blocks) if servers[b]}
+        self._warn_if_short(step)
+        return self.copies
+
+    def _plan(
+        self, servers: dict[int, list[PeerID]], confirmed: dict[int, list[PeerID]], candidates: list[PeerID]
+    ) -> dict[PeerID, list[int]]:
+        """Holder -> blocks to copy: for each block short of copies, its previous holders first, then the peers
+        given the fewest blocks so far (spreading the work), never one of its own servers."""
+        plan: dict[PeerID, list[int]] = {}
+        for block, block_servers in servers.items():
+            if not block_servers:
+                continue  # no current replica to copy from (the commit will not have acknowledged this step)
+            need = self.min_copies - len(block_servers) - len(confirmed[block])
+            sticky = self.holders.get(block, [])
+            eligible = [p for p in candidates if p not in block_servers and p not in confirmed[block]]
+            eligible.sort(key=lambda p: (p not in sticky, len(plan.get(p, ()))))
+            for holder in eligible[: max(0, need)]:
+                plan.setdefault(holder, []).append(block)
+        return plan
+
+    def _replicate(self, holder: PeerID, blocks: list[int], step: int, replicas: dict[PeerID, range]) -> dict[int, int]:
+        """Ask ``holder`` to copy ``blocks`` at ``step`` from their replicas; returns the steps it holds."""
+        sources: list[list] = []
+        for block in blocks:
+            source = min((p for p, span in replicas.items() if block in span), key=lambda p: p.to_bytes())
+            if sources and sources[-1][1] == block and sources[-1][2] == source.to_base58():
+                sources[-1][1] = block + 1
+            else:
+                sources.append([block, block + 1, source.to_base58()])
+        meta = {"method": "replicate", "adapter": self.stack.adapter, **self.adapter_meta, "step": step}
+        try:
+            reply = self.stack.call(holder, {**meta, "sources": sources}, [], units=len(blocks))
+        except (PeerFailure, RemoteError) as e:
+            logger.warning("peer %s could not hold a copy of blocks %s at step %d: %s", holder, blocks, step, e)
+            return {}
+        held = {int(block): int(s) for block, s in reply.meta.get("steps", {}).items()}
+        self.replicas.note_standby(holder, held)
+        return held
+
+    def _warn_if_short(self, step: int) -> None:
+        short = {b: c for b, c in self.copies.items() if c < self.min_copies}
+        if short and short != self._short:
+            peers = len(self.stack.router.live_servers(eligible_only=False))
+            logger.warning(
+                "step %d is held by fewer than min_copies=%d peers: copies per block %s (%d live peer(s) in the "
+                "swarm). A failure of the peer holding a single copy would lose this step; start more peers "
+                "(`swarm peer --model ... --initial-peers ...`) to get %d copies, or pass min_copies=1 to accept it.",
+                step,
+                self.min_copies,
+                short,
+                peers,
+                self.min_copies,
+            )
+        elif not short and self._short:
+            logger.info("every block is held by at least %d peers again", self.min_copies)
+        self._short = short or None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
