@@ -20,6 +20,7 @@ from peers.backend import (
     unpack_states,
 )
 from peers.doors import Doorkeeper, RequestError
+from swarm.blocks import lora_config_from_wire
 from swarm.security import SwarmKey
 from swarm.transport import Transport
 from swarm.wire import DEFAULT_MAX_PAYLOAD_BYTES, Message
@@ -214,13 +215,18 @@ class PeerService(Doorkeeper):
         if self.on_replicate is None:
             raise RequestError("this peer keeps no standby copies")
         adapter_meta = {"lora": _dict(meta, "lora"), "seed": _int(meta, "seed")}
+        try:
+            lora_config_from_wire(adapter_meta["lora"])
+        except (ValueError, TypeError) as e:
+            raise RequestError(f"'lora' is not a LoRA config this swarm can train: {e}") from None
         raw = meta.get("sources")
         try:
             sources = [(range(int(start), int(end)), PeerID.from_base58(str(peer))) for start, end, peer in raw]
         except (TypeError, ValueError):
             raise RequestError("'sources' must be a list of [start, end, peer id]") from None
-        if not sources or any(not 0 <= blocks.start < blocks.stop for blocks, _ in sources):
-            raise RequestError("'sources' must name at least one non-empty block range")
+        num_blocks = self.backend.spec.num_blocks
+        if not sources or any(not 0 <= blocks.start < blocks.stop <= num_blocks for blocks, _ in sources):
+            raise RequestError(f"'sources' must name non-empty block ranges within the model's 0:{num_blocks}")
         held = await self.on_replicate(_str(meta, "adapter"), adapter_meta, _int(meta, "step"), sources)
         return Message(meta={"steps": _by_block(held)}, tensors=[])
 

@@ -53,6 +53,10 @@ def _quantize_linears(module: nn.Module, quant: str, compute_dtype: torch.dtype)
                     child.in_features, child.out_features, bias=bias, compute_dtype=compute_dtype, quant_type="nf4"
                 )
                 new.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4")
+                # On CPUs with AVX512-BF16, bitsandbytes repacks 4-bit weights for inference at the first eval-mode
+                # forward without grad, and the packed kernel has no backward: a block that served an evaluation
+                # could not train any more. The same block serves both, so keep the trainable layout.
+                new.support_avx512bf16_for_cpu = False
             else:
                 new = bnb.nn.Linear8bitLt(
                     child.in_features, child.out_features, bias=bias, has_fp16_weights=False, threshold=0.0

@@ -90,6 +90,8 @@ class Router:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._fresh = threading.Event()
+        self._fresh.set()
         self._thread: threading.Thread | None = None
 
     # --- the swarm's view -------------------------------------------------------------------------------------
@@ -106,8 +108,15 @@ class Router:
         self._thread.start()
 
     def refresh_soon(self) -> None:
-        """Refresh in the background now (after a commit: peers that joined or moved are brought in next step)."""
+        """Refresh in the background now (after a commit, while the next step computes)."""
+        self._fresh.clear()
         self._wake.set()
+
+    def wait_fresh(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) for the refresh asked by ``refresh_soon`` to finish: a commit that waits for
+        it sees every peer that had announced itself by the previous commit, so a peer that joined or moved is
+        brought in within one step."""
+        self._fresh.wait(timeout)
 
     def _refresh_loop(self) -> None:
         while True:
@@ -119,6 +128,8 @@ class Router:
                 self.refresh()
             except Exception as e:
                 logger.warning("could not refresh the swarm view: %s", e)
+            finally:
+                self._fresh.set()
 
     def stop(self) -> None:
         self._stop.set()

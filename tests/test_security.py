@@ -193,6 +193,9 @@ def _malformed_requests(rng: random.Random, hidden: int) -> list[list[runtime_pb
         {"method": "gather", "adapter": "fuzzed", "step": 0, "ledger": "nope"},
         {"method": "sync", "adapter": "fuzzed", "start": 0, "end": 2, "source": "not-a-peer"},
         {"method": "grads", "adapter": "fuzzed", "step": 0, "wanted": ["not", "a", "map"]},
+        {"method": "replicate", "adapter": "fuzzed", "lora": {}, "seed": 0, "step": 0, "sources": [[0, 10**9, "x"]]},
+        {"method": "replicate", "adapter": "fuzzed", "lora": {}, "seed": 0, "step": 0, "sources": "nope"},
+        {"method": "replicate", "adapter": "fuzzed", "lora": {}, "seed": 0, "step": 0, "sources": [[0, 2]]},
     ]
     for meta in wrong_meta:
         cases.extend([encode(Message(meta, [torch.randn(2, 3, hidden)]))] * 10)

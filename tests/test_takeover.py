@@ -103,10 +103,9 @@ def test_joining_peers_fill_uncovered_then_under_replicated_blocks(tiny_models, 
             late = local.start_peer(model_dir, None, name="f", extra=[*FAST, "--num-blocks", "2"])
             assert "serving blocks 2:4" in late.wait_for_line("serving blocks", 1)
             late_id = PeerID.from_base58(late.peer_id)
-            while late_id not in model.router.live_servers(eligible_only=False):
-                time.sleep(0.2)
-                model.router.refresh()
-            train(model, steps=STEPS)
+            train(model, steps=3, check_replicas=False)  # the step during which it announced itself
+            train(model, steps=4, check_replicas=False)
+            assert model.replicas.current.get(late_id) == model.step, "a joined peer is current within one step"
             digests = model.replica_digests()
             assert all(late_id in digests[b] for b in (2, 3)), "the new peer is not used"
             model.save_adapter(tmp_path / "final")

@@ -309,6 +309,7 @@ class SwarmModelForCausalLM(nn.Module):
         if self.ledger.empty:
             logger.warning("optimizer step with no backward since the last step: nothing to commit")
             return self.step
+        self.router.wait_fresh(timeout=self.router.refresh_every)
         applied = commit(self.stack, self.replicas, self.ledger, hparams)
         self.ledger = self.ledger.next()
         self.copies_keeper.ensure(self.step, applied)

@@ -13,7 +13,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from swarm.client.ledger import Segment, StepLedger
-from swarm.routing import Hop, Router
+from swarm.routing import Hop, Router, SwarmUnavailableError
 from swarm.transport import Transport
 from swarm.wire import Message, RemoteError
 
@@ -200,6 +200,15 @@ class RemoteStack:
 
     # --- forward and backward -------------------------------------------------------------------------------
 
+    def _give_up_after_patience(self, since: float, hop: Hop, error: PeerFailure) -> None:
+        """A hop that keeps failing on every server it is tried on (e.g. each one answers with an internal error)
+        is given up after ``patience`` seconds, rather than retried forever."""
+        if time.monotonic() - since > self.patience:
+            raise SwarmUnavailableError(
+                f"blocks {hop.start}:{hop.end} have failed on every server tried for {self.patience:.0f}s; the last "
+                f"error: {error}. See that peer's log, or raise the client's patience"
+            ) from error
+
     def forward(
         self, hidden: torch.Tensor, mask: torch.Tensor | None, step: int, micro_batch: str | None
     ) -> tuple[torch.Tensor, list[HopInput]]:
@@ -218,6 +227,7 @@ class RemoteStack:
                 hop = Hop(chosen, hop.start, hop.end)
             except PeerFailure as e:
                 failed, since = e.peer, since or time.monotonic()
+                self._give_up_after_patience(since, hop, e)
                 continue
             self.recovered(failed, "forward", step, since)
             failed, since = None, None
@@ -272,6 +282,7 @@ class RemoteStack:
                     ledger.acknowledge(micro_batch, hop.blocks, chosen)
             except PeerFailure as e:
                 failed, since, prefer = e.peer, since or time.monotonic(), None
+                self._give_up_after_patience(since, Hop(e.peer, segment.start, segment.end), e)
                 continue
             self.recovered(failed, "backward", ledger.step, since)
             return grad
