@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from peers.backend import BlockState
+from peers.state import BlockState
 
 logger = logging.getLogger(__name__)
 

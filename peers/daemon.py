@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -18,6 +20,7 @@ from peers.checkpoints import CheckpointStore, CheckpointWriter
 from peers.replication import Replicator, StandbyPolicy
 from peers.service import PeerService
 from swarm.network import check_access, join_dht, load_swarm_key
+from swarm.protocol import AdapterInfo, Method, PeerInfo
 from swarm.records import RECORD_TTL, ServerRecord, ServerState, announce, announce_model
 from swarm.security import Identity
 from swarm.spec import ModelSpec, load_spec
@@ -28,6 +31,7 @@ from swarm.wire import Message
 logger = logging.getLogger(__name__)
 
 QUANT_BYTES = {"nf4": 0.55, "int8": 1.05}
+LEAVE_TIMEOUT = 20.0  # seconds past the leave grace after which a leaving peer exits whatever is stuck
 
 
 @dataclass
@@ -160,20 +164,12 @@ class PeerDaemon:
         adapters = {}
         if hasattr(self, "backend"):
             for name, a in self.backend.adapters.items():
-                adapters[name] = {
-                    **a.meta,
-                    "steps": {str(b): s for b, s in a.steps().items()},
-                    "standby": {str(b): s for b, s in a.standby_steps().items()},
-                }
-        return {
-            "model": self.spec.name,
-            "start": self.serving.start,
-            "end": self.serving.stop,
-            "state": self.state.value,
-            "throughput": self.throughput,
-            "adapters": adapters,
-            "standby_blocks": self.replicator.standby if hasattr(self, "replicator") else [],
-        }
+                adapters[name] = AdapterInfo(a.meta, a.steps(), a.standby_steps())
+        standby = self.replicator.standby if hasattr(self, "replicator") else []
+        info = PeerInfo(
+            self.spec.name, self.serving.start, self.serving.stop, self.state.value, self.throughput, adapters, standby
+        )
+        return info.to_meta()
 
     # --- choosing, loading, moving ----------------------------------------------------------------------------
 
@@ -290,7 +286,7 @@ class PeerDaemon:
         adapter = self.backend.adapters[name]
         steps = {block: step for block, step in adapter.steps().items() if block in self.serving}
         notice = {
-            "method": "committed",
+            "method": Method.COMMITTED,
             "adapter": name,
             **adapter.meta,
             "steps": {str(block): step for block, step in steps.items()},
@@ -349,16 +345,39 @@ class PeerDaemon:
                     await self._balance_round()
                 except Exception as e:
                     logger.warning("balancing round failed (will retry): %s", e)
+        await self._leave(p2p)
+
+    async def _leave(self, p2p) -> None:
+        """Announce leaving, finish in-flight work, go. Bounded: a signal sent to the whole process group (systemd,
+        ``kill -- -PGID``) has stopped the P2P daemon and the DHT process too, and the peer must exit anyway."""
         logger.info("leaving: announcing it, then finishing in-flight requests")
+        watchdog = threading.Timer(self.config.leave_grace + LEAVE_TIMEOUT, _exit_now)
+        watchdog.daemon = True
+        watchdog.start()
         self.state = ServerState.LEAVING
-        await self._announce()
-        await asyncio.sleep(config.leave_grace)
+        try:
+            await asyncio.wait_for(self._finish(p2p), timeout=self.config.leave_grace + LEAVE_TIMEOUT / 2)
+            logger.info("left the swarm")
+        except Exception as e:
+            logger.warning("could not leave cleanly (%s: %s); exiting anyway", type(e).__name__, e)
+        finally:
+            self.dht.shutdown()
+
+    async def _finish(self, p2p) -> None:
+        if self.dht.is_alive():
+            await self._announce()
+        await asyncio.sleep(self.config.leave_grace)
         await self.service.compute(lambda: None)
         if self.writer is not None:
             self.writer.close()
         await self.service.unregister(p2p)
-        self.dht.shutdown()
-        logger.info("left the swarm")
+
+
+def _exit_now() -> None:
+    """The last resort of a leave that hangs (a dead DHT process or P2P daemon under a thread): exit anyway."""
+    logger.error("leaving took too long; exiting now")
+    logging.shutdown()
+    os._exit(1)
 
 
 def _others(view: SwarmView, block: int, me) -> list[tuple[str, bool]]:

@@ -9,6 +9,8 @@ from typing import AsyncIterator  # noqa: UP035 -- matches the doors' signatures
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
+from swarm.errors import RequestError
+from swarm.protocol import ErrorKind, Method
 from swarm.security import SwarmKey
 from swarm.wire import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -27,18 +29,12 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[Message], Awaitable[Message]]
 
 
-class RequestError(ValueError):
-    """A request this peer refuses; the message says why. The peer keeps serving."""
-
-    kind = "bad_request"
-
-
 class Doorkeeper:
     """Receives requests on the unary and stream doors and answers each one, whatever it holds."""
 
     def __init__(self, swarm_key: SwarmKey | None = None, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES):
         self.swarm_key, self.max_payload_bytes = swarm_key, max_payload_bytes
-        self.handlers: dict[str, Handler] = {"hello": self._hello}
+        self.handlers: dict[str, Handler] = {Method.HELLO: self._hello}
 
     async def register(self, p2p: P2P) -> None:
         await PeerDoors().add_p2p_handlers(p2p, wrapper=self)
@@ -48,12 +44,16 @@ class Doorkeeper:
 
     async def rpc_call(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertRequest:
         if request.ByteSize() > self.max_payload_bytes:
-            reply = error_message("too_large", f"request exceeds this peer's {self.max_payload_bytes}-byte limit")
+            reply = error_message(
+                ErrorKind.TOO_LARGE, f"request exceeds this peer's {self.max_payload_bytes}-byte limit"
+            )
         else:
             reply = await self.handle([request], context)
         parts = encode(reply)
         if len(parts) > 1:
-            return encode(error_message("too_large", "reply too large for a unary call; use the stream door"))[0]
+            return encode(error_message(ErrorKind.TOO_LARGE, "reply too large for a unary call; use the stream door"))[
+                0
+            ]
         return parts[0]
 
     async def rpc_stream(
@@ -63,7 +63,7 @@ class Doorkeeper:
             parts = await collect(requests, self.max_payload_bytes)
             reply = await self.handle(parts, context)
         except WireError as e:
-            reply = error_message("too_large" if "limit" in str(e) else "bad_request", str(e))
+            reply = error_message(ErrorKind.TOO_LARGE if "limit" in str(e) else ErrorKind.BAD_REQUEST, str(e))
         for part in encode(reply):
             yield part
 
@@ -74,18 +74,18 @@ class Doorkeeper:
             handler = self.handlers.get(method) if isinstance(method, str) else None
             if handler is None:
                 raise RequestError(f"unknown method {method!r}; known: {sorted(self.handlers)}")
-            if self.swarm_key is not None and method != "hello":
+            if self.swarm_key is not None and method != Method.HELLO:
                 try:
                     verify(self.swarm_key, message, parts)
                 except WireError as e:
-                    return error_message("unauthorized", str(e))
+                    return error_message(ErrorKind.UNAUTHORIZED, str(e))
             return await handler(message)
         except (RequestError, WireError) as e:
             logger.info("refused a request from %s: %s", context.remote_id, e)
-            return error_message(getattr(e, "kind", "bad_request"), str(e), **getattr(e, "details", {}))
+            return error_message(getattr(e, "kind", ErrorKind.BAD_REQUEST), str(e), **getattr(e, "details", {}))
         except Exception as e:
             logger.exception("request from %s failed", context.remote_id)
-            return error_message("internal", f"{type(e).__name__}: {e}")
+            return error_message(ErrorKind.INTERNAL, f"{type(e).__name__}: {e}")
 
     async def _hello(self, message: Message) -> Message:
         """Who we are, unauthenticated: lets a newcomer tell 'private swarm' or 'wrong key' from other failures."""

@@ -3,7 +3,8 @@
 peer-a1 and peer-a2 serve blocks 0:2, peer-b serves 2:4, and peer-c chooses its blocks itself (it picks 2:4, the
 under-replicated half). Mid-training peer-b is SIGKILLed during a step (the client retries on peer-c); later
 peer-c, by then the last server of 2:4, is SIGKILLed right after a step returned: a replica of 0:2 takes 2:4 over
-from the copy of the adapter state it was asked to hold before that step was acknowledged. Losses fall throughout; recoveries, steps lost and the final `swarm status` are printed."""
+from the copy of the adapter state it was asked to hold before that step was acknowledged. Losses fall throughout;
+recoveries, steps lost, copies per block and the final `swarm status` are printed."""
 
 from __future__ import annotations
 

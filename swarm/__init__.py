@@ -2,6 +2,33 @@
 
 from swarm.client.model import SwarmModelForCausalLM
 from swarm.client.optimizer import RemoteOptimizer
+from swarm.errors import (
+    AdapterBusyError,
+    AdapterConfigError,
+    AdapterStateLostError,
+    CommitError,
+    LeaseLostError,
+    ModelFolderError,
+    RemoteError,
+    SwarmAccessError,
+    SwarmError,
+    SwarmKeyError,
+    SwarmUnavailableError,
+)
 
-__all__ = ["SwarmModelForCausalLM", "RemoteOptimizer"]
+__all__ = [
+    "SwarmModelForCausalLM",
+    "RemoteOptimizer",
+    "SwarmError",
+    "AdapterBusyError",
+    "AdapterConfigError",
+    "AdapterStateLostError",
+    "CommitError",
+    "LeaseLostError",
+    "ModelFolderError",
+    "RemoteError",
+    "SwarmAccessError",
+    "SwarmKeyError",
+    "SwarmUnavailableError",
+]
 __version__ = "0.1.0"

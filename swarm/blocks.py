@@ -11,15 +11,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from swarm.errors import AdapterConfigError
 from swarm.spec import ModelSpec
 
 QUANT_MODES = ("none", "int8", "nf4")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LORA_FIELDS = ("r", "lora_alpha", "target_modules", "lora_dropout", "bias", "use_rslora", "fan_in_fan_out")
-
-
-class AdapterConfigError(ValueError):
-    """A LoRA config that the swarm cannot train exactly."""
 
 
 def load_block(spec: ModelSpec, block: int, device: torch.device, dtype: torch.dtype, quant: str) -> nn.Module:

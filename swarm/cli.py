@@ -11,6 +11,7 @@ import sys
 import threading
 
 from swarm.blocks import DTYPES, QUANT_MODES
+from swarm.errors import SwarmError, UsageError
 from swarm.records import RECORD_TTL
 
 
@@ -31,13 +32,31 @@ def _positive(text: str) -> int:
     return value
 
 
-def cmd_status(args: argparse.Namespace) -> None:
-    from swarm.network import initial_peers_or_env, load_swarm_key
-    from swarm.status import status
+def _initial_peers(args: argparse.Namespace, required: bool = True) -> list[str]:
+    """``--initial-peers`` (or SWARM_INITIAL_PEERS), each a multiaddr ending in /p2p/PEER_ID."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    from swarm.network import initial_peers_or_env
 
     peers = initial_peers_or_env(args.initial_peers)
-    if not peers:
-        sys.exit("swarm status: pass --initial-peers (the multiaddrs printed by `swarm dht`)")
+    if required and not peers:
+        raise UsageError("pass --initial-peers (the multiaddrs printed by `swarm dht`) or set SWARM_INITIAL_PEERS")
+    for text in peers:
+        try:
+            Multiaddr(text).value_for_protocol("p2p")
+        except Exception:
+            raise UsageError(
+                f"{text!r} is not a peer's multiaddr; expected one that `swarm dht` printed, like "
+                "/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW..."
+            ) from None
+    return peers
+
+
+def cmd_status(args: argparse.Namespace) -> None:
+    from swarm.network import load_swarm_key
+    from swarm.status import status
+
+    peers = _initial_peers(args)
     print(status(peers, load_swarm_key(args.swarm_key), args.model, args.replication), flush=True)
 
 
@@ -45,12 +64,13 @@ def cmd_dht(args: argparse.Namespace) -> None:
     from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 
     from peers.doors import Doorkeeper
-    from swarm.network import initial_peers_or_env, join_dht, load_swarm_key
+    from swarm.network import join_dht, load_swarm_key
     from swarm.security import Identity
 
+    peers = _initial_peers(args, required=False)
     swarm_key = load_swarm_key(args.swarm_key)
     identity = Identity.load_or_create(args.identity)
-    dht = join_dht(initial_peers_or_env(args.initial_peers), identity, swarm_key, host=args.host, port=args.port)
+    dht = join_dht(peers, identity, swarm_key, host=args.host, port=args.port)
     p2p = RemoteExpertWorker.run_coroutine(dht.replicate_p2p())
     RemoteExpertWorker.run_coroutine(Doorkeeper(swarm_key).register(p2p))  # answers `hello` for newcomers
     for maddr in dht.get_visible_maddrs():
@@ -71,11 +91,14 @@ def cmd_keygen(args: argparse.Namespace) -> None:
 
 def cmd_peer(args: argparse.Namespace) -> None:
     from peers.daemon import PeerConfig, run_peer
-    from swarm.network import initial_peers_or_env
+    from swarm.network import load_swarm_key
+    from swarm.spec import load_spec
 
-    peers = initial_peers_or_env(args.initial_peers)
-    if not peers:
-        sys.exit("swarm peer: pass --initial-peers (the multiaddrs printed by `swarm dht`) or set SWARM_INITIAL_PEERS")
+    peers = _initial_peers(args)
+    spec = load_spec(args.model)
+    if args.blocks and args.blocks[1] > spec.num_blocks:
+        raise UsageError(f"--blocks {args.blocks[0]}:{args.blocks[1]} is outside {spec.name}'s 0:{spec.num_blocks}")
+    load_swarm_key(args.swarm_key)
     run_peer(
         PeerConfig(
             model=args.model,
@@ -175,7 +198,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("hivemind", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    args.func(args)
+    try:
+        args.func(args)
+    except SwarmError as e:  # something the user can fix: one line, no traceback
+        print(f"swarm {args.command}: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,116 @@
-"""Errors a user of swarm can meet, under one base class so that ``except swarm.SwarmError`` catches them all."""
+"""Every error a user of swarm can meet, under one base class: ``except swarm.SwarmError`` catches them all, and
+each message says what to do next. (Failures the client routes around never reach the user.)"""
 
 from __future__ import annotations
 
 
-class SwarmError(RuntimeError):
+class SwarmError(Exception):
     """Something the swarm could not do; the message says what to do next."""
 
 
-class AdapterStateLostError(SwarmError):
+# --- bad input: the caller must change something --------------------------------------------------------------
+
+
+class ModelFolderError(SwarmError, ValueError):
+    """The model folder is missing, unsupported or incomplete."""
+
+
+class AdapterConfigError(SwarmError, ValueError):
+    """A LoRA config that the swarm cannot train exactly."""
+
+
+class SwarmKeyError(SwarmError, ValueError):
+    """A swarm key file that cannot be used."""
+
+
+class UsageError(SwarmError, ValueError):
+    """A command-line argument that cannot work (checked before anything slow starts)."""
+
+
+# --- the swarm as it is -------------------------------------------------------------------------------------
+
+
+class SwarmAccessError(SwarmError, RuntimeError):
+    """This process cannot take part in the swarm as configured: unreachable initial peers, a private swarm
+    without its key, or the wrong key."""
+
+
+class SwarmUnavailableError(SwarmError, RuntimeError):
+    """Blocks stayed without any live server for longer than the client's patience."""
+
+
+class AdapterStateLostError(SwarmError, RuntimeError):
     """No live peer holds some blocks of an adapter at its committed step (and ``resume="latest"`` was not given)."""
+
+
+class AdapterBusyError(SwarmError, RuntimeError):
+    """Another trainer holds the adapter's lease."""
+
+
+class LeaseLostError(SwarmError, RuntimeError):
+    """Another trainer session claimed the adapter; this client must stop training it."""
+
+
+class CommitError(SwarmError, RuntimeError):
+    """A step could not be committed on every block."""
+
+
+class RemoteError(SwarmError, RuntimeError):
+    """A peer refused a request; ``kind`` says which rule, the message says what to change."""
+
+    def __init__(self, kind: str, message: str, meta: dict | None = None):
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+        self.meta = meta or {}
+
+
+# --- refusals: what a peer answers to a request it will not serve (the peer keeps serving) ----------------------
+
+
+class ErrorKind:
+    """The ``kind`` of a refusal."""
+
+    BAD_REQUEST = "bad_request"
+    UNAUTHORIZED = "unauthorized"
+    TOO_LARGE = "too_large"
+    INTERNAL = "internal"
+    STALE_STEP = "stale_step"
+    UNKNOWN_ADAPTER = "unknown_adapter"
+    MISSING_GRADIENTS = "missing_gradients"
+    FENCED = "fenced"
+
+
+class RequestError(SwarmError, ValueError):
+    """A request this peer refuses; the message says why. Travels back to the caller as ``kind`` + message."""
+
+    kind = ErrorKind.BAD_REQUEST
+    details: dict = {}
+
+
+class StaleStepError(RequestError):
+    """The peer holds these blocks at another step than the request's."""
+
+    kind = ErrorKind.STALE_STEP
+
+
+class UnknownAdapterError(RequestError):
+    """The peer does not hold this adapter (it must be opened first)."""
+
+    kind = ErrorKind.UNKNOWN_ADAPTER
+
+
+class MissingGradientsError(RequestError):
+    """A commit names micro-batch gradients that this peer does not hold and could not fetch."""
+
+    kind = ErrorKind.MISSING_GRADIENTS
+
+    def __init__(self, message: str, missing: dict[int, list[str]]):
+        super().__init__(message)
+        self.missing = missing
+        self.details = {"missing": {str(block): mbs for block, mbs in missing.items()}}
+
+
+class FencedError(RequestError):
+    """The adapter was claimed by a newer trainer session; this one must stop."""
+
+    kind = ErrorKind.FENCED

@@ -10,15 +10,13 @@ from hivemind import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from swarm.errors import SwarmAccessError
+from swarm.protocol import Method
 from swarm.security import Identity, SwarmKey, record_validators
 from swarm.transport import Transport
 from swarm.wire import Message
 
 logger = logging.getLogger(__name__)
-
-
-class SwarmAccessError(RuntimeError):
-    """This process cannot take part in the swarm as configured (private swarm, wrong or missing key)."""
 
 
 def initial_peers_or_env(initial_peers: list[str] | None) -> list[str]:
@@ -42,14 +40,22 @@ def join_dht(
 ) -> DHT:
     """A DHT node whose records are signed by ``identity`` and, in a private swarm, sealed with the key."""
     kwargs = {} if client_mode else {"host_maddrs": [f"/ip4/{host}/tcp/{port}"]}
-    return DHT(
-        initial_peers=initial_peers,
-        client_mode=client_mode,
-        identity_path=str(identity.path),
-        record_validators=record_validators(identity, swarm_key),
-        start=True,
-        **kwargs,
-    )
+    try:
+        return DHT(
+            initial_peers=initial_peers,
+            client_mode=client_mode,
+            identity_path=str(identity.path),
+            record_validators=record_validators(identity, swarm_key),
+            start=True,
+            **kwargs,
+        )
+    except Exception as e:
+        if "bootstrap peers" not in str(e):
+            raise
+        raise SwarmAccessError(
+            f"none of the initial peers answered ({' '.join(initial_peers)}): check that `swarm dht` (or a peer) "
+            "runs there and that its port is reachable from this machine"
+        ) from None
 
 
 async def check_access(transport: Transport, initial_peers: list[str], timeout: float = 10.0) -> None:
@@ -58,7 +64,7 @@ async def check_access(transport: Transport, initial_peers: list[str], timeout: 
     for maddr in initial_peers:
         try:
             peer = PeerID.from_base58(Multiaddr(maddr).value_for_protocol("p2p"))
-            reply = await transport.acall(peer, Message({"method": "hello"}, []), timeout)
+            reply = await transport.acall(peer, Message({"method": Method.HELLO}, []), timeout)
         except Exception as e:
             logger.debug("no hello from %s: %s", maddr, e)
             continue

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from hivemind import DHT
 from hivemind.p2p import PeerID
 
+from swarm.errors import SwarmUnavailableError
 from swarm.records import ServerRecord, ServerState, read_servers
 from swarm.transport import Transport
 
@@ -20,10 +21,6 @@ logger = logging.getLogger(__name__)
 
 class NoRouteError(RuntimeError):
     """Some blocks have no live server."""
-
-
-class SwarmUnavailableError(RuntimeError):
-    """Blocks stayed without any live server for longer than the client's patience."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +68,8 @@ class Router:
         num_blocks: int,
         *,
         unreachable_wait: float = 30.0,
+        eligible: Callable[[PeerID], bool] = lambda peer: True,
+        on_wait: Callable[[], None] = lambda: None,
         first_timeout: float = 60.0,
         min_timeout: float = 2.0,
         min_ban: float = 2.0,
@@ -84,8 +83,8 @@ class Router:
         self.min_ban, self.max_ban, self.refresh_every = min_ban, max_ban, refresh_every
         self.servers: dict[int, list[ServerRecord]] = {}
         self.health: dict[PeerID, PeerHealth] = {}
-        self.eligible: Callable[[PeerID], bool] = lambda peer: True
-        self.on_wait: Callable[[], None] = lambda: None  # run while waiting for a route: bring new peers in
+        self.eligible = eligible  # whether a peer may be routed to (it holds the adapter at the client's step)
+        self.on_wait = on_wait  # run while waiting for a route: bring new peers in
         self.random = random.Random(seed)
         self._lock = threading.Lock()
         self._stop = threading.Event()

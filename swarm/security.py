@@ -27,12 +27,10 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.serializer import MSGPackSerializer
 
+from swarm.errors import SwarmKeyError
+
 KEY_BYTES = 32
 OWNER_PREFIX, OWNER_SUFFIX = b"[owner:", b"]"
-
-
-class SwarmKeyError(ValueError):
-    """A swarm key file that cannot be used."""
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,11 @@ from types import ModuleType
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from swarm.errors import ModelFolderError
+
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
-
-
-class ModelFolderError(ValueError):
-    """The model folder is missing, unsupported or incomplete."""
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -12,21 +13,23 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import as_aiter
 
+from swarm.errors import RemoteError
+from swarm.protocol import STREAMED_REPLIES
 from swarm.security import SwarmKey
 from swarm.wire import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     Message,
     PeerDoors,
-    RemoteError,
+    WireError,
     collect,
     decode,
     encode,
     raise_if_error,
 )
 
-# Methods whose replies can be large even when the request is small.
-STREAMED_REPLIES = frozenset({"state", "grads", "export"})
 STREAM_ATTEMPTS = 3
+
+logger = logging.getLogger(__name__)
 
 
 class PeerGoneError(ConnectionError):
@@ -77,7 +80,7 @@ class Transport:
         if len(parts) == 1 and message.meta.get("method") not in STREAMED_REPLIES:
             reply = await stub.rpc_call(parts[0], timeout=timeout)
             return raise_if_error(decode([reply]))
-        return raise_if_error(decode(await asyncio.wait_for(self._stream(stub, parts), timeout=timeout)))
+        return raise_if_error(await asyncio.wait_for(self._stream(stub, parts), timeout=timeout))
 
     async def connected(self, peer: PeerID) -> bool:
         """Whether the P2P daemon holds an open connection to ``peer`` right now."""
@@ -101,15 +104,19 @@ class Transport:
                 del self.gone[peer]
                 self.seen.discard(peer)
 
-    async def _stream(self, stub, parts: list[runtime_pb2.ExpertRequest]) -> list:
-        """Stream a request and collect the reply. A stream that closes with no reply at all (seen rarely under
-        load) is retried: every streamed method is idempotent."""
-        for _ in range(STREAM_ATTEMPTS):
+    async def _stream(self, stub, parts: list[runtime_pb2.ExpertRequest]) -> Message:
+        """Stream a request and decode the reply. A reply stream that closes early (nothing, or a tensor cut short:
+        seen rarely under load) is asked for again: every streamed method is idempotent."""
+        for attempt in range(1, STREAM_ATTEMPTS + 1):
             replies: AsyncIterator = await stub.rpc_stream(as_aiter(*parts))
             reply = await collect(replies, self.max_payload_bytes)
-            if reply:
-                return reply
-        return []
+            try:
+                return decode(reply)
+            except WireError as e:
+                if attempt == STREAM_ATTEMPTS:
+                    raise
+                logger.warning("a streamed reply was cut short (%s); asking again", e)
+        raise AssertionError("unreachable")
 
     async def shutdown(self) -> None:
         await self.p2p.shutdown()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from hivemind import DHT
 from hivemind.p2p import PeerID
 
+from swarm.protocol import Method, PeerInfo
 from swarm.records import ServerRecord, ServerState, read_servers
 from swarm.transport import Transport
 from swarm.wire import Message
@@ -20,26 +21,6 @@ from swarm.wire import Message
 logger = logging.getLogger(__name__)
 
 PING_TIMEOUT = 3.0
-
-
-@dataclass
-class AdapterInfo:
-    """What a live peer holds of one adapter: its config, served steps and standby copies per block."""
-
-    meta: dict
-    steps: dict[int, int]
-    standby: dict[int, int]
-
-    def step_of(self, block: int) -> int | None:
-        return self.steps.get(block, self.standby.get(block))
-
-
-@dataclass
-class PeerInfo:
-    """A live peer's answer to ``info``: the adapters it holds and the blocks it keeps on standby."""
-
-    adapters: dict[str, AdapterInfo]
-    standby_blocks: list[int]
 
 
 @dataclass
@@ -109,17 +90,6 @@ class SwarmView:
         return [peer for peer, info in self.alive.items() if set(info.standby_blocks) & set(blocks)]
 
 
-def parse_info(meta: dict) -> PeerInfo:
-    adapters = {}
-    for name, entry in dict(meta.get("adapters", {})).items():
-        adapters[str(name)] = AdapterInfo(
-            meta={"lora": entry["lora"], "seed": int(entry["seed"])},
-            steps={int(b): int(s) for b, s in entry.get("steps", {}).items()},
-            standby={int(b): int(s) for b, s in entry.get("standby", {}).items()},
-        )
-    return PeerInfo(adapters=adapters, standby_blocks=[int(b) for b in meta.get("standby_blocks", [])])
-
-
 async def observe(dht: DHT, transport: Transport, model: str, num_blocks: int, me: PeerID) -> SwarmView:
     """Read the records, then ping every peer they name (except ``me``) at once."""
     records = await asyncio.to_thread(read_servers, dht, model, num_blocks)
@@ -127,8 +97,8 @@ async def observe(dht: DHT, transport: Transport, model: str, num_blocks: int, m
 
     async def ping(peer: PeerID) -> PeerInfo | None:
         try:
-            reply = await transport.acall(peer, Message({"method": "info"}, []), timeout=PING_TIMEOUT)
-            return parse_info(reply.meta)
+            reply = await transport.acall(peer, Message({"method": Method.INFO}, []), timeout=PING_TIMEOUT)
+            return PeerInfo.from_meta(reply.meta)
         except Exception as e:
             logger.debug("peer %s did not answer: %s", peer, e)
             return None

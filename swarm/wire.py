@@ -15,6 +15,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+from swarm.errors import RemoteError
 from swarm.security import SwarmKey
 
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
@@ -22,15 +23,6 @@ DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
 
 class WireError(ValueError):
     """Bytes that are not a valid swarm message."""
-
-
-class RemoteError(RuntimeError):
-    """A peer refused a request; ``kind`` says which rule, the message says what to change."""
-
-    def __init__(self, kind: str, message: str, meta: dict | None = None):
-        super().__init__(f"{kind}: {message}")
-        self.kind = kind
-        self.meta = meta or {}
 
 
 @dataclass

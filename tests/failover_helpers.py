@@ -173,3 +173,15 @@ def moved_to(*peers: Process, span: str, timeout: float = 30) -> list[Process]:
             return movers
         time.sleep(0.2)
     return []
+
+
+def swarm_status(local: LocalSwarm) -> str:
+    """What `swarm status` prints for this swarm, run as a user runs it."""
+    status = subprocess.run(
+        [sys.executable, "-m", "swarm.cli", "status", "--initial-peers", *local.initial_peers],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert status.returncode == 0, status.stderr
+    return status.stdout

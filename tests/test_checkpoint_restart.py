@@ -11,10 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from failover_helpers import assert_matches_local_peft, connect, finish_client, start_client, train, wait_for_text
 
 from peers.checkpoints import CheckpointStore
 from swarm.localswarm import LocalSwarm
+
+pytestmark = pytest.mark.swarm  # starts real processes: `pytest -m 'not swarm'` skips it
 
 TESTS = Path(__file__).resolve().parent
 

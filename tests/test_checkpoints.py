@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from peers import checkpoints
-from peers.backend import BlockState
 from peers.checkpoints import CheckpointStore, CheckpointWriter
+from peers.state import BlockState
 
 META = {"lora": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}, "seed": 7}
 
@@ -187,12 +187,14 @@ class RecordingStore(CheckpointStore):
     def __init__(self, root: Path, hold_first: bool = False, failing: frozenset[int] = frozenset()):
         super().__init__(root)
         self.calls: list[tuple[str, int, int]] = []
+        self.writing = threading.Event()  # set once the writer thread is inside its first write
         self.release = threading.Event()
         if not hold_first:
             self.release.set()
         self.failing = set(failing)
 
     def save_block(self, adapter: str, block: int, state: BlockState, meta: dict) -> Path:
+        self.writing.set()
         self.release.wait(10)
         self.calls.append((adapter, block, state.step))
         if block in self.failing:
@@ -206,6 +208,7 @@ def test_writer_coalesces_pending_states(tmp_path, caplog):
     try:
         with caplog.at_level(logging.INFO, logger="peers.checkpoints"):
             writer.submit("a", META, {0: make_state(0)})
+            assert store.writing.wait(10)  # the writer holds step 0: what follows can only coalesce behind it
             for step in range(1, 6):
                 writer.submit("a", META, {0: make_state(step)})
             assert writer.flush(0.1) is False  # the first write is held

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
 import time
+
+import pytest
 
 from swarm.localswarm import LocalSwarm
 from swarm.network import join_dht
 from swarm.records import ServerState, read_servers
 from swarm.security import Identity
 from swarm.spec import load_spec
+
+pytestmark = pytest.mark.swarm  # starts real processes: `pytest -m 'not swarm'` skips it
 
 
 def test_dht_prints_multiaddrs_and_peer_announces_then_leaves_cleanly(tiny_models, tmp_path):
@@ -36,3 +42,24 @@ def test_dht_prints_multiaddrs_and_peer_announces_then_leaves_cleanly(tiny_model
             assert "left the swarm" in peer.log.read_text()
         finally:
             observer.shutdown()
+
+
+@pytest.mark.parametrize("target", ["process-group", "process"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_peer_exits_on_sigterm_or_sigint_to_it_or_to_its_whole_process_group(target, sig, tiny_models, tmp_path):
+    """Sent to the group (systemd's stop, ``kill -- -PGID``), the signal stops the peer's P2P daemon and DHT
+    process too: the peer must exit anyway, within its leave grace plus a bound."""
+    with LocalSwarm(tmp_path) as local:
+        local.start_dht()
+        peer = local.start_peer(tiny_models["llama"], "0:2", extra=["--leave-grace", "1"])
+        if target == "process-group":
+            os.killpg(peer.pid, sig)
+        else:
+            os.kill(peer.pid, sig)
+        try:
+            code = peer.popen.wait(40)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the peer did not exit after {sig!r} to its {target}:\n{peer.tail()}") from None
+        assert code in (0, -sig), peer.tail()
+        if target == "process":
+            assert code == 0 and "left the swarm" in peer.log.read_text(), peer.tail()

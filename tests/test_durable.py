@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -26,14 +24,16 @@ from failover_helpers import (
     instrument,
     moved_to,
     start_client,
+    swarm_status,
     train,
     wait_for_text,
 )
 
 from peers.checkpoints import CheckpointStore
-from swarm.errors import AdapterStateLostError
+from swarm.errors import AdapterStateLostError, SwarmUnavailableError
 from swarm.localswarm import LocalSwarm, Process
-from swarm.routing import SwarmUnavailableError
+
+pytestmark = pytest.mark.swarm  # starts real processes: `pytest -m 'not swarm'` skips it
 
 EXTRA = ["--balance-interval", "1", "--record-ttl", "300"]
 RECORD_EXPIRY = 300.0
@@ -112,15 +112,9 @@ def test_a_replica_killed_right_after_a_step_is_acknowledged(tiny_models, tmp_pa
             model.save_adapter(tmp_path / "final")
         finally:
             model.shutdown()
-        status = subprocess.run(
-            [sys.executable, "-m", "swarm.cli", "status", "--initial-peers", *local.initial_peers],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert status.returncode == 0, status.stderr
-        copies = [line for line in status.stdout.splitlines() if "copies: replica-after-ack@4:" in line]
-        assert len(copies) == 4 and all("one failure would lose it" not in line for line in copies), status.stdout
+        status = swarm_status(local)
+        copies = [line for line in status.splitlines() if "copies: replica-after-ack@4:" in line]
+        assert len(copies) == 4 and all("one failure would lose it" not in line for line in copies), status
     assert_matches_local_peft(model_dir, tmp_path)
 
 

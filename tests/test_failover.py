@@ -25,8 +25,10 @@ from failover_helpers import (
     wait_for_text,
 )
 
+from swarm.errors import SwarmUnavailableError
 from swarm.localswarm import LocalSwarm
-from swarm.routing import SwarmUnavailableError
+
+pytestmark = pytest.mark.swarm  # starts real processes: `pytest -m 'not swarm'` skips it
 
 FAULTS = {
     # name: (signal, method the client is about to send when the fault hits)

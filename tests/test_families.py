@@ -11,6 +11,8 @@ from test_parity import HPARAMS, local_peft
 import swarm
 from swarm.localswarm import LocalSwarm
 
+pytestmark = pytest.mark.swarm  # starts real processes: `pytest -m 'not swarm'` skips it
+
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
 
 

@@ -10,6 +10,8 @@ from safetensors.torch import load_file
 
 import swarm
 
+pytestmark = pytest.mark.swarm  # starts real processes: `pytest -m 'not swarm'` skips it
+
 LORA = dict(
     r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 )

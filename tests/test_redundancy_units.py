@@ -7,13 +7,15 @@ import pytest
 import torch
 from hivemind.p2p import PeerID
 
-from peers.backend import BlockState, OptimizerHParams, SpanBackend, pack_states, unpack_states
+from peers.backend import SpanBackend
 from peers.daemon import PeerConfig, blocks_that_fit
+from peers.state import BlockState, pack_states, unpack_states
 from swarm.blocks import lora_config_to_wire
+from swarm.protocol import AdapterInfo, OptimizerHParams, PeerInfo
 from swarm.records import ServerRecord, ServerState
 from swarm.spec import load_spec
 from swarm.status import render
-from swarm.view import AdapterInfo, PeerInfo, SwarmView
+from swarm.view import SwarmView
 
 HPARAMS = OptimizerHParams(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
 
@@ -87,8 +89,9 @@ def test_view_counts_only_live_peers_and_settles_joiners_by_id():
             ServerRecord(joiner_big, ServerState.JOINING, 2, 3, 1.0),
         ],
     }
-    info = PeerInfo({"a": AdapterInfo({"lora": {}, "seed": 0}, {0: 5, 1: 5}, {2: 4})}, [2])
-    empty = PeerInfo({}, [])
+    info = PeerInfo("m", 0, 2, "online", 10.0, {"a": AdapterInfo({"lora": {}, "seed": 0}, {0: 5, 1: 5}, {2: 4})}, [2])
+    assert PeerInfo.from_meta(info.to_meta()) == info  # what `info` sends is what the view reads
+    empty = PeerInfo("m", 2, 3, "joining", 1.0, {}, [])
     view = SwarmView(records, {alive_id: info, joiner_small: empty, joiner_big: empty})
     assert view.coverage(exclude=joiner_big) == {0: 1, 1: 1, 2: 1}  # the dead peer does not count
     assert view.coverage(exclude=joiner_big, joining_before=joiner_big) == {0: 1, 1: 1, 2: 1}
@@ -97,6 +100,7 @@ def test_view_counts_only_live_peers_and_settles_joiners_by_id():
     assert view.trainer_step("a") == 5 and view.watchers([2, 3]) == [alive_id]
     table = render("m", 4, view, replication=2)
     assert "unreachable" in table and "UNCOVERED blocks [2, 3]" in table
+    assert "copies: a@5: 1  (one failure would lose it)" in table  # block 0: served at 5 by one live peer
 
 
 def test_records_carry_a_move_and_span_sizing_fits_the_model(tiny_models):

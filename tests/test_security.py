@@ -19,12 +19,15 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
 import swarm
+from swarm.errors import RemoteError, SwarmAccessError
 from swarm.localswarm import LocalSwarm
-from swarm.network import SwarmAccessError, join_dht
+from swarm.network import join_dht
 from swarm.records import ServerRecord, ServerState, announce, block_key, read_servers
 from swarm.security import Identity, SwarmKey, keygen
 from swarm.transport import Transport
-from swarm.wire import Message, PeerDoors, RemoteError, decode, encode
+from swarm.wire import Message, PeerDoors, decode, encode
+
+pytestmark = pytest.mark.swarm  # starts real processes: `pytest -m 'not swarm'` skips it
 
 LORA = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 

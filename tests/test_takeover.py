@@ -4,15 +4,25 @@ their adapter state; peers joining fill uncovered or under-replicated spans; tra
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 
-from failover_helpers import STEPS, assert_matches_local_peft, connect, instrument, moved_to, start_swarm, train
+import pytest
+from failover_helpers import (
+    STEPS,
+    assert_matches_local_peft,
+    connect,
+    instrument,
+    moved_to,
+    start_swarm,
+    swarm_status,
+    train,
+)
 from hivemind.p2p import PeerID
 
 from swarm.localswarm import LocalSwarm, Process
 from swarm.wire import Message
+
+pytestmark = pytest.mark.swarm  # starts real processes: `pytest -m 'not swarm'` skips it
 
 FAST = ["--balance-interval", "1"]
 
@@ -111,14 +121,8 @@ def test_joining_peers_fill_uncovered_then_under_replicated_blocks(tiny_models, 
             model.save_adapter(tmp_path / "final")
         finally:
             model.shutdown()
-        status = subprocess.run(
-            [sys.executable, "-m", "swarm.cli", "status", "--initial-peers", *local.initial_peers],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert status.returncode == 0, status.stderr
-        rows = {line.split()[0]: line for line in status.stdout.splitlines() if line.strip()[:1].isdigit()}
-        assert all(rows[str(b)].split()[1] == "2" for b in range(4)), status.stdout
-        assert "UNCOVERED" not in status.stdout
+        status = swarm_status(local)
+        rows = {line.split()[0]: line for line in status.splitlines() if line.strip()[:1].isdigit()}
+        assert all(rows[str(b)].split()[1] == "2" for b in range(4)), status
+        assert "UNCOVERED" not in status
     assert_matches_local_peft(model_dir, tmp_path)

@@ -11,13 +11,14 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
-from swarm.blocks import AdapterConfigError, add_lora, load_block, lora_config_from_wire, lora_config_to_wire
+from swarm.blocks import add_lora, load_block, lora_config_from_wire, lora_config_to_wire
 from swarm.client.copies import CopyKeeper
 from swarm.client.ledger import Segment, StepLedger
+from swarm.errors import AdapterConfigError, ModelFolderError
 from swarm.records import CommittedRecord, ServerRecord, ServerState
 from swarm.routing import NoRouteError, Router
 from swarm.security import _valid_value
-from swarm.spec import ModelFolderError, load_spec
+from swarm.spec import load_spec
 from swarm.transport import Transport
 from swarm.wire import Message, WireError, decode, encode
 
@@ -63,8 +64,8 @@ def test_ledger_tracks_holders_and_plans_replays():
     ledger.acknowledge(first, range(0, 4), peer_a)
     ledger.keep(first, Segment(0, 4, hidden, grad), None)
     assert ledger.wire_holders(range(1, 3)) == {
-        "1": {second: peer_a.to_base58(), first: peer_a.to_base58()},
-        "2": {second: peer_b.to_base58(), first: peer_a.to_base58()},
+        1: {second: peer_a.to_base58(), first: peer_a.to_base58()},
+        2: {second: peer_b.to_base58(), first: peer_a.to_base58()},
     }
     plan = ledger.replay_plan({3: [second]})
     assert [(mb, s.start, s.end) for mb, s in plan] == [(second, 2, 4)]

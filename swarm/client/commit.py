@@ -18,17 +18,12 @@ from hivemind.p2p import PeerID
 
 from swarm.client.ledger import StepLedger
 from swarm.client.remote import PeerFailure, RemoteStack
-from swarm.routing import SwarmUnavailableError
-from swarm.wire import RemoteError
+from swarm.errors import CommitError, RemoteError, SwarmUnavailableError
+from swarm.protocol import FETCH_TIMEOUT, CommitRequest, ErrorKind, Method, OptimizerHParams
 
 logger = logging.getLogger(__name__)
 
 MAX_COMMIT_ROUNDS = 8
-FETCH_TIMEOUT = 3.0  # how long a replica waits for another's gradients before the client replays them
-
-
-class CommitError(RuntimeError):
-    """A step could not be committed on every block."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +45,6 @@ class ReplicaSet:
         self.standby: dict[PeerID, dict[int, int]] = {}  # peer -> block -> step of the standby copy it holds
         self.lost: list[StepsLost] = []
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="swarm-open")
-        stack.router.eligible = lambda peer: peer in self.current
         stack.on_peer_state.append(self.forget)
 
     def note_standby(self, peer: PeerID, steps: dict[int, int]) -> None:
@@ -125,7 +119,7 @@ class ReplicaSet:
             if newest >= step:
                 continue
             meta = {
-                "method": "fast_forward",
+                "method": Method.FAST_FORWARD,
                 "adapter": self.stack.adapter,
                 "step": step,
                 "start": block,
@@ -168,7 +162,7 @@ class ReplicaSet:
             source, source_end = max(sources, key=lambda item: item[1])
             end = min(source_end, span.stop)
             meta = {
-                "method": "sync",
+                "method": Method.SYNC,
                 "adapter": self.stack.adapter,
                 "source": source.to_base58(),
                 "start": block,
@@ -187,7 +181,9 @@ class ReplicaSet:
         return {p: s for p, s in self.stack.router.live_servers().items() if self.current.get(p) == step}
 
 
-def commit(stack: RemoteStack, replicas: ReplicaSet, ledger: StepLedger, hparams: dict) -> dict[PeerID, range]:
+def commit(
+    stack: RemoteStack, replicas: ReplicaSet, ledger: StepLedger, hparams: OptimizerHParams
+) -> dict[PeerID, range]:
     """Apply ``ledger.step`` on every live replica; replay lost gradients first. Returns the replicas that applied
     it (and their spans). Raises CommitError if impossible."""
     step, started, rounds = ledger.step, time.monotonic(), 0
@@ -236,14 +232,12 @@ def _held_by_departed(ledger: StepLedger, peers: dict[PeerID, range]) -> dict[in
     return lost
 
 
-def _meta(stack: RemoteStack, method: str, ledger: StepLedger, span: range) -> dict:
-    return {
-        "method": method,
-        "adapter": stack.adapter,
-        "step": ledger.step,
-        "ledger": ledger.wire_holders(span),
-        "fetch_timeout": FETCH_TIMEOUT,
-    }
+def _request(
+    stack: RemoteStack, method: str, ledger: StepLedger, span: range, hparams: OptimizerHParams | None = None
+) -> dict:
+    return CommitRequest(
+        method, stack.adapter, ledger.step, ledger.wire_holders(span), FETCH_TIMEOUT, hparams
+    ).to_meta()
 
 
 def _gather(
@@ -253,12 +247,12 @@ def _gather(
     missing: dict[int, set[str]] = {}
     for peer, span in peers.items():
         try:
-            stack.call(peer, _meta(stack, "gather", ledger, span), [], floor=2 * FETCH_TIMEOUT)
+            stack.call(peer, _request(stack, Method.GATHER, ledger, span), [], floor=2 * FETCH_TIMEOUT)
         except PeerFailure:
             failed.append(peer)
             continue
         except RemoteError as e:
-            if e.kind != "missing_gradients":
+            if e.kind != ErrorKind.MISSING_GRADIENTS:
                 raise
             for block, mbs in e.meta.get("missing", {}).items():
                 missing.setdefault(int(block), set()).update(mbs)
@@ -274,20 +268,20 @@ def _replay(stack: RemoteStack, ledger: StepLedger, missing: dict[int, list[str]
 
 
 def _apply(
-    stack: RemoteStack, peers: dict[PeerID, range], ledger: StepLedger, hparams: dict, failed: list[PeerID]
+    stack: RemoteStack, peers: dict[PeerID, range], ledger: StepLedger, hparams: OptimizerHParams, failed: list[PeerID]
 ) -> list[PeerID]:
     applied = []
     for peer, span in peers.items():
         if peer in failed:
             continue
-        meta = {**_meta(stack, "apply", ledger, span), "hparams": hparams}
+        meta = _request(stack, Method.APPLY, ledger, span, hparams)
         try:
             stack.call(peer, meta, [])
         except PeerFailure:
             failed.append(peer)
             continue
         except RemoteError as e:
-            if e.kind != "missing_gradients":
+            if e.kind != ErrorKind.MISSING_GRADIENTS:
                 raise
             logger.warning("peer %s lost gradients between gather and apply: %s", peer, e)
             continue

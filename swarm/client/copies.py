@@ -17,7 +17,8 @@ from hivemind.p2p import PeerID
 
 from swarm.client.commit import ReplicaSet
 from swarm.client.remote import PeerFailure, RemoteStack
-from swarm.wire import RemoteError
+from swarm.errors import RemoteError
+from swarm.protocol import Method
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class CopyKeeper:
                 sources[-1][1] = block + 1
             else:
                 sources.append([block, block + 1, source.to_base58()])
-        meta = {"method": "replicate", "adapter": self.stack.adapter, **self.adapter_meta, "step": step}
+        meta = {"method": Method.REPLICATE, "adapter": self.stack.adapter, **self.adapter_meta, "step": step}
         try:
             reply = self.stack.call(holder, {**meta, "sources": sources}, [], units=len(blocks))
         except (PeerFailure, RemoteError) as e:

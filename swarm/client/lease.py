@@ -9,11 +9,9 @@ import time
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
+from swarm.errors import AdapterBusyError
+
 logger = logging.getLogger(__name__)
-
-
-class AdapterBusyError(RuntimeError):
-    """Another trainer holds the adapter's lease."""
 
 
 def lease_key(model: str, adapter: str) -> str:

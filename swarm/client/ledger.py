@@ -44,11 +44,9 @@ class StepLedger:
         self.segments.setdefault(micro_batch, []).append(segment)
         self.masks[micro_batch] = mask
 
-    def wire_holders(self, blocks: range) -> dict[str, dict[str, str]]:
+    def wire_holders(self, blocks: range) -> dict[int, dict[str, str]]:
         """The ledger as a commit request carries it for ``blocks``: block -> {micro-batch: holder peer id}."""
-        return {
-            str(block): {mb: peer.to_base58() for mb, peer in self.holders.get(block, {}).items()} for block in blocks
-        }
+        return {block: {mb: peer.to_base58() for mb, peer in self.holders.get(block, {}).items()} for block in blocks}
 
     def replay_plan(self, missing: dict[int, list[str]]) -> list[tuple[str, Segment]]:
         """The kept segments that cover the (block, micro-batch) pairs whose gradients were lost."""

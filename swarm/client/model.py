@@ -26,10 +26,11 @@ from swarm.client.copies import CopyKeeper
 from swarm.client.lease import AdapterLease
 from swarm.client.ledger import StepLedger
 from swarm.client.remote import PeerFailure, RemoteStack, RemoteStackFunction
-from swarm.errors import AdapterStateLostError
+from swarm.errors import AdapterStateLostError, SwarmUnavailableError
 from swarm.network import check_access, initial_peers_or_env, join_dht, load_swarm_key
+from swarm.protocol import OpenReply, OpenRequest, OptimizerHParams
 from swarm.records import CommittedRecord, announce_committed, read_committed
-from swarm.routing import Router, SwarmUnavailableError
+from swarm.routing import Router
 from swarm.security import Identity, SwarmKey
 from swarm.spec import ModelSpec, load_spec
 from swarm.transport import Transport
@@ -85,7 +86,15 @@ class SwarmModelForCausalLM(nn.Module):
             self._load_local_modules(dtype, device)
             self.transport = Transport.for_dht(dht, swarm_key)
             RemoteExpertWorker.run_coroutine(check_access(self.transport, initial_peers))
-            self.router = Router(dht, self.transport, spec.name, spec.num_blocks, unreachable_wait=unreachable_wait)
+            self.router = Router(
+                dht,
+                self.transport,
+                spec.name,
+                spec.num_blocks,
+                unreachable_wait=unreachable_wait,
+                eligible=lambda peer: self.replicas.current.get(peer) == self.ledger.step,
+                on_wait=lambda: self.replicas.refresh(self.ledger.step),
+            )
             self.stack = RemoteStack(self.transport, self.router, adapter, patience, spot_check)
             self.replicas = ReplicaSet(self.stack, self._open_on)
             self.copies_keeper = CopyKeeper(
@@ -94,7 +103,6 @@ class SwarmModelForCausalLM(nn.Module):
             self.lease = AdapterLease(dht, spec.name, adapter, identity.owner, trainer, self.session)
             self.lease.acquire(patience)
             self.ledger = StepLedger(step=self._resume_step(resume), session=self.session)
-            self.router.on_wait = lambda: self.replicas.refresh(self.ledger.step)
             self.replicas.refresh(self.ledger.step)
             self.copies_keeper.ensure(self.ledger.step, self.replicas.peers(self.ledger.step))
             self.router.start()
@@ -189,16 +197,9 @@ class SwarmModelForCausalLM(nn.Module):
 
     def _open_on(self, peer_id: PeerID) -> tuple[dict[int, int], dict[int, int]]:
         """Open (or claim) the adapter on a peer; returns its committed step per served block and per standby copy."""
-        meta = {
-            "method": "open",
-            "adapter": self.adapter,
-            "lora": self.lora_wire,
-            "seed": self.seed,
-            "session": self.session,
-        }
-        reply = self.stack.call(peer_id, meta, [])
-        standby = reply.meta.get("standby", {})
-        return {int(b): s for b, s in reply.meta["steps"].items()}, {int(b): s for b, s in standby.items()}
+        request = OpenRequest(self.adapter, self.lora_wire, self.seed, self.session)
+        reply = OpenReply.from_meta(self.stack.call(peer_id, request.to_meta(), []).meta)
+        return reply.steps, reply.standby
 
     def _resume_step(self, resume: str) -> int:
         """The adapter's last committed step, and wait (up to ``patience``) until the swarm can serve it.
@@ -304,7 +305,7 @@ class SwarmModelForCausalLM(nn.Module):
             loss = ForCausalLMLoss(logits, labels.to(self.device), vocab_size=self.spec.config.vocab_size)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
-    def commit(self, hparams: dict) -> int:
+    def commit(self, hparams: OptimizerHParams) -> int:
         """Commit the step in progress on every live replica of every block; returns the new step."""
         if self.ledger.empty:
             logger.warning("optimizer step with no backward since the last step: nothing to commit")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from swarm.client.model import SwarmModelForCausalLM
+from swarm.protocol import OptimizerHParams
 
 
 class RemoteOptimizer(torch.optim.Optimizer):
@@ -32,12 +33,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         group = self.param_groups[0]
-        hparams = {
-            "lr": float(group["lr"]),
-            "betas": [float(b) for b in group["betas"]],
-            "eps": float(group["eps"]),
-            "weight_decay": float(group["weight_decay"]),
-        }
+        hparams = OptimizerHParams(
+            lr=float(group["lr"]),
+            betas=(float(group["betas"][0]), float(group["betas"][1])),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+        )
         self.model.commit(hparams)
         return loss
 

@@ -3,6 +3,7 @@ re-routing around peers that fail, from what the client keeps."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -11,16 +12,28 @@ from dataclasses import dataclass
 
 import torch
 from hivemind.p2p import PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 
 from swarm.client.ledger import Segment, StepLedger
-from swarm.routing import Hop, Router, SwarmUnavailableError
+from swarm.errors import LeaseLostError, RemoteError, SwarmUnavailableError
+from swarm.protocol import PEER_STATE_ERRORS, ErrorKind, Method, SpanRequest
+from swarm.routing import Hop, Router
 from swarm.transport import Transport
-from swarm.wire import Message, RemoteError
+from swarm.wire import Message, WireError
 
 logger = logging.getLogger(__name__)
 
-# Refusals that mean "this peer cannot serve this now", not "the request is wrong".
-PEER_STATE_ERRORS = frozenset({"stale_step", "unknown_adapter", "internal", "too_large"})
+# Failures of the peer or of the way to it (a dead or frozen peer, a broken stream, a garbled reply). Anything else
+# raised while calling is a bug on this side, and surfaces instead of getting healthy peers banned.
+TRANSPORT_ERRORS = (
+    OSError,  # ConnectionError (PeerGoneError), TimeoutError
+    asyncio.TimeoutError,
+    asyncio.IncompleteReadError,
+    EOFError,
+    P2PDaemonError,
+    P2PHandlerError,
+    WireError,
+)
 
 
 class PeerFailure(Exception):
@@ -29,10 +42,6 @@ class PeerFailure(Exception):
     def __init__(self, peer: PeerID, reason: str):
         super().__init__(f"{peer}: {reason}")
         self.peer = peer
-
-
-class LeaseLostError(RuntimeError):
-    """Another trainer session claimed the adapter; this client must stop training it."""
 
 
 @dataclass
@@ -84,22 +93,23 @@ class RemoteStack:
         try:
             reply = self.transport.call(peer, Message(meta, tensors), timeout)
         except RemoteError as e:
-            if e.kind == "fenced":
+            if e.kind == ErrorKind.FENCED:
                 raise LeaseLostError(str(e)) from None
             if e.kind not in PEER_STATE_ERRORS:
                 raise
-            self.router.ban(peer, str(e))
-            for callback in self.on_peer_state:
-                callback(peer)
-            raise PeerFailure(peer, str(e)) from e
-        except Exception as e:
+            raise self._peer_failed(peer, str(e)) from e
+        except TRANSPORT_ERRORS as e:
             reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            self.router.ban(peer, f"{method}: {reason}")
-            for callback in self.on_peer_state:
-                callback(peer)
-            raise PeerFailure(peer, reason) from e
+            raise self._peer_failed(peer, f"{method}: {reason}") from e
         self.router.succeeded(peer, method, units, time.monotonic() - started)
         return reply
+
+    def _peer_failed(self, peer: PeerID, reason: str) -> PeerFailure:
+        """Ban the peer for a while and tell those who track peers' state; the work goes elsewhere."""
+        self.router.ban(peer, reason)
+        for callback in self.on_peer_state:
+            callback(peer)
+        return PeerFailure(peer, reason)
 
     @staticmethod
     def _tensors(hidden: torch.Tensor, mask: torch.Tensor | None, *extra: torch.Tensor) -> list[torch.Tensor]:
@@ -108,15 +118,9 @@ class RemoteStack:
     def _forward_hop(
         self, hop: Hop, hidden: torch.Tensor, mask: torch.Tensor | None, step: int, micro_batch: str | None
     ) -> torch.Tensor:
-        meta = {
-            "method": "forward",
-            "adapter": self.adapter,
-            "start": hop.start,
-            "end": hop.end,
-            "step": step,
-            "has_mask": mask is not None,
-            "micro_batch": micro_batch,
-        }
+        meta = SpanRequest(
+            Method.FORWARD, self.adapter, hop.start, hop.end, step, mask is not None, micro_batch
+        ).to_meta()
         units = hidden.shape[0] * hidden.shape[1] * (hop.end - hop.start)
         return self.call(hop.peer_id, meta, self._tensors(hidden, mask), units).tensors[0]
 
@@ -129,15 +133,10 @@ class RemoteStack:
         ledger: StepLedger,
         micro_batch: str,
     ) -> torch.Tensor:
-        meta = {
-            "method": "backward",
-            "adapter": self.adapter,
-            "start": hop.start,
-            "end": hop.end,
-            "step": ledger.step,
-            "micro_batch": micro_batch,
-            "has_mask": mask is not None,
-        }
+        request = SpanRequest(
+            Method.BACKWARD, self.adapter, hop.start, hop.end, ledger.step, mask is not None, micro_batch
+        )
+        meta = request.to_meta()
         units = hidden.shape[0] * hidden.shape[1] * (hop.end - hop.start)
         reply = self.call(hop.peer_id, meta, self._tensors(hidden, mask, grad), units)
         ledger.acknowledge(micro_batch, hop.blocks, hop.peer_id)

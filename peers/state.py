@@ -1,0 +1,163 @@
+"""A peer's adapter state, apart from compute: per-block LoRA + AdamW + step, its transferable form and packing,
+the adapters a peer holds (served and standby), and the activation cache kept between forward and backward."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.blocks import LoraParam
+from swarm.errors import RequestError
+
+GradsByBlock = dict[int, dict[str, list[torch.Tensor]]]
+
+
+def session_of(micro_batch: str) -> str:
+    """Micro-batch ids are ``session:step:counter``."""
+    return micro_batch.split(":", 1)[0]
+
+
+@dataclass
+class BlockAdapter:
+    """One adapter on one block: LoRA tensors, AdamW state, committed step and this step's gradients."""
+
+    params: list[LoraParam]
+    optimizer: torch.optim.AdamW
+    step: int = 0
+    grads: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+    def digest(self) -> str:
+        """Hash of everything that must agree between replicas: step, LoRA tensors, AdamW moments."""
+        h = hashlib.sha256(str(self.step).encode())
+        for lp in self.params:
+            h.update(lp.name.encode())
+            h.update(lp.param.detach().cpu().contiguous().numpy().tobytes())
+            for key, value in sorted(self.optimizer.state.get(lp.param, {}).items()):
+                h.update(key.encode())
+                h.update(value.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+
+@dataclass
+class BlockState:
+    """A block's adapter state in transferable form: step, and per LoRA tensor its value and AdamW moments."""
+
+    step: int
+    tensors: dict[str, dict[str, torch.Tensor]]
+
+    @classmethod
+    def of(cls, state: BlockAdapter) -> BlockState:
+        tensors = {}
+        for lp in state.params:
+            entry = {"param": lp.param.detach().cpu().clone()}
+            for key, value in state.optimizer.state.get(lp.param, {}).items():
+                entry[key] = value.detach().cpu().clone()
+            tensors[lp.name] = entry
+        return cls(step=state.step, tensors=tensors)
+
+    def load_into(self, state: BlockAdapter) -> None:
+        names = {lp.name for lp in state.params}
+        if set(self.tensors) != names:
+            raise RequestError(f"state names {sorted(self.tensors)} do not match this block's LoRA {sorted(names)}")
+        with torch.no_grad():
+            for lp in state.params:
+                entry = self.tensors[lp.name]
+                if entry["param"].shape != lp.param.shape:
+                    raise RequestError(f"state tensor {lp.name} has shape {list(entry['param'].shape)}")
+                lp.param.copy_(entry["param"])
+                moments = {k: v.to(lp.param.device) for k, v in entry.items() if k != "param"}
+                if moments:
+                    state.optimizer.state[lp.param] = moments
+                else:
+                    state.optimizer.state.pop(lp.param, None)
+        state.step = self.step
+        state.grads.clear()
+
+
+STATE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def pack_states(states: dict[int, BlockState]) -> tuple[list, torch.Tensor]:
+    """Block states as one flat float32 tensor plus an index (block, step, name, key, shape, dtype): serializing
+    one tensor costs a fraction of serializing hundreds of small ones, and float32 holds bf16/fp16 exactly."""
+    index, parts = [], []
+    for block, state in sorted(states.items()):
+        for name, entry in sorted(state.tensors.items()):
+            for key, tensor in sorted(entry.items()):
+                index.append(
+                    [block, state.step, name, key, list(tensor.shape), str(tensor.dtype).removeprefix("torch.")]
+                )
+                parts.append(tensor.detach().reshape(-1).to(torch.float32))
+    return index, torch.cat(parts) if parts else torch.zeros(0)
+
+
+def unpack_states(index: list, flat: torch.Tensor) -> dict[int, BlockState]:
+    counts = [math.prod(int(x) for x in shape) for *_, shape, _ in index]
+    if sum(counts) != flat.numel() or any(dtype not in STATE_DTYPES for *_, dtype in index):
+        raise ValueError(f"a state index of {sum(counts)} values in {STATE_DTYPES} for a tensor of {flat.numel()}")
+    states: dict[int, BlockState] = {}
+    offset = 0
+    for (block, step, name, key, shape, dtype), count in zip(index, counts, strict=True):
+        tensor = flat[offset : offset + count].reshape(shape).to(getattr(torch, dtype)).clone()
+        offset += count
+        state = states.setdefault(int(block), BlockState(step=int(step), tensors={}))
+        state.tensors.setdefault(str(name), {})[str(key)] = tensor
+    return states
+
+
+@dataclass
+class Adapter:
+    """An adapter as this peer holds it: its identity, the trainer session that holds it, the live state of the
+    blocks it serves, and standby copies of blocks it may have to take over (state only, no base weights)."""
+
+    config_wire: dict
+    seed: int
+    blocks: dict[int, BlockAdapter] = field(default_factory=dict)
+    standby: dict[int, BlockState] = field(default_factory=dict)
+    session: str | None = None
+
+    def steps(self) -> dict[int, int]:
+        return {block: state.step for block, state in self.blocks.items()}
+
+    def standby_steps(self) -> dict[int, int]:
+        return {block: state.step for block, state in self.standby.items()}
+
+    @property
+    def meta(self) -> dict:
+        """What a checkpoint or another peer needs to rebuild this adapter: its LoRA config and seed."""
+        return {"lora": self.config_wire, "seed": self.seed}
+
+
+class ActivationCache:
+    """Forward graphs kept for the backward of the same micro-batch, bounded in bytes (oldest dropped)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = OrderedDict()
+        self.bytes = 0
+
+    def put(self, key: tuple, inputs: torch.Tensor, outputs: torch.Tensor) -> None:
+        size = 4 * outputs.numel() * outputs.element_size()  # rough: the graph holds a few activations per block
+        if size > self.max_bytes:
+            return
+        self.pop(key)
+        self.entries[key] = (inputs, outputs, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, (_, _, dropped) = self.entries.popitem(last=False)
+            self.bytes -= dropped
+
+    def pop(self, key: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+        entry = self.entries.pop(key, None)
+        if entry is None:
+            return None
+        self.bytes -= entry[2]
+        return entry[0], entry[1]
+
+    def drop_adapter(self, adapter: str) -> None:
+        for key in [k for k in self.entries if k[0] == adapter]:
+            self.pop(key)
