@@ -393,5 +393,9 @@ def _steps_by_block(states: dict) -> dict[int, int]:
 
 
 def run_peer(config: PeerConfig) -> None:
+    """Serve until told to stop, then exit the process at once: after a signal to the whole process group, threads
+    stuck on the dead DHT process or P2P daemon would otherwise hold the interpreter's exit forever."""
     daemon = PeerDaemon(config)
-    asyncio.run(daemon.serve())
+    asyncio.new_event_loop().run_until_complete(daemon.serve())
+    logging.shutdown()
+    os._exit(0)
