@@ -180,11 +180,9 @@ def test_failed_connect_releases_everything_and_a_lost_committed_step_is_an_erro
         local.start_peer(model_dir, "0:4", name="q", extra=EXTRA)
         with pytest.raises(AdapterStateLostError, match=r'step 2.*blocks \[0, 1, 2, 3\].*resume="latest"'):
             connect(local, model_dir, adapter="lonely", patience=5)
-        model = connect(local, model_dir, adapter="lonely", patience=60, resume="latest")
-        try:
+        with connect(local, model_dir, adapter="lonely", patience=60, resume="latest") as model:  # shuts down on exit
             assert model.step == 2
             assert sorted(b for event in model.steps_lost for b in event.blocks) == [0, 1, 2, 3]
             assert all(event.steps == 2 for event in model.steps_lost)
             train(model, steps=3, check_replicas=False)
-        finally:
-            model.shutdown()
+        assert not [t for t in threading.enumerate() if t.name in ("swarm-lease", "swarm-router")]

@@ -368,6 +368,12 @@ class SwarmModelForCausalLM(nn.Module):
         """Write a standard peft adapter folder for this model."""
         return save_peft_adapter(out_dir, self.lora_config, str(self.spec.path.resolve()), self.adapter_state())
 
+    def __enter__(self) -> SwarmModelForCausalLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def shutdown(self) -> None:
         """Leave the swarm: release the adapter's lease, close this client's P2P connection and DHT node. Safe to
         call on a model whose construction failed half-way (it releases what was started)."""
