@@ -11,7 +11,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from peers.state import ActivationCache, Adapter, BlockAdapter, BlockState, GradsByBlock, session_of
+from peers.state import ActivationCache, Adapter, BlockAdapter, BlockState, BlockUpdate, GradsByBlock, session_of
 from swarm.blocks import add_lora, load_block, lora_config_from_wire
 from swarm.errors import FencedError, MissingGradientsError, RequestError, StaleStepError, UnknownAdapterError
 from swarm.protocol import OptimizerHParams
@@ -319,6 +319,8 @@ class SpanBackend:
                 )
             state.optimizer.step()
             state.optimizer.zero_grad(set_to_none=True)
+            grads = {lp.name: grad.detach().cpu() for lp, grad in zip(state.params, summed, strict=True)}
+            state.last_update = BlockUpdate(step, grads, hparams)
             state.grads.clear()
             state.step += 1
         self.cache.drop_adapter(name)
@@ -326,16 +328,23 @@ class SpanBackend:
 
     # --- state ----------------------------------------------------------------------------------------------
 
-    def export_state(self, name: str, blocks: range) -> dict[int, BlockState]:
-        """LoRA tensors, AdamW moments and step of each block, served or standby: what another peer needs."""
+    def export_state(
+        self, name: str, blocks: range, held: dict[int, int] | None = None
+    ) -> tuple[dict[int, BlockState], dict[int, BlockUpdate]]:
+        """LoRA tensors, AdamW moments and step of each block, served or standby: what another peer needs. For a
+        served block that the asking peer ``held`` one step behind, the last update instead (a third of the bytes)."""
         adapter = self.adapter(name)
-        states = {}
+        states, updates = {}, {}
         for block in blocks:
-            if block in adapter.blocks:
-                states[block] = BlockState.of(adapter.blocks[block])
+            served = adapter.blocks.get(block)
+            update = served.last_update if served is not None else None
+            if update is not None and held is not None and held.get(block) == update.step == served.step - 1:
+                updates[block] = update
+            elif served is not None:
+                states[block] = BlockState.of(served)
             elif block in adapter.standby:
                 states[block] = adapter.standby[block]
-        return states
+        return states, updates
 
     def import_state(self, name: str, states: dict[int, BlockState]) -> dict[int, int]:
         """Replace this peer's state of served blocks by a current replica's (gradients in progress are dropped)."""
@@ -370,6 +379,18 @@ class SpanBackend:
         if created:
             self._fill(name, adapter)  # served blocks start from the copies just stored
 
+    def apply_updates(self, name: str, updates: dict[int, BlockUpdate]) -> list[int]:
+        """Bring standby copies one step forward with their servers' last updates; returns the blocks updated (a
+        copy that is not at the update's step is left as it is: its holder pulls the whole state next time)."""
+        adapter = self.adapter(name)
+        done = []
+        for block, update in updates.items():
+            held = adapter.standby.get(block)
+            if held is not None and held.step == update.step:
+                adapter.standby[block] = update.apply_to(held)
+                done.append(block)
+        return done
+
     def fast_forward(self, name: str, blocks: range, step: int) -> dict[int, int]:
         """Declare blocks whose newest surviving state is older than ``step`` current at ``step``: the updates
         between are lost. Returns the steps lost per block (reported by the caller, never silent)."""
@@ -389,6 +410,7 @@ class SpanBackend:
                 )
                 state.step = step
                 state.grads.clear()
+                state.last_update = None
         self.cache.drop_adapter(name)
         return lost
 

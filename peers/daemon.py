@@ -102,6 +102,15 @@ def blocks_that_fit(spec: ModelSpec, config: PeerConfig) -> int:
     return max(1, min(spec.num_blocks, fit))
 
 
+@dataclass
+class PeerParts:
+    """What a peer runs once its blocks are loaded, made together so that nothing is half-built."""
+
+    backend: SpanBackend
+    service: PeerService
+    replicator: Replicator
+
+
 class PeerDaemon:
     """One process serving a span of one model's blocks, moving it when the swarm needs it elsewhere."""
 
@@ -121,13 +130,14 @@ class PeerDaemon:
         self.store = CheckpointStore(config.checkpoint_dir) if config.checkpoint_dir else None
         self.writer = CheckpointWriter(self.store, config.checkpoint_every) if self.store else None
         self.view: SwarmView | None = None
+        self.parts: PeerParts | None = None  # made by serve() once the blocks are loaded
 
     # --- what this peer tells others ------------------------------------------------------------------------
 
     def _records(self) -> list[tuple[ServerRecord, range]]:
         adapters = {}
-        if hasattr(self, "backend"):
-            for name, adapter in self.backend.adapters.items():
+        if self.parts is not None:
+            for name, adapter in self.parts.backend.adapters.items():
                 steps = [step for block, step in adapter.steps().items() if block in self.serving]
                 if steps:
                     adapters[name] = min(steps)
@@ -162,10 +172,10 @@ class PeerDaemon:
 
     def info(self) -> dict:
         adapters = {}
-        if hasattr(self, "backend"):
-            for name, a in self.backend.adapters.items():
+        if self.parts is not None:
+            for name, a in self.parts.backend.adapters.items():
                 adapters[name] = AdapterInfo(a.meta, a.steps(), a.standby_steps())
-        standby = self.replicator.standby if hasattr(self, "replicator") else []
+        standby = self.parts.replicator.standby if self.parts is not None else []
         info = PeerInfo(
             self.spec.name, self.serving.start, self.serving.stop, self.state.value, self.throughput, adapters, standby
         )
@@ -207,12 +217,12 @@ class PeerDaemon:
         logger.info("chose blocks %d:%d", span.start, span.stop)
         return span
 
-    def _load(self, blocks: range) -> None:
+    def _load(self, blocks: range) -> SpanBackend:
         """Build the backend (slow: runs in a thread while the event loop keeps the P2P connection alive)."""
         from swarm.blocks import DTYPES
 
         config = self.config
-        self.backend = SpanBackend(
+        backend = SpanBackend(
             self.spec,
             blocks,
             torch.device(config.device),
@@ -223,10 +233,23 @@ class PeerDaemon:
         )
         if self.store is not None:
             for name, (meta, states) in self.store.load().items():
-                self.backend.keep_standby(name, meta, states, keep=None)
+                backend.keep_standby(name, meta, states, keep=None)
                 logger.info("loaded checkpoint of adapter %r: steps %s", name, _steps_by_block(states))
-        self.throughput = measure_throughput(self.backend)
+        self.throughput = measure_throughput(backend)
         logger.info("blocks %d:%d loaded, %.0f tokens/s", blocks.start, blocks.stop, self.throughput)
+        return backend
+
+    def _assemble(self, backend: SpanBackend) -> PeerParts:
+        """The service and the replicator around a loaded backend, wired to each other and to this daemon."""
+        config = self.config
+        service = PeerService(backend, self.info, self.transport, self.swarm_key, config.max_payload_mb << 20)
+        policy = StandbyPolicy(config.standby_blocks, config.standby_every)
+        replicator = Replicator(backend, service.compute, self.transport, self.identity.peer_id, policy)
+        replicator.on_refreshed = self._checkpoint
+        service.after_commit = self._after_commit
+        service.on_committed = replicator.on_committed
+        service.on_replicate = replicator.hold
+        return PeerParts(backend, service, replicator)
 
     async def _move(self, target: range) -> None:
         """Serve ``target`` instead of the current span without a gap: load it and take its state while still
@@ -235,9 +258,9 @@ class PeerDaemon:
         logger.info("moving from blocks %d:%d to %d:%d", old.start, old.stop, target.start, target.stop)
         self.joining = target
         await self._announce()
-        layers = await asyncio.to_thread(self.backend.load_layers, target)
-        await self.replicator.take_state(await self._observe(), target)
-        await self.service.compute(self.backend.install, layers)
+        layers = await asyncio.to_thread(self.parts.backend.load_layers, target)
+        await self.parts.replicator.take_state(await self._observe(), target)
+        await self.parts.service.compute(self.parts.backend.install, layers)
         handed_over = [b for b in old if b not in target]
         if handed_over:
             self.moving_to = target
@@ -248,21 +271,21 @@ class PeerDaemon:
             if unsafe:
                 logger.info("not moving: blocks %s would be left without a server; keeping them", unsafe)
                 self.moving_to, self.joining = None, None
-                await self.service.compute(self.backend.remove, [b for b in target if b not in old])
+                await self.parts.service.compute(self.parts.backend.remove, [b for b in target if b not in old])
                 await self._announce()
                 return
         self.serving, self.joining, self.moving_to = target, None, None
         leaving = ServerRecord(me, ServerState.LEAVING, old.start, old.stop, self.throughput)
         await self._announce([(leaving, range(b, b + 1)) for b in handed_over] + self._records())
         await asyncio.sleep(self.config.leave_grace)
-        await self.service.compute(self.backend.remove, handed_over)
-        self.throughput = await self.service.compute(measure_throughput, self.backend)
+        await self.parts.service.compute(self.parts.backend.remove, handed_over)
+        self.throughput = await self.parts.service.compute(measure_throughput, self.parts.backend)
         logger.info("now serving blocks %d:%d, %.0f tokens/s", target.start, target.stop, self.throughput)
 
     async def _balance_round(self) -> None:
         """Refresh standby copies, then move if that strictly helps the swarm."""
         view = await self._observe()
-        changed = await self.replicator.refresh_standby(view, self.serving)
+        changed = await self.parts.replicator.refresh_standby(view, self.serving)
         for name in changed:
             await self._checkpoint(name)
         if not self.config.rebalance:
@@ -276,14 +299,14 @@ class PeerDaemon:
 
     async def _checkpoint(self, name: str) -> None:
         if self.writer is not None:
-            states = await self.service.compute(self.backend.snapshot, name)
-            self.writer.submit(name, self.backend.adapters[name].meta, states)
+            states = await self.parts.service.compute(self.parts.backend.snapshot, name)
+            self.writer.submit(name, self.parts.backend.adapters[name].meta, states)
 
     async def _after_commit(self, name: str) -> None:
         """A step was applied here: checkpoint it (in the background) and tell the peers keeping standby copies
         of these blocks, so they pull the new state now rather than at their next round."""
         await self._checkpoint(name)
-        adapter = self.backend.adapters[name]
+        adapter = self.parts.backend.adapters[name]
         steps = {block: step for block, step in adapter.steps().items() if block in self.serving}
         notice = {
             "method": Method.COMMITTED,
@@ -293,7 +316,7 @@ class PeerDaemon:
             "source": self.identity.peer_id.to_base58(),
         }
         for peer in self.view.watchers(list(steps)) if self.view is not None else ():
-            self.service.in_background(self._notify(peer, notice))
+            self.parts.service.in_background(self._notify(peer, notice))
 
     async def _notify(self, peer, notice: dict) -> None:
         try:
@@ -320,17 +343,10 @@ class PeerDaemon:
         else:
             self.joining = config.blocks
             await self._announce()
-        await asyncio.to_thread(self._load, self.joining)
-        self.service = PeerService(self.backend, self.info, self.transport, self.swarm_key, config.max_payload_mb << 20)
-        self.service.after_commit = self._after_commit
+        self.parts = self._assemble(await asyncio.to_thread(self._load, self.joining))
         me = self.identity.peer_id
-        policy = StandbyPolicy(config.standby_blocks, config.standby_every)
-        self.replicator = Replicator(self.backend, self.service.compute, self.transport, me, policy)
-        self.replicator.on_refreshed = self._checkpoint
-        self.service.on_committed = self.replicator.on_committed
-        self.service.on_replicate = self.replicator.hold
-        await self.replicator.take_state(await self._observe(), self.joining)
-        await self.service.register(p2p)
+        await self.parts.replicator.take_state(await self._observe(), self.joining)
+        await self.parts.service.register(p2p)
         self.serving, self.joining, self.state = self.joining, None, ServerState.ONLINE
         logger.info("serving blocks %d:%d of %s as %s", self.serving.start, self.serving.stop, self.spec.name, me)
         next_announce = 0.0
@@ -367,10 +383,10 @@ class PeerDaemon:
         if self.dht.is_alive():
             await self._announce()
         await asyncio.sleep(self.config.leave_grace)
-        await self.service.compute(lambda: None)
+        await self.parts.service.compute(lambda: None)
         if self.writer is not None:
             self.writer.close()
-        await self.service.unregister(p2p)
+        await self.parts.service.unregister(p2p)
 
 
 def _exit_now() -> None:

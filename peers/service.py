@@ -12,7 +12,7 @@ from hivemind.p2p import PeerID
 
 from peers.backend import SpanBackend
 from peers.doors import Doorkeeper
-from peers.state import BlockState, GradsByBlock, pack_states, unpack_states
+from peers.state import BlockState, BlockUpdate, GradsByBlock, pack_states, unpack_states
 from swarm.blocks import lora_config_from_wire
 from swarm.errors import MissingGradientsError, RequestError
 from swarm.protocol import (
@@ -21,11 +21,13 @@ from swarm.protocol import (
     Method,
     OpenReply,
     OpenRequest,
+    OptimizerHParams,
     SpanRequest,
     by_block,
     read_dict,
     read_int,
     read_peer,
+    read_steps,
     read_str,
 )
 from swarm.security import SwarmKey
@@ -172,9 +174,16 @@ class PeerService(Doorkeeper):
         return Message(meta={"steps": by_block(steps)}, tensors=[])
 
     async def _export(self, message: Message) -> Message:
-        states = await self.compute(self.backend.export_state, read_str(message.meta, "adapter"), _blocks(message.meta))
+        """State of blocks; with ``held`` (block -> the step of the asker's copy), the last update of served blocks
+        held one step behind instead of their whole state."""
+        meta = message.meta
+        held = read_steps(meta, "held") if meta.get("held") is not None else None
+        states, updates = await self.compute(self.backend.export_state, read_str(meta, "adapter"), _blocks(meta), held)
         index, flat = pack_states(states)
-        return Message(meta={"index": index}, tensors=[flat])
+        update_index, update_flat = pack_states({block: u.as_state() for block, u in updates.items()})
+        hparams = {str(block): u.hparams.to_meta() for block, u in updates.items()}
+        reply = {"index": index, "update_index": update_index, "hparams": hparams}
+        return Message(meta=reply, tensors=[flat, update_flat])
 
     async def _sync(self, message: Message) -> Message:
         """Pull the adapter state of some blocks from a current replica, so this peer can serve them again."""
@@ -246,12 +255,29 @@ class PeerService(Doorkeeper):
 
 async def fetch_state(transport: Transport, peer: PeerID, name: str, blocks: range) -> dict[int, BlockState]:
     """The state of ``blocks`` (served or standby) as another peer holds it."""
+    states, _ = await fetch_state_or_updates(transport, peer, name, blocks, held=None)
+    return states
+
+
+async def fetch_state_or_updates(
+    transport: Transport, peer: PeerID, name: str, blocks: range, held: dict[int, int] | None
+) -> tuple[dict[int, BlockState], dict[int, BlockUpdate]]:
+    """The state of ``blocks`` as another peer holds it, or, for blocks this peer ``held`` one step behind a server,
+    that server's last update (to apply with ``BlockUpdate.apply_to``)."""
     export = {"method": Method.EXPORT, "adapter": name, "start": blocks.start, "end": blocks.stop}
+    if held is not None:
+        export["held"] = by_block(held)
     reply = await transport.acall(peer, Message(export, []), timeout=SYNC_TIMEOUT)
     try:
-        return unpack_states(reply.meta["index"], reply.tensors[0])
+        states = unpack_states(reply.meta["index"], reply.tensors[0])
+        if len(reply.tensors) < 2:
+            return states, {}
+        packed = unpack_states(reply.meta["update_index"], reply.tensors[1])
+        hparams = reply.meta["hparams"]
+        updates = {b: BlockUpdate.from_state(u, OptimizerHParams.from_meta(hparams[str(b)])) for b, u in packed.items()}
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
         raise RequestError(f"malformed state export from {peer}: {e}") from None
+    return states, updates
 
 
 def _blocks(meta: dict) -> range:

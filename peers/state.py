@@ -12,6 +12,7 @@ import torch
 
 from swarm.blocks import LoraParam
 from swarm.errors import RequestError
+from swarm.protocol import OptimizerHParams
 
 GradsByBlock = dict[int, dict[str, list[torch.Tensor]]]
 
@@ -29,6 +30,7 @@ class BlockAdapter:
     optimizer: torch.optim.AdamW
     step: int = 0
     grads: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    last_update: BlockUpdate | None = None  # what took the state from step - 1 to step, for copies one step behind
 
     def digest(self) -> str:
         """Hash of everything that must agree between replicas: step, LoRA tensors, AdamW moments."""
@@ -76,6 +78,45 @@ class BlockState:
                     state.optimizer.state.pop(lp.param, None)
         state.step = self.step
         state.grads.clear()
+        state.last_update = None
+
+
+@dataclass
+class BlockUpdate:
+    """What takes a block's state from ``step`` to ``step + 1``: the step's summed LoRA gradients and the optimizer
+    settings applied with them. A third of the bytes of a state: a peer whose copy is at ``step`` applies it itself,
+    with the same AdamW, and gets the same tensors as the servers (on the same kind of device)."""
+
+    step: int
+    grads: dict[str, torch.Tensor]
+    hparams: OptimizerHParams
+
+    def apply_to(self, state: BlockState) -> BlockState:
+        if state.step != self.step or set(state.tensors) != set(self.grads):
+            raise RequestError(f"an update from step {self.step} does not fit a copy at step {state.step}")
+        names = list(state.tensors)
+        params = [torch.nn.Parameter(state.tensors[name]["param"].clone()) for name in names]
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay)
+        for name, param in zip(names, params, strict=True):
+            moments = {k: v.clone() for k, v in state.tensors[name].items() if k != "param"}
+            if moments:
+                optimizer.state[param] = moments
+            param.grad = self.grads[name].to(param.dtype)
+        optimizer.step()
+        tensors = {
+            name: {"param": param.detach(), **dict(optimizer.state[param])}
+            for name, param in zip(names, params, strict=True)
+        }
+        return BlockState(self.step + 1, tensors)
+
+    def as_state(self) -> BlockState:
+        """Packable like a state: the gradients under the key ``grad``, at the step they start from."""
+        return BlockState(self.step, {name: {"grad": grad} for name, grad in self.grads.items()})
+
+    @classmethod
+    def from_state(cls, state: BlockState, hparams: OptimizerHParams) -> BlockUpdate:
+        return cls(state.step, {name: entry["grad"] for name, entry in state.tensors.items()}, hparams)
 
 
 STATE_DTYPES = ("float32", "bfloat16", "float16")

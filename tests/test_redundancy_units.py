@@ -9,7 +9,7 @@ from hivemind.p2p import PeerID
 
 from peers.backend import SpanBackend
 from peers.daemon import PeerConfig, blocks_that_fit
-from peers.state import BlockState, pack_states, unpack_states
+from peers.state import BlockState, BlockUpdate, pack_states, unpack_states
 from swarm.blocks import lora_config_to_wire
 from swarm.protocol import AdapterInfo, OptimizerHParams, PeerInfo
 from swarm.records import ServerRecord, ServerState
@@ -40,15 +40,42 @@ def test_standby_copies_take_over_exactly_and_moves_keep_state(tiny_models):
     server.open_adapter("a", wire, seed=3, session="s")
     for step in range(2):
         _train_one_step(server, "a", range(2, 4), step)
-    exported = server.export_state("a", range(2, 4))
+    exported, _ = server.export_state("a", range(2, 4))
     other.keep_standby("a", {"lora": wire, "seed": 3}, exported, keep={2, 3})
     assert other.adapters["a"].standby_steps() == {2: 2, 3: 2}
-    assert other.export_state("a", range(2, 4))[2].step == 2  # a standby copy can be passed on
+    assert other.export_state("a", range(2, 4))[0][2].step == 2  # a standby copy can be passed on
     other.install(other.load_layers(range(2, 4)))  # takeover: the served block starts from the copy
     assert other.digests("a")[2] == server.digests("a")[2] and other.digests("a")[3] == server.digests("a")[3]
     assert other.adapters["a"].standby_steps() == {}
     other.remove([0, 1])  # handed over: the state stays as a standby copy
     assert sorted(other.layers) == [2, 3] and set(other.adapters["a"].standby_steps()) == {0, 1}
+
+
+def test_a_copy_one_step_behind_catches_up_from_the_last_update_exactly(tiny_models):
+    import peft
+
+    wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    server, holder = _backend(tiny_models["llama"], range(2, 4)), _backend(tiny_models["llama"], range(0, 2))
+    server.open_adapter("a", wire, seed=3, session="s")
+    _train_one_step(server, "a", range(2, 4), 0)
+    states, updates = server.export_state("a", range(2, 4), held={})
+    assert updates == {}, "a peer holding no copy gets the whole state"
+    holder.keep_standby("a", {"lora": wire, "seed": 3}, states, keep={2, 3})
+    for step in (1, 2):
+        _train_one_step(server, "a", range(2, 4), step)
+        states, updates = server.export_state("a", range(2, 4), held=holder.adapters["a"].standby_steps())
+        assert states == {} and sorted(updates) == [2, 3]
+        index, flat = pack_states({block: update.as_state() for block, update in updates.items()})  # the wire form
+        back = {b: BlockUpdate.from_state(u, updates[b].hparams) for b, u in unpack_states(index, flat).items()}
+        assert holder.apply_updates("a", back) == [2, 3]
+    for block in (2, 3):  # the same AdamW on the same gradients: the copy equals the server's state bit for bit
+        copy, served = holder.adapters["a"].standby[block], BlockState.of(server.adapters["a"].blocks[block])
+        assert copy.step == served.step == 3 and copy.tensors.keys() == served.tensors.keys()
+        for name, entry in served.tensors.items():
+            assert entry.keys() == copy.tensors[name].keys()
+            assert all(torch.equal(copy.tensors[name][key], tensor) for key, tensor in entry.items()), name
+    states, updates = server.export_state("a", range(2, 4), held={2: 1, 3: 1})
+    assert sorted(states) == [2, 3] and updates == {}, "a copy two steps behind gets the whole state"
 
 
 def test_states_pack_into_one_tensor_and_back_exactly():

@@ -3,8 +3,10 @@ peers, whenever the swarm has that many that can hold it.
 
 A block's live replicas count; for blocks with fewer, the trainer asks other live peers to hold a standby copy of the
 new state (``replicate``: the holder pulls it peer to peer from a replica, and keeps it whatever its own standby
-choice). Holders are sticky, so the same peers keep refreshing the same blocks, and they are asked in parallel, so
-the cost is one round trip plus one state transfer per step, whatever the number of holders. Like synchronous
+choice). Holders are sticky, so the same peers keep refreshing the same blocks: a holder whose copy is one step
+behind pulls only the step's summed gradient and applies the same AdamW update itself (a third of the bytes of the
+state). Holders are asked in parallel, so the cost is one round trip plus that transfer per step, whatever their
+number. Like synchronous
 replication in a database: an acknowledged step survives the loss of any single peer, from the first step on.
 """
 
