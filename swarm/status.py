@@ -89,8 +89,8 @@ def _copies(view: SwarmView, block: int, newest: dict[str, int]) -> dict[str, tu
 def status(initial_peers: list[str], swarm_key: SwarmKey | None, model: str | None, replication: int) -> str:
     """Join as a client, find the models announced (or the one named), and render each."""
     dht = join_dht(initial_peers, Identity.load_or_create(None), swarm_key, client_mode=True)
+    transport = Transport.for_dht(dht, swarm_key)
     try:
-        transport = Transport.for_dht(dht, swarm_key)
         models = read_models(dht)
         if model is not None:
             models = {model: models[model]} if model in models else {}
@@ -102,4 +102,5 @@ def status(initial_peers: list[str], swarm_key: SwarmKey | None, model: str | No
             tables.append(render(name, num_blocks, view, replication))
         return "\n\n".join(tables)
     finally:
+        RemoteExpertWorker.run_coroutine(transport.shutdown())
         dht.shutdown()
