@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:
 
 import swarm  # noqa: E402
 from swarm.localswarm import LocalSwarm  # noqa: E402
+from swarm.protocol import Method  # noqa: E402
 from swarm.wire import Message  # noqa: E402
 
 logger = logging.getLogger("bench_step")
@@ -139,7 +140,7 @@ def ping(model: swarm.SwarmModelForCausalLM, count: int = 20) -> dict[str, float
         times = []
         for _ in range(count):
             started = time.perf_counter()
-            model.transport.call(hop.peer_id, Message({"method": "info"}, []), 30.0)
+            model.transport.call(hop.peer_id, Message({"method": Method.INFO}, []), 30.0)
             times.append(time.perf_counter() - started)
         result[f"{hop.start}:{hop.end}"] = statistics.median(times)
     return result

@@ -28,7 +28,7 @@ from swarm.client.ledger import StepLedger
 from swarm.client.remote import PeerFailure, RemoteStack, RemoteStackFunction
 from swarm.errors import AdapterStateLostError, SwarmUnavailableError
 from swarm.network import check_access, initial_peers_or_env, join_dht, load_swarm_key
-from swarm.protocol import OpenReply, OpenRequest, OptimizerHParams
+from swarm.protocol import Method, OpenReply, OpenRequest, OptimizerHParams
 from swarm.records import CommittedRecord, announce_committed, read_committed
 from swarm.routing import Router
 from swarm.security import Identity, SwarmKey
@@ -346,7 +346,7 @@ class SwarmModelForCausalLM(nn.Module):
     def adapter_state(self) -> dict[int, dict[str, torch.Tensor]]:
         """LoRA tensors of every block, from live replicas at the current step."""
         state: dict[int, dict[str, torch.Tensor]] = {}
-        for _, span, meta, tensors in self._each_block("state"):
+        for _, span, meta, tensors in self._each_block(Method.STATE):
             for (block, name), tensor in zip(meta["names"], tensors, strict=True):
                 if block in span:  # a peer handing blocks over may still hold them, not current any more
                     state.setdefault(block, {})[name] = tensor
@@ -358,7 +358,7 @@ class SwarmModelForCausalLM(nn.Module):
     def replica_digests(self) -> dict[int, dict[PeerID, str]]:
         """Per block, the state digest each live replica reports: equal digests mean identical replicas."""
         digests: dict[int, dict[PeerID, str]] = {}
-        for peer, span, meta, _ in self._each_block("digest"):
+        for peer, span, meta, _ in self._each_block(Method.DIGEST):
             for block, digest in meta["digests"].items():
                 if int(block) in span:
                     digests.setdefault(int(block), {})[peer] = digest
