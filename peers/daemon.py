@@ -19,8 +19,10 @@ from peers.balancer import badness, choose_span, coverage_with, plan_move, safe_
 from peers.checkpoints import CheckpointStore, CheckpointWriter
 from peers.replication import Replicator, StandbyPolicy
 from peers.service import PeerService
+from swarm.errors import SwarmAccessError
 from swarm.network import check_access, join_dht, load_swarm_key
 from swarm.protocol import AdapterInfo, Method, PeerInfo
+from swarm.reachability import choose_relays, verify_relayed
 from swarm.records import RECORD_TTL, ServerRecord, ServerState, announce, announce_model
 from swarm.security import Identity
 from swarm.spec import ModelSpec, load_spec
@@ -55,6 +57,8 @@ class PeerConfig:
     dtype: str = "float32"
     host: str = "0.0.0.0"
     port: int = 0
+    announce_maddrs: tuple[str, ...] = ()  # the only addresses to announce (a port forward, a public IP)
+    relay: str = "auto"  # auto: through a relay only if not reachable from outside; always; never
     identity: str | None = None
     swarm_key: str | None = None
     record_ttl: float = RECORD_TTL
@@ -131,6 +135,7 @@ class PeerDaemon:
         self.writer = CheckpointWriter(self.store, config.checkpoint_every) if self.store else None
         self.view: SwarmView | None = None
         self.parts: PeerParts | None = None  # made by serve() once the blocks are loaded
+        self.maddrs: list[str] = []  # where others dial this peer: direct, or through relays
 
     # --- what this peer tells others ------------------------------------------------------------------------
 
@@ -151,11 +156,17 @@ class PeerDaemon:
                 self.throughput,
                 adapters,
                 self.moving_to,
+                maddrs=self.maddrs,
             )
             records.append((record, self.serving))
         if self.joining:
             record = ServerRecord(
-                self.identity.peer_id, ServerState.JOINING, self.joining.start, self.joining.stop, self.throughput
+                self.identity.peer_id,
+                ServerState.JOINING,
+                self.joining.start,
+                self.joining.stop,
+                self.throughput,
+                maddrs=self.maddrs,
             )
             records.append((record, range(max(self.joining.start, self.serving.stop), self.joining.stop)))
             records.append((record, range(self.joining.start, min(self.joining.stop, self.serving.start))))
@@ -334,10 +345,27 @@ class PeerDaemon:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         config = self.config
-        self.dht = join_dht(config.initial_peers, self.identity, self.swarm_key, host=config.host, port=config.port)
+        announce = list(config.announce_maddrs)
+        relays = await choose_relays(
+            config.initial_peers, config.host, config.port, announce, config.relay, self.swarm_key
+        )
+        self.dht = join_dht(
+            config.initial_peers,
+            self.identity,
+            self.swarm_key,
+            host=config.host,
+            port=config.port,
+            announce_maddrs=announce,
+            relays=relays,
+        )
         p2p = await self.dht.replicate_p2p()
         self.transport = Transport(p2p, self.swarm_key)
-        await check_access(self.transport, config.initial_peers)
+        try:
+            await check_access(self.transport, config.initial_peers)
+            self.maddrs = await self._addresses(p2p, relays)
+        except BaseException:
+            self.dht.shutdown()
+            raise
         if config.blocks is None:
             self.joining = await self._choose_span()
         else:
@@ -362,6 +390,29 @@ class PeerDaemon:
                 except Exception as e:
                     logger.warning("balancing round failed (will retry): %s", e)
         await self._leave(p2p)
+
+    async def _addresses(self, p2p, relays: list[str]) -> list[str]:
+        """Where others dial this peer: its own addresses, or (behind NAT) its addresses through the relays that
+        proved to work."""
+        if not relays:
+            maddrs = [str(m) for m in await p2p.get_visible_maddrs(latest=True)]
+            logger.info("announcing addresses %s", " ".join(maddrs))
+            return maddrs
+        maddrs = await verify_relayed(self.transport, relays, self.identity.peer_id)
+        port = f"port {self.config.port}" if self.config.port else "a port (--port N)"
+        if not maddrs:
+            raise SwarmAccessError(
+                f"this peer is not reachable from outside, and no relay let it through ({' '.join(relays)}): open "
+                f"{port} to this machine and pass --public-ip or --announce-maddrs, or join through a bootstrap "
+                "node that relays (`swarm dht` without --no-relay)"
+            )
+        logger.warning(
+            "not reachable from outside; serving through relay %s (slower). Open %s or pass --announce-maddrs "
+            "to serve directly.",
+            " ".join(maddrs),
+            port,
+        )
+        return maddrs
 
     async def _leave(self, p2p) -> None:
         """Announce leaving, finish in-flight work, go. Bounded: a signal sent to the whole process group (systemd,

@@ -9,9 +9,11 @@ from typing import AsyncIterator  # noqa: UP035 -- matches the doors' signatures
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
-from swarm.errors import RequestError
-from swarm.protocol import ErrorKind, Method
+from swarm.errors import RemoteError, RequestError
+from swarm.protocol import RELAY_TIMEOUT, RELAY_TO, ErrorKind, Method, read_peer
+from swarm.reachability import ReachabilityProbe
 from swarm.security import SwarmKey
+from swarm.transport import Transport
 from swarm.wire import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     Message,
@@ -29,18 +31,32 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[Message], Awaitable[Message]]
 
 
-class Doorkeeper:
-    """Receives requests on the unary and stream doors and answers each one, whatever it holds."""
+RELAY_CALL_TIMEOUT = 600.0  # the longest a relay waits for the peer it passes a request on to
 
-    def __init__(self, swarm_key: SwarmKey | None = None, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES):
-        self.swarm_key, self.max_payload_bytes = swarm_key, max_payload_bytes
-        self.handlers: dict[str, Handler] = {Method.HELLO: self._hello}
+
+class Doorkeeper:
+    """Receives requests on the unary and stream doors and answers each one, whatever it holds. A request for
+    another peer (``relay_to``: a peer behind NAT that keeps a connection here) is passed on to it."""
+
+    def __init__(
+        self,
+        swarm_key: SwarmKey | None = None,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        relays: bool = True,
+    ):
+        self.swarm_key, self.max_payload_bytes, self.relays = swarm_key, max_payload_bytes, relays
+        self.probe = ReachabilityProbe()
+        self.me, self.relay = "", None  # set by register()
+        self.handlers: dict[str, Handler] = {Method.HELLO: self._hello, Method.REACHABLE: self._reachable}
 
     async def register(self, p2p: P2P) -> None:
+        self.me = p2p.peer_id.to_base58()
+        self.relay = Transport(p2p, self.swarm_key, self.max_payload_bytes)
         await PeerDoors().add_p2p_handlers(p2p, wrapper=self)
 
     async def unregister(self, p2p: P2P) -> None:
         await PeerDoors().remove_p2p_handlers(p2p)
+        await self.probe.shutdown()
 
     async def rpc_call(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertRequest:
         if request.ByteSize() > self.max_payload_bytes:
@@ -71,14 +87,16 @@ class Doorkeeper:
         try:
             message = decode(parts)
             method = message.meta.get("method")
-            handler = self.handlers.get(method) if isinstance(method, str) else None
-            if handler is None:
-                raise RequestError(f"unknown method {method!r}; known: {sorted(self.handlers)}")
             if self.swarm_key is not None and method != Method.HELLO:
                 try:
                     verify(self.swarm_key, message, parts)
                 except WireError as e:
                     return error_message(ErrorKind.UNAUTHORIZED, str(e))
+            if message.meta.get(RELAY_TO, self.me) != self.me:
+                return await self._pass_on(message)
+            handler = self.handlers.get(method) if isinstance(method, str) else None
+            if handler is None:
+                raise RequestError(f"unknown method {method!r}; known: {sorted(self.handlers)}")
             return await handler(message)
         except (RequestError, WireError) as e:
             logger.info("refused a request from %s: %s", context.remote_id, e)
@@ -86,6 +104,32 @@ class Doorkeeper:
         except Exception as e:
             logger.exception("request from %s failed", context.remote_id)
             return error_message(ErrorKind.INTERNAL, f"{type(e).__name__}: {e}")
+
+    async def _pass_on(self, message: Message) -> Message:
+        """Relay a request to the peer it is for, over that peer's own connection here; its answer goes back as is."""
+        target = read_peer(message.meta, RELAY_TO)
+        if not self.relays:
+            return error_message(ErrorKind.UNREACHABLE, "this node does not relay (started with --no-relay)")
+        timeout = message.meta.get(RELAY_TIMEOUT)
+        timeout = float(timeout) if isinstance(timeout, int | float) and 0 < timeout < RELAY_CALL_TIMEOUT else None
+        if not await self.relay.connected(target):
+            return error_message(ErrorKind.UNREACHABLE, f"{target} keeps no connection to this relay")
+        try:
+            return await self.relay.acall(target, message, timeout or RELAY_CALL_TIMEOUT, direct=True)
+        except RemoteError as e:
+            return Message(e.meta, [])
+        except Exception as e:
+            return error_message(ErrorKind.UNREACHABLE, f"this relay cannot reach {target}: {type(e).__name__} {e}")
+
+    async def _reachable(self, message: Message) -> Message:
+        """Dial the asking peer back (``maddrs``), or, for a peer behind NAT (``relayed``), say whether this node
+        will pass requests on to it: it relays and holds the peer's connection."""
+        if not message.meta.get("relayed"):
+            return await self.probe.handle(message)
+        peer = read_peer(message.meta, "peer")
+        if not self.relays:
+            return Message({"reachable": False, "why": "this node does not relay (started with --no-relay)"}, [])
+        return Message({"reachable": await self.relay.connected(peer)}, [])
 
     async def _hello(self, message: Message) -> Message:
         """Who we are, unauthenticated: lets a newcomer tell 'private swarm' or 'wrong key' from other failures."""

@@ -7,6 +7,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 
@@ -52,6 +53,29 @@ def _initial_peers(args: argparse.Namespace, required: bool = True) -> list[str]
     return peers
 
 
+def _announce(args: argparse.Namespace) -> list[str]:
+    """``--announce-maddrs`` and ``--public-ip``: the only addresses to announce (none: what libp2p sees)."""
+    from swarm.addresses import parse_announce, public_ip_maddrs
+
+    maddrs = parse_announce(args.announce_maddrs or [])
+    if args.public_ip:
+        maddrs += public_ip_maddrs(args.public_ip, args.port)
+    return maddrs
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail before starting anything if ``--port`` is taken (the P2P daemon would die with a cryptic message)."""
+    if port == 0:
+        return
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise UsageError(
+                f"cannot listen on {host}:{port} ({e.strerror}): pick another --port, or 0 for any free port"
+            ) from None
+
+
 def cmd_status(args: argparse.Namespace) -> None:
     from swarm.network import load_swarm_key
     from swarm.status import status
@@ -68,11 +92,22 @@ def cmd_dht(args: argparse.Namespace) -> None:
     from swarm.security import Identity
 
     peers = _initial_peers(args, required=False)
+    announce = _announce(args)
+    _check_port(args.host, args.port)
     swarm_key = load_swarm_key(args.swarm_key)
     identity = Identity.load_or_create(args.identity)
-    dht = join_dht(peers, identity, swarm_key, host=args.host, port=args.port)
+    dht = join_dht(
+        peers,
+        identity,
+        swarm_key,
+        host=args.host,
+        port=args.port,
+        announce_maddrs=announce,
+    )
     p2p = RemoteExpertWorker.run_coroutine(dht.replicate_p2p())
-    RemoteExpertWorker.run_coroutine(Doorkeeper(swarm_key).register(p2p))  # answers `hello` for newcomers
+    RemoteExpertWorker.run_coroutine(
+        Doorkeeper(swarm_key, relays=not args.no_relay).register(p2p)
+    )  # answers `hello` for newcomers
     for maddr in dht.get_visible_maddrs():
         print(maddr, flush=True)
     stop = threading.Event()
@@ -95,6 +130,8 @@ def cmd_peer(args: argparse.Namespace) -> None:
     from swarm.spec import load_spec
 
     peers = _initial_peers(args)
+    announce = _announce(args)
+    _check_port(args.host, args.port)
     spec = load_spec(args.model)
     if args.blocks and args.blocks[1] > spec.num_blocks:
         raise UsageError(f"--blocks {args.blocks[0]}:{args.blocks[1]} is outside {spec.name}'s 0:{spec.num_blocks}")
@@ -118,6 +155,8 @@ def cmd_peer(args: argparse.Namespace) -> None:
             dtype=args.dtype,
             host=args.host,
             port=args.port,
+            announce_maddrs=tuple(announce),
+            relay=args.relay,
             identity=args.identity,
             swarm_key=args.swarm_key,
             activation_cache_mb=args.activation_cache_mb,
@@ -140,9 +179,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--port", type=int, default=0, help="TCP port to listen on (0: any free port)")
         p.add_argument("--identity", default=None, help="file with this node's private key (keeps its peer id)")
         p.add_argument("--swarm-key", default=None, help="key file of a private swarm (made by `swarm keygen`)")
+        p.add_argument(
+            "--announce-maddrs",
+            nargs="+",
+            default=None,
+            metavar="MADDR",
+            help="announce only these addresses, e.g. /ip4/203.0.113.5/tcp/31337 behind a port forward",
+        )
+        p.add_argument("--public-ip", default=None, help="shorthand: announce /ip4/PUBLIC_IP/tcp/PORT (needs --port)")
 
     dht = sub.add_parser("dht", help="start a bootstrap DHT node and print its multiaddrs")
     common(dht)
+    dht.add_argument("--no-relay", action="store_true", help="do not relay for peers behind NAT (relays by default)")
     dht.set_defaults(func=cmd_dht)
 
     peer = sub.add_parser("peer", help="serve a span of a model's decoder blocks")
@@ -157,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     peer.add_argument("--replication", type=_positive, default=2, help="target number of servers per block")
     peer.add_argument("--no-rebalance", action="store_true", help="never move to other blocks")
+    peer.add_argument(
+        "--relay",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="serve through a bootstrap node's relay: if others cannot dial this peer (auto), always, or never",
+    )
     peer.add_argument("--balance-interval", type=float, default=5.0, help="seconds between looks at the swarm")
     peer.add_argument(
         "--standby-blocks", type=int, default=None, help="blocks to keep standby state of (default: span length)"

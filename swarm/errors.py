@@ -78,6 +78,7 @@ class ErrorKind:
     UNKNOWN_ADAPTER = "unknown_adapter"
     MISSING_GRADIENTS = "missing_gradients"
     FENCED = "fenced"
+    UNREACHABLE = "unreachable"  # a relay has no connection to the peer a request was for
 
 
 class RequestError(SwarmError, ValueError):

@@ -95,7 +95,11 @@ class LocalSwarm:
     initial_peers: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
-    def _spawn(self, name: str, args: list[str], launcher: list[str] | None = None) -> Process:
+    def _spawn(
+        self, name: str, args: list[str], launcher: list[str] | None = None, prefix: list[str] | None = None
+    ) -> Process:
+        """Start ``swarm ARGS`` (or ``launcher ARGS``), after ``prefix`` if given (``ip netns exec NS``: the process
+        keeps its PID, so it is still killed by PID)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = self.workdir / f"{name}.log"
         env = {
@@ -106,7 +110,7 @@ class LocalSwarm:
         }
         with open(log, "wb") as out:
             popen = subprocess.Popen(
-                [*(launcher or [sys.executable, "-m", "swarm.cli"]), *args],
+                [*(prefix or []), *(launcher or [sys.executable, "-m", "swarm.cli"]), *args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -117,10 +121,17 @@ class LocalSwarm:
         self.processes.append(process)
         return process
 
-    def start_dht(self, extra: list[str] | None = None, timeout: float = 60.0) -> Process:
-        dht = self._spawn("dht", ["dht", "--host", "127.0.0.1", *(extra or [])])
+    def start_dht(
+        self,
+        extra: list[str] | None = None,
+        timeout: float = 60.0,
+        host: str = "127.0.0.1",
+        prefix: list[str] | None = None,
+    ) -> Process:
+        dht = self._spawn("dht", ["dht", "--host", host, *(extra or [])], prefix=prefix)
         dht.wait_for_line("/ip4/", timeout)
-        self.initial_peers = [ln for ln in dht.log.read_text().splitlines() if ln.startswith("/ip4/127.0.0.1")]
+        wanted = "/ip4/" if host == "0.0.0.0" else f"/ip4/{host}/"
+        self.initial_peers = [ln for ln in dht.log.read_text().splitlines() if ln.startswith(wanted)]
         return dht
 
     def start_peer(
@@ -132,11 +143,14 @@ class LocalSwarm:
         wait: bool = True,
         timeout: float = 120.0,
         launcher: list[str] | None = None,
+        host: str = "127.0.0.1",
+        prefix: list[str] | None = None,
     ) -> Process:
         """Start ``swarm peer`` on 127.0.0.1 serving ``blocks`` (START:END, or None: the peer chooses); by default
         wait until it serves.
 
-        ``launcher`` replaces ``python -m swarm.cli`` (a test can start a patched peer this way)."""
+        ``launcher`` replaces ``python -m swarm.cli`` (a test can start a patched peer this way); ``prefix`` runs it
+        elsewhere (``ip netns exec NS``), listening on ``host``."""
         name = name or f"peer{len(self.processes)}"
         args = [
             "peer",
@@ -144,12 +158,12 @@ class LocalSwarm:
             str(model),
             *(["--blocks", blocks] if blocks else []),
             "--host",
-            "127.0.0.1",
+            host,
             "--initial-peers",
             *self.initial_peers,
             *(extra or []),
         ]
-        peer = self._spawn(name, args, launcher)
+        peer = self._spawn(name, args, launcher, prefix)
         if wait:
             peer.wait_for_line("serving blocks", timeout)
         return peer

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from hivemind import DHT
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.errors import SwarmAccessError
@@ -17,6 +17,11 @@ from swarm.transport import Transport
 from swarm.wire import Message
 
 logger = logging.getLogger(__name__)
+
+# Serve through the relays we name, at once: p2pd's autorelay otherwise waits for AutoNAT's verdict and then up
+# to minutes for relay candidates. hivemind passes no such flags, so they ride on its reachability presets.
+RELAYED = "swarm-relayed"
+P2P.FORCE_REACHABILITY_MAPPING[RELAYED] = {"forceReachabilityPrivate": 1, "relayDiscovery": 0}
 
 
 def initial_peers_or_env(initial_peers: list[str] | None) -> list[str]:
@@ -37,13 +42,24 @@ def join_dht(
     client_mode: bool = False,
     host: str = "0.0.0.0",
     port: int = 0,
+    announce_maddrs: list[str] | None = None,
+    relays: list[str] | None = None,
 ) -> DHT:
-    """A DHT node whose records are signed by ``identity`` and, in a private swarm, sealed with the key."""
-    kwargs = {} if client_mode else {"host_maddrs": [f"/ip4/{host}/tcp/{port}"]}
+    """A DHT node whose records are signed by ``identity`` and, in a private swarm, sealed with the key.
+
+    ``announce_maddrs``: the only addresses to announce. ``relays``: this node cannot be dialed; it reserves a slot on
+    these relays and is reached through them (and takes no part in storing DHT records, which needs dialing)."""
+    kwargs: dict = {}
+    if not client_mode:
+        kwargs["host_maddrs"] = [f"/ip4/{host}/tcp/{port}"]
+    if announce_maddrs:
+        kwargs["announce_maddrs"] = announce_maddrs
+    if relays:
+        kwargs.update(use_auto_relay=True, trusted_relays=relays, force_reachability=RELAYED)
     try:
         return DHT(
             initial_peers=initial_peers,
-            client_mode=client_mode,
+            client_mode=client_mode or bool(relays),
             identity_path=str(identity.path),
             record_validators=record_validators(identity, swarm_key),
             start=True,

@@ -32,7 +32,13 @@ class Method:
     FAST_FORWARD = "fast_forward"  # declare an older state current (steps lost, reported)
     COMMITTED = "committed"  # notice to standby holders: a step was applied
     REPLICATE = "replicate"  # hold a copy of blocks' state at a step (durable ack)
+    REACHABLE = "reachable"  # dial the asking peer back at the addresses it names (is it reachable from outside?)
 
+
+# Fields any request may carry: ask the peer that receives it to pass it on to RELAY_TO, a peer behind NAT that
+# keeps a connection to it (and give it RELAY_TIMEOUT seconds).
+RELAY_TO = "relay_to"
+RELAY_TIMEOUT = "relay_timeout"
 
 # Refusals that mean "this peer cannot serve this now", not "the request is wrong": the client goes elsewhere.
 PEER_STATE_ERRORS = frozenset(

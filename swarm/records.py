@@ -12,11 +12,13 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
+from swarm.addresses import is_relayed
 from swarm.security import peer_id_of_owner
 
 logger = logging.getLogger(__name__)
 
 RECORD_TTL = 30.0
+MAX_MADDRS = 16
 
 
 class ServerState(str, Enum):
@@ -37,10 +39,16 @@ class ServerRecord:
     adapters: dict[str, int] = field(default_factory=dict)
     moving_to: range | None = None  # an online peer about to hand these blocks over and serve this span instead
     announced_at: float = 0.0  # DHT time of the announcement: tells a peer that announced again after it was gone
+    maddrs: list[str] = field(default_factory=list)  # where to dial it: direct, or through relays
 
     @property
     def blocks(self) -> range:
         return range(self.start, self.end)
+
+    @property
+    def relayed(self) -> bool:
+        """Reached only through relays (it sits behind NAT)."""
+        return bool(self.maddrs) and all(is_relayed(m) for m in self.maddrs)
 
     def to_value(self) -> dict:
         value = {
@@ -51,6 +59,7 @@ class ServerRecord:
             "throughput": self.throughput,
             "adapters": self.adapters,
             "announced_at": self.announced_at,
+            "maddrs": self.maddrs,
         }
         if self.moving_to is not None:
             value["moving_to"] = [self.moving_to.start, self.moving_to.stop]
@@ -69,11 +78,18 @@ class ServerRecord:
                 adapters={str(k): int(v) for k, v in dict(value.get("adapters", {})).items()},
                 moving_to=range(*(int(x) for x in value["moving_to"])) if value.get("moving_to") else None,
                 announced_at=float(value.get("announced_at", 0.0)),
+                maddrs=_maddrs(value.get("maddrs", [])),
             )
         except (TypeError, KeyError, ValueError, AttributeError):
             logger.debug("ignoring a malformed record from %s", peer_id)
             return None
         return record if 0 <= record.start < record.end else None
+
+
+def _maddrs(value: object) -> list[str]:
+    if not isinstance(value, list) or len(value) > MAX_MADDRS or not all(isinstance(m, str) for m in value):
+        raise TypeError("maddrs must be a short list of strings")
+    return list(value)
 
 
 def block_key(model: str, block: int) -> str:

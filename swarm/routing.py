@@ -97,7 +97,7 @@ class Router:
 
     def refresh(self) -> None:
         servers = read_servers(self.dht, self.model, self.num_blocks)
-        self.transport.revive({r.peer_id: r.announced_at for records in servers.values() for r in records})
+        self.transport.learn(r for records in servers.values() for r in records)
         with self._lock:
             self.servers = servers
 

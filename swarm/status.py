@@ -20,9 +20,9 @@ def _short(peer: PeerID) -> str:
 
 
 def render(model: str, num_blocks: int, view: SwarmView, replication: int) -> str:
-    """A table: one row per block with its servers (state, span, throughput, adapter steps), the replication
-    level, the peers keeping standby copies, how many peers hold each adapter's newest step, and UNCOVERED where
-    no live peer serves it."""
+    """A table: one row per block with its servers (state, relayed or not, span, throughput, adapter steps), the
+    replication level, the peers keeping standby copies, how many peers hold each adapter's newest step, and
+    UNCOVERED where no live peer serves it."""
     rows = [f"model {model}: {num_blocks} blocks, target replication {replication}"]
     rows.append(f"{'block':>5}  {'repl':>4}  servers / standby copies / copies of each adapter's newest step")
     newest = _newest_steps(view)
@@ -39,8 +39,8 @@ def render(model: str, num_blocks: int, view: SwarmView, replication: int) -> st
                     f"{name}@{a.steps[block]}" for name, a in sorted(info.adapters.items()) if block in a.steps
                 )
             servers.append(
-                f"{_short(record.peer_id)} {state} {record.start}:{record.end} {record.throughput:.0f} tok/s"
-                + (f" [{steps}]" if steps else "")
+                f"{_short(record.peer_id)} {state}{' relayed' if record.relayed else ''} {record.start}:{record.end} "
+                f"{record.throughput:.0f} tok/s" + (f" [{steps}]" if steps else "")
             )
         standby = []
         for peer, info in view.alive.items():

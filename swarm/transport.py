@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 from hivemind import DHT
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
@@ -13,8 +13,10 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import as_aiter
 
-from swarm.errors import RemoteError
-from swarm.protocol import STREAMED_REPLIES
+from swarm.addresses import dial, is_relayed, relay_of
+from swarm.errors import ErrorKind, RemoteError
+from swarm.protocol import RELAY_TIMEOUT, RELAY_TO, STREAMED_REPLIES
+from swarm.records import ServerRecord
 from swarm.security import SwarmKey
 from swarm.wire import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -43,13 +45,17 @@ class Transport:
     connections with it within milliseconds, while a frozen one keeps them open; so a peer this transport has
     been connected to and is not any more, or a failed call to a peer that leaves no connection behind, marks the
     peer gone. Calls to a gone peer fail at once (libp2p would spend ~20 s on a dial and a peer-routing search)
-    until the peer announces itself again (``revive``).
+    until the peer announces itself again (``learn``).
+
+    A peer is dialed at the addresses from its own record (``learn``) before the first call, so reaching it never
+    depends on libp2p's peer routing having found it; a peer behind NAT is reached through its relay.
     """
 
     def __init__(self, p2p: P2P, swarm_key: SwarmKey | None = None, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES):
         self.p2p, self.swarm_key, self.max_payload_bytes = p2p, swarm_key, max_payload_bytes
         self.seen: set[PeerID] = set()  # peers this transport has had an answer from
         self.gone: dict[PeerID, float] = {}  # peer -> wall-clock time its connection was found closed
+        self.addresses: dict[PeerID, list[str]] = {}  # peer -> the multiaddrs it announced
 
     @classmethod
     def for_dht(cls, dht: DHT, swarm_key: SwarmKey | None = None) -> Transport:
@@ -60,8 +66,20 @@ class Transport:
         """Send ``message`` and wait for the reply; a refusal becomes a RemoteError."""
         return RemoteExpertWorker.run_coroutine(self.acall(peer, message, timeout))
 
-    async def acall(self, peer: PeerID, message: Message, timeout: float | None = None) -> Message:
-        if peer in self.gone or (peer in self.seen and not await self.connected(peer)):
+    async def acall(
+        self, peer: PeerID, message: Message, timeout: float | None = None, direct: bool = False
+    ) -> Message:
+        """Call ``peer``; a peer behind NAT (announced only through relays) is called through one of its relays,
+        unless ``direct`` (what a relay itself does)."""
+        relays = [] if direct else self._relays(peer)
+        if relays:
+            return await self._call_relayed(peer, relays, message, timeout)
+        if peer in self.gone:
+            raise self._mark_gone(peer)
+        if peer in self.seen:
+            if not await self.connected(peer):
+                raise self._mark_gone(peer)
+        elif peer in self.addresses and not await self._dial(peer):
             raise self._mark_gone(peer)
         try:
             reply = await self._send(peer, message, timeout)
@@ -73,6 +91,27 @@ class Transport:
             raise
         self.seen.add(peer)
         return reply
+
+    async def _call_relayed(
+        self, peer: PeerID, relays: list[PeerID], message: Message, timeout: float | None
+    ) -> Message:
+        """Hand the request to a relay, which passes it on over the connection the peer keeps to it. (libp2p's own
+        relayed connections are reset after 128 KiB, far less than one request of activations.)"""
+        if peer in self.gone:
+            raise self._mark_gone(peer)
+        wrapped = Message({**message.meta, RELAY_TO: peer.to_base58(), RELAY_TIMEOUT: timeout}, message.tensors)
+        for relay in relays:
+            try:
+                reply = await self.acall(relay, wrapped, timeout, direct=True)
+            except RemoteError as e:
+                if e.kind == ErrorKind.UNREACHABLE:
+                    continue  # this relay lost its connection to the peer
+                raise
+            except PeerGoneError:
+                continue
+            self.seen.add(peer)
+            return reply
+        raise self._mark_gone(peer)
 
     async def _send(self, peer: PeerID, message: Message, timeout: float | None) -> Message:
         stub = PeerDoors.get_stub(self.p2p, peer)
@@ -89,6 +128,27 @@ class Transport:
         except Exception:
             return True  # cannot tell: do not declare anyone gone
 
+    async def _dial(self, peer: PeerID) -> bool:
+        try:
+            await dial(self.p2p, peer, self.addresses[peer])
+            return True
+        except Exception as e:
+            logger.debug("could not dial %s at %s: %s", peer, self.addresses[peer], e)
+            return False
+
+    def _relays(self, peer: PeerID) -> list[PeerID]:
+        """The relays a peer announced itself through (none: it is dialed directly); each relay's own address is
+        remembered so that it can be dialed."""
+        maddrs = self.addresses.get(peer, [])
+        if not maddrs or not all(is_relayed(m) for m in maddrs):
+            return []
+        relays = []
+        for maddr in maddrs:
+            relay_maddr, relay = relay_of(maddr)
+            self.addresses.setdefault(relay, [relay_maddr])
+            relays.append(relay)
+        return relays
+
     def _mark_gone(self, peer: PeerID) -> PeerGoneError:
         self.gone.setdefault(peer, time.time())
         return PeerGoneError(f"peer {peer} is gone: its connection closed (process stopped or machine offline)")
@@ -96,11 +156,18 @@ class Transport:
     def is_gone(self, peer: PeerID) -> bool:
         return peer in self.gone
 
-    def revive(self, announced_at: dict[PeerID, float]) -> None:
-        """Peers that announced themselves after they were found gone (restarted, back online) may be called again."""
-        for peer, when in announced_at.items():
+    def learn(self, records: Iterable[ServerRecord]) -> None:
+        """Take each peer's addresses from its newest record; peers that announced themselves after they were found
+        gone (restarted, back online) may be called again."""
+        newest: dict[PeerID, ServerRecord] = {}
+        for record in records:
+            if record.peer_id not in newest or record.announced_at > newest[record.peer_id].announced_at:
+                newest[record.peer_id] = record
+        for peer, record in newest.items():
+            if record.maddrs:
+                self.addresses[peer] = record.maddrs
             gone_at = self.gone.get(peer)
-            if gone_at is not None and when > gone_at:
+            if gone_at is not None and record.announced_at > gone_at:
                 del self.gone[peer]
                 self.seen.discard(peer)
 

@@ -93,6 +93,7 @@ class SwarmView:
 async def observe(dht: DHT, transport: Transport, model: str, num_blocks: int, me: PeerID) -> SwarmView:
     """Read the records, then ping every peer they name (except ``me``) at once."""
     records = await asyncio.to_thread(read_servers, dht, model, num_blocks)
+    transport.learn(r for block_records in records.values() for r in block_records)
     peers = {r.peer_id for block_records in records.values() for r in block_records if r.peer_id != me}
 
     async def ping(peer: PeerID) -> PeerInfo | None:

@@ -51,11 +51,13 @@ def start_replicated_swarm(local: LocalSwarm, model_dir: Path) -> dict[str, Proc
 
 
 def start_client(
-    local: LocalSwarm, model_dir: Path, out: Path, name: str, adapter: str, *extra: str
+    local: LocalSwarm, model_dir: Path, out: Path, name: str, adapter: str, *extra: str, prefix: list[str] = ()
 ) -> subprocess.Popen:
-    """tests/train_client.py as its own process (so it can be SIGKILLed), training ``adapter`` to step 4."""
+    """tests/train_client.py as its own process (so it can be SIGKILLed), training ``adapter`` to step 4; after
+    ``prefix`` if given (``ip netns exec NS``)."""
     log = open(out / f"{name}.log", "wb")
     args = [
+        *prefix,
         sys.executable,
         str(Path(__file__).with_name("train_client.py")),
         "--model",
@@ -175,10 +177,10 @@ def moved_to(*peers: Process, span: str, timeout: float = 30) -> list[Process]:
     return []
 
 
-def swarm_status(local: LocalSwarm) -> str:
-    """What `swarm status` prints for this swarm, run as a user runs it."""
+def swarm_status(local: LocalSwarm, prefix: list[str] = ()) -> str:
+    """What `swarm status` prints for this swarm, run as a user runs it (after ``prefix``: elsewhere)."""
     status = subprocess.run(
-        [sys.executable, "-m", "swarm.cli", "status", "--initial-peers", *local.initial_peers],
+        [*prefix, sys.executable, "-m", "swarm.cli", "status", "--initial-peers", *local.initial_peers],
         capture_output=True,
         text=True,
         timeout=120,

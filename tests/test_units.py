@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import peft
 import pytest
@@ -104,9 +105,9 @@ def test_gone_peers_are_skipped_at_once_and_unreachable_ones_waited_for_a_bound(
     assert list(router.live_servers(eligible_only=False)) == [fine.peer_id]
     router.health[frozen.peer_id].failing_since -= 6.0  # silent for longer than unreachable_wait
     assert router.announced()[0] == [fine.peer_id]
-    transport.revive({dead.peer_id: 99.0})  # an old announcement does not bring it back
+    transport.learn([replace(dead, announced_at=99.0)])  # an old announcement does not bring it back
     assert transport.is_gone(dead.peer_id)
-    transport.revive({dead.peer_id: 101.0})  # announced again after it was gone (restarted)
+    transport.learn([replace(dead, announced_at=101.0)])  # announced again after it was gone (restarted)
     assert not transport.is_gone(dead.peer_id) and dead.peer_id in router.live_servers(eligible_only=False)
     router.succeeded(frozen.peer_id, "open", 1.0, 0.01)
     assert frozen.peer_id in router.announced()[0]
