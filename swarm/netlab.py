@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -54,6 +55,15 @@ def unavailable() -> str | None:
     return None
 
 
+def _remove_stale() -> None:
+    """Namespaces left by a lab whose process was killed before it could close (named swlPID-...)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    for name in listed:
+        match = re.fullmatch(r"swl(\d+)-.+", name)
+        if match and not os.path.exists(f"/proc/{match.group(1)}"):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
 @dataclass
 class Host:
     """A machine of the lab: its namespace and the address others see it at (for a home host: its LAN address,
@@ -73,13 +83,14 @@ class Host:
 class NetLab:
     """Owns namespaces and links; use as a context manager so they go away also on failure."""
 
-    prefix: str = field(default_factory=lambda: f"swl{os.getpid() % 100000}")
+    prefix: str = field(default_factory=lambda: f"swl{os.getpid()}")
     hosts: dict[str, Host] = field(default_factory=dict)
     namespaces: list[str] = field(default_factory=list)
     _next_ip: int = 2
     _links: int = 0
 
     def __post_init__(self) -> None:
+        _remove_stale()
         try:
             self.switch = self._namespace("net")
             self._run(["ip", "-n", self.switch, "link", "add", "br0", "type", "bridge"])

@@ -7,6 +7,7 @@ The method table (who calls what) is in docs/ARCHITECTURE.md.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from hivemind.p2p import PeerID
@@ -51,6 +52,16 @@ SYNC_TIMEOUT = 60.0  # how long a state transfer between peers may take
 
 
 # --- reading fields ---------------------------------------------------------------------------------------------
+
+
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def check_adapter_name(name: object) -> str:
+    """Adapter names become peft module keys and checkpoint folder names: letters, digits, '-' and '_' only."""
+    if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
+        raise RequestError(f"adapter name {name!r}: use 1 to 64 letters, digits, '-' or '_'")
+    return name
 
 
 def read_str(meta: dict, key: str) -> str:
@@ -164,7 +175,7 @@ class OpenRequest:
         session = meta.get("session")
         if session is not None and not isinstance(session, str):
             raise RequestError("'session' must be a string")
-        return cls(read_str(meta, "adapter"), read_dict(meta, "lora"), read_int(meta, "seed"), session)
+        return cls(check_adapter_name(meta.get("adapter")), read_dict(meta, "lora"), read_int(meta, "seed"), session)
 
 
 @dataclass(frozen=True)

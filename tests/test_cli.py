@@ -3,6 +3,7 @@ before anything slow starts."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -64,3 +65,19 @@ def test_a_bad_swarm_key_file(nobody, tiny_models, tmp_path):
 def test_unreachable_initial_peers(nobody, tiny_models):
     result = swarm_cli("peer", "--model", str(tiny_models["llama"]), "--initial-peers", nobody, "--blocks", "0:2")
     assert_clear_error(result, "none of the initial peers answered", nobody, "swarm dht")
+
+
+def test_bad_announce_addresses_and_a_port_in_use(nobody, tiny_models):
+    model = str(tiny_models["llama"])
+    result = swarm_cli("peer", "--model", model, "--initial-peers", nobody, "--announce-maddrs", "not-a-maddr")
+    assert_clear_error(result, "--announce-maddrs 'not-a-maddr' is not a TCP multiaddr")
+    result = swarm_cli("dht", "--announce-maddrs", "/ip4/203.0.113.5/tcp/0")
+    assert_clear_error(result, "needs an explicit TCP port")
+    assert_clear_error(swarm_cli("dht", "--public-ip", "203.0.113.5"), "--public-ip needs a fixed --port")
+    assert_clear_error(swarm_cli("dht", "--public-ip", "home", "--port", "31337"), "'home' is not an IPv4 or IPv6")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        result = swarm_cli("peer", "--model", model, "--initial-peers", nobody, "--host", "127.0.0.1", "--port", port)
+        assert_clear_error(result, f"cannot listen on 127.0.0.1:{port}", "pick another --port")

@@ -3,7 +3,7 @@ relay, the client reaches it without any setting, a SIGKILL elsewhere is routed 
 
 The lab (swarm/netlab.py) is made of network namespaces this test creates and removes: a public switch with the
 bootstrap and two public peers, a home peer behind a NAT router that drops every inbound connection, and the client
-on a host of its own. No traffic leaves those namespaces.
+behind a NAT router of its own. No traffic leaves those namespaces.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def lab() -> Iterator[NetLab]:
 
 def test_peer_behind_nat_trains_through_the_relay_and_a_kill_is_routed_around(lab, tiny_models, tmp_path: Path):
     model = tiny_models["llama"]
-    public, public2, home, outside = lab.public("public"), lab.public("public2"), lab.home("home"), lab.public("client")
+    public, public2, home = lab.public("public"), lab.public("public2"), lab.home("home")
+    outside = lab.home("client")  # a client behind NAT too: it only dials out
     with LocalSwarm(tmp_path / "logs") as local:
         local.start_dht(host=public.ip, prefix=public.command())
         spans = {"pub-a": (public, "0:2"), "pub-b": (public2, "0:2"), "home": (home, "2:4")}

@@ -12,10 +12,12 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
+import swarm
 from swarm.blocks import add_lora, load_block, lora_config_from_wire, lora_config_to_wire
 from swarm.client.copies import CopyKeeper
 from swarm.client.ledger import Segment, StepLedger
-from swarm.errors import AdapterConfigError, ModelFolderError
+from swarm.errors import AdapterConfigError, ModelFolderError, RequestError
+from swarm.protocol import OpenRequest
 from swarm.records import CommittedRecord, ServerRecord, ServerState
 from swarm.routing import NoRouteError, Router
 from swarm.security import _valid_value
@@ -156,6 +158,18 @@ def test_lora_configs_that_cannot_replay_are_refused():
         lora_config_from_wire(lora_config_to_wire(peft.LoraConfig(r=4, lora_dropout=0.1, target_modules=["q_proj"])))
     with pytest.raises(AdapterConfigError, match="unknown"):
         lora_config_from_wire({"r": 4, "evil": 1})
+
+
+def test_adapter_names_that_cannot_name_modules_or_folders_are_refused(tiny_models):
+    """A name with a dot once reached peft on the peers (internal error) and the client waited out its patience."""
+    assert OpenRequest.from_meta({"adapter": "my-run_2", "lora": {}, "seed": 0}).adapter == "my-run_2"
+    for name in ("run.1", "", "a/b", "x" * 65, 7):
+        with pytest.raises(RequestError, match="adapter name"):
+            OpenRequest.from_meta({"adapter": name, "lora": {}, "seed": 0})
+    with pytest.raises(AdapterConfigError, match="letters, digits"):
+        swarm.SwarmModelForCausalLM.from_pretrained(
+            tiny_models["llama"], adapter="run.1", lora_config=peft.LoraConfig(r=4), initial_peers=["/ip4/1.2.3.4"]
+        )
 
 
 def test_a_block_loads_from_its_own_tensors_only(tiny_models, tmp_path):

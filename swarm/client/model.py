@@ -26,9 +26,9 @@ from swarm.client.copies import CopyKeeper
 from swarm.client.lease import AdapterLease
 from swarm.client.ledger import StepLedger
 from swarm.client.remote import PeerFailure, RemoteStack, RemoteStackFunction
-from swarm.errors import AdapterStateLostError, SwarmUnavailableError
+from swarm.errors import AdapterConfigError, AdapterStateLostError, RequestError, SwarmUnavailableError
 from swarm.network import check_access, initial_peers_or_env, join_dht, load_swarm_key
-from swarm.protocol import Method, OpenReply, OpenRequest, OptimizerHParams
+from swarm.protocol import Method, OpenReply, OpenRequest, OptimizerHParams, check_adapter_name
 from swarm.records import CommittedRecord, announce_committed, read_committed
 from swarm.routing import Router
 from swarm.security import Identity, SwarmKey
@@ -164,6 +164,10 @@ class SwarmModelForCausalLM(nn.Module):
         """
         if lora_config is None:
             raise ValueError("pass lora_config=peft.LoraConfig(r=..., lora_alpha=..., target_modules=[...])")
+        try:
+            check_adapter_name(adapter)
+        except RequestError as e:
+            raise AdapterConfigError(str(e)) from None
         if resume not in RESUME_MODES:
             raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
         if min_copies < 1:
