@@ -38,6 +38,7 @@ def _bench_step():
     """scripts/bench_step.py, for its LoRA config, batches and training loop (one recipe for every step bench)."""
     spec = importlib.util.spec_from_file_location("bench_step", ROOT / "scripts" / "bench_step.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_step"] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
