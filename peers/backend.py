@@ -13,7 +13,14 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from peers.state import ActivationCache, Adapter, BlockAdapter, BlockState, BlockUpdate, GradsByBlock, session_of
 from swarm.blocks import add_lora, load_block, lora_config_from_wire
-from swarm.errors import FencedError, MissingGradientsError, RequestError, StaleStepError, UnknownAdapterError
+from swarm.errors import (
+    FencedError,
+    MissingForwardError,
+    MissingGradientsError,
+    RequestError,
+    StaleStepError,
+    UnknownAdapterError,
+)
 from swarm.protocol import OptimizerHParams
 from swarm.spec import ModelSpec
 
@@ -218,14 +225,16 @@ class SpanBackend:
         blocks: range,
         step: int,
         micro_batch: str,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | None,
         attention_mask: torch.Tensor | None,
         grad_outputs: torch.Tensor,
-    ) -> torch.Tensor:
-        """Gradient w.r.t. the span input; LoRA gradients are kept per (micro-batch, block), counted once."""
+        input_grad: bool = True,
+    ) -> torch.Tensor | None:
+        """Gradient w.r.t. the span input (None unless ``input_grad``); LoRA gradients are kept per (micro-batch,
+        block), counted once. Without ``hidden`` the forward this peer cached for the micro-batch is used."""
         blocks = self._check_range(blocks.start, blocks.stop)
-        self._check_hidden(hidden, attention_mask)
-        if grad_outputs.shape != hidden.shape:
+        self._check_hidden(grad_outputs if hidden is None else hidden, attention_mask)
+        if hidden is not None and grad_outputs.shape != hidden.shape:
             raise RequestError(f"output gradients must be {list(hidden.shape)}, got {list(grad_outputs.shape)}")
         if not torch.isfinite(grad_outputs).all():
             raise RequestError("output gradients contain NaN or Inf")
@@ -233,20 +242,25 @@ class SpanBackend:
         self._activate(name)
         cached = self.cache.pop((name, micro_batch, blocks.start, blocks.stop))
         if cached is None:
+            if hidden is None:
+                raise MissingForwardError(f"no forward of micro-batch {micro_batch} kept here; send its input")
             inputs = hidden.to(self.device, self.dtype).requires_grad_(True)
             mask = None if attention_mask is None else attention_mask.to(self.device)
             with torch.enable_grad():
                 outputs = self.run(inputs, mask, blocks)
         else:
             inputs, outputs = cached
+        if grad_outputs.shape != outputs.shape:
+            raise RequestError(f"output gradients must be {list(outputs.shape)}, got {list(grad_outputs.shape)}")
         params = [lp.param for state in states.values() for lp in state.params]
-        grads = torch.autograd.grad(outputs, [inputs, *params], grad_outputs.to(outputs.device, outputs.dtype))
-        grad_inputs, param_grads = grads[0], list(grads[1:])
+        wanted = [inputs, *params] if input_grad else params
+        grads = list(torch.autograd.grad(outputs, wanted, grad_outputs.to(outputs.device, outputs.dtype)))
+        grad_inputs = grads.pop(0) if input_grad else None
         for state in states.values():
             count = len(state.params)
-            block_grads, param_grads = param_grads[:count], param_grads[count:]
+            block_grads, grads = grads[:count], grads[count:]
             state.grads.setdefault(micro_batch, [g.detach() for g in block_grads])
-        return grad_inputs.to(hidden.dtype).cpu()
+        return None if grad_inputs is None else grad_inputs.to(grad_outputs.dtype).cpu()
 
     # --- commit ---------------------------------------------------------------------------------------------
 

@@ -102,7 +102,11 @@ class PeerService(Doorkeeper):
 
     async def _backward(self, message: Message) -> Message:
         request = SpanRequest.from_meta(message.meta)
-        hidden, mask = _hidden_and_mask(message, extra=1)
+        if request.has_hidden:
+            hidden, mask = _hidden_and_mask(message, extra=1)
+            grad = message.tensors[1]
+        else:
+            (grad, mask), hidden = _hidden_and_mask(message, extra=0), None
         grad_inputs = await self.compute(
             self.backend.backward,
             request.adapter,
@@ -111,9 +115,10 @@ class PeerService(Doorkeeper):
             request.micro_batch,
             hidden,
             mask,
-            message.tensors[1],
+            grad,
+            request.input_grad,
         )
-        return Message(meta={}, tensors=[grad_inputs])
+        return Message(meta={}, tensors=[] if grad_inputs is None else [grad_inputs])
 
     async def _gather(self, message: Message) -> Message:
         """Commit phase 1: fetch the micro-batch gradients this peer lacks from replicas; report any still missing."""
@@ -285,7 +290,7 @@ def _blocks(meta: dict) -> range:
 
 
 def _hidden_and_mask(message: Message, extra: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Tensors are [hidden, *extra, mask?]; the mask is present when meta says so."""
+    """Tensors are [hidden (or the output gradient), *extra, mask?]; the mask is present when meta says so."""
     has_mask = bool(message.meta.get("has_mask"))
     expected = 1 + extra + int(has_mask)
     if len(message.tensors) != expected:

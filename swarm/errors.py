@@ -79,6 +79,7 @@ class ErrorKind:
     MISSING_GRADIENTS = "missing_gradients"
     FENCED = "fenced"
     UNREACHABLE = "unreachable"  # a relay has no connection to the peer a request was for
+    MISSING_FORWARD = "missing_forward"  # a backward without its input, and this peer no longer holds the forward
 
 
 class RequestError(SwarmError, ValueError):
@@ -98,6 +99,12 @@ class UnknownAdapterError(RequestError):
     """The peer does not hold this adapter (it must be opened first)."""
 
     kind = ErrorKind.UNKNOWN_ADAPTER
+
+
+class MissingForwardError(RequestError):
+    """A backward sent without its input (the peer was to use its cached forward), which it no longer holds."""
+
+    kind = ErrorKind.MISSING_FORWARD
 
 
 class MissingGradientsError(RequestError):

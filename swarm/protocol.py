@@ -110,7 +110,10 @@ def by_block(values: dict[int, object]) -> dict[str, object]:
 @dataclass(frozen=True)
 class SpanRequest:
     """Forward or backward through blocks [start, end) of an adapter at a step. Tensors: [hidden, (grad), mask?].
-    A forward with a micro-batch id keeps its graph for the backward; one without is an evaluation."""
+    A forward with a micro-batch id keeps its graph for the backward; one without is an evaluation.
+
+    A backward to the peer that ran the forward leaves the hidden states out (``has_hidden`` false: it has them);
+    one whose input gradient nobody needs (the first span: embeddings are frozen) asks for none (``input_grad``)."""
 
     method: str
     adapter: str
@@ -119,6 +122,8 @@ class SpanRequest:
     step: int
     has_mask: bool
     micro_batch: str | None = None
+    has_hidden: bool = True
+    input_grad: bool = True
 
     @property
     def blocks(self) -> range:
@@ -133,6 +138,8 @@ class SpanRequest:
             "step": self.step,
             "has_mask": self.has_mask,
             "micro_batch": self.micro_batch,
+            "has_hidden": self.has_hidden,
+            "input_grad": self.input_grad,
         }
 
     @classmethod
@@ -149,6 +156,8 @@ class SpanRequest:
             step=read_int(meta, "step"),
             has_mask=bool(meta.get("has_mask")),
             micro_batch=micro_batch,
+            has_hidden=method != Method.BACKWARD or bool(meta.get("has_hidden", True)),
+            input_grad=bool(meta.get("input_grad", True)),
         )
 
 

@@ -62,6 +62,7 @@ def parity_run(llama_swarm, tiny_models, tmp_path_factory):
         dtype=torch.float32,
         seed=7,
     )
+    backwards = record_backwards(model)
     try:
         model.save_adapter(out / "initial")
         batches = make_batches(model.spec.config.vocab_size)
@@ -84,7 +85,33 @@ def parity_run(llama_swarm, tiny_models, tmp_path_factory):
         local_losses=local_losses,
         swarm_logits=swarm_logits,
         probe=probe,
+        backwards=backwards,
     )
+
+
+def record_backwards(model: swarm.SwarmModelForCausalLM) -> list[dict]:
+    """What each backward request carried and got back."""
+    calls, original = [], model.stack.call
+
+    def call(peer, meta, tensors, *args, **kwargs):
+        reply = original(peer, meta, tensors, *args, **kwargs)
+        if meta["method"] == "backward":
+            calls.append(dict(meta=meta, sent=len(tensors), returned=len(reply.tensors)))
+        return reply
+
+    model.stack.call = call
+    return calls
+
+
+def test_backwards_carry_no_bytes_that_nobody_needs(parity_run):
+    """The peer that ran a forward keeps it: its backward carries only the output gradient and the mask, not the
+    hidden states again; the first span returns no input gradient (the embeddings are frozen)."""
+    backwards = parity_run["backwards"]
+    assert len(backwards) == STEPS * MICRO_BATCHES * 2, backwards  # two spans per micro-batch
+    for call in backwards:
+        assert call["meta"]["has_hidden"] is False and call["sent"] == 2, call  # output gradient + mask
+        first_span = call["meta"]["start"] == 0
+        assert call["meta"]["input_grad"] is not first_span and call["returned"] == int(not first_span), call
 
 
 def test_losses_match_local_peft(parity_run):
@@ -113,3 +140,33 @@ def test_exported_adapter_reproduces_swarm_logits(parity_run):
     with torch.no_grad():
         logits = reference(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
     torch.testing.assert_close(logits, parity_run["swarm_logits"], rtol=1e-4, atol=1e-4)
+
+
+def test_parity_holds_when_peers_keep_no_forwards(tiny_models, tmp_path):
+    """A peer without room for forward graphs (--activation-cache-mb 0) answers every backward sent without its
+    input with missing_forward; the client sends the input after all, and training still equals local peft."""
+    from swarm.localswarm import LocalSwarm
+
+    model_dir = tiny_models["llama"]
+    with LocalSwarm(tmp_path / "logs") as local:
+        local.start_dht()
+        local.start_peer(model_dir, "0:4", name="forgetful", extra=["--activation-cache-mb", "0"])
+        model = swarm.SwarmModelForCausalLM.from_pretrained(
+            model_dir,
+            initial_peers=local.initial_peers,
+            adapter="forgetful",
+            lora_config=peft.LoraConfig(**LORA),
+            seed=7,
+        )
+        backwards = record_backwards(model)
+        try:
+            model.save_adapter(tmp_path / "initial")
+            batches = make_batches(model.spec.config.vocab_size)[:2]
+            swarm_losses = train(model, swarm.RemoteOptimizer(model, **HPARAMS), batches)
+        finally:
+            model.shutdown()
+    assert [call["meta"]["has_hidden"] for call in backwards] == [True] * len(batches) * MICRO_BATCHES  # resent
+    reference = local_peft(model_dir, tmp_path / "initial")
+    trainable = [p for p in reference.parameters() if p.requires_grad]
+    local_losses = train(reference, torch.optim.AdamW(trainable, **HPARAMS), batches)
+    torch.testing.assert_close(torch.tensor(swarm_losses), torch.tensor(local_losses), rtol=1e-4, atol=1e-5)

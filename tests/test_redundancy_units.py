@@ -11,6 +11,7 @@ from peers.backend import SpanBackend
 from peers.daemon import PeerConfig, blocks_that_fit
 from peers.state import BlockState, BlockUpdate, pack_states, unpack_states
 from swarm.blocks import lora_config_to_wire
+from swarm.errors import MissingForwardError
 from swarm.protocol import AdapterInfo, OptimizerHParams, PeerInfo
 from swarm.records import ServerRecord, ServerState
 from swarm.spec import load_spec
@@ -136,3 +137,27 @@ def test_records_carry_a_move_and_span_sizing_fits_the_model(tiny_models):
     assert back == record
     config = PeerConfig(model=str(tiny_models["llama"]), initial_peers=[])
     assert blocks_that_fit(load_spec(tiny_models["llama"]), config) == 4  # a tiny model fits whole
+
+
+def test_a_backward_without_its_input_uses_the_cached_forward_and_equals_one_with_it(tiny_models):
+    """Leaving the hidden states out of a backward (the peer kept the forward) changes no bit of the gradients;
+    without a cached forward it is refused with missing_forward, and the client sends the input after all."""
+    import peft
+
+    wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    hidden = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(0))
+    grad = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(1))
+    results = []
+    for send_hidden in (True, False):
+        backend = _backend(tiny_models["llama"], range(0, 2))
+        backend.open_adapter("a", wire, seed=3, session="s")
+        backend.forward("a", range(0, 2), 0, hidden, None, "s:0:0")
+        grad_in = backend.backward("a", range(0, 2), 0, "s:0:0", hidden if send_hidden else None, None, grad)
+        lora = [g for b in (0, 1) for g in backend.adapters["a"].blocks[b].grads["s:0:0"]]
+        results.append((grad_in, lora))
+        none = backend.backward("a", range(0, 2), 0, "s:0:1", hidden, None, grad, input_grad=False)
+        assert none is None and "s:0:1" in backend.adapters["a"].blocks[0].grads
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
+    with pytest.raises(MissingForwardError, match="send its input"):
+        backend.backward("a", range(0, 2), 0, "s:0:2", None, None, grad)

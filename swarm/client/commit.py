@@ -264,7 +264,7 @@ def _replay(stack: RemoteStack, ledger: StepLedger, missing: dict[int, list[str]
     plan = ledger.replay_plan(missing)
     logger.warning("replaying %d segment(s) whose gradients died with a peer (step %d)", len(plan), ledger.step)
     for micro_batch, segment in plan:
-        stack.backward_segment(segment, ledger.masks.get(micro_batch), ledger, micro_batch)
+        stack.backward_segment(segment, ledger.masks.get(micro_batch), ledger, micro_batch, input_grad=False)
 
 
 def _apply(

@@ -300,7 +300,16 @@ class SwarmModelForCausalLM(nn.Module):
         mask = None if attention_mask is None else attention_mask.to(torch.int64).cpu()
         if torch.is_grad_enabled():
             micro_batch = self.ledger.new_micro_batch()
-            hidden = RemoteStackFunction.apply(hidden.requires_grad_(True), mask, self.stack, self.ledger, micro_batch)
+            # The embeddings are frozen: the stack's input gradient would be thrown away, so it is not asked for.
+            # (The input is marked as needing one only so that autograd runs the stack's backward at all.)
+            hidden = RemoteStackFunction.apply(
+                hidden.requires_grad_(True),
+                mask,
+                self.stack,
+                self.ledger,
+                micro_batch,
+                self.embed_tokens.weight.requires_grad,
+            )
         else:
             hidden, _ = self.stack.forward(hidden, mask, self.ledger.step, None)
         logits = self.lm_head(self.norm(hidden.to(self.device)))

@@ -132,15 +132,32 @@ class RemoteStack:
         mask: torch.Tensor | None,
         ledger: StepLedger,
         micro_batch: str,
-    ) -> torch.Tensor:
+        cached: bool = False,
+        input_grad: bool = True,
+    ) -> torch.Tensor | None:
+        """Backward through one hop. ``cached``: this peer ran the micro-batch's forward, so the hidden states are
+        left out (sent after all if it no longer holds them). ``input_grad``: whether the input gradient is needed."""
         request = SpanRequest(
-            Method.BACKWARD, self.adapter, hop.start, hop.end, ledger.step, mask is not None, micro_batch
+            Method.BACKWARD,
+            self.adapter,
+            hop.start,
+            hop.end,
+            ledger.step,
+            mask is not None,
+            micro_batch,
+            has_hidden=not cached,
+            input_grad=input_grad,
         )
-        meta = request.to_meta()
         units = hidden.shape[0] * hidden.shape[1] * (hop.end - hop.start)
-        reply = self.call(hop.peer_id, meta, self._tensors(hidden, mask, grad), units)
+        tensors = self._tensors(grad, mask) if cached else self._tensors(hidden, mask, grad)
+        try:
+            reply = self.call(hop.peer_id, request.to_meta(), tensors, units)
+        except RemoteError as e:
+            if not cached or e.kind != ErrorKind.MISSING_FORWARD:
+                raise
+            return self._backward_hop(hop, hidden, grad, mask, ledger, micro_batch, False, input_grad)
         ledger.acknowledge(micro_batch, hop.blocks, hop.peer_id)
-        return reply.tensors[0]
+        return reply.tensors[0] if input_grad else None
 
     def recovered(self, failed: PeerID | None, during: str, step: int, since: float | None) -> None:
         if failed is None or since is None:
@@ -241,10 +258,16 @@ class RemoteStack:
         mask: torch.Tensor | None,
         ledger: StepLedger,
         micro_batch: str,
-    ) -> torch.Tensor:
-        for item in reversed(inputs):
+        input_grad: bool = True,
+    ) -> torch.Tensor | None:
+        """Backward through every hop of a forward, last first; the gradient of the stack's input only if
+        ``input_grad``."""
+        for index in reversed(range(len(inputs))):
+            item = inputs[index]
             segment = Segment(item.hop.start, item.hop.end, item.hidden, grad)
-            grad = self.backward_segment(segment, mask, ledger, micro_batch, prefer=item.hop.peer_id)
+            grad = self.backward_segment(
+                segment, mask, ledger, micro_batch, cached_on=item.hop, input_grad=input_grad or index > 0
+            )
             ledger.keep(micro_batch, segment, mask)
         return grad
 
@@ -254,13 +277,16 @@ class RemoteStack:
         mask: torch.Tensor | None,
         ledger: StepLedger,
         micro_batch: str,
-        prefer: PeerID | None = None,
-    ) -> torch.Tensor:
+        cached_on: Hop | None = None,
+        input_grad: bool = True,
+    ) -> torch.Tensor | None:
         """Backward through blocks [start, end) from their input and output gradient, on whichever peers are live.
+        ``cached_on``: the hop that ran this segment's forward (it is tried first, without resending the input).
 
         Backwards are idempotent per (micro-batch, block) on the peers, so redoing part of a segment is safe.
         """
         failed, since = None, None
+        prefer = None if cached_on is None else cached_on.peer_id
         while True:
             hops = self.router.wait_route(segment.start, segment.end, prefer=prefer, patience=self.patience)
             try:
@@ -268,9 +294,12 @@ class RemoteStack:
                 for hop in hops[:-1]:
                     hiddens.append(self._forward_hop(hop, hiddens[-1], mask, ledger.step, None))
                 grad = segment.grad_outputs
-                for hop, hidden in zip(reversed(hops), reversed(hiddens), strict=True):
-                    grad_out = grad
-                    grad = self._backward_hop(hop, hidden, grad_out, mask, ledger, micro_batch)
+                for index in reversed(range(len(hops))):
+                    hop, hidden, grad_out = hops[index], hiddens[index], grad
+                    wanted = input_grad or index > 0 or self.spot_check > 0  # spot checks compare input gradients
+                    grad = self._backward_hop(
+                        hop, hidden, grad_out, mask, ledger, micro_batch, hop == cached_on, wanted
+                    )
                     grad, chosen = self._spot_check(
                         hop,
                         grad,
@@ -291,12 +320,15 @@ class RemoteStackFunction(torch.autograd.Function):
     """Autograd glue: the peers compute, this op only moves hidden states and their gradients."""
 
     @staticmethod
-    def forward(ctx, hidden, mask, stack: RemoteStack, ledger: StepLedger, micro_batch: str):
+    def forward(ctx, hidden, mask, stack: RemoteStack, ledger: StepLedger, micro_batch: str, input_grad: bool):
         outputs, inputs = stack.forward(hidden.detach(), mask, ledger.step, micro_batch)
         ctx.stack, ctx.ledger, ctx.micro_batch, ctx.mask, ctx.inputs = stack, ledger, micro_batch, mask, inputs
+        ctx.input_grad = input_grad
         return outputs
 
     @staticmethod
     def backward(ctx, grad_outputs):
-        grad_inputs = ctx.stack.backward(ctx.inputs, grad_outputs.contiguous(), ctx.mask, ctx.ledger, ctx.micro_batch)
-        return grad_inputs, None, None, None, None
+        grad_inputs = ctx.stack.backward(
+            ctx.inputs, grad_outputs.contiguous(), ctx.mask, ctx.ledger, ctx.micro_batch, ctx.input_grad
+        )
+        return grad_inputs, None, None, None, None, None
