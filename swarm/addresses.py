@@ -49,14 +49,24 @@ def relayed_maddr(relay: str, peer: PeerID) -> str:
     return f"{relay}/{CIRCUIT}/p2p/{peer.to_base58()}"
 
 
+def peer_of(maddr: str) -> PeerID:
+    """The peer id a multiaddr ends with (its last /p2p/ part)."""
+    return PeerID.from_base58(Multiaddr(maddr).value_for_protocol("p2p"))
+
+
 def relay_of(maddr: str) -> tuple[str, PeerID]:
     """The relay's own multiaddr and peer id in a relayed address RELAY/p2p-circuit/p2p/PEER."""
     relay = maddr.split(f"/{CIRCUIT}", 1)[0]
-    return relay, PeerID.from_base58(Multiaddr(relay).value_for_protocol("p2p"))
+    return relay, peer_of(relay)
 
 
 def is_relayed(maddr: str) -> bool:
     return f"/{CIRCUIT}" in maddr
+
+
+def only_relayed(maddrs: list[str]) -> bool:
+    """A peer announcing only relayed addresses sits behind NAT: it is reached through its relays."""
+    return bool(maddrs) and all(is_relayed(m) for m in maddrs)
 
 
 def is_loopback(maddr: str) -> bool:

@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 
 from hivemind import DHT
-from hivemind.p2p import P2P, PeerID
-from hivemind.utils.multiaddr import Multiaddr
+from hivemind.p2p import P2P
 
+from swarm.addresses import peer_of
 from swarm.errors import SwarmAccessError
 from swarm.protocol import Method
 from swarm.security import Identity, SwarmKey, record_validators
@@ -79,7 +79,7 @@ async def check_access(transport: Transport, initial_peers: list[str], timeout: 
     mine = None if transport.swarm_key is None else transport.swarm_key.key_id
     for maddr in initial_peers:
         try:
-            peer = PeerID.from_base58(Multiaddr(maddr).value_for_protocol("p2p"))
+            peer = peer_of(maddr)
             reply = await transport.acall(peer, Message({"method": Method.HELLO}, []), timeout)
         except Exception as e:
             logger.debug("no hello from %s: %s", maddr, e)

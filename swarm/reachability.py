@@ -15,9 +15,8 @@ import logging
 import time
 
 from hivemind.p2p import P2P, PeerID
-from hivemind.utils.multiaddr import Multiaddr
 
-from swarm.addresses import dial, hang_up, is_loopback, relayed_maddr
+from swarm.addresses import dial, hang_up, is_loopback, peer_of, relayed_maddr
 from swarm.errors import RequestError
 from swarm.protocol import Method, read_peer
 from swarm.security import SwarmKey
@@ -69,17 +68,17 @@ class ReachabilityProbe:
             await self._p2p.shutdown()
 
 
-async def _ask(transport: Transport, checker: str, peer: PeerID, maddrs: list[str]) -> bool | None:
-    """Whether ``checker`` could dial ``peer`` at ``maddrs``; None if it did not answer."""
+async def _ask(transport: Transport, checker: str, peer: PeerID, **question) -> bool | None:
+    """Ask ``checker`` (``reachable``) about ``peer``: whether it can dial it at ``maddrs``, or will pass requests
+    on to it (``relayed``); None if it did not answer."""
     try:
-        checker_id = PeerID.from_base58(Multiaddr(checker).value_for_protocol("p2p"))
-        message = Message({"method": Method.REACHABLE, "peer": peer.to_base58(), "maddrs": maddrs}, [])
-        reply = await transport.acall(checker_id, message, ASK_TIMEOUT)
+        message = Message({"method": Method.REACHABLE, "peer": peer.to_base58(), **question}, [])
+        reply = await transport.acall(peer_of(checker), message, ASK_TIMEOUT, direct=True)
     except Exception as e:
-        logger.debug("%s did not check reachability: %s", checker, e)
+        logger.debug("%s did not answer a reachability check: %s", checker, e)
         return None
     if not reply.meta.get("reachable"):
-        logger.debug("%s could not dial %s: %s", checker, maddrs, reply.meta.get("why"))
+        logger.debug("%s says %s is not reachable %s: %s", checker, peer, question, reply.meta.get("why"))
     return bool(reply.meta.get("reachable"))
 
 
@@ -99,7 +98,7 @@ async def check_direct(
         mine = [str(m) for m in await temp.get_visible_maddrs(latest=True)]
         mine = [m for m in mine if not is_loopback(m)] or mine
         transport = Transport(temp, swarm_key)
-        answers = [await _ask(transport, checker, temp.peer_id, mine) for checker in initial_peers]
+        answers = [await _ask(transport, checker, temp.peer_id, maddrs=mine) for checker in initial_peers]
     finally:
         await temp.shutdown()
     if any(answers):
@@ -115,23 +114,10 @@ async def verify_relayed(
     may still be coming up, or the relay may refuse (``swarm dht --no-relay``)."""
     deadline = time.monotonic() + timeout
     while True:
-        working = [relayed_maddr(relay, me) for relay in relays if await _passes_on(transport, relay, me)]
+        working = [relayed_maddr(relay, me) for relay in relays if await _ask(transport, relay, me, relayed=True)]
         if working or time.monotonic() > deadline:
             return working
         await asyncio.sleep(1.0)
-
-
-async def _passes_on(transport: Transport, relay: str, me: PeerID) -> bool:
-    try:
-        relay_id = PeerID.from_base58(Multiaddr(relay).value_for_protocol("p2p"))
-        message = Message({"method": Method.REACHABLE, "peer": me.to_base58(), "relayed": True}, [])
-        reply = await transport.acall(relay_id, message, ASK_TIMEOUT, direct=True)
-    except Exception as e:
-        logger.debug("relay %s did not answer: %s", relay, e)
-        return False
-    if not reply.meta.get("reachable"):
-        logger.debug("relay %s will not pass requests on to this peer: %s", relay, reply.meta.get("why"))
-    return bool(reply.meta.get("reachable"))
 
 
 async def choose_relays(

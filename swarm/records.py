@@ -12,7 +12,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
-from swarm.addresses import is_relayed
+from swarm.addresses import only_relayed
 from swarm.security import peer_id_of_owner
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class ServerRecord:
     @property
     def relayed(self) -> bool:
         """Reached only through relays (it sits behind NAT)."""
-        return bool(self.maddrs) and all(is_relayed(m) for m in self.maddrs)
+        return only_relayed(self.maddrs)
 
     def to_value(self) -> dict:
         value = {

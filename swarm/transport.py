@@ -13,7 +13,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import as_aiter
 
-from swarm.addresses import dial, is_relayed, relay_of
+from swarm.addresses import dial, only_relayed, relay_of
 from swarm.errors import ErrorKind, RemoteError
 from swarm.protocol import RELAY_TIMEOUT, RELAY_TO, STREAMED_REPLIES
 from swarm.records import ServerRecord
@@ -140,7 +140,7 @@ class Transport:
         """The relays a peer announced itself through (none: it is dialed directly); each relay's own address is
         remembered so that it can be dialed."""
         maddrs = self.addresses.get(peer, [])
-        if not maddrs or not all(is_relayed(m) for m in maddrs):
+        if not only_relayed(maddrs):
             return []
         relays = []
         for maddr in maddrs:
