@@ -11,7 +11,16 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from peers.state import ActivationCache, Adapter, BlockAdapter, BlockState, BlockUpdate, GradsByBlock, session_of
+from peers.state import (
+    ActivationCache,
+    Adapter,
+    BlockAdapter,
+    BlockState,
+    BlockUpdate,
+    GradsByBlock,
+    Undo,
+    session_of,
+)
 from swarm.blocks import add_lora, load_block, lora_config_from_wire
 from swarm.errors import (
     FencedError,
@@ -284,14 +293,19 @@ class SpanBackend:
         return {block: mbs for block, mbs in missing.items() if mbs}
 
     def micro_batch_grads(self, name: str, step: int, wanted: dict[int, list[str]]) -> GradsByBlock:
-        """Gradients this peer holds for (block, micro-batch) at ``step``, for a replica that lacks them."""
+        """Gradients this peer holds for (block, micro-batch) at ``step`` (applied or not), for a replica that lacks
+        them."""
         adapter = self.adapter(name)
         found: GradsByBlock = {}
         for block, mbs in wanted.items():
             state = adapter.blocks.get(block)
-            if state is None or state.step != step:
+            if state is not None and state.step == step:
+                held = state.grads
+            elif state is not None and state.step == step + 1 and state.undo is not None:
+                held = state.undo.grads  # this replica applied the step already; others may not have yet
+            else:
                 continue
-            found[block] = {mb: state.grads[mb] for mb in mbs if mb in state.grads}
+            found[block] = {mb: held[mb] for mb in mbs if mb in held}
         return found
 
     def add_grads(self, name: str, step: int, grads: GradsByBlock) -> None:
@@ -325,6 +339,7 @@ class SpanBackend:
                     total.add_(grad)
             if not all(torch.isfinite(g).all() for g in summed):
                 raise RequestError(f"step {step} has non-finite gradients on block {block}; refusing to apply them")
+            state.undo = Undo(BlockState.of(state), state.grads, state.last_update)
             for lp, grad in zip(state.params, summed, strict=True):
                 lp.param.grad = grad
             for group in state.optimizer.param_groups:
@@ -335,8 +350,17 @@ class SpanBackend:
             state.optimizer.zero_grad(set_to_none=True)
             grads = {lp.name: grad.detach().cpu() for lp, grad in zip(state.params, summed, strict=True)}
             state.last_update = BlockUpdate(step, grads, hparams)
-            state.grads.clear()
+            state.grads = {}
             state.step += 1
+        self.cache.drop_adapter(name)
+        return adapter.steps()
+
+    def revert(self, name: str, step: int) -> dict[int, int]:
+        """Take blocks that applied ``step`` back to it (a commit that other replicas could not complete yet)."""
+        adapter = self.adapter(name)
+        for block, state in adapter.blocks.items():
+            if state.step == step + 1 and state.take_back():
+                logger.info("adapter %r block %d: step %d taken back, to be redone", name, block, step)
         self.cache.drop_adapter(name)
         return adapter.steps()
 
@@ -424,7 +448,7 @@ class SpanBackend:
                 )
                 state.step = step
                 state.grads.clear()
-                state.last_update = None
+                state.last_update = state.undo = None
         self.cache.drop_adapter(name)
         return lost
 

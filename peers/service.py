@@ -14,7 +14,8 @@ from peers.backend import SpanBackend
 from peers.doors import Doorkeeper
 from peers.state import BlockState, BlockUpdate, GradsByBlock, pack_states, unpack_states
 from swarm.blocks import lora_config_from_wire
-from swarm.errors import MissingGradientsError, RequestError
+from swarm.compression import COMPRESSIONS
+from swarm.errors import RequestError
 from swarm.protocol import (
     SYNC_TIMEOUT,
     CommitRequest,
@@ -57,8 +58,8 @@ class PeerService(Doorkeeper):
                 Method.OPEN: self._open,
                 Method.FORWARD: self._forward,
                 Method.BACKWARD: self._backward,
-                Method.GATHER: self._gather,
-                Method.APPLY: self._apply,
+                Method.COMMIT: self._commit,
+                Method.REVERT: self._revert,
                 Method.GRADS: self._grads,
                 Method.EXPORT: self._export,
                 Method.SYNC: self._sync,
@@ -98,7 +99,7 @@ class PeerService(Doorkeeper):
         outputs = await self.compute(
             self.backend.forward, request.adapter, request.blocks, request.step, hidden, mask, request.micro_batch
         )
-        return Message(meta={}, tensors=[outputs])
+        return Message(meta={}, tensors=[outputs], compression=COMPRESSIONS[request.compression])
 
     async def _backward(self, message: Message) -> Message:
         request = SpanRequest.from_meta(message.meta)
@@ -118,10 +119,14 @@ class PeerService(Doorkeeper):
             grad,
             request.input_grad,
         )
-        return Message(meta={}, tensors=[] if grad_inputs is None else [grad_inputs])
+        tensors = [] if grad_inputs is None else [grad_inputs]
+        return Message(meta={}, tensors=tensors, compression=COMPRESSIONS[request.compression])
 
-    async def _gather(self, message: Message) -> Message:
-        """Commit phase 1: fetch the micro-batch gradients this peer lacks from replicas; report any still missing."""
+    async def _commit(self, message: Message) -> Message:
+        """Commit a step in one call: fetch the micro-batch gradients this peer lacks from the replicas holding them
+        (peer to peer, all at once), then one AdamW update from the ledger's gradients, identical on every replica.
+        Gradients nobody could provide are reported (``missing_gradients``) and nothing is applied: the client
+        replays them and asks again. Idempotent: blocks already past the step are left alone."""
         request = CommitRequest.from_meta(message.meta)
         name, step, ledger = request.adapter, request.step, request.micro_batches()
         missing = await self.compute(self.backend.missing, name, step, ledger)
@@ -134,10 +139,15 @@ class PeerService(Doorkeeper):
         )
         for grads in fetched:
             await self.compute(self.backend.add_grads, name, step, grads)
-        still = await self.compute(self.backend.missing, name, step, ledger)
-        if still:
-            raise MissingGradientsError(f"gradients for {still} at step {step} could not be fetched", still)
-        return Message(meta={"steps": by_block(self.backend.adapter(name).steps())}, tensors=[])
+        steps = await self.compute(self.backend.apply, name, step, ledger, request.hparams)
+        if self.after_commit is not None:
+            self.in_background(self.after_commit(name))  # queued on the compute thread before the next
+        return Message(meta={"steps": by_block(steps)}, tensors=[])
+
+    async def _revert(self, message: Message) -> Message:
+        meta = message.meta
+        steps = await self.compute(self.backend.revert, read_str(meta, "adapter"), read_int(meta, "step"))
+        return Message(meta={"steps": by_block(steps)}, tensors=[])
 
     async def _fetch(
         self, peer: str, name: str, step: int, wanted: dict[int, list[str]], timeout: float
@@ -167,16 +177,6 @@ class PeerService(Doorkeeper):
                 index.append([block, mb, len(block_grads)])
                 tensors.extend(block_grads)
         return Message(meta={"index": index}, tensors=tensors)
-
-    async def _apply(self, message: Message) -> Message:
-        """Commit phase 2: one AdamW update from the ledger's gradients, identical on every replica."""
-        request = CommitRequest.from_meta(message.meta)
-        steps = await self.compute(
-            self.backend.apply, request.adapter, request.step, request.micro_batches(), request.hparams
-        )
-        if self.after_commit is not None:
-            self.in_background(self.after_commit(request.adapter))  # queued on the compute thread before the next
-        return Message(meta={"steps": by_block(steps)}, tensors=[])
 
     async def _export(self, message: Message) -> Message:
         """State of blocks; with ``held`` (block -> the step of the asker's copy), the last update of served blocks

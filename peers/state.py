@@ -31,6 +31,17 @@ class BlockAdapter:
     step: int = 0
     grads: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     last_update: BlockUpdate | None = None  # what took the state from step - 1 to step, for copies one step behind
+    undo: Undo | None = None  # the block as it was before its last apply
+
+    def take_back(self) -> bool:
+        """Undo the last apply exactly (state, gradients, last update): a commit that reached this replica but
+        must wait for gradients replayed elsewhere. Redoing it yields the same bits. False if there is none."""
+        undo, self.undo = self.undo, None
+        if undo is None:
+            return False
+        undo.state.load_into(self)
+        self.grads, self.last_update = undo.grads, undo.last_update
+        return True
 
     def digest(self) -> str:
         """Hash of everything that must agree between replicas: step, LoRA tensors, AdamW moments."""
@@ -42,6 +53,15 @@ class BlockAdapter:
                 h.update(key.encode())
                 h.update(value.detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()
+
+
+@dataclass
+class Undo:
+    """A block before an apply: its state, the micro-batch gradients applied, and the update before that one."""
+
+    state: BlockState
+    grads: dict[str, list[torch.Tensor]]
+    last_update: BlockUpdate | None
 
 
 @dataclass
@@ -79,6 +99,7 @@ class BlockState:
         state.step = self.step
         state.grads.clear()
         state.last_update = None
+        state.undo = None
 
 
 @dataclass

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from hivemind.p2p import PeerID
 
+from swarm.compression import WireFormat
 from swarm.errors import ErrorKind, RequestError
 
 
@@ -23,8 +24,8 @@ class Method:
     OPEN = "open"  # open or claim an adapter; its steps per block
     FORWARD = "forward"
     BACKWARD = "backward"
-    GATHER = "gather"  # commit phase 1: fetch missing micro-batch gradients from other replicas
-    APPLY = "apply"  # commit phase 2: sum in canonical order, one AdamW update
+    COMMIT = "commit"  # fetch the micro-batch gradients it lacks from other replicas, sum them, one AdamW update
+    REVERT = "revert"  # take back a commit that reached this replica while others could not complete it yet
     GRADS = "grads"  # peer to peer: micro-batch gradients this peer holds
     EXPORT = "export"  # peer to peer: adapter + AdamW state of blocks (served or standby)
     SYNC = "sync"  # pull state from a current copy
@@ -124,6 +125,7 @@ class SpanRequest:
     micro_batch: str | None = None
     has_hidden: bool = True
     input_grad: bool = True
+    compression: str = "none"  # how the peer encodes the tensors it answers with (swarm.compression)
 
     @property
     def blocks(self) -> range:
@@ -140,6 +142,7 @@ class SpanRequest:
             "micro_batch": self.micro_batch,
             "has_hidden": self.has_hidden,
             "input_grad": self.input_grad,
+            "compression": self.compression,
         }
 
     @classmethod
@@ -158,6 +161,7 @@ class SpanRequest:
             micro_batch=micro_batch,
             has_hidden=method != Method.BACKWARD or bool(meta.get("has_hidden", True)),
             input_grad=bool(meta.get("input_grad", True)),
+            compression=WireFormat.from_meta(meta).compression,
         )
 
 
@@ -229,31 +233,28 @@ class OptimizerHParams:
 
 @dataclass(frozen=True)
 class CommitRequest:
-    """Gather (phase 1) or apply (phase 2) of a step on the blocks of ``ledger``: block -> {micro-batch id: the peer
-    holding its gradients}. Apply carries the optimizer's hyper-parameters."""
+    """Commit a step on the blocks of ``ledger`` (block -> {micro-batch id: the peer holding its gradients}) with
+    the optimizer's hyper-parameters in effect."""
 
-    method: str
     adapter: str
     step: int
     ledger: dict[int, dict[str, str]]
+    hparams: OptimizerHParams
     fetch_timeout: float = FETCH_TIMEOUT
-    hparams: OptimizerHParams | None = None
 
     def micro_batches(self) -> dict[int, list[str]]:
         """Per block, the micro-batches to sum, in the canonical (sorted) order."""
         return {block: sorted(by_mb) for block, by_mb in self.ledger.items()}
 
     def to_meta(self) -> dict:
-        meta = {
-            "method": self.method,
+        return {
+            "method": Method.COMMIT,
             "adapter": self.adapter,
             "step": self.step,
             "ledger": by_block(self.ledger),
+            "hparams": self.hparams.to_meta(),
             "fetch_timeout": self.fetch_timeout,
         }
-        if self.hparams is not None:
-            meta["hparams"] = self.hparams.to_meta()
-        return meta
 
     @classmethod
     def from_meta(cls, meta: dict) -> CommitRequest:
@@ -267,9 +268,8 @@ class CommitRequest:
         timeout = meta.get("fetch_timeout", FETCH_TIMEOUT)
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 600:
             raise RequestError("'fetch_timeout' must be a number of seconds in (0, 600]")
-        method = meta.get("method")
-        hparams = OptimizerHParams.from_meta(read_dict(meta, "hparams")) if method == Method.APPLY else None
-        return cls(method, read_str(meta, "adapter"), read_int(meta, "step"), ledger, float(timeout), hparams)
+        hparams = OptimizerHParams.from_meta(read_dict(meta, "hparams"))
+        return cls(read_str(meta, "adapter"), read_int(meta, "step"), ledger, hparams, float(timeout))
 
 
 @dataclass

@@ -8,13 +8,14 @@ from dataclasses import dataclass
 from typing import AsyncIterator  # noqa: UP035 -- hivemind's servicer reads typing's alias to spot streams
 
 import torch
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE, MAX_UNARY_PAYLOAD_SIZE
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+from swarm.compression import deserialize
 from swarm.errors import RemoteError
 from swarm.security import SwarmKey
 
@@ -31,6 +32,7 @@ class Message:
 
     meta: dict
     tensors: list[torch.Tensor]
+    compression: int = runtime_pb2.CompressionType.NONE  # for floating tensors (swarm.compression)
 
 
 def payload_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -46,7 +48,10 @@ def encode(message: Message, key: SwarmKey | None = None) -> list[runtime_pb2.Ex
 
     With a swarm key, the metadata carries ``auth``: an HMAC over the metadata and every tensor buffer.
     """
-    serialized = [serialize_torch_tensor(t) for t in message.tensors]
+    serialized = [
+        serialize_torch_tensor(t, message.compression if t.is_floating_point() else runtime_pb2.CompressionType.NONE)
+        for t in message.tensors
+    ]
     if is_unary(message):
         parts = [runtime_pb2.ExpertRequest(tensors=serialized)]
     else:
@@ -86,7 +91,7 @@ def decode(parts: list[runtime_pb2.ExpertRequest]) -> Message:
         raise WireError("metadata must be a msgpack map")
     try:
         if len(parts) == 1:
-            tensors = [deserialize_torch_tensor(t) for t in parts[0].tensors]
+            tensors = [deserialize(t) for t in parts[0].tensors]
         else:
             tensors = _combine_chunks(parts)
     except WireError:
@@ -108,7 +113,7 @@ def _combine_chunks(parts: list) -> list[torch.Tensor]:
         chunks[int(part.uid)].append(part.tensors[0])
     if any(not c for c in chunks):
         raise WireError("streamed message is missing a tensor")
-    return [deserialize_torch_tensor(combine_from_streaming(c)) for c in chunks]
+    return [deserialize(combine_from_streaming(c)) for c in chunks]
 
 
 async def collect(stream: AsyncIterator, max_bytes: int) -> list:

@@ -125,12 +125,17 @@ def assert_replicas_identical(model: swarm.SwarmModelForCausalLM) -> None:
         assert len(set(by_peer.values())) == 1, f"replicas of block {block} differ after step {model.step}: {by_peer}"
 
 
-def train(model: swarm.SwarmModelForCausalLM, steps: int = STEPS, check_replicas: bool = True) -> list[float]:
-    """The training loop of every fault test: accumulate MICRO_BATCHES, commit, check replicas agree."""
+def train(
+    model: swarm.SwarmModelForCausalLM, steps: int = STEPS, check_replicas: bool = True, pipelined: bool = False
+) -> list[float]:
+    """The training loop of every fault test: accumulate MICRO_BATCHES (one after the other, or all in flight at
+    once with ``pipelined``), commit, check replicas agree."""
     optimizer = swarm.RemoteOptimizer(model, **HPARAMS)
     losses = []
     while model.step < steps:
-        for batch in batches_for_step(model.step):
+        if pipelined:
+            losses.append(model.train_step(batches_for_step(model.step), max_in_flight=MICRO_BATCHES).item())
+        for batch in [] if pipelined else batches_for_step(model.step):
             out = model(**batch)
             (out.loss / MICRO_BATCHES).backward()
             losses.append(out.loss.item())

@@ -34,8 +34,7 @@ FAULTS = {
     # name: (signal, method the client is about to send when the fault hits)
     "sigkill-forward": (signal.SIGKILL, "forward"),
     "sigkill-backward": (signal.SIGKILL, "backward"),
-    "sigkill-commit-gather": (signal.SIGKILL, "gather"),
-    "sigkill-commit-apply": (signal.SIGKILL, "apply"),
+    "sigkill-commit": (signal.SIGKILL, "commit"),
     "sigstop-forward": (signal.SIGSTOP, "forward"),
     "sigterm-forward": (signal.SIGTERM, "forward"),
 }
@@ -74,6 +73,33 @@ def test_training_survives_a_replica_failure(fault, tiny_models, tmp_path):
             else:
                 assert victim[0].popen.wait(30) is not None
             assert model.recoveries or sig == signal.SIGTERM, "no recovery was recorded"
+            model.save_adapter(tmp_path / "final")
+        finally:
+            model.shutdown()
+    assert_matches_local_peft(model_dir, tmp_path)
+
+
+def test_a_replica_killed_while_micro_batches_are_in_flight(tiny_models, tmp_path):
+    """Pipelined steps (model.train_step): a replica SIGKILLed in the middle of a step whose micro-batches are all in
+    the swarm at once; each is redone elsewhere, exactly once: the adapter equals local peft's."""
+    model_dir = tiny_models["llama"]
+    with LocalSwarm(tmp_path / "swarm") as local:
+        peers = start_replicated_swarm(local, model_dir)
+        by_id = {p.peer_id: p for p in peers.values()}
+        victim: list = []
+
+        def hook(sent_method: str, peer_id: str, step: int) -> None:
+            if not victim and step == 1 and sent_method == "backward" and peer_id in by_id:
+                victim.append(by_id[peer_id])
+                by_id[peer_id].signal(signal.SIGKILL)
+
+        model = connect(local, model_dir, adapter="pipelined-fault")
+        try:
+            model.save_adapter(tmp_path / "initial")
+            instrument(model, hook)
+            train(model, pipelined=True)
+            assert victim, "the fault was never injected"
+            assert model.recoveries, "no recovery was recorded"
             model.save_adapter(tmp_path / "final")
         finally:
             model.shutdown()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import peft
 import pytest
 import torch
@@ -32,12 +34,12 @@ def make_batches(vocab: int, seed: int = 0) -> list[list[dict[str, torch.Tensor]
     return [micro] * STEPS
 
 
-def train(model, optimizer, batches) -> list[float]:
+def train(model, optimizer, batches, accumulation: int = MICRO_BATCHES) -> list[float]:
     losses = []
     for micro in batches:
         for batch in micro:
             out = model(**batch)
-            (out.loss / MICRO_BATCHES).backward()
+            (out.loss / accumulation).backward()
             losses.append(out.loss.item())
         optimizer.step()
         optimizer.zero_grad()
@@ -170,3 +172,56 @@ def test_parity_holds_when_peers_keep_no_forwards(tiny_models, tmp_path):
     trainable = [p for p in reference.parameters() if p.requires_grad]
     local_losses = train(reference, torch.optim.AdamW(trainable, **HPARAMS), batches)
     torch.testing.assert_close(torch.tensor(swarm_losses), torch.tensor(local_losses), rtol=1e-4, atol=1e-5)
+
+
+def test_pipelined_steps_equal_local_peft(llama_swarm, tiny_models, tmp_path):
+    """model.train_step keeps several micro-batches in the swarm at once (fed from a generator here) and still
+    gives the gradients of the plain loop: the adapter equals local peft's, and requests really overlapped."""
+    model_dir, count = tiny_models["llama"], 4
+    model = swarm.SwarmModelForCausalLM.from_pretrained(
+        model_dir,
+        initial_peers=llama_swarm.initial_peers,
+        adapter="pipelined",
+        lora_config=peft.LoraConfig(**LORA),
+        seed=11,
+    )
+    g = torch.Generator().manual_seed(3)
+    vocab = model.spec.config.vocab_size
+    micro = [dict(input_ids=ids, labels=ids) for ids in torch.randint(0, vocab, (count, 2, 12), generator=g)]
+    busy, most, original, lock = [0], [0], model.stack.call, threading.Lock()
+
+    def call(peer, meta, tensors, *args, **kwargs):
+        with lock:
+            busy[0] += 1
+            most[0] = max(most[0], busy[0])
+        try:
+            return original(peer, meta, tensors, *args, **kwargs)
+        finally:
+            with lock:
+                busy[0] -= 1
+
+    try:
+        model.save_adapter(tmp_path / "initial")
+        optimizer = swarm.RemoteOptimizer(model, **HPARAMS)
+        model.stack.call = call
+        swarm_losses = []
+        for _ in range(3):
+            swarm_losses.append(model.train_step((b for b in micro), accumulation=count).item())
+            optimizer.step()
+        model.stack.call = original
+        model.save_adapter(tmp_path / "final")
+        with pytest.raises(TypeError, match="accumulation"):
+            model.train_step(b for b in micro)
+    finally:
+        model.shutdown()
+    assert most[0] >= 2, "the micro-batches never overlapped"
+    reference = local_peft(model_dir, tmp_path / "initial")
+    trainable = [p for p in reference.parameters() if p.requires_grad]
+    local_losses = train(reference, torch.optim.AdamW(trainable, **HPARAMS), [micro] * 3, accumulation=count)
+    mean_losses = [sum(local_losses[i : i + count]) / count for i in range(0, len(local_losses), count)]
+    torch.testing.assert_close(torch.tensor(swarm_losses), torch.tensor(mean_losses), rtol=1e-5, atol=1e-5)
+    swarm_state = load_file(tmp_path / "final" / "adapter_model.safetensors")
+    reference.save_pretrained(tmp_path / "local")
+    local_state = load_file(tmp_path / "local" / "adapter_model.safetensors")
+    for key in swarm_state:
+        torch.testing.assert_close(swarm_state[key], local_state[key], rtol=1e-4, atol=1e-5, msg=key)

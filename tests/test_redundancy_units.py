@@ -161,3 +161,26 @@ def test_a_backward_without_its_input_uses_the_cached_forward_and_equals_one_wit
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
     with pytest.raises(MissingForwardError, match="send its input"):
         backend.backward("a", range(0, 2), 0, "s:0:2", None, None, grad)
+
+
+def test_a_step_taken_back_is_redone_to_the_same_bits(tiny_models):
+    """A replica that applied a step while another could not (its gradients died with their holder) takes it back;
+    applied again it matches the first apply exactly, and its gradients are still there to be served."""
+    import peft
+
+    wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    backend = _backend(tiny_models["llama"], range(0, 2))
+    backend.open_adapter("a", wire, seed=3, session="s")
+    _train_one_step(backend, "a", range(0, 2), 0)
+    before = backend.digests("a")
+    _train_one_step(backend, "a", range(0, 2), 1)
+    applied = backend.digests("a")
+    assert backend.revert("a", 1) == {0: 1, 1: 1}
+    assert backend.digests("a") == before, "taking a step back restores the state before it exactly"
+    assert backend.micro_batch_grads("a", 1, {0: ["s:1:0"]})[0].keys() == {"s:1:0"}
+    assert backend.revert("a", 1) == {0: 1, 1: 1}, "nothing to take back twice"
+    backend.apply("a", 1, {b: ["s:1:0"] for b in range(2)}, HPARAMS)
+    assert backend.digests("a") == applied
+    exported, _ = backend.export_state("a", range(0, 2))
+    backend.import_state("a", exported)
+    assert backend.revert("a", 1) == {0: 2, 1: 2}, "a state replaced since (by a sync) keeps no undo"

@@ -1,8 +1,9 @@
 """Committing a step on every live replica of every block, exactly once, whatever fails in between.
 
-Phase 1 (gather): each replica fetches, peer to peer, the micro-batch gradients it lacks. Gradients that died
-with a peer are replayed on a live replica from the segments the client kept, then gathering is redone.
-Phase 2 (apply): each replica sums the gradients in canonical order and runs the same AdamW update.
+One round: every replica is asked at once to fetch, peer to peer, the micro-batch gradients it lacks and to apply
+the step. Gradients that died with a peer are replayed on a replica still at the step from the segments the client
+kept, and the replicas that could not apply are asked again. Each replica sums the gradients in canonical order
+and runs the same AdamW update.
 Replicas that are behind (or new) first pull the state from a current one.
 """
 
@@ -13,6 +14,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from hivemind.p2p import PeerID
 
@@ -24,6 +26,7 @@ from swarm.protocol import FETCH_TIMEOUT, CommitRequest, ErrorKind, Method, Opti
 logger = logging.getLogger(__name__)
 
 MAX_COMMIT_ROUNDS = 8
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -68,12 +71,16 @@ class ReplicaSet:
                 return None
 
         answers = {}
-        for peer, reply in zip(peers, self._pool.map(attempt, peers), strict=True):
+        for peer, reply in zip(peers, self.each(attempt, peers), strict=True):
             if reply is not None:
                 steps, standby = reply
                 self.note_standby(peer, standby)
                 answers[peer] = steps
         return answers
+
+    def each(self, ask: Callable[[PeerID], T], peers: list[PeerID]) -> list[T]:
+        """``ask`` every peer at once (a round trip for all, not one each); the answers in the order of ``peers``."""
+        return list(self._pool.map(ask, peers))
 
     def forget(self, peer: PeerID) -> None:
         """After a failure or refusal the peer's state is unknown: re-check it before it serves again."""
@@ -84,7 +91,8 @@ class ReplicaSet:
         current copies all died resumes from the newest surviving one, and the steps lost are reported."""
         servers = self.stack.router.live_servers(eligible_only=False)
         behind: dict[PeerID, dict[int, int]] = {}
-        for peer, steps in self.open_many([p for p in servers if self.current.get(p) != step]).items():
+        unknown = [p for p in servers if self.current.get(p, -1) < step]  # ahead: applied this step already
+        for peer, steps in self.open_many(unknown).items():
             if set(steps.values()) == {step}:
                 self.current[peer] = step
             else:
@@ -184,14 +192,18 @@ class ReplicaSet:
 def commit(
     stack: RemoteStack, replicas: ReplicaSet, ledger: StepLedger, hparams: OptimizerHParams
 ) -> dict[PeerID, range]:
-    """Apply ``ledger.step`` on every live replica; replay lost gradients first. Returns the replicas that applied
-    it (and their spans). Raises CommitError if impossible."""
+    """Apply ``ledger.step`` on every live replica, all asked at once; each fetches the gradients it lacks peer to
+    peer and applies in the same call. Gradients that died with a peer are replayed on a replica still at the step
+    first. Returns the replicas that applied it (and their spans). Raises CommitError if impossible."""
     step, started, rounds = ledger.step, time.monotonic(), 0
+    applied: dict[PeerID, range] = {}
     failed: list[PeerID] = []
     while True:
         replicas.refresh(step)
-        peers = replicas.peers(step)
-        uncovered = [b for b in range(stack.router.num_blocks) if not any(b in span for span in peers.values())]
+        pending = {p: span for p, span in replicas.peers(step).items() if p not in applied}
+        done = {b for span in applied.values() for b in span}
+        blocks = range(stack.router.num_blocks)
+        uncovered = [b for b in blocks if b not in done and not any(b in span for span in pending.values())]
         if uncovered:
             if time.monotonic() - started > stack.patience:
                 raise SwarmUnavailableError(
@@ -202,61 +214,96 @@ def commit(
             time.sleep(1.0)
             stack.router.refresh()
             continue
+        if not pending:
+            break
         rounds += 1
         if rounds > MAX_COMMIT_ROUNDS:
+            if all(b in done for b in blocks):
+                break  # the replicas left behind sync from those that applied, like any laggard
             raise CommitError(f"step {step} could not be committed in {MAX_COMMIT_ROUNDS} rounds; see the log for why")
-        lost = _held_by_departed(ledger, peers)
-        missing = lost or _gather(stack, peers, ledger, failed)
+        missing = _held_by_departed(ledger, pending, applied)
+        if not missing:
+            newly, missing = _commit_all(stack, replicas, pending, ledger, hparams, failed)
+            for peer in newly:
+                replicas.current[peer] = step + 1  # no longer eligible for this step's work (e.g. a replay)
+                applied[peer] = pending[peer]
         if missing:
+            _take_back(stack, replicas, applied, step)  # so that replays can run through their blocks at `step`
             _replay(stack, ledger, missing)
             continue
-        applied = _apply(stack, peers, ledger, hparams, failed)
-        unapplied = [b for b in range(stack.router.num_blocks) if not any(b in peers[p] for p in applied)]
-        if not unapplied:
-            for peer in applied:
-                replicas.current[peer] = step + 1
-            logger.debug("step %d committed on %d peers in %.2fs", step, len(applied), time.monotonic() - started)
-            if failed:
-                stack.recovered(failed[0], "commit", step, started)
-            return {peer: peers[peer] for peer in applied}
-        logger.warning("blocks %s lost every replica during apply of step %d; retrying", unapplied, step)
+        if all(any(b in span for span in applied.values()) for b in blocks):
+            break
+    logger.debug("step %d committed on %d peers in %.2fs", step, len(applied), time.monotonic() - started)
+    if failed:
+        stack.recovered(failed[0], "commit", step, started)
+    return applied
 
 
-def _held_by_departed(ledger: StepLedger, peers: dict[PeerID, range]) -> dict[int, list[str]]:
-    """Gradients whose holder is no longer a live, current replica: replay them without asking anyone."""
+def _held_by_departed(
+    ledger: StepLedger, pending: dict[PeerID, range], applied: dict[PeerID, range]
+) -> dict[int, list[str]]:
+    """Gradients, on the blocks ``pending`` replicas still have to commit, whose holder is neither one of them nor a
+    replica that applied the step (and still serves them): it died. Replay them without asking anyone."""
+    blocks = {b for span in pending.values() for b in span}
     lost: dict[int, list[str]] = {}
     for block, by_mb in ledger.holders.items():
-        gone = [mb for mb, holder in by_mb.items() if holder not in peers]
-        if gone:
+        gone = [mb for mb, holder in by_mb.items() if holder not in pending and holder not in applied]
+        if gone and block in blocks:
             lost[block] = sorted(gone)
     return lost
 
 
-def _request(
-    stack: RemoteStack, method: str, ledger: StepLedger, span: range, hparams: OptimizerHParams | None = None
-) -> dict:
-    return CommitRequest(
-        method, stack.adapter, ledger.step, ledger.wire_holders(span), FETCH_TIMEOUT, hparams
-    ).to_meta()
+def _commit_all(
+    stack: RemoteStack,
+    replicas: ReplicaSet,
+    peers: dict[PeerID, range],
+    ledger: StepLedger,
+    hparams: OptimizerHParams,
+    failed: list[PeerID],
+) -> tuple[list[PeerID], dict[int, list[str]]]:
+    """Ask every replica to commit, in parallel; returns those that applied, and the (block, micro-batch)
+    gradients some replica could not fetch from anyone live."""
 
-
-def _gather(
-    stack: RemoteStack, peers: dict[PeerID, range], ledger: StepLedger, failed: list[PeerID]
-) -> dict[int, list[str]]:
-    """Phase 1 on every replica; returns the (block, micro-batch) gradients nobody live could provide."""
-    missing: dict[int, set[str]] = {}
-    for peer, span in peers.items():
+    def attempt(peer: PeerID) -> dict[int, list[str]] | None:
+        meta = CommitRequest(stack.adapter, ledger.step, ledger.wire_holders(peers[peer]), hparams).to_meta()
         try:
-            stack.call(peer, _request(stack, Method.GATHER, ledger, span), [], floor=2 * FETCH_TIMEOUT)
+            stack.call(peer, meta, [], floor=2 * FETCH_TIMEOUT)
         except PeerFailure:
             failed.append(peer)
-            continue
+            return None
         except RemoteError as e:
             if e.kind != ErrorKind.MISSING_GRADIENTS:
                 raise
-            for block, mbs in e.meta.get("missing", {}).items():
-                missing.setdefault(int(block), set()).update(mbs)
-    return {block: sorted(mbs) for block, mbs in missing.items()}
+            return {int(block): list(mbs) for block, mbs in e.meta.get("missing", {}).items()}
+        return {}
+
+    applied, missing = [], {}
+    for peer, lacking in zip(peers, replicas.each(attempt, list(peers)), strict=True):
+        if lacking == {}:
+            applied.append(peer)
+        for block, mbs in (lacking or {}).items():
+            missing.setdefault(block, set()).update(mbs)
+    return applied, {block: sorted(mbs) for block, mbs in missing.items()}
+
+
+def _take_back(stack: RemoteStack, replicas: ReplicaSet, applied: dict[PeerID, range], step: int) -> None:
+    """Revert the replicas that applied ``step`` in a round where others could not (rare: a gradient holder died
+    between two replicas' fetches). They apply it again, to the same bits, once the lost gradients are replayed."""
+
+    def attempt(peer: PeerID) -> None:
+        try:
+            reply = stack.call(peer, {"method": Method.REVERT, "adapter": stack.adapter, "step": step}, [])
+        except (PeerFailure, RemoteError) as e:
+            logger.warning("peer %s could not take step %d back: %s", peer, step, e)
+            replicas.forget(peer)
+            return
+        if set(reply.meta["steps"].values()) == {step}:
+            replicas.current[peer] = step
+        else:
+            replicas.forget(peer)
+
+    replicas.each(attempt, list(applied))
+    applied.clear()
 
 
 def _replay(stack: RemoteStack, ledger: StepLedger, missing: dict[int, list[str]]) -> None:
@@ -265,25 +312,3 @@ def _replay(stack: RemoteStack, ledger: StepLedger, missing: dict[int, list[str]
     logger.warning("replaying %d segment(s) whose gradients died with a peer (step %d)", len(plan), ledger.step)
     for micro_batch, segment in plan:
         stack.backward_segment(segment, ledger.masks.get(micro_batch), ledger, micro_batch, input_grad=False)
-
-
-def _apply(
-    stack: RemoteStack, peers: dict[PeerID, range], ledger: StepLedger, hparams: OptimizerHParams, failed: list[PeerID]
-) -> list[PeerID]:
-    applied = []
-    for peer, span in peers.items():
-        if peer in failed:
-            continue
-        meta = _request(stack, Method.APPLY, ledger, span, hparams)
-        try:
-            stack.call(peer, meta, [])
-        except PeerFailure:
-            failed.append(peer)
-            continue
-        except RemoteError as e:
-            if e.kind != ErrorKind.MISSING_GRADIENTS:
-                raise
-            logger.warning("peer %s lost gradients between gather and apply: %s", peer, e)
-            continue
-        applied.append(peer)
-    return applied

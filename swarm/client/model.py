@@ -7,6 +7,7 @@ import logging
 import socket
 import time
 import uuid
+from collections.abc import Callable, Iterable, Mapping, Sized
 from pathlib import Path
 
 import peft
@@ -25,7 +26,9 @@ from swarm.client.commit import ReplicaSet, StepsLost, commit
 from swarm.client.copies import CopyKeeper
 from swarm.client.lease import AdapterLease
 from swarm.client.ledger import StepLedger
+from swarm.client.pipeline import run_pipelined
 from swarm.client.remote import PeerFailure, RemoteStack, RemoteStackFunction
+from swarm.compression import WireFormat
 from swarm.errors import AdapterConfigError, AdapterStateLostError, RequestError, SwarmUnavailableError
 from swarm.network import check_access, initial_peers_or_env, join_dht, load_swarm_key
 from swarm.protocol import Method, OpenReply, OpenRequest, OptimizerHParams, check_adapter_name
@@ -75,6 +78,7 @@ class SwarmModelForCausalLM(nn.Module):
         min_copies: int = 2,
         resume: str = "committed",
         unreachable_wait: float = 30.0,
+        wire: WireFormat | None = None,
     ):
         super().__init__()
         self.spec, self.dht, self.adapter, self.trainer = spec, dht, adapter, trainer
@@ -95,7 +99,7 @@ class SwarmModelForCausalLM(nn.Module):
                 eligible=lambda peer: self.replicas.current.get(peer) == self.ledger.step,
                 on_wait=lambda: self.replicas.refresh(self.ledger.step),
             )
-            self.stack = RemoteStack(self.transport, self.router, adapter, patience, spot_check)
+            self.stack = RemoteStack(self.transport, self.router, adapter, patience, spot_check, wire=wire)
             self.replicas = ReplicaSet(self.stack, self._open_on)
             self.copies_keeper = CopyKeeper(
                 self.stack, self.replicas, min_copies, {"lora": self.lora_wire, "seed": seed}
@@ -144,6 +148,8 @@ class SwarmModelForCausalLM(nn.Module):
         min_copies: int = 2,
         resume: str = "committed",
         unreachable_wait: float = 30.0,
+        wire_dtype: str | None = None,
+        compression: str = "none",
     ) -> SwarmModelForCausalLM:
         """Join the swarm as a client and open (or resume) ``adapter`` on the peers serving ``model_dir``.
 
@@ -161,6 +167,9 @@ class SwarmModelForCausalLM(nn.Module):
         ``swarm_key``: the key file of a private swarm (``swarm keygen``).
         ``spot_check``: fraction of hops also computed on other replicas; a peer outvoted by two agreeing
         replicas is banned for good and listed in ``model.dishonest``.
+        ``wire_dtype`` (``"bfloat16"``, ``"float16"``) and ``compression`` (``"blockwise8"``): how hidden states and
+        their gradients travel; both off by default (exact parity with local training). They cut the bytes per step
+        by 2x / ~4x at the cost of rounding the activations (see BENCHMARKS.md for what that does to the loss).
         """
         if lora_config is None:
             raise ValueError("pass lora_config=peft.LoraConfig(r=..., lora_alpha=..., target_modules=[...])")
@@ -172,6 +181,7 @@ class SwarmModelForCausalLM(nn.Module):
             raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
         if min_copies < 1:
             raise ValueError(f"min_copies must be at least 1, got {min_copies}")
+        wire = WireFormat(wire_dtype, compression)
         spec = load_spec(model_dir)
         peers = initial_peers_or_env(initial_peers)
         if not peers:
@@ -197,6 +207,7 @@ class SwarmModelForCausalLM(nn.Module):
             min_copies,
             resume,
             unreachable_wait,
+            wire,
         )
 
     def _open_on(self, peer_id: PeerID) -> tuple[dict[int, int], dict[int, int]]:
@@ -286,18 +297,32 @@ class SwarmModelForCausalLM(nn.Module):
         """Failures routed around so far (peer, during what, at which step, how long the retry took)."""
         return self.stack.recoveries
 
-    def forward(
-        self,
-        input_ids: torch.LongTensor,
-        attention_mask: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-    ) -> CausalLMOutputWithPast:
+    def _inputs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stack's input hidden states and mask, on the CPU where the wire takes them."""
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {list(input_ids.shape)}")
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask must have the shape of input_ids {list(input_ids.shape)}")
         hidden = self.embed_tokens(input_ids.to(self.device)).cpu()
         mask = None if attention_mask is None else attention_mask.to(torch.int64).cpu()
+        return hidden, mask
+
+    def _head(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> CausalLMOutputWithPast:
+        logits = self.lm_head(self.norm(hidden.to(self.device)))
+        loss = None
+        if labels is not None:
+            loss = ForCausalLMLoss(logits, labels.to(self.device), vocab_size=self.spec.config.vocab_size)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+    ) -> CausalLMOutputWithPast:
+        hidden, mask = self._inputs(input_ids, attention_mask)
         if torch.is_grad_enabled():
             micro_batch = self.ledger.new_micro_batch()
             # The embeddings are frozen: the stack's input gradient would be thrown away, so it is not asked for.
@@ -312,11 +337,49 @@ class SwarmModelForCausalLM(nn.Module):
             )
         else:
             hidden, _ = self.stack.forward(hidden, mask, self.ledger.step, None)
-        logits = self.lm_head(self.norm(hidden.to(self.device)))
-        loss = None
-        if labels is not None:
-            loss = ForCausalLMLoss(logits, labels.to(self.device), vocab_size=self.spec.config.vocab_size)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        return self._head(hidden, labels)
+
+    def train_step(
+        self,
+        micro_batches: Iterable[Mapping[str, torch.Tensor]],
+        accumulation: int | None = None,
+        max_in_flight: int = 4,
+    ) -> torch.Tensor:
+        """Forward and backward of the micro-batches of a step, up to ``max_in_flight`` of them in the swarm at once
+        (a pipeline: each span works on one micro-batch while the next span works on another). The gradients are
+        exactly those of ``for b in micro_batches: (model(**b).loss / accumulation).backward()``: the peers sum them
+        in the order given. Commit with ``optimizer.step()`` as usual.
+
+        ``micro_batches``: dicts with ``input_ids``, ``labels`` and optionally ``attention_mask``; a list, or any
+        iterable (a generator is read as the pipeline has room). ``accumulation``: what each micro-batch's loss is
+        divided by; defaults to ``len(micro_batches)``, needed for an iterable without a length.
+        Returns the sum of the divided losses (the mean loss of the step, with the default).
+        """
+        if accumulation is None:
+            if not isinstance(micro_batches, Sized):
+                raise TypeError("pass accumulation=N (what each micro-batch's loss is divided by) for an iterable")
+            accumulation = len(micro_batches)
+        if accumulation < 1:
+            raise ValueError(f"accumulation must be at least 1, got {accumulation}")
+        ledger = self.ledger
+
+        def start(batch: Mapping[str, torch.Tensor]) -> Callable[[], torch.Tensor]:
+            if "input_ids" not in batch or "labels" not in batch:
+                raise ValueError(f"a micro-batch needs input_ids and labels, got keys {sorted(batch)}")
+            hidden, mask = self._inputs(batch["input_ids"], batch.get("attention_mask"))
+            micro_batch = ledger.new_micro_batch()  # here, in order: the canonical order of the sum
+
+            def run() -> torch.Tensor:
+                outputs, inputs = self.stack.forward(hidden, mask, ledger.step, micro_batch)
+                outputs.requires_grad_(True)
+                loss = self._head(outputs, batch["labels"]).loss / accumulation
+                loss.backward()
+                self.stack.backward(inputs, outputs.grad.contiguous(), mask, ledger, micro_batch, input_grad=False)
+                return loss.detach()
+
+            return run
+
+        return torch.stack(run_pipelined(micro_batches, start, max_in_flight)).sum()
 
     def commit(self, hparams: OptimizerHParams) -> int:
         """Commit the step in progress on every live replica of every block; returns the new step."""

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 import torch
 from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
+from hivemind.proto import runtime_pb2
 
 from swarm.client.ledger import Segment, StepLedger
+from swarm.compression import WireFormat
 from swarm.errors import LeaseLostError, RemoteError, SwarmUnavailableError
 from swarm.protocol import PEER_STATE_ERRORS, ErrorKind, Method, SpanRequest
 from swarm.routing import Hop, Router
@@ -73,8 +75,10 @@ class RemoteStack:
         patience: float,
         spot_check: float = 0.0,
         spot_check_tolerance: float = 1e-3,
+        wire: WireFormat | None = None,
     ):
         self.transport, self.router, self.adapter, self.patience = transport, router, adapter, patience
+        self.wire = wire or WireFormat()
         self.spot_check, self.spot_check_tolerance = spot_check, spot_check_tolerance
         self.on_peer_state: list = []  # callbacks(peer) run when a peer turns out stale or fresh
         self.recoveries: list[Recovery] = []
@@ -84,14 +88,20 @@ class RemoteStack:
     # --- calls ----------------------------------------------------------------------------------------------
 
     def call(
-        self, peer: PeerID, meta: dict, tensors: list[torch.Tensor], units: float = 1.0, floor: float = 0.0
+        self,
+        peer: PeerID,
+        meta: dict,
+        tensors: list[torch.Tensor],
+        units: float = 1.0,
+        floor: float = 0.0,
+        compression: int = runtime_pb2.CompressionType.NONE,
     ) -> Message:
         """One request; failures of the peer become PeerFailure (after a ban), refusals of the request raise."""
         method = meta["method"]
         started = time.monotonic()
         timeout = floor + self.router.timeout(peer, method, units)
         try:
-            reply = self.transport.call(peer, Message(meta, tensors), timeout)
+            reply = self.transport.call(peer, Message(meta, tensors, compression), timeout)
         except RemoteError as e:
             if e.kind == ErrorKind.FENCED:
                 raise LeaseLostError(str(e)) from None
@@ -111,18 +121,30 @@ class RemoteStack:
             callback(peer)
         return PeerFailure(peer, reason)
 
-    @staticmethod
-    def _tensors(hidden: torch.Tensor, mask: torch.Tensor | None, *extra: torch.Tensor) -> list[torch.Tensor]:
-        return [hidden, *extra] + ([mask] if mask is not None else [])
+    def _tensors(self, hidden: torch.Tensor, mask: torch.Tensor | None, *extra: torch.Tensor) -> list[torch.Tensor]:
+        """A span request's tensors, floating ones in the wire's dtype."""
+        return [self.wire.cast(t) for t in (hidden, *extra)] + ([mask] if mask is not None else [])
+
+    def _span_call(self, hop: Hop, request: SpanRequest, tensors: list[torch.Tensor], dtype: torch.dtype) -> Message:
+        """A forward or backward request in the wire's format; the answer back in the client's ``dtype``."""
+        units = tensors[0].shape[0] * tensors[0].shape[1] * (hop.end - hop.start)
+        reply = self.call(hop.peer_id, request.to_meta(), tensors, units, compression=self.wire.compression_type)
+        return Message(reply.meta, [t.to(dtype) for t in reply.tensors])
 
     def _forward_hop(
         self, hop: Hop, hidden: torch.Tensor, mask: torch.Tensor | None, step: int, micro_batch: str | None
     ) -> torch.Tensor:
-        meta = SpanRequest(
-            Method.FORWARD, self.adapter, hop.start, hop.end, step, mask is not None, micro_batch
-        ).to_meta()
-        units = hidden.shape[0] * hidden.shape[1] * (hop.end - hop.start)
-        return self.call(hop.peer_id, meta, self._tensors(hidden, mask), units).tensors[0]
+        request = SpanRequest(
+            Method.FORWARD,
+            self.adapter,
+            hop.start,
+            hop.end,
+            step,
+            mask is not None,
+            micro_batch,
+            compression=self.wire.compression,
+        )
+        return self._span_call(hop, request, self._tensors(hidden, mask), hidden.dtype).tensors[0]
 
     def _backward_hop(
         self,
@@ -147,11 +169,11 @@ class RemoteStack:
             micro_batch,
             has_hidden=not cached,
             input_grad=input_grad,
+            compression=self.wire.compression,
         )
-        units = hidden.shape[0] * hidden.shape[1] * (hop.end - hop.start)
         tensors = self._tensors(grad, mask) if cached else self._tensors(hidden, mask, grad)
         try:
-            reply = self.call(hop.peer_id, request.to_meta(), tensors, units)
+            reply = self._span_call(hop, request, tensors, grad.dtype)
         except RemoteError as e:
             if not cached or e.kind != ErrorKind.MISSING_FORWARD:
                 raise

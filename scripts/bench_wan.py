@@ -1,0 +1,263 @@
+"""Benchmark training steps over emulated wide-area links: the same loopback swarm with every connection to a peer
+(and to the bootstrap) passing through a link with a set round-trip time and bandwidth (swarm/wanlink.py), side by
+side in one run: the plain ``loss.backward()`` loop and the pipelined ``model.train_step``, at each round-trip time.
+
+For each configuration it prints the median step time, the client's requests and bytes per step, the round trips
+the step effectively waited for ((step - step at 0 ms) / RTT), and the lower bound: the step at 0 ms without a
+bandwidth cap (compute and loopback costs) + the round trips no schedule avoids (a forward and a backward through
+every span, the commit, and a copy round when blocks have fewer servers than the client's min_copies) + the bytes
+of the busiest peer link / bandwidth.
+
+Usage::
+
+    python scripts/bench_wan.py [--rtt-ms 0 50 100] [--mbit 100] [--peers 4] [--layers 8] [--hidden 256]
+        [--batch 4] [--seq 64] [--micro-batches 4] [--steps 5] [--warmup 1] [--modes loop pipelined]
+        [--workdir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import swarm  # noqa: E402
+from swarm.localswarm import LocalSwarm  # noqa: E402
+from swarm.wire import payload_bytes  # noqa: E402
+
+logger = logging.getLogger("bench_wan")
+GOAL_BOUND, GOAL_SPEEDUP = 1.5, 3.0
+
+
+def _bench_step():
+    """scripts/bench_step.py, for its model maker, LoRA config and batches (one recipe for every step bench)."""
+    spec = importlib.util.spec_from_file_location("bench_step", ROOT / "scripts" / "bench_step.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_step"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Run:
+    """One mode at one link setting: step times, and the client's requests and bytes per step."""
+
+    mode: str
+    rtt_ms: float
+    mbit: float
+    times: list[float] = field(default_factory=list)
+    calls: list[Counter] = field(default_factory=list)
+    bytes: list[int] = field(default_factory=list)
+    peer_bytes: list[dict[str, int]] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+
+class Meter:
+    """Counts the client's requests (by method) and bytes (sent + received, per peer) as they go out."""
+
+    def __init__(self, model: swarm.SwarmModelForCausalLM):
+        self.calls: Counter = Counter()
+        self.bytes: Counter = Counter()
+        original = model.transport.call
+
+        def call(peer, message, timeout=None):
+            reply = original(peer, message, timeout)
+            self.calls[message.meta.get("method")] += 1
+            self.bytes[peer.to_base58()] += payload_bytes(message.tensors) + payload_bytes(reply.tensors)
+            return reply
+
+        model.transport.call = call
+
+    def take(self) -> tuple[Counter, Counter]:
+        calls, sent = self.calls, self.bytes
+        self.calls, self.bytes = Counter(), Counter()
+        return calls, sent
+
+
+def train(model, batches: list[dict], mode: str, steps: int, warmup: int, run: Run) -> None:
+    bench = _bench_step()
+    optimizer = swarm.RemoteOptimizer(model, **bench.HPARAMS)
+    meter = Meter(model)
+    for index in range(warmup + steps):
+        meter.take()
+        started = time.perf_counter()
+        if mode == "pipelined":
+            model.train_step(batches, max_in_flight=len(batches))
+        else:
+            for batch in batches:
+                (model(**batch).loss / len(batches)).backward()
+        optimizer.step()
+        elapsed = time.perf_counter() - started
+        calls, per_peer = meter.take()
+        if index >= warmup:
+            run.times.append(elapsed)
+            run.calls.append(calls)
+            run.bytes.append(sum(per_peer.values()))
+            run.peer_bytes.append(dict(per_peer))
+    logger.info("%s at %.0f ms: %s", mode, run.rtt_ms, " ".join(f"{t:.3f}" for t in run.times))
+
+
+def run_swarm(model_dir: Path, workdir: Path, args: argparse.Namespace, rtt_ms: float, mbit: float) -> list[Run]:
+    """A bootstrap and ``--peers`` peers on 127.0.0.1, each reached through its own emulated link; every mode
+    trains a fresh adapter through it."""
+    bench = _bench_step()
+    layers = args.layers
+    spans = bench.split_blocks(layers, args.peers)
+    ports = [(free_port(), free_port()) for _ in range(args.peers + 1)]  # (announced, real) per node
+    pairs = [f"{announced}:{real}" for announced, real in ports]
+    link = subprocess.Popen(
+        [sys.executable, "-m", "swarm.wanlink", "--rtt-ms", str(rtt_ms), "--mbit", str(mbit), *pairs],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    runs = []
+    try:
+        time.sleep(1.0)
+        with LocalSwarm(workdir / f"rtt{rtt_ms:g}-mbit{mbit:g}") as local:
+
+            def node(index: int) -> list[str]:
+                announced, real = ports[index]
+                return ["--port", str(real), "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{announced}"]
+
+            local.start_dht(extra=node(0))
+            for index, span in enumerate(spans):
+                local.start_peer(model_dir, span, name=f"peer{index}", extra=node(index + 1), wait=False)
+            for process in local.processes[1:]:
+                process.wait_for_line("serving blocks", 120)
+            batches = bench.make_batches(args.vocab, args.batch, args.seq, args.micro_batches)
+            for mode in args.modes:
+                model = swarm.SwarmModelForCausalLM.from_pretrained(
+                    model_dir,
+                    initial_peers=local.initial_peers,
+                    adapter=f"wan-{mode}",
+                    lora_config=bench.lora_config(),
+                    seed=0,
+                )
+                try:
+                    run = Run(mode, rtt_ms, mbit)
+                    train(model, batches, mode, args.steps, args.warmup, run)
+                    runs.append(run)
+                finally:
+                    model.shutdown()
+    finally:
+        link.kill()
+        link.wait()
+    return runs
+
+
+def unavoidable_round_trips(spans: int, copies: bool) -> int:
+    """A forward and a backward through every span, the commit, and a copy round when it is needed."""
+    return 2 * spans + 1 + int(copies)
+
+
+def report(args: argparse.Namespace, base: dict[str, Run], runs: list[Run]) -> None:
+    spans = args.peers
+    copies = True  # every block has one server here: min_copies=2 asks a standby copy each step
+    rounds = unavoidable_round_trips(spans, copies)
+    print()
+    print(
+        f"config: {args.peers} peers x {args.layers // args.peers} blocks, hidden {args.hidden}, {args.micro_batches} "
+        f"micro-batches of {args.batch}x{args.seq} per step, fp32, LoRA r=8 all-linear, {args.steps} steps after "
+        f"{args.warmup} warm-up; links: every peer and the bootstrap behind its own emulated link"
+    )
+    print(f"round trips no schedule avoids: {rounds} (forward + backward through {spans} spans, commit, copy)")
+    print()
+    header = f"{'mode':<10} {'rtt ms':>6} {'Mbit/s':>7} {'step s':>8} {'bound s':>8} {'/bound':>7}"
+    header += f" {'rt waited':>9} {'requests':>8} {'MB/step':>8}"
+    print(header)
+    for run in runs:
+        zero = base[run.mode].median
+        busiest = max(max(per_peer.values(), default=0) for per_peer in run.peer_bytes)
+        transfer = busiest / (run.mbit * 1e6 / 8) if run.mbit else 0.0
+        bound = base["pipelined" if "pipelined" in base else run.mode].median + rounds * run.rtt_ms / 1000 + transfer
+        waited = (run.median - zero) / (run.rtt_ms / 1000) if run.rtt_ms else 0.0
+        requests = statistics.median(sum(c.values()) for c in run.calls)
+        print(
+            f"{run.mode:<10} {run.rtt_ms:6.0f} {run.mbit:7.0f} {run.median:8.3f} {bound:8.3f} "
+            f"{run.median / bound:7.2f} {waited:9.1f} {requests:8.0f} {statistics.median(run.bytes) / 1e6:8.2f}"
+        )
+    print()
+    for rtt in sorted({run.rtt_ms for run in runs}):
+        at = {run.mode: run for run in runs if run.rtt_ms == rtt}
+        if "loop" in at and "pipelined" in at:
+            print(f"pipelined vs loop at {rtt:.0f} ms: {at['loop'].median / at['pipelined'].median:.2f}x faster")
+    last = runs[-1]
+    methods = Counter()
+    for calls in last.calls:
+        methods.update(calls)
+    per_step = ", ".join(f"{m} {n / len(last.calls):.0f}" for m, n in sorted(methods.items()))
+    print(f"requests per step ({last.mode}, {last.rtt_ms:.0f} ms): {per_step}")
+    print(f"goals at 100 ms: step <= {GOAL_BOUND}x the bound; >= {GOAL_SPEEDUP}x faster than the previous main")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rtt-ms", type=float, nargs="+", default=[0.0, 50.0, 100.0])
+    parser.add_argument("--mbit", type=float, default=100.0, help="bandwidth of each link (Mbit/s per direction)")
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--modes", nargs="+", default=["loop", "pipelined"], choices=["loop", "pipelined"])
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not 1 <= args.peers <= args.layers or args.steps < 1:
+        parser.error("need 1 <= --peers <= --layers and --steps >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    bench = _bench_step()
+    with tempfile.TemporaryDirectory(prefix="bench_wan_") as tmp:
+        workdir = args.workdir or Path(tmp)
+        model_dir = bench._load_make_tiny_model()(
+            workdir / "model",
+            family="llama",
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=8,
+            kv_heads=8,
+            intermediate=args.hidden * 11 // 4,
+            vocab=args.vocab,
+            seed=0,
+        )
+        base_runs = run_swarm(model_dir, workdir, args, 0.0, 0.0)
+        base = {run.mode: run for run in base_runs}
+        runs = list(base_runs)
+        for rtt in args.rtt_ms:
+            runs.extend(run_swarm(model_dir, workdir, args, rtt, args.mbit))
+        report(args, base, runs)
+
+
+if __name__ == "__main__":
+    main()
