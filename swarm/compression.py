@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from hivemind.compression import deserialize_torch_tensor
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
 from swarm.errors import RequestError
@@ -58,9 +58,26 @@ class WireFormat:
         return cls(None, compression)
 
 
+def serialize(tensor: torch.Tensor, compression: int) -> runtime_pb2.Tensor:
+    """hivemind's serializer (``compression`` for floating tensors only), except that an uncompressed bfloat16
+    tensor travels in 2 bytes per value (hivemind widens it to float32, numpy having no bfloat16)."""
+    if not tensor.is_floating_point():
+        compression = runtime_pb2.CompressionType.NONE
+    if tensor.dtype == torch.bfloat16 and compression == runtime_pb2.CompressionType.NONE:
+        serialized = serialize_torch_tensor(tensor.view(torch.int16))
+        serialized.dtype = "bfloat16"
+        return serialized
+    return serialize_torch_tensor(tensor, compression)
+
+
 def deserialize(serialized: runtime_pb2.Tensor) -> torch.Tensor:
-    """hivemind's deserializer, except for blockwise 8-bit tensors, whose header hivemind 1.1 reads in a way that
-    numpy 2 refuses (``int()`` of a one-element array); the format is the same."""
+    """hivemind's deserializer, but for 2-byte bfloat16 (see ``serialize``) and blockwise 8-bit tensors, whose
+    header hivemind 1.1 reads in a way that numpy 2 refuses (``int()`` of a one-element array)."""
+    size = tuple(serialized.size)
+    if serialized.compression == runtime_pb2.CompressionType.NONE and serialized.dtype == "bfloat16":
+        if len(serialized.buffer) == 2 * int(np.prod(size)):
+            values = torch.frombuffer(bytearray(serialized.buffer), dtype=torch.int16)
+            return values.view(torch.bfloat16).reshape(size).requires_grad_(serialized.requires_grad)
     if serialized.compression != runtime_pb2.CompressionType.BLOCKWISE_8BIT:
         return deserialize_torch_tensor(serialized)
     from bitsandbytes.functional import dequantize_blockwise
@@ -70,7 +87,6 @@ def deserialize(serialized: runtime_pb2.Tensor) -> torch.Tensor:
     absmax = np.frombuffer(buffer, offset=16, count=absmax_size, dtype=np.float32)
     code = np.frombuffer(buffer, offset=16 + absmax.nbytes, count=code_size, dtype=np.float32)
     quantized = np.frombuffer(buffer, offset=16 + absmax.nbytes + code.nbytes, dtype=np.uint8)
-    size = tuple(serialized.size)
     if quantized.size != int(np.prod(size)) or absmax_size != -(-quantized.size // BLOCKSIZE):
         raise ValueError("a blockwise 8-bit tensor whose sizes do not add up")
     result = dequantize_blockwise(

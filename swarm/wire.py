@@ -8,14 +8,13 @@ from dataclasses import dataclass
 from typing import AsyncIterator  # noqa: UP035 -- hivemind's servicer reads typing's alias to spot streams
 
 import torch
-from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE, MAX_UNARY_PAYLOAD_SIZE
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-from swarm.compression import deserialize
+from swarm.compression import deserialize, serialize
 from swarm.errors import RemoteError
 from swarm.security import SwarmKey
 
@@ -48,10 +47,7 @@ def encode(message: Message, key: SwarmKey | None = None) -> list[runtime_pb2.Ex
 
     With a swarm key, the metadata carries ``auth``: an HMAC over the metadata and every tensor buffer.
     """
-    serialized = [
-        serialize_torch_tensor(t, message.compression if t.is_floating_point() else runtime_pb2.CompressionType.NONE)
-        for t in message.tensors
-    ]
+    serialized = [serialize(t, message.compression) for t in message.tensors]
     if is_unary(message):
         parts = [runtime_pb2.ExpertRequest(tensors=serialized)]
     else:

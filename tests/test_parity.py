@@ -225,3 +225,43 @@ def test_pipelined_steps_equal_local_peft(llama_swarm, tiny_models, tmp_path):
     local_state = load_file(tmp_path / "local" / "adapter_model.safetensors")
     for key in swarm_state:
         torch.testing.assert_close(swarm_state[key], local_state[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_compressed_wire_trains_close_to_exact_and_is_off_by_default(llama_swarm, tiny_models):
+    """wire_dtype="bfloat16" + compression="blockwise8": the logits stay close to the exact ones, a step trains;
+    without them the requests carry full-precision tensors (the exact parity above)."""
+    model_dir = tiny_models["llama"]
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 256, (2, 12), generator=g)
+    logits, sent = {}, {}
+    for name, options in {"exact": {}, "compressed": dict(wire_dtype="bfloat16", compression="blockwise8")}.items():
+        model = swarm.SwarmModelForCausalLM.from_pretrained(
+            model_dir,
+            initial_peers=llama_swarm.initial_peers,
+            adapter=f"wire-{name}",
+            lora_config=peft.LoraConfig(**LORA),
+            seed=7,
+            **options,
+        )
+        requests, original = [], model.stack.call
+
+        def call(peer, meta, tensors, *args, original=original, requests=requests, **kwargs):
+            requests.append((meta, [t.dtype for t in tensors], kwargs.get("compression", 0)))
+            return original(peer, meta, tensors, *args, **kwargs)
+
+        try:
+            model.stack.call = call
+            with torch.no_grad():
+                logits[name] = model(ids).logits
+            loss = model.train_step([dict(input_ids=ids, labels=ids)])
+            swarm.RemoteOptimizer(model, **HPARAMS).step()
+            assert model.step == 1 and torch.isfinite(loss)
+        finally:
+            model.shutdown()
+        sent[name] = [r for r in requests if r[0]["method"] in ("forward", "backward")]
+    assert all(dtypes[0] == torch.float32 and not c and m["compression"] == "none" for m, dtypes, c in sent["exact"])
+    assert all(dtypes[0] == torch.bfloat16 and c for m, dtypes, c in sent["compressed"])
+    assert all(m["compression"] == "blockwise8" for m, _, _ in sent["compressed"])
+    scale = logits["exact"].abs().max()
+    assert (logits["compressed"] - logits["exact"]).abs().max() <= 0.05 * scale
+    assert not torch.equal(logits["compressed"], logits["exact"]), "the compressed wire changed nothing"
