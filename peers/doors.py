@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import AsyncIterator  # noqa: UP035 -- matches the doors' signatures
 
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
+from swarm import lanes
 from swarm.errors import RemoteError, RequestError
 from swarm.protocol import RELAY_TIMEOUT, RELAY_TO, ErrorKind, Method, read_peer
 from swarm.reachability import ReachabilityProbe
@@ -23,6 +26,7 @@ from swarm.wire import (
     decode,
     encode,
     error_message,
+    payload_bytes,
     verify,
 )
 
@@ -31,6 +35,7 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[Message], Awaitable[Message]]
 
 
+MAX_ARRIVALS = 1024  # messages whose lanes are arriving at once, from all callers
 RELAY_CALL_TIMEOUT = 600.0  # the longest a relay waits for the peer it passes a request on to
 
 
@@ -48,6 +53,8 @@ class Doorkeeper:
         self.probe = ReachabilityProbe()
         self.me, self.relay = "", None  # set by register()
         self.handlers: dict[str, Handler] = {Method.HELLO: self._hello, Method.REACHABLE: self._reachable}
+        self.arrivals: dict[tuple, lanes.Arrivals] = {}  # (caller, message id) -> lanes received so far
+        self._settling: set[asyncio.Task] = set()
 
     async def register(self, p2p: P2P) -> None:
         self.me = p2p.peer_id.to_base58()
@@ -71,6 +78,57 @@ class Doorkeeper:
                 0
             ]
         return parts[0]
+
+    async def rpc_lane(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertRequest:
+        """One lane of a message sent over parallel calls: the last lane in has the message handled; every lane
+        answers with its share of the reply."""
+        try:
+            index, count, parts = lanes.lane_of(request)
+            if not 0 < len(request.uid) <= 64:
+                raise WireError("a lane needs a message id of 1 to 64 characters")
+        except WireError as e:
+            return lanes.pack(encode(error_message(ErrorKind.BAD_REQUEST, str(e))), 1)[0]
+        self._expire_arrivals()
+        key = (context.remote_id, request.uid)
+        arrivals = self.arrivals.setdefault(key, lanes.Arrivals(count))
+        arrivals.size += request.ByteSize()
+        if arrivals.count != count or index in arrivals.parts or len(self.arrivals) > MAX_ARRIVALS:
+            self._answer(arrivals, error_message(ErrorKind.BAD_REQUEST, "lanes of a message disagree or repeat"))
+        elif arrivals.size > self.max_payload_bytes:
+            self._answer(arrivals, error_message(ErrorKind.TOO_LARGE, f"request exceeds {self.max_payload_bytes} B"))
+        else:
+            arrivals.parts[index] = parts
+            if arrivals.complete and not arrivals.reply.done():
+                self._answer(arrivals, self.handle(arrivals.ordered(), context))
+        try:
+            reply = await asyncio.wait_for(asyncio.shield(arrivals.reply), lanes.LANE_WAIT)
+        except asyncio.TimeoutError:
+            reply = encode(error_message(ErrorKind.BAD_REQUEST, "the other lanes of this message never came"))
+        finally:
+            arrivals.answered += 1
+            if arrivals.answered >= arrivals.count:
+                self.arrivals.pop(key, None)
+        return lanes.pack(reply, count)[index]
+
+    def _answer(self, arrivals: lanes.Arrivals, reply: Message | Awaitable[Message]) -> None:
+        """Settle a message's reply once (handled in a task of its own: a lane given up by its caller must not
+        cancel the work the other lanes wait for)."""
+
+        async def settle() -> None:
+            message = reply if isinstance(reply, Message) else await reply
+            if not arrivals.reply.done():
+                size = lanes.chunk_bytes(payload_bytes(message.tensors))
+                arrivals.reply.set_result(encode(message, chunk_bytes=size))
+
+        task = asyncio.ensure_future(settle())
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    def _expire_arrivals(self) -> None:
+        """Forget messages whose lanes stopped coming (their caller gave up or died)."""
+        now = time.monotonic()
+        for key in [k for k, a in self.arrivals.items() if now - a.started > 2 * lanes.LANE_WAIT]:
+            del self.arrivals[key]
 
     async def rpc_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext

@@ -65,6 +65,7 @@ class Run:
     rtt_ms: float
     mbit: float
     times: list[float] = field(default_factory=list)
+    commits: list[float] = field(default_factory=list)
     calls: list[Counter] = field(default_factory=list)
     bytes: list[int] = field(default_factory=list)
     peer_bytes: list[dict[str, int]] = field(default_factory=list)
@@ -108,11 +109,13 @@ def train(model, batches: list[dict], mode: str, steps: int, warmup: int, run: R
         else:
             for batch in batches:
                 (model(**batch).loss / len(batches)).backward()
+        committing = time.perf_counter()
         optimizer.step()
         elapsed = time.perf_counter() - started
         calls, per_peer = meter.take()
         if index >= warmup:
             run.times.append(elapsed)
+            run.commits.append(time.perf_counter() - committing)
             run.calls.append(calls)
             run.bytes.append(sum(per_peer.values()))
             run.peer_bytes.append(dict(per_peer))
@@ -186,7 +189,7 @@ def report(args: argparse.Namespace, base: dict[str, Run], runs: list[Run]) -> N
     print(f"round trips no schedule avoids: {rounds} (forward + backward through {spans} spans, commit, copy)")
     print()
     header = f"{'mode':<10} {'rtt ms':>6} {'Mbit/s':>7} {'step s':>8} {'bound s':>8} {'/bound':>7}"
-    header += f" {'rt waited':>9} {'requests':>8} {'MB/step':>8}"
+    header += f" {'rt waited':>9} {'commit s':>8} {'requests':>8} {'MB/step':>8}"
     print(header)
     for run in runs:
         zero = base[run.mode].median
@@ -197,7 +200,8 @@ def report(args: argparse.Namespace, base: dict[str, Run], runs: list[Run]) -> N
         requests = statistics.median(sum(c.values()) for c in run.calls)
         print(
             f"{run.mode:<10} {run.rtt_ms:6.0f} {run.mbit:7.0f} {run.median:8.3f} {bound:8.3f} "
-            f"{run.median / bound:7.2f} {waited:9.1f} {requests:8.0f} {statistics.median(run.bytes) / 1e6:8.2f}"
+            f"{run.median / bound:7.2f} {waited:9.1f} {statistics.median(run.commits):8.3f} {requests:8.0f} "
+            f"{statistics.median(run.bytes) / 1e6:8.2f}"
         )
     print()
     for rtt in sorted({run.rtt_ms for run in runs}):

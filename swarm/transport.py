@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterable
 
 from hivemind import DHT
@@ -13,6 +14,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import as_aiter
 
+from swarm import lanes
 from swarm.addresses import dial, only_relayed, relay_of
 from swarm.errors import ErrorKind, RemoteError
 from swarm.protocol import RELAY_TIMEOUT, RELAY_TO, STREAMED_REPLIES
@@ -26,6 +28,7 @@ from swarm.wire import (
     collect,
     decode,
     encode,
+    payload_bytes,
     raise_if_error,
 )
 
@@ -115,11 +118,21 @@ class Transport:
 
     async def _send(self, peer: PeerID, message: Message, timeout: float | None) -> Message:
         stub = PeerDoors.get_stub(self.p2p, peer)
+        payload = payload_bytes(message.tensors)
+        if payload > lanes.LANE_BYTES and message.meta.get("method") not in STREAMED_REPLIES:
+            return await asyncio.wait_for(self._send_lanes(stub, message, payload), timeout=timeout)
         parts = encode(message, self.swarm_key)
         if len(parts) == 1 and message.meta.get("method") not in STREAMED_REPLIES:
             reply = await stub.rpc_call(parts[0], timeout=timeout)
             return raise_if_error(decode([reply]))
         return raise_if_error(await asyncio.wait_for(self._stream(stub, parts), timeout=timeout))
+
+    async def _send_lanes(self, stub, message: Message, payload: int) -> Message:
+        """A large request as one call per chunk, all at once (see ``swarm.lanes``)."""
+        parts = encode(message, self.swarm_key, lanes.chunk_bytes(payload))
+        packed = lanes.pack(parts, max(1, len(parts) - 1), uuid.uuid4().hex)
+        replies = await asyncio.gather(*(stub.rpc_lane(lane) for lane in packed))
+        return raise_if_error(decode(lanes.unpack(list(replies))))
 
     async def connected(self, peer: PeerID) -> bool:
         """Whether the P2P daemon holds an open connection to ``peer`` right now."""

@@ -42,18 +42,21 @@ def is_unary(message: Message) -> bool:
     return payload_bytes(message.tensors) <= MAX_UNARY_PAYLOAD_SIZE
 
 
-def encode(message: Message, key: SwarmKey | None = None) -> list[runtime_pb2.ExpertRequest]:
-    """One protobuf for small messages; for large ones, chunks under the P2P message limit (meta on the first).
+def encode(
+    message: Message, key: SwarmKey | None = None, chunk_bytes: int | None = None
+) -> list[runtime_pb2.ExpertRequest]:
+    """One protobuf for small messages; for large ones (or with ``chunk_bytes``), a header and the tensors in
+    chunks of at most ``chunk_bytes`` (default: half the P2P message limit), meta on the header.
 
     With a swarm key, the metadata carries ``auth``: an HMAC over the metadata and every tensor buffer.
     """
     serialized = [serialize(t, message.compression) for t in message.tensors]
-    if is_unary(message):
+    if chunk_bytes is None and is_unary(message):
         parts = [runtime_pb2.ExpertRequest(tensors=serialized)]
     else:
         parts = [runtime_pb2.ExpertRequest(uid=str(len(serialized)))]
         for index, tensor in enumerate(serialized):
-            for chunk in split_for_streaming(tensor, DEFAULT_MAX_MSG_SIZE // 2):
+            for chunk in split_for_streaming(tensor, chunk_bytes or DEFAULT_MAX_MSG_SIZE // 2):
                 parts.append(runtime_pb2.ExpertRequest(uid=str(index), tensors=[chunk]))
     meta = dict(message.meta)
     if key is not None:
@@ -142,7 +145,8 @@ def raise_if_error(message: Message) -> Message:
 class PeerDoors(ServicerBase):
     """The two RPC doors every peer opens (implemented by ``peers.service.PeerService``); callers build stubs here.
 
-    ``rpc_call`` carries a whole message in one protobuf; ``rpc_stream`` carries large messages in chunks.
+    ``rpc_call`` carries a whole message in one protobuf; ``rpc_stream`` carries large messages in chunks;
+    ``rpc_lane`` carries one chunk of a large message sent over parallel calls (``swarm.lanes``).
     """
 
     async def rpc_call(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertRequest:
@@ -151,4 +155,7 @@ class PeerDoors(ServicerBase):
     async def rpc_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        raise NotImplementedError
+
+    async def rpc_lane(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertRequest:
         raise NotImplementedError

@@ -265,3 +265,37 @@ def test_compressed_wire_trains_close_to_exact_and_is_off_by_default(llama_swarm
     scale = logits["exact"].abs().max()
     assert (logits["compressed"] - logits["exact"]).abs().max() <= 0.05 * scale
     assert not torch.equal(logits["compressed"], logits["exact"]), "the compressed wire changed nothing"
+
+
+def test_large_micro_batches_travel_over_parallel_lanes_exactly(llama_swarm, tiny_models, tmp_path):
+    """A micro-batch whose hidden states exceed a stream window (here 16x128 tokens x 64 x fp32 = 512 KiB) goes
+    out as several calls at once and comes back the same way; the step still equals local peft's."""
+    model_dir = tiny_models["llama"]
+    model = swarm.SwarmModelForCausalLM.from_pretrained(
+        model_dir, initial_peers=llama_swarm.initial_peers, adapter="lanes", lora_config=peft.LoraConfig(**LORA), seed=5
+    )
+    ids = torch.randint(0, 256, (16, 128), generator=torch.Generator().manual_seed(9))
+    batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+    laned, original = [], model.transport._send_lanes
+
+    async def send_lanes(stub, message, payload):
+        laned.append(message.meta["method"])
+        return await original(stub, message, payload)
+
+    try:
+        model.save_adapter(tmp_path / "initial")
+        model.transport._send_lanes = send_lanes
+        swarm_losses = train(model, swarm.RemoteOptimizer(model, **HPARAMS), [[batch]], accumulation=1)
+        model.save_adapter(tmp_path / "final")
+    finally:
+        model.shutdown()
+    assert laned.count("forward") == 2 and laned.count("backward") == 2, laned
+    reference = local_peft(model_dir, tmp_path / "initial")
+    trainable = [p for p in reference.parameters() if p.requires_grad]
+    local_losses = train(reference, torch.optim.AdamW(trainable, **HPARAMS), [[batch]], accumulation=1)
+    torch.testing.assert_close(torch.tensor(swarm_losses), torch.tensor(local_losses), rtol=1e-5, atol=1e-5)
+    reference.save_pretrained(tmp_path / "local")
+    swarm_state = load_file(tmp_path / "final" / "adapter_model.safetensors")
+    local_state = load_file(tmp_path / "local" / "adapter_model.safetensors")
+    for key in swarm_state:
+        torch.testing.assert_close(swarm_state[key], local_state[key], rtol=1e-4, atol=1e-5, msg=key)

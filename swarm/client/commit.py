@@ -10,6 +10,7 @@ Replicas that are behind (or new) first pull the state from a current one.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +49,7 @@ class ReplicaSet:
         self.standby: dict[PeerID, dict[int, int]] = {}  # peer -> block -> step of the standby copy it holds
         self.lost: list[StepsLost] = []
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="swarm-open")
+        self._refreshing = threading.Lock()
         stack.on_peer_state.append(self.forget)
 
     def note_standby(self, peer: PeerID, steps: dict[int, int]) -> None:
@@ -88,7 +90,12 @@ class ReplicaSet:
 
     def refresh(self, step: int) -> None:
         """Open the adapter on every announced peer not known current; sync those that are behind. A block whose
-        current copies all died resumes from the newest surviving one, and the steps lost are reported."""
+        current copies all died resumes from the newest surviving one, and the steps lost are reported. One refresh
+        at a time: micro-batches in flight together may all find a block without a current server."""
+        with self._refreshing:
+            self._refresh(step)
+
+    def _refresh(self, step: int) -> None:
         servers = self.stack.router.live_servers(eligible_only=False)
         behind: dict[PeerID, dict[int, int]] = {}
         unknown = [p for p in servers if self.current.get(p, -1) < step]  # ahead: applied this step already
