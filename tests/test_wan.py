@@ -1,4 +1,4 @@
-"""The emulated WAN link of the benchmarks: bytes arrive intact, in order, no sooner than the link allows."""
+"""Speed over real links: the emulated WAN link of the benchmarks, and lanes (large messages over parallel calls)."""
 
 from __future__ import annotations
 
@@ -42,3 +42,26 @@ def test_the_link_delays_and_limits_both_ways_and_keeps_every_byte():
     assert received == sent
     # 300 kB at 1 MB/s each way (pipelined: at least once) plus one round trip of 100 ms
     assert elapsed >= 0.3 + 0.1, elapsed
+
+
+def test_a_message_spread_over_lanes_comes_back_whole():
+    """swarm.lanes: a large message in chunks over parallel calls, reassembled in order whatever order the lanes
+    arrive in; lanes that disagree are refused."""
+    import pytest
+    import torch
+
+    from swarm import lanes
+    from swarm.wire import Message, WireError, decode, encode
+
+    tensors = [torch.randn(4, 64, 256), torch.ones(4, 64, dtype=torch.int64)]
+    parts = encode(Message({"method": "forward"}, tensors), chunk_bytes=lanes.chunk_bytes(300_000))
+    packed = lanes.pack(parts, len(parts) - 1, "id")
+    assert len(packed) >= 2 and all(lane.ByteSize() <= lanes.LANE_BYTES + 4096 for lane in packed)
+    back = decode(lanes.unpack(list(reversed(packed))))
+    assert back.meta == {"method": "forward"} and all(
+        torch.equal(a, b) for a, b in zip(back.tensors, tensors, strict=True)
+    )
+    few = lanes.pack(encode(Message({"x": 1}, [])), 3)  # a short reply over three lanes: two carry nothing
+    assert decode(lanes.unpack(few)).meta == {"x": 1}
+    with pytest.raises(WireError):
+        lanes.unpack(packed[:-1])
