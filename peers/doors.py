@@ -108,6 +108,8 @@ class Doorkeeper:
             arrivals.answered += 1
             if arrivals.answered >= arrivals.count:
                 self.arrivals.pop(key, None)
+        if len(reply) == 1:
+            return lanes.pack(reply, 1)[0]  # a reply of one part (a refusal, a small answer) goes whole on every lane
         return lanes.pack(reply, count)[index]
 
     def _answer(self, arrivals: lanes.Arrivals, reply: Message | Awaitable[Message]) -> None:

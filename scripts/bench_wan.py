@@ -10,7 +10,7 @@ of the busiest peer link / bandwidth.
 
 Usage::
 
-    python scripts/bench_wan.py [--rtt-ms 0 50 100] [--mbit 100] [--peers 4] [--layers 8] [--hidden 256]
+    python scripts/bench_wan.py [--rtt-ms 0 50 100] [--mbit 100] [--peers 4 ...] [--layers 8] [--hidden 256]
         [--batch 4] [--seq 64] [--micro-batches 4] [--steps 5] [--warmup 1] [--modes loop pipelined]
         [--workdir DIR]
 """
@@ -62,6 +62,7 @@ class Run:
     """One mode at one link setting: step times, and the client's requests and bytes per step."""
 
     mode: str
+    peers: int
     rtt_ms: float
     mbit: float
     times: list[float] = field(default_factory=list)
@@ -122,13 +123,14 @@ def train(model, batches: list[dict], mode: str, steps: int, warmup: int, run: R
     logger.info("%s at %.0f ms: %s", mode, run.rtt_ms, " ".join(f"{t:.3f}" for t in run.times))
 
 
-def run_swarm(model_dir: Path, workdir: Path, args: argparse.Namespace, rtt_ms: float, mbit: float) -> list[Run]:
-    """A bootstrap and ``--peers`` peers on 127.0.0.1, each reached through its own emulated link; every mode
+def run_swarm(
+    model_dir: Path, workdir: Path, args: argparse.Namespace, peers: int, rtt_ms: float, mbit: float
+) -> list[Run]:
+    """A bootstrap and ``peers`` peers on 127.0.0.1, each reached through its own emulated link; every mode
     trains a fresh adapter through it."""
     bench = _bench_step()
-    layers = args.layers
-    spans = bench.split_blocks(layers, args.peers)
-    ports = [(free_port(), free_port()) for _ in range(args.peers + 1)]  # (announced, real) per node
+    spans = bench.split_blocks(args.layers, peers)
+    ports = [(free_port(), free_port()) for _ in range(peers + 1)]  # (announced, real) per node
     pairs = [f"{announced}:{real}" for announced, real in ports]
     link = subprocess.Popen(
         [sys.executable, "-m", "swarm.wanlink", "--rtt-ms", str(rtt_ms), "--mbit", str(mbit), *pairs],
@@ -139,7 +141,7 @@ def run_swarm(model_dir: Path, workdir: Path, args: argparse.Namespace, rtt_ms: 
     runs = []
     try:
         time.sleep(1.0)
-        with LocalSwarm(workdir / f"rtt{rtt_ms:g}-mbit{mbit:g}") as local:
+        with LocalSwarm(workdir / f"peers{peers}-rtt{rtt_ms:g}-mbit{mbit:g}") as local:
 
             def node(index: int) -> list[str]:
                 announced, real = ports[index]
@@ -160,7 +162,7 @@ def run_swarm(model_dir: Path, workdir: Path, args: argparse.Namespace, rtt_ms: 
                     seed=0,
                 )
                 try:
-                    run = Run(mode, rtt_ms, mbit)
+                    run = Run(mode, peers, rtt_ms, mbit)
                     train(model, batches, mode, args.steps, args.warmup, run)
                     runs.append(run)
                 finally:
@@ -176,52 +178,70 @@ def unavoidable_round_trips(spans: int, copies: bool) -> int:
     return 2 * spans + 1 + int(copies)
 
 
-def report(args: argparse.Namespace, base: dict[str, Run], runs: list[Run]) -> None:
-    spans = args.peers
+def report(args: argparse.Namespace, runs: list[Run]) -> None:
+    base = {(run.mode, run.peers): run for run in runs if run.rtt_ms == 0 and run.mbit == 0}
     copies = True  # every block has one server here: min_copies=2 asks a standby copy each step
-    rounds = unavoidable_round_trips(spans, copies)
     print()
     print(
-        f"config: {args.peers} peers x {args.layers // args.peers} blocks, hidden {args.hidden}, {args.micro_batches} "
-        f"micro-batches of {args.batch}x{args.seq} per step, fp32, LoRA r=8 all-linear, {args.steps} steps after "
-        f"{args.warmup} warm-up; links: every peer and the bootstrap behind its own emulated link"
+        f"config: {args.layers} blocks split over the peers, hidden {args.hidden}, {args.micro_batches} micro-batches "
+        f"of {args.batch}x{args.seq} per step, fp32, LoRA r=8 all-linear, {args.steps} steps after {args.warmup} "
+        "warm-up; every peer and the bootstrap behind its own emulated link"
     )
-    print(f"round trips no schedule avoids: {rounds} (forward + backward through {spans} spans, commit, copy)")
+    print("round trips no schedule avoids: forward + backward through every span, commit, copy (2 x peers + 2)")
+    print("bound: step at 0 ms and no cap (same mode and peers) + those round trips + busiest peer's bytes / bandwidth")
     print()
-    header = f"{'mode':<10} {'rtt ms':>6} {'Mbit/s':>7} {'step s':>8} {'bound s':>8} {'/bound':>7}"
+    header = f"{'mode':<10} {'peers':>5} {'rtt ms':>6} {'Mbit/s':>7} {'step s':>8} {'bound s':>8} {'/bound':>7}"
     header += f" {'rt waited':>9} {'commit s':>8} {'requests':>8} {'MB/step':>8}"
     print(header)
     for run in runs:
-        zero = base[run.mode].median
+        zero = base[(run.mode, run.peers)].median
+        rounds = unavoidable_round_trips(run.peers, copies)
         busiest = max(max(per_peer.values(), default=0) for per_peer in run.peer_bytes)
         transfer = busiest / (run.mbit * 1e6 / 8) if run.mbit else 0.0
-        bound = base["pipelined" if "pipelined" in base else run.mode].median + rounds * run.rtt_ms / 1000 + transfer
+        bound = zero + rounds * run.rtt_ms / 1000 + transfer
         waited = (run.median - zero) / (run.rtt_ms / 1000) if run.rtt_ms else 0.0
         requests = statistics.median(sum(c.values()) for c in run.calls)
         print(
-            f"{run.mode:<10} {run.rtt_ms:6.0f} {run.mbit:7.0f} {run.median:8.3f} {bound:8.3f} "
+            f"{run.mode:<10} {run.peers:5d} {run.rtt_ms:6.0f} {run.mbit:7.0f} {run.median:8.3f} {bound:8.3f} "
             f"{run.median / bound:7.2f} {waited:9.1f} {statistics.median(run.commits):8.3f} {requests:8.0f} "
             f"{statistics.median(run.bytes) / 1e6:8.2f}"
         )
     print()
-    for rtt in sorted({run.rtt_ms for run in runs}):
-        at = {run.mode: run for run in runs if run.rtt_ms == rtt}
+    for (peers, rtt), at in sorted(_by_setting(runs).items()):
         if "loop" in at and "pipelined" in at:
-            print(f"pipelined vs loop at {rtt:.0f} ms: {at['loop'].median / at['pipelined'].median:.2f}x faster")
+            speedup = at["loop"].median / at["pipelined"].median
+            print(f"pipelined vs loop, {peers} peers at {rtt:.0f} ms: {speedup:.2f}x faster")
+    slowest = max(args.rtt_ms)
+    commits = {r.peers: statistics.median(r.commits) for r in runs if r.rtt_ms == slowest and r.mode == runs[-1].mode}
+    if len(commits) > 1:
+        low, high = min(commits), max(commits)
+        growth = (commits[high] - commits[low]) / (slowest / 1000) if slowest else 0.0
+        print(
+            f"commit at {slowest:.0f} ms: {commits[low]:.3f} s with {low} peers, {commits[high]:.3f} s with {high} "
+            f"peers: grows by {growth:.2f} round trips (goal < 1)"
+        )
     last = runs[-1]
-    methods = Counter()
+    methods: Counter = Counter()
     for calls in last.calls:
         methods.update(calls)
     per_step = ", ".join(f"{m} {n / len(last.calls):.0f}" for m, n in sorted(methods.items()))
-    print(f"requests per step ({last.mode}, {last.rtt_ms:.0f} ms): {per_step}")
+    print(f"requests per step ({last.mode}, {last.peers} peers, {last.rtt_ms:.0f} ms): {per_step}")
     print(f"goals at 100 ms: step <= {GOAL_BOUND}x the bound; >= {GOAL_SPEEDUP}x faster than the previous main")
+
+
+def _by_setting(runs: list[Run]) -> dict[tuple[int, float], dict[str, Run]]:
+    settings: dict[tuple[int, float], dict[str, Run]] = {}
+    for run in runs:
+        if run.mbit or run.rtt_ms:
+            settings.setdefault((run.peers, run.rtt_ms), {})[run.mode] = run
+    return settings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rtt-ms", type=float, nargs="+", default=[0.0, 50.0, 100.0])
     parser.add_argument("--mbit", type=float, default=100.0, help="bandwidth of each link (Mbit/s per direction)")
-    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--peers", type=int, nargs="+", default=[4], help="peer counts to compare")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=1024)
@@ -233,7 +253,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes", nargs="+", default=["loop", "pipelined"], choices=["loop", "pipelined"])
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args(argv)
-    if not 1 <= args.peers <= args.layers or args.steps < 1:
+    if not all(1 <= peers <= args.layers for peers in args.peers) or args.steps < 1:
         parser.error("need 1 <= --peers <= --layers and --steps >= 1")
     return args
 
@@ -255,12 +275,12 @@ def main(argv: list[str] | None = None) -> None:
             vocab=args.vocab,
             seed=0,
         )
-        base_runs = run_swarm(model_dir, workdir, args, 0.0, 0.0)
-        base = {run.mode: run for run in base_runs}
-        runs = list(base_runs)
-        for rtt in args.rtt_ms:
-            runs.extend(run_swarm(model_dir, workdir, args, rtt, args.mbit))
-        report(args, base, runs)
+        runs = []
+        for peers in args.peers:
+            runs.extend(run_swarm(model_dir, workdir, args, peers, 0.0, 0.0))
+            for rtt in args.rtt_ms:
+                runs.extend(run_swarm(model_dir, workdir, args, peers, rtt, args.mbit))
+        report(args, runs)
 
 
 if __name__ == "__main__":

@@ -56,10 +56,13 @@ def lane_of(lane: runtime_pb2.ExpertRequest) -> tuple[int, int, list[runtime_pb2
 
 
 def unpack(lanes: list[runtime_pb2.ExpertRequest]) -> list[runtime_pb2.ExpertRequest]:
-    """The parts of a message from all of its lanes (any order)."""
+    """The parts of a message from all of its lanes (any order). A lane that says it is the only one carries a
+    whole message by itself (a reply of one part, e.g. a refusal, is answered whole on every lane)."""
     by_index: dict[int, list[runtime_pb2.ExpertRequest]] = {}
     for lane in lanes:
         index, count, parts = lane_of(lane)
+        if count == 1:
+            return parts
         if count != len(lanes) or index in by_index:
             raise WireError("lanes of a message disagree on their number or repeat")
         by_index[index] = parts

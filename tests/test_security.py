@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import sys
@@ -19,6 +20,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
 import swarm
+from swarm import lanes
 from swarm.errors import RemoteError, SwarmAccessError
 from swarm.localswarm import LocalSwarm
 from swarm.network import join_dht
@@ -206,6 +208,17 @@ def _malformed_requests(rng: random.Random, hidden: int) -> list[list[runtime_pb
     return cases
 
 
+def _malformed_lanes(rng: random.Random, hidden: int) -> list[list[runtime_pb2.ExpertRequest]]:
+    """Lane calls that must be refused: not lanes at all, and the lanes of one message that disagree."""
+    cases = [[runtime_pb2.ExpertRequest(uid="x", metadata=rng.randbytes(rng.randint(0, 64)))] for _ in range(20)]
+    cases.append([runtime_pb2.ExpertRequest(uid="", metadata=lanes.pack([runtime_pb2.ExpertRequest()], 1)[0].metadata)])
+    good = {"method": "forward", "adapter": "fuzzed", "start": 0, "end": 2, "step": 0, "has_mask": False}
+    parts = encode(Message(good, [torch.randn(2, 3, hidden)]), chunk_bytes=256)
+    first, second = lanes.pack(parts, 2, "twice"), lanes.pack(parts, 3, "twice")
+    cases.append([first[0], second[1]])  # one message, two different lane counts
+    return cases
+
+
 def test_a_peer_survives_a_fuzz_of_malformed_requests_and_still_trains(tiny_models, tmp_path):
     model_dir = tiny_models["llama"]
     rng = random.Random(0)
@@ -228,6 +241,13 @@ def test_a_peer_survives_a_fuzz_of_malformed_requests_and_still_trains(tiny_mode
                     meta = decode([reply]).meta
                     assert "error" in meta, f"accepted a malformed request: {parts[0].metadata[:80]!r}"
                     refused += 1
+                for parts in _malformed_lanes(rng, 64):  # the lane door: garbage, and lanes that disagree
+
+                    async def send(parts=parts):
+                        return await asyncio.wait_for(asyncio.gather(*(stub.rpc_lane(lane) for lane in parts)), 90)
+
+                    replies = RemoteExpertWorker.run_coroutine(send())
+                    assert all("error" in decode(lanes.unpack([reply])).meta for reply in replies)
                 # Oversized payload on the stream door: refused, not buffered without bound.
                 big = Message({"method": "forward"}, [torch.zeros(5, 1024, 1024)])
                 with pytest.raises(RemoteError, match="too_large|limit"):

@@ -48,7 +48,7 @@ class ReplicaSet:
         self.current: dict[PeerID, int] = {}
         self.standby: dict[PeerID, dict[int, int]] = {}  # peer -> block -> step of the standby copy it holds
         self.lost: list[StepsLost] = []
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="swarm-open")
+        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="swarm-replicas")
         self._refreshing = threading.Lock()
         stack.on_peer_state.append(self.forget)
 
