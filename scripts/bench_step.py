@@ -7,7 +7,7 @@ on 127.0.0.1, a swarm client trains the same model, batch and LoRA, and the swar
 Usage::
 
     python scripts/bench_step.py [--hidden 512] [--layers 8] [--heads 8] [--kv-heads 8] [--intermediate 1376]
-        [--vocab 1024] [--batch 4] [--seq 128] [--peers 2] [--micro-batches 1] [--steps 10] [--warmup 2]
+        [--vocab 1024] [--batch 4] [--seq 128] [--peers 2] [--micro-batches 1] [--pipelined] [--steps 10] [--warmup 2]
         [--workdir DIR]
 """
 
@@ -92,15 +92,25 @@ def make_batches(vocab: int, batch: int, seq: int, micro_batches: int, seed: int
 
 
 def train(
-    name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[dict], steps: int, warmup: int
+    name: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[dict],
+    steps: int,
+    warmup: int,
+    pipelined: bool = False,
 ) -> StepStats:
-    """Run ``warmup`` untimed steps then ``steps`` timed ones; return their timings and losses."""
+    """Run ``warmup`` untimed steps then ``steps`` timed ones; return their timings and losses. ``pipelined``: the
+    swarm's ``model.train_step`` (micro-batches in flight together) instead of the loop."""
     stats = StepStats(name)
     for index in tqdm(range(warmup + steps), desc=name, unit="step"):
         phases = dict.fromkeys(PHASES, 0.0)
         loss_sum = 0.0
         started = time.perf_counter()
-        for batch in batches:
+        if pipelined:  # forward and backward of every micro-batch, several in flight: one phase
+            loss_sum = model.train_step(batches).item() * len(batches)
+            phases["backward"] = time.perf_counter() - started
+        for batch in [] if pipelined else batches:
             t0 = time.perf_counter()
             loss = model(**batch).loss
             t1 = time.perf_counter()
@@ -153,7 +163,7 @@ def split_blocks(layers: int, peers: int) -> list[str]:
 
 
 def run_swarm(
-    model_dir: Path, workdir: Path, peers: int, batches: list[dict], steps: int, warmup: int
+    model_dir: Path, workdir: Path, peers: int, batches: list[dict], steps: int, warmup: int, pipelined: bool = False
 ) -> tuple[StepStats, dict[str, float]]:
     """Start a DHT and ``peers`` peers on 127.0.0.1, train through them, and always close them."""
     local_swarm = LocalSwarm(workdir)
@@ -174,7 +184,7 @@ def run_swarm(
             seed=0,
         )
         optimizer = swarm.RemoteOptimizer(model, **HPARAMS)
-        stats = train("swarm", model, optimizer, batches, steps, warmup)
+        stats = train("swarm", model, optimizer, batches, steps, warmup, pipelined)
         try:
             rtts = ping(model)
         except Exception as e:  # a diagnostic only: never lose the timings over it
@@ -229,6 +239,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--peers", type=int, default=2, help="peers that split the blocks evenly")
     parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches of --batch rows per step")
+    parser.add_argument("--pipelined", action="store_true", help="swarm: model.train_step (micro-batches in flight)")
     parser.add_argument("--steps", type=int, default=10, help="measured steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before the measured ones")
     parser.add_argument("--workdir", type=Path, default=None, help="model and peer logs (default: a temp dir)")
@@ -257,7 +268,9 @@ def main(argv: list[str] | None = None) -> None:
         )
         batches = make_batches(args.vocab, args.batch, args.seq, args.micro_batches)
         local = run_local(model_dir, batches, args.steps, args.warmup)
-        remote, rtts = run_swarm(model_dir, workdir / "swarm", args.peers, batches, args.steps, args.warmup)
+        remote, rtts = run_swarm(
+            model_dir, workdir / "swarm", args.peers, batches, args.steps, args.warmup, args.pipelined
+        )
         spans = split_blocks(args.layers, args.peers)
         sizes = {int(b) - int(a) for a, b in (s.split(":") for s in spans)}
         peers_desc = f"{args.peers} peers x {sizes.pop()} blocks" if len(sizes) == 1 else f"peers {' '.join(spans)}"
