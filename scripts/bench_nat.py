@@ -14,7 +14,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import statistics
@@ -25,8 +24,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "scripts"):  # swarm, and bench_step.py's recipe (one recipe for every step bench)
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import bench_step  # noqa: E402
 
 from swarm.localswarm import LocalSwarm  # noqa: E402
 from swarm.netlab import NetLab, unavailable  # noqa: E402
@@ -34,26 +36,16 @@ from swarm.netlab import NetLab, unavailable  # noqa: E402
 logger = logging.getLogger("bench_nat")
 
 
-def _bench_step():
-    """scripts/bench_step.py, for its LoRA config, batches and training loop (one recipe for every step bench)."""
-    spec = importlib.util.spec_from_file_location("bench_step", ROOT / "scripts" / "bench_step.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_step"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def client(args: argparse.Namespace) -> None:
     """Inside the client's namespace: train, print the step times as one JSON line."""
     import swarm
 
-    bench = _bench_step()
     model = swarm.SwarmModelForCausalLM.from_pretrained(
-        args.model, initial_peers=args.initial_peers, adapter="bench-nat", lora_config=bench.lora_config(), seed=0
+        args.model, initial_peers=args.initial_peers, adapter="bench-nat", lora_config=bench_step.lora_config(), seed=0
     )
-    batches = bench.make_batches(args.vocab, args.batch, args.seq, args.micro_batches)
-    optimizer = swarm.RemoteOptimizer(model, **bench.HPARAMS)
-    stats = bench.train("swarm", model, optimizer, batches, args.steps, args.warmup)
+    batches = bench_step.make_batches(args.vocab, args.batch, args.seq, args.micro_batches)
+    optimizer = swarm.RemoteOptimizer(model, **bench_step.HPARAMS)
+    stats = bench_step.train("swarm", model, optimizer, batches, args.steps, args.warmup)
     model.shutdown()
     print(json.dumps({"times": stats.times}), flush=True)
 
@@ -108,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     if why_not:
         sys.exit(f"bench_nat: cannot build the lab here: {why_not}")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_nat-"))
-    make_tiny_model = _bench_step()._load_make_tiny_model()
+    make_tiny_model = bench_step._load_make_tiny_model()
     heads = max(1, args.hidden // 64)
     model = make_tiny_model(
         workdir / "model",

