@@ -90,7 +90,9 @@ class Doorkeeper:
             return lanes.pack(encode(error_message(ErrorKind.BAD_REQUEST, str(e))), 1)[0]
         self._expire_arrivals()
         key = (context.remote_id, request.uid)
-        arrivals = self.arrivals.setdefault(key, lanes.Arrivals(count))
+        arrivals = self.arrivals.get(key)
+        if arrivals is None:
+            arrivals = self.arrivals[key] = lanes.Arrivals(count)
         arrivals.size += request.ByteSize()
         if arrivals.count != count or index in arrivals.parts or len(self.arrivals) > MAX_ARRIVALS:
             self._answer(arrivals, error_message(ErrorKind.BAD_REQUEST, "lanes of a message disagree or repeat"))

@@ -46,16 +46,13 @@ class WireFormat:
             return tensor
         return tensor.to(WIRE_DTYPES[self.dtype])
 
-    def to_meta(self) -> str:
-        return self.compression
 
-    @classmethod
-    def from_meta(cls, meta: dict) -> WireFormat:
-        """The reply format a request asks for (its ``compression``; the dtype follows the request's tensors)."""
-        compression = meta.get("compression", "none")
-        if compression not in COMPRESSIONS:
-            raise RequestError(f"'compression' must be one of {sorted(COMPRESSIONS)}, got {compression!r}")
-        return cls(None, compression)
+def read_compression(meta: dict) -> str:
+    """The reply compression a request asks for (the reply's dtype follows the request's tensors)."""
+    compression = meta.get("compression", "none")
+    if compression not in COMPRESSIONS:
+        raise RequestError(f"'compression' must be one of {sorted(COMPRESSIONS)}, got {compression!r}")
+    return compression
 
 
 def serialize(tensor: torch.Tensor, compression: int) -> runtime_pb2.Tensor:

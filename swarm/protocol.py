@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from hivemind.p2p import PeerID
 
-from swarm.compression import WireFormat
+from swarm.compression import read_compression
 from swarm.errors import ErrorKind, RequestError
 
 
@@ -161,7 +161,7 @@ class SpanRequest:
             micro_batch=micro_batch,
             has_hidden=method != Method.BACKWARD or bool(meta.get("has_hidden", True)),
             input_grad=bool(meta.get("input_grad", True)),
-            compression=WireFormat.from_meta(meta).compression,
+            compression=read_compression(meta),
         )
 
 
