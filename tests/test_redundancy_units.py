@@ -11,6 +11,7 @@ from peers.backend import SpanBackend
 from peers.daemon import PeerConfig, blocks_that_fit
 from peers.state import BlockState, BlockUpdate, pack_states, unpack_states
 from swarm.blocks import lora_config_to_wire
+from swarm.client.commit import ReplicaSet
 from swarm.errors import MissingForwardError
 from swarm.protocol import AdapterInfo, OptimizerHParams, PeerInfo
 from swarm.records import ServerRecord, ServerState
@@ -184,3 +185,53 @@ def test_a_step_taken_back_is_redone_to_the_same_bits(tiny_models):
     exported, _ = backend.export_state("a", range(0, 2))
     backend.import_state("a", exported)
     assert backend.revert("a", 1) == {0: 2, 1: 2}, "a state replaced since (by a sync) keeps no undo"
+
+
+class _Router:
+    """The routing facts ReplicaSet reads: who serves what, and who may still hold state."""
+
+    num_blocks = 4
+
+    def __init__(self, servers: dict[PeerID, range]):
+        self.servers = servers
+
+    def live_servers(self, eligible_only: bool = True) -> dict[PeerID, range]:
+        return dict(self.servers)
+
+    def may_hold_state(self, peer: PeerID) -> bool:
+        return True
+
+
+class _Reply:
+    def __init__(self, meta: dict):
+        self.meta = meta
+
+
+class _Stack:
+    """Records the SYNC requests a ReplicaSet sends; a synced peer reports every block at the requested step."""
+
+    adapter = "a"
+
+    def __init__(self, router: _Router):
+        self.router, self.on_peer_state, self.sent = router, [], []
+
+    def call(self, peer: PeerID, meta: dict, tensors: list) -> _Reply:
+        self.sent.append((peer, meta["source"], meta["start"], meta["end"]))
+        return _Reply({"steps": {str(b): 1 for b in self.router.servers[peer]}})
+
+
+def test_a_takeover_holding_part_of_its_span_current_syncs_only_the_rest():
+    """The only server of blocks 2:4 died after step 1; its copies were spread: one peer held block 2, the other block
+    3. The peer that took 2:4 over holds block 2 at step 1 from its own copy and block 3 at step 0: block 3 comes from
+    the other copy's holder, and block 2 needs no source (it used to fail: "no current copy of block 2")."""
+    mover, stayer = PeerID(b"m" * 8), PeerID(b"s" * 8)
+    stack = _Stack(_Router({mover: range(2, 4), stayer: range(0, 2)}))
+    replicas = ReplicaSet(stack, open_on=lambda peer: ({}, {}))
+    try:
+        replicas.current[stayer] = 1
+        replicas.note_standby(stayer, {3: 1})
+        steps = replicas._sync(mover, range(2, 4), {2: 1, 3: 0}, step=1)
+    finally:
+        replicas.close()
+    assert stack.sent == [(mover, stayer.to_base58(), 3, 4)]
+    assert steps == {2: 1, 3: 1}

@@ -109,7 +109,7 @@ class ReplicaSet:
         for peer, steps in behind.items():
             try:
                 if any(s < step for s in steps.values()):
-                    steps = self._sync(peer, servers[peer], step)
+                    steps = self._sync(peer, servers[peer], steps, step)
             except (PeerFailure, RemoteError, CommitError) as e:
                 logger.warning("peer %s cannot be brought to step %d yet: %s", peer, step, e)
                 continue
@@ -157,10 +157,15 @@ class ReplicaSet:
                 lost.steps,
             )
 
-    def _sync(self, peer: PeerID, span: range, step: int) -> dict[int, int]:
-        """Pull the state of ``span`` from current replicas, one source per stretch of blocks."""
-        block, steps = span.start, {}
+    def _sync(self, peer: PeerID, span: range, steps: dict[int, int], step: int) -> dict[int, int]:
+        """Pull the state of the blocks of ``span`` that ``peer`` holds behind ``step`` (``steps``) from current
+        copies, one source per stretch of blocks. A block it already holds at ``step`` (a takeover that started from
+        its own standby copy) needs no source."""
+        block = span.start
         while block < span.stop:
+            if steps.get(block) == step:
+                block += 1
+                continue
             sources = [
                 (p, s.stop)
                 for p, s in self.stack.router.live_servers().items()
