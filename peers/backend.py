@@ -3,14 +3,17 @@ gradients, counted once), commits (AdamW in canonical order), and the moves of s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from tqdm.auto import tqdm
+from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from peers.inference import InferenceSessions
 from peers.state import (
     ActivationCache,
     Adapter,
@@ -27,10 +30,11 @@ from swarm.errors import (
     MissingForwardError,
     MissingGradientsError,
     RequestError,
+    SessionLostError,
     StaleStepError,
     UnknownAdapterError,
 )
-from swarm.protocol import OptimizerHParams
+from swarm.protocol import InferRequest, OptimizerHParams
 from swarm.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -49,12 +53,15 @@ class SpanBackend:
         quant: str,
         activation_cache_bytes: int = 1 << 30,
         max_tokens: int = 1 << 16,
+        inference_bytes: int = 1 << 30,
+        inference_timeout: float = 300.0,
     ):
         self.spec, self.device, self.dtype, self.quant, self.max_tokens = spec, device, dtype, quant, max_tokens
         self.layers: dict[int, nn.Module] = {}
         self.rotary = spec.family_class("RotaryEmbedding")(config=spec.config).to(device)
         self.adapters: dict[str, Adapter] = {}
         self.cache = ActivationCache(activation_cache_bytes)
+        self.sessions = InferenceSessions(inference_bytes, inference_timeout)
         self.install(self.load_layers(blocks))
 
     @property
@@ -165,14 +172,22 @@ class SpanBackend:
             )
         return range(start, end)
 
-    def run(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, blocks: range) -> torch.Tensor:
-        """The span's forward, with masks and rotary embeddings built exactly as the family's model builds them."""
-        position_ids = torch.arange(hidden.shape[1], device=self.device).unsqueeze(0)
+    def run(
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        blocks: range,
+        cache: DynamicCache | None = None,
+        position: int = 0,
+    ) -> torch.Tensor:
+        """The span's forward, with masks and rotary embeddings built exactly as the family's model builds them.
+        With a ``cache`` (generation), ``hidden`` holds the tokens after the ``position`` ones it already holds."""
+        position_ids = torch.arange(position, position + hidden.shape[1], device=self.device).unsqueeze(0)
         mask_args = dict(
             config=self.spec.config,
             inputs_embeds=hidden,
             attention_mask=attention_mask,
-            cache=None,
+            cache=cache,
             position_ids=position_ids,
         )
         masks: dict[str, torch.Tensor | None] = {}
@@ -181,11 +196,80 @@ class SpanBackend:
             kind = self.spec.attention_kind(block)
             if kind not in masks:
                 make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
-                masks[kind] = make(**mask_args)
+                masks[kind] = make(**mask_args, layer_idx=block if cache is not None else None)
             hidden = self.layers[block](
-                hidden, attention_mask=masks[kind], position_ids=position_ids, position_embeddings=position_embeddings
+                hidden,
+                attention_mask=masks[kind],
+                position_ids=position_ids,
+                position_embeddings=position_embeddings,
+                cache=cache,
+                use_cache=cache is not None,
             )
         return hidden
+
+    # --- generation -----------------------------------------------------------------------------------------
+
+    def kv_bytes(self, blocks: range, batch: int, length: int) -> int:
+        """Keys and values of ``batch`` x ``length`` tokens in ``blocks``, in this peer's compute dtype."""
+        config = self.spec.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        per_token = 2 * config.num_key_value_heads * head_dim * torch.finfo(self.dtype).bits // 8
+        return per_token * batch * length * len(blocks)
+
+    def infer(self, request: InferRequest, hidden: torch.Tensor) -> torch.Tensor:
+        """New tokens through the span in a generation session (opened at position 0); never changes any state but
+        the session's keys and values. Runs the adapter's last committed step, or the base model."""
+        blocks = request.blocks
+        if not blocks or any(block not in self.layers for block in blocks):
+            self.sessions.end(request.session)
+            raise SessionLostError(
+                f"blocks {spans_text(blocks)} are not all served here (this peer serves {spans_text(self.blocks)})"
+            )
+        self._check_hidden(hidden, None)
+        batch, length = hidden.shape[:2]
+        if request.position == 0:
+            if batch * request.max_length > self.max_tokens or length > request.max_length:
+                raise RequestError(
+                    f"a generation of {batch}x{request.max_length} tokens (prompt + max_new_tokens, times the batch) "
+                    f"exceeds this peer's --max-tokens of {self.max_tokens}; shorten the prompt or max_new_tokens"
+                )
+            reserve = self.kv_bytes(blocks, batch, request.max_length)
+            cache = DynamicCache(config=self.spec.config)
+            session = self.sessions.open(request.session, blocks, batch, request.max_length, reserve, cache)
+        else:
+            session = self.sessions.get(request.session)
+            if session.blocks != blocks or session.batch != batch or session.length != request.position:
+                raise RequestError(
+                    f"generation session {request.session} holds blocks {spans_text(session.blocks)}, a batch of "
+                    f"{session.batch} and {session.length} tokens; the request does not continue it"
+                )
+            if session.length + length > session.max_length:
+                raise RequestError(
+                    f"generation session {request.session} was opened for {session.max_length} tokens; open a "
+                    "longer one"
+                )
+        if request.adapter is None:
+            lora = self._lora_off()
+        else:
+            self._states(self.adapter(request.adapter), blocks, request.step)
+            self._activate(request.adapter)
+            lora = contextlib.nullcontext()
+        with torch.no_grad(), lora:
+            outputs = self.run(hidden.to(self.device, self.dtype), None, blocks, session.cache, session.length)
+        session.length += length
+        return outputs.to(hidden.dtype).cpu()
+
+    @contextlib.contextmanager
+    def _lora_off(self):
+        """The base model: every LoRA layer bypassed while inside (peft's own switch)."""
+        tuners = [m for layer in self.layers.values() for m in layer.modules() if isinstance(m, BaseTunerLayer)]
+        for module in tuners:
+            module.enable_adapters(False)
+        try:
+            yield
+        finally:
+            for module in tuners:
+                module.enable_adapters(True)
 
     def _check_hidden(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         if hidden.ndim != 3 or hidden.shape[-1] != self.spec.hidden_size:

@@ -66,6 +66,8 @@ class PeerConfig:
     activation_cache_mb: int = 1024
     max_payload_mb: int = 1024
     max_tokens: int = 1 << 16
+    max_inference_mb: int = 1024
+    inference_timeout: float = 300.0
 
     @property
     def quant_mode(self) -> str:
@@ -241,6 +243,8 @@ class PeerDaemon:
             config.quant_mode,
             activation_cache_bytes=config.activation_cache_mb << 20,
             max_tokens=config.max_tokens,
+            inference_bytes=config.max_inference_mb << 20,
+            inference_timeout=config.inference_timeout,
         )
         if self.store is not None:
             for name, (meta, states) in self.store.load().items():
@@ -294,7 +298,8 @@ class PeerDaemon:
         logger.info("now serving blocks %d:%d, %.0f tokens/s", target.start, target.stop, self.throughput)
 
     async def _balance_round(self) -> None:
-        """Refresh standby copies, then move if that strictly helps the swarm."""
+        """Free idle generation sessions, refresh standby copies, then move if that strictly helps the swarm."""
+        await self.parts.service.compute(self.parts.backend.sessions.expire)
         view = await self._observe()
         changed = await self.parts.replicator.refresh_standby(view, self.serving)
         for name in changed:

@@ -19,6 +19,7 @@ from swarm.errors import RequestError
 from swarm.protocol import (
     SYNC_TIMEOUT,
     CommitRequest,
+    InferRequest,
     Method,
     OpenReply,
     OpenRequest,
@@ -28,6 +29,7 @@ from swarm.protocol import (
     read_dict,
     read_int,
     read_peer,
+    read_session,
     read_steps,
     read_str,
 )
@@ -68,6 +70,8 @@ class PeerService(Doorkeeper):
                 Method.FAST_FORWARD: self._fast_forward,
                 Method.COMMITTED: self._committed,
                 Method.REPLICATE: self._replicate,
+                Method.INFER: self._infer,
+                Method.END_SESSION: self._end_session,
             }
         )
         self.after_commit: Callable[[str], Awaitable[None]] | None = None
@@ -121,6 +125,16 @@ class PeerService(Doorkeeper):
         )
         tensors = [] if grad_inputs is None else [grad_inputs]
         return Message(meta={}, tensors=tensors, compression=COMPRESSIONS[request.compression])
+
+    async def _infer(self, message: Message) -> Message:
+        request = InferRequest.from_meta(message.meta)
+        hidden, _ = _hidden_and_mask(message, extra=0)
+        outputs = await self.compute(self.backend.infer, request, hidden)
+        return Message(meta={}, tensors=[outputs], compression=COMPRESSIONS[request.compression])
+
+    async def _end_session(self, message: Message) -> Message:
+        session = read_session(message.meta)
+        return Message(meta={"ended": await self.compute(self.backend.sessions.end, session)}, tensors=[])
 
     async def _commit(self, message: Message) -> Message:
         """Commit a step in one call: fetch the micro-batch gradients this peer lacks from the replicas holding them

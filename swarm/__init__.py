@@ -15,6 +15,7 @@ from swarm.errors import (
     SwarmKeyError,
     SwarmUnavailableError,
 )
+from swarm.spec import load_tokenizer
 
 __all__ = [
     "SwarmModelForCausalLM",
@@ -30,5 +31,6 @@ __all__ = [
     "SwarmAccessError",
     "SwarmKeyError",
     "SwarmUnavailableError",
+    "load_tokenizer",
 ]
 __version__ = "0.1.0"

@@ -169,6 +169,8 @@ def cmd_peer(args: argparse.Namespace) -> None:
             activation_cache_mb=args.activation_cache_mb,
             max_payload_mb=args.max_payload_mb,
             max_tokens=args.max_tokens,
+            max_inference_mb=args.max_inference_mb,
+            inference_timeout=args.inference_timeout,
             record_ttl=args.record_ttl,
             leave_grace=args.leave_grace,
         )
@@ -235,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     peer.add_argument("--max-payload-mb", type=int, default=1024, help="largest request accepted, in MiB")
     peer.add_argument("--max-tokens", type=int, default=1 << 16, help="largest batch x sequence accepted per request")
+    peer.add_argument(
+        "--max-inference-mb", type=int, default=1024, help="memory for generation sessions' keys and values, in MiB"
+    )
+    peer.add_argument(
+        "--inference-timeout", type=float, default=300.0, help="seconds an idle generation session is kept"
+    )
     # For tests and experiments: how long records live (a dead peer's record lingers that long) and how long a
     # leaving peer keeps serving in-flight requests.
     peer.add_argument("--record-ttl", type=float, default=RECORD_TTL, help=argparse.SUPPRESS)

@@ -80,6 +80,8 @@ class ErrorKind:
     FENCED = "fenced"
     UNREACHABLE = "unreachable"  # a relay has no connection to the peer a request was for
     MISSING_FORWARD = "missing_forward"  # a backward without its input, and this peer no longer holds the forward
+    SESSION_LOST = "session_lost"  # a generation session this peer no longer holds (ended, idle, restarted)
+    INFERENCE_MEMORY = "inference_memory"  # no room for another generation session (--max-inference-mb)
 
 
 class RequestError(SwarmError, ValueError):
@@ -116,6 +118,18 @@ class MissingGradientsError(RequestError):
         super().__init__(message)
         self.missing = missing
         self.details = {"missing": {str(block): mbs for block, mbs in missing.items()}}
+
+
+class SessionLostError(RequestError):
+    """A generation request for a session this peer no longer holds; the client replays the prefix."""
+
+    kind = ErrorKind.SESSION_LOST
+
+
+class InferenceMemoryError(RequestError):
+    """No room for another generation session within the peer's ``--max-inference-mb``."""
+
+    kind = ErrorKind.INFERENCE_MEMORY
 
 
 class FencedError(RequestError):

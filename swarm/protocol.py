@@ -35,6 +35,8 @@ class Method:
     COMMITTED = "committed"  # notice to standby holders: a step was applied
     REPLICATE = "replicate"  # hold a copy of blocks' state at a step (durable ack)
     REACHABLE = "reachable"  # dial the asking peer back at the addresses it names (is it reachable from outside?)
+    INFER = "infer"  # generation: new tokens through blocks, keys and values kept per session
+    END_SESSION = "end_session"  # free a generation session's keys and values
 
 
 # Fields any request may carry: ask the peer that receives it to pass it on to RELAY_TO, a peer behind NAT that
@@ -44,7 +46,14 @@ RELAY_TIMEOUT = "relay_timeout"
 
 # Refusals that mean "this peer cannot serve this now", not "the request is wrong": the client goes elsewhere.
 PEER_STATE_ERRORS = frozenset(
-    {ErrorKind.STALE_STEP, ErrorKind.UNKNOWN_ADAPTER, ErrorKind.INTERNAL, ErrorKind.TOO_LARGE}
+    {
+        ErrorKind.STALE_STEP,
+        ErrorKind.UNKNOWN_ADAPTER,
+        ErrorKind.INTERNAL,
+        ErrorKind.TOO_LARGE,
+        ErrorKind.SESSION_LOST,
+        ErrorKind.INFERENCE_MEMORY,
+    }
 )
 # Methods whose replies can be large even when the request is small: they use the stream door.
 STREAMED_REPLIES = frozenset({Method.STATE, Method.GRADS, Method.EXPORT})
@@ -163,6 +172,63 @@ class SpanRequest:
             input_grad=bool(meta.get("input_grad", True)),
             compression=read_compression(meta),
         )
+
+
+SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    """Generation: the hidden states of new tokens through blocks [start, end) in ``session``, which holds the keys
+    and values of ``position`` tokens already. The first request (position 0) opens the session with room for
+    ``max_length`` tokens. ``adapter`` None runs the base model (LoRA off); else the adapter at ``step``."""
+
+    session: str
+    start: int
+    end: int
+    position: int
+    max_length: int
+    adapter: str | None = None
+    step: int = 0
+    compression: str = "none"
+
+    @property
+    def blocks(self) -> range:
+        return range(self.start, self.end)
+
+    def to_meta(self) -> dict:
+        return {
+            "method": Method.INFER,
+            "session": self.session,
+            "start": self.start,
+            "end": self.end,
+            "position": self.position,
+            "max_length": self.max_length,
+            "adapter": self.adapter,
+            "step": self.step,
+            "compression": self.compression,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> InferRequest:
+        adapter = meta.get("adapter")
+        return cls(
+            session=read_session(meta),
+            start=read_int(meta, "start"),
+            end=read_int(meta, "end"),
+            position=read_int(meta, "position"),
+            max_length=read_int(meta, "max_length"),
+            adapter=None if adapter is None else check_adapter_name(adapter),
+            step=read_int(meta, "step"),
+            compression=read_compression(meta),
+        )
+
+
+def read_session(meta: dict) -> str:
+    session = meta.get("session")
+    if not isinstance(session, str) or not SESSION_ID.fullmatch(session):
+        raise RequestError("'session' must be 1 to 64 letters, digits, '-' or '_'")
+    return session
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,20 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
     return ModelSpec(path=path, config=config, weight_files=_weight_files(path))
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(model_dir: str | Path) -> transformers.PreTrainedTokenizerBase:
+    """The model folder's tokenizer, to turn text into ``input_ids`` for training and ``generate``."""
+    path = Path(model_dir)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelFolderError(
+            f"{path}: no tokenizer ({' / '.join(TOKENIZER_FILES)}); copy the tokenizer files of the original model "
+            "into it, or write the folder with `swarm convert-gguf FILE OUT_DIR`, which includes one"
+        )
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
 def _weight_files(path: Path) -> dict[str, Path]:
     index = path / SHARD_INDEX
     if index.is_file():

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import logging
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from pathlib import Path
 
 import peft
@@ -17,6 +18,7 @@ from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.p2p import PeerID
 from safetensors import safe_open
 from torch import nn
+from transformers import GenerationConfig
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -24,6 +26,7 @@ from swarm.blocks import lora_config_from_wire, lora_config_to_wire
 from swarm.checkpoint import save_peft_adapter
 from swarm.client.commit import ReplicaSet, StepsLost, commit
 from swarm.client.copies import CopyKeeper
+from swarm.client.generation import SessionChain, generate_tokens, resolve_config
 from swarm.client.lease import AdapterLease
 from swarm.client.ledger import StepLedger
 from swarm.client.pipeline import run_pipelined
@@ -57,6 +60,13 @@ def _read_tensors(spec: ModelSpec, names: list[str]) -> dict[str, torch.Tensor]:
 RESUME_MODES = ("committed", "latest")
 
 
+def _generation_config(spec: ModelSpec) -> GenerationConfig:
+    """The folder's generation_config.json, else what transformers derives from the model config."""
+    if (spec.path / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(spec.path)
+    return GenerationConfig.from_model_config(spec.config)
+
+
 class SwarmModelForCausalLM(nn.Module):
     """A causal LM whose decoder blocks (and their LoRA adapter) live on swarm peers."""
 
@@ -86,6 +96,8 @@ class SwarmModelForCausalLM(nn.Module):
         self.lora_config = lora_config_from_wire(self.lora_wire)
         self.seed, self.dtype, self.device, self.owner = seed, dtype, device, identity.owner
         self.session = uuid.uuid4().hex[:16]
+        self.generation_config = _generation_config(spec)
+        self._adapter_on = True
         try:
             self._load_local_modules(dtype, device)
             self.transport = Transport.for_dht(dht, swarm_key)
@@ -338,6 +350,55 @@ class SwarmModelForCausalLM(nn.Module):
         else:
             hidden, _ = self.stack.forward(hidden, mask, self.ledger.step, None)
         return self._head(hidden, labels)
+
+    @contextlib.contextmanager
+    def disable_adapter(self) -> Iterator[None]:
+        """Inside, ``generate`` runs the base model (LoRA off on the peers), as ``PeftModel.disable_adapter`` does."""
+        self._adapter_on = False
+        try:
+            yield
+        finally:
+            self._adapter_on = True
+
+    def generate(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        generation_config: GenerationConfig | None = None,
+        **kwargs,
+    ) -> torch.LongTensor:
+        """Continue ``input_ids`` [batch, prompt] through the swarm with the adapter's last committed step; returns
+        [batch, prompt + new] like transformers' ``generate``. Takes ``max_new_tokens`` (or ``max_length``),
+        ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``eos_token_id`` and ``pad_token_id``; unset ones
+        come from the model folder's generation_config.json, then transformers' defaults.
+
+        Each span keeps the tokens' keys and values on its peer, so a new token is one small request per span; a
+        peer that fails mid-generation is replaced by a replica that replays the prefix. Adapter state is never
+        changed, so generating between training steps is safe. Prompts in one batch must have the same length."""
+        if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [batch, prompt length >= 1], got shape {list(input_ids.shape)}")
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError(
+                "padded prompts are not supported by generate() through the swarm yet: pass prompts of one length "
+                "(or one prompt at a time)"
+            )
+        config = resolve_config(generation_config or self.generation_config, input_ids.shape[1], kwargs)
+        chain = SessionChain(
+            self.stack,
+            input_ids.shape[1] + config.max_new_tokens,
+            self.adapter if self._adapter_on else None,
+            lambda: self.ledger.step,
+        )
+        try:
+            return generate_tokens(
+                input_ids.to(self.device),
+                config,
+                lambda ids: self.embed_tokens(ids).cpu(),
+                chain,
+                lambda hidden: self.lm_head(self.norm(hidden.to(self.device))),
+            )
+        finally:
+            chain.end()
 
     def train_step(
         self,

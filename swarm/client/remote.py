@@ -238,7 +238,7 @@ class RemoteStack:
 
     # --- forward and backward -------------------------------------------------------------------------------
 
-    def _give_up_after_patience(self, since: float, hop: Hop, error: PeerFailure) -> None:
+    def give_up_after_patience(self, since: float, hop: Hop, error: PeerFailure) -> None:
         """A hop that keeps failing on every server it is tried on (e.g. each one answers with an internal error)
         is given up after ``patience`` seconds, rather than retried forever."""
         if time.monotonic() - since > self.patience:
@@ -265,7 +265,7 @@ class RemoteStack:
                 hop = Hop(chosen, hop.start, hop.end)
             except PeerFailure as e:
                 failed, since = e.peer, since or time.monotonic()
-                self._give_up_after_patience(since, hop, e)
+                self.give_up_after_patience(since, hop, e)
                 continue
             self.recovered(failed, "forward", step, since)
             failed, since = None, None
@@ -332,7 +332,7 @@ class RemoteStack:
                     ledger.acknowledge(micro_batch, hop.blocks, chosen)
             except PeerFailure as e:
                 failed, since, prefer = e.peer, since or time.monotonic(), None
-                self._give_up_after_patience(since, Hop(e.peer, segment.start, segment.end), e)
+                self.give_up_after_patience(since, Hop(e.peer, segment.start, segment.end), e)
                 continue
             self.recovered(failed, "backward", ledger.step, since)
             return grad

@@ -1,0 +1,190 @@
+"""Generation through the swarm: each span keeps the keys and values of the tokens so far in a session on its peer,
+so a new token costs one small request per span. A span whose peer dies (or drops the session) is reopened on
+another replica by replaying the prefix it had seen; the spans before it keep their sessions.
+
+The arguments and the result follow transformers' ``generate`` (greedy or sampling with temperature / top-k /
+top-p, stopping at the end-of-sequence token, finished rows padded), and greedy output equals local
+``PeftModel.generate`` token for token (tested).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from swarm.client.remote import PeerFailure, RemoteStack
+from swarm.protocol import InferRequest, Method
+from swarm.routing import Hop
+from swarm.wire import Message
+
+logger = logging.getLogger(__name__)
+
+# transformers' values for what neither the caller nor the model folder's generation_config.json sets
+DEFAULTS = {"max_length": 20, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+SUPPORTED = {
+    "max_new_tokens",
+    "max_length",
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "eos_token_id",
+    "pad_token_id",
+    "bos_token_id",
+}
+
+
+@dataclass
+class HopSession:
+    """One span's session: where it runs and every input it has been sent (to replay it elsewhere)."""
+
+    hop: Hop
+    key: str
+    inputs: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.inputs is None else self.inputs.shape[1]
+
+
+class SessionChain:
+    """Sessions through every block for one ``generate`` call."""
+
+    def __init__(self, stack: RemoteStack, max_length: int, adapter: str | None, step: Callable[[], int]):
+        self.stack, self.max_length, self.adapter, self.step = stack, max_length, adapter, step
+        self.hops: list[HopSession] = []
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output of the last block for the new tokens ``hidden`` (after everything sent before)."""
+        new, index, block = hidden.shape[1], 0, 0
+        failed, since = None, None
+        while block < self.stack.router.num_blocks:
+            if index == len(self.hops):
+                hop = self.stack.router.wait_route(block, patience=self.stack.patience)[0]
+                self.hops.append(HopSession(hop, uuid.uuid4().hex))
+            session = self.hops[index]
+            try:
+                outputs = self._send(session, hidden)
+            except PeerFailure as e:
+                failed, since = e.peer, since or time.monotonic()
+                self.stack.give_up_after_patience(since, session.hop, e)
+                # everything this block has seen goes to the replacement; the spans after it start over too
+                hidden = hidden if session.inputs is None else torch.cat([session.inputs, hidden], dim=1)
+                logger.warning("generation: replaying %d tokens from block %d elsewhere", hidden.shape[1], block)
+                self.end(self.hops[index:])
+                del self.hops[index:]
+                continue
+            session.inputs = hidden if session.inputs is None else torch.cat([session.inputs, hidden], dim=1)
+            hidden, block, index = outputs, session.hop.end, index + 1
+        self.stack.recovered(failed, "generation", self.step(), since)
+        return hidden[:, -new:]
+
+    def _send(self, session: HopSession, hidden: torch.Tensor) -> torch.Tensor:
+        hop, wire = session.hop, self.stack.wire
+        request = InferRequest(
+            session.key,
+            hop.start,
+            hop.end,
+            session.length,
+            self.max_length,
+            self.adapter,
+            self.step(),
+            wire.compression,
+        )
+        units = hidden.shape[0] * hidden.shape[1] * (hop.end - hop.start)
+        reply = self.stack.call(
+            hop.peer_id, request.to_meta(), [wire.cast(hidden)], units, compression=wire.compression_type
+        )
+        return reply.tensors[0].to(hidden.dtype)
+
+    def end(self, sessions: list[HopSession] | None = None) -> None:
+        """Free the sessions' keys and values on their peers (best effort: an idle one expires anyway)."""
+        for session in self.hops if sessions is None else sessions:
+            if session.inputs is None:
+                continue
+            try:
+                meta = {"method": Method.END_SESSION, "session": session.key}
+                self.stack.transport.call(session.hop.peer_id, Message(meta, []), timeout=5.0)
+            except Exception as e:  # the peer is gone or busy: its timeout frees the session
+                logger.debug("could not end generation session on %s: %s", session.hop.peer_id, e)
+
+
+def resolve_config(base: GenerationConfig, prompt_length: int, kwargs: dict) -> GenerationConfig:
+    """The model folder's generation config, updated with the caller's arguments, unset fields at transformers'
+    defaults. Arguments this loop does not implement are refused rather than ignored."""
+    unknown = sorted(k for k, v in kwargs.items() if k not in SUPPORTED and v is not None)
+    if unknown:
+        raise ValueError(
+            f"generate() through the swarm does not support {unknown}; it supports {sorted(SUPPORTED)} "
+            "(greedy or sampling, one sequence per prompt)"
+        )
+    config = GenerationConfig(**{**base.to_dict(), **{k: v for k, v in kwargs.items() if v is not None}})
+    for key, value in DEFAULTS.items():
+        if getattr(config, key, None) is None:
+            setattr(config, key, value)
+    if config.max_new_tokens is None:
+        config.max_new_tokens = max(0, config.max_length - prompt_length)
+    if (config.num_beams or 1) > 1 or (config.num_return_sequences or 1) > 1:
+        raise ValueError("generate() through the swarm does not support beam search or several sequences per prompt")
+    return config
+
+
+def logits_warpers(config: GenerationConfig) -> LogitsProcessorList:
+    """Sampling's warpers in transformers' order: temperature, top-k, top-p."""
+    warpers = LogitsProcessorList()
+    if config.temperature is not None and config.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(config.temperature))
+    if config.top_k is not None and config.top_k != 0:
+        warpers.append(TopKLogitsWarper(top_k=config.top_k, min_tokens_to_keep=1))
+    if config.top_p is not None and config.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=config.top_p, min_tokens_to_keep=1))
+    return warpers
+
+
+def eos_ids(config: GenerationConfig) -> list[int]:
+    eos = config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+@torch.no_grad()
+def generate_tokens(
+    input_ids: torch.Tensor,
+    config: GenerationConfig,
+    embed: Callable[[torch.Tensor], torch.Tensor],
+    chain: SessionChain,
+    head: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The decoding loop: the prompt once, then one token per round; rows that ended get the pad token."""
+    eos = eos_ids(config)
+    pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
+    warpers = logits_warpers(config) if config.do_sample else None
+    sequences = input_ids
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    step_input = input_ids
+    for _ in range(config.max_new_tokens):
+        logits = head(chain(embed(step_input))[:, -1:]).float()[:, -1]
+        if warpers is not None:
+            scores = warpers(sequences, logits)
+            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            tokens = logits.argmax(dim=-1)
+        tokens = torch.where(unfinished, tokens, torch.full_like(tokens, pad))
+        sequences = torch.cat([sequences, tokens[:, None]], dim=1)
+        if eos:
+            unfinished &= ~torch.isin(tokens, torch.tensor(eos, device=tokens.device))
+        if not unfinished.any():
+            break
+        step_input = tokens[:, None]
+    return sequences
