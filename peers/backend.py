@@ -24,7 +24,7 @@ from peers.state import (
     Undo,
     session_of,
 )
-from swarm.blocks import add_lora, load_block, lora_config_from_wire
+from swarm.blocks import add_lora, load_block, lora_config_from_wire, spans_text
 from swarm.errors import (
     FencedError,
     MissingForwardError,
@@ -552,14 +552,3 @@ class SpanBackend:
 
     def digests(self, name: str) -> dict[int, str]:
         return {block: state.digest() for block, state in self.adapter(name).blocks.items()}
-
-
-def spans_text(blocks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0:3,5:6"``: blocks as START:END runs, for messages."""
-    runs: list[list[int]] = []
-    for block in blocks:
-        if runs and runs[-1][1] == block:
-            runs[-1][1] = block + 1
-        else:
-            runs.append([block, block + 1])
-    return ",".join(f"{a}:{b}" for a, b in runs) or "nothing"

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 from hivemind.p2p import PeerID
 
-from peers.backend import SpanBackend, spans_text
+from peers.backend import SpanBackend
 from peers.balancer import choose_standby
 from peers.service import fetch_state_or_updates
 from peers.state import BlockState, BlockUpdate
+from swarm.blocks import spans_text
 from swarm.transport import Transport
 from swarm.view import SwarmView
 

