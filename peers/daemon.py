@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from peers.backend import SpanBackend, spans_text
+from peers.backend import SpanBackend
 from peers.balancer import badness, choose_span, coverage_with, plan_move, safe_to_drop
 from peers.checkpoints import CheckpointStore, CheckpointWriter
 from peers.replication import Replicator, StandbyPolicy
 from peers.service import PeerService
+from swarm.blocks import spans_text
 from swarm.errors import SwarmAccessError
 from swarm.network import check_access, join_dht, load_swarm_key
 from swarm.protocol import AdapterInfo, Method, PeerInfo
