@@ -4,6 +4,7 @@ gradients, counted once), commits (AdamW in canonical order), and the moves of s
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 
 import torch
@@ -21,6 +22,7 @@ from peers.state import (
     BlockState,
     BlockUpdate,
     GradsByBlock,
+    SavedBytes,
     Undo,
     session_of,
 )
@@ -307,9 +309,14 @@ class SpanBackend:
             with torch.no_grad():
                 return self.run(inputs, mask, blocks).to(hidden.dtype).cpu()
         inputs.requires_grad_(True)
-        with torch.enable_grad():
+        weights = {
+            t.untyped_storage().data_ptr()
+            for b in blocks
+            for t in itertools.chain(self.layers[b].parameters(), self.layers[b].buffers())
+        }
+        with torch.enable_grad(), SavedBytes(weights) as saved:
             outputs = self.run(inputs, mask, blocks)
-        self.cache.put((name, micro_batch, blocks.start, blocks.stop), inputs, outputs)
+        self.cache.put((name, micro_batch, blocks.start, blocks.stop), inputs, outputs, saved.bytes)
         return outputs.detach().to(hidden.dtype).cpu()
 
     def backward(

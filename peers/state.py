@@ -194,6 +194,31 @@ class Adapter:
         return {"lora": self.config_wire, "seed": self.seed}
 
 
+class SavedBytes:
+    """While inside: the bytes autograd keeps for backward, each storage counted once, the blocks' own weights
+    (``exclude``: their storages) left out. What a cached forward really holds: for a Llama block about 22 times
+    its output (attention and the wider MLP keep several tensors each; scripts/bench_70b_block.py measures it)."""
+
+    def __init__(self, exclude: set[int]):
+        self.exclude, self.seen, self.bytes = exclude, set(), 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer not in self.exclude and pointer not in self.seen:
+            self.seen.add(pointer)
+            self.bytes += storage.nbytes()
+        return tensor
+
+    def __enter__(self) -> SavedBytes:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
 class ActivationCache:
     """Forward graphs kept for the backward of the same micro-batch, bounded in bytes (oldest dropped)."""
 
@@ -202,8 +227,8 @@ class ActivationCache:
         self.entries: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = OrderedDict()
         self.bytes = 0
 
-    def put(self, key: tuple, inputs: torch.Tensor, outputs: torch.Tensor) -> None:
-        size = 4 * outputs.numel() * outputs.element_size()  # rough: the graph holds a few activations per block
+    def put(self, key: tuple, inputs: torch.Tensor, outputs: torch.Tensor, size: int) -> None:
+        """Keep a forward's graph; ``size``: the bytes it holds (``SavedBytes``)."""
         if size > self.max_bytes:
             return
         self.pop(key)

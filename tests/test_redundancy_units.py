@@ -3,6 +3,7 @@ swarm view's counting, record fields, the status table, and default span sizing.
 
 from __future__ import annotations
 
+import peft
 import pytest
 import torch
 from hivemind.p2p import PeerID
@@ -235,3 +236,18 @@ def test_a_takeover_holding_part_of_its_span_current_syncs_only_the_rest():
         replicas.close()
     assert stack.sent == [(mover, stayer.to_base58(), 3, 4)]
     assert steps == {2: 1, 3: 1}
+
+
+def test_a_cached_forward_is_counted_at_what_autograd_keeps(tiny_models):
+    """The activation cache's budget is spent on the bytes a forward's graph really holds, which grow with the span
+    (a fixed multiple of the output undercounted a 32-block span about 180 times)."""
+    backend = _backend(tiny_models["llama"], range(0, 4))
+    backend.open_adapter("a", lora_config_to_wire(peft.LoraConfig(r=4, target_modules=["q_proj"])), 0)
+    hidden = torch.randn(2, 8, backend.spec.hidden_size)
+    backend.forward("a", range(0, 1), 0, hidden, None, "s:0:0")
+    one = backend.cache.bytes
+    backend.forward("a", range(0, 4), 0, hidden, None, "s:0:1")
+    four = backend.cache.bytes - one
+    output = hidden.numel() * hidden.element_size()
+    assert one > 8 * output, (one, output)  # a block keeps many hidden-sized tensors, not the output alone
+    assert 3.5 * one <= four <= 4.5 * one, (one, four)
