@@ -183,8 +183,14 @@ class SpanBackend:
         position: int = 0,
     ) -> torch.Tensor:
         """The span's forward, with masks and rotary embeddings built exactly as the family's model builds them.
-        With a ``cache`` (generation), ``hidden`` holds the tokens after the ``position`` ones it already holds."""
-        position_ids = torch.arange(position, position + hidden.shape[1], device=self.device).unsqueeze(0)
+        With a ``cache`` (generation), ``hidden`` holds the tokens after the ``position`` ones it already holds, and
+        ``attention_mask`` (if any) covers them all: positions count real tokens only, as transformers' ``generate``
+        numbers left-padded prompts."""
+        length = hidden.shape[1]
+        if cache is not None and attention_mask is not None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)[:, -length:]
+        else:
+            position_ids = torch.arange(position, position + length, device=self.device).unsqueeze(0)
         mask_args = dict(
             config=self.spec.config,
             inputs_embeds=hidden,
@@ -218,7 +224,7 @@ class SpanBackend:
         per_token = 2 * config.num_key_value_heads * head_dim * torch.finfo(self.dtype).bits // 8
         return per_token * batch * length * len(blocks)
 
-    def infer(self, request: InferRequest, hidden: torch.Tensor) -> torch.Tensor:
+    def infer(self, request: InferRequest, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """New tokens through the span in a generation session (opened at position 0); never changes any state but
         the session's keys and values. Runs the adapter's last committed step, or the base model."""
         blocks = request.blocks
@@ -229,6 +235,11 @@ class SpanBackend:
             )
         self._check_hidden(hidden, None)
         batch, length = hidden.shape[:2]
+        if attention_mask is not None and attention_mask.shape != (batch, request.position + length):
+            raise RequestError(
+                f"a generation request's attention_mask covers every token so far: [{batch}, "
+                f"{request.position + length}], got {list(attention_mask.shape)}"
+            )
         if request.position == 0:
             if batch * request.max_length > self.max_tokens or length > request.max_length:
                 raise RequestError(
@@ -257,7 +268,8 @@ class SpanBackend:
             self._activate(request.adapter)
             lora = contextlib.nullcontext()
         with torch.no_grad(), lora:
-            outputs = self.run(hidden.to(self.device, self.dtype), None, blocks, session.cache, session.length)
+            mask = None if attention_mask is None else attention_mask.to(self.device)
+            outputs = self.run(hidden.to(self.device, self.dtype), mask, blocks, session.cache, session.length)
         session.length += length
         return outputs.to(hidden.dtype).cpu()
 

@@ -128,8 +128,8 @@ class PeerService(Doorkeeper):
 
     async def _infer(self, message: Message) -> Message:
         request = InferRequest.from_meta(message.meta)
-        hidden, _ = _hidden_and_mask(message, extra=0)
-        outputs = await self.compute(self.backend.infer, request, hidden)
+        hidden, mask = _hidden_and_mask(message, extra=0)
+        outputs = await self.compute(self.backend.infer, request, hidden, mask)
         return Message(meta={}, tensors=[outputs], compression=COMPRESSIONS[request.compression])
 
     async def _end_session(self, message: Message) -> Message:

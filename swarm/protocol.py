@@ -181,7 +181,8 @@ SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 class InferRequest:
     """Generation: the hidden states of new tokens through blocks [start, end) in ``session``, which holds the keys
     and values of ``position`` tokens already. The first request (position 0) opens the session with room for
-    ``max_length`` tokens. ``adapter`` None runs the base model (LoRA off); else the adapter at ``step``."""
+    ``max_length`` tokens. ``adapter`` None runs the base model (LoRA off); else the adapter at ``step``. Tensors:
+    [hidden, mask?]; the mask (``has_mask``: padded prompts) covers every token of the session so far."""
 
     session: str
     start: int
@@ -191,6 +192,7 @@ class InferRequest:
     adapter: str | None = None
     step: int = 0
     compression: str = "none"
+    has_mask: bool = False
 
     @property
     def blocks(self) -> range:
@@ -199,6 +201,7 @@ class InferRequest:
     def to_meta(self) -> dict:
         return {
             "method": Method.INFER,
+            "has_mask": self.has_mask,
             "session": self.session,
             "start": self.start,
             "end": self.end,
@@ -221,6 +224,7 @@ class InferRequest:
             adapter=None if adapter is None else check_adapter_name(adapter),
             step=read_int(meta, "step"),
             compression=read_compression(meta),
+            has_mask=bool(meta.get("has_mask")),
         )
 
 

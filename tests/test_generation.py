@@ -23,15 +23,21 @@ PROMPTS = torch.tensor([[5, 17, 99, 3, 42, 7], [8, 1, 250, 31, 64, 2]])
 NEW_TOKENS = 10
 
 
-def local_generate(model_dir, adapter_dir, adapter_on: bool = True) -> torch.Tensor:
+# two prompts of different lengths, padded on the left (pad id 0) as transformers expects for generation
+PADDED = torch.tensor([[0, 0, 0, 9, 33, 120], [14, 2, 77, 5, 61, 200]])
+PADDED_MASK = (torch.arange(6) >= torch.tensor([[3], [0]])).long()
+
+
+def local_generate(model_dir, adapter_dir, adapter_on: bool = True, padded: bool = False) -> torch.Tensor:
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     model = peft.PeftModel.from_pretrained(base, adapter_dir)
     model.eval()
+    inputs = dict(input_ids=PADDED, attention_mask=PADDED_MASK) if padded else dict(input_ids=PROMPTS)
     with torch.no_grad():
         if adapter_on:
-            return model.generate(input_ids=PROMPTS, max_new_tokens=NEW_TOKENS, do_sample=False)
+            return model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
         with model.disable_adapter():
-            return model.generate(input_ids=PROMPTS, max_new_tokens=NEW_TOKENS, do_sample=False)
+            return model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
 
 
 @pytest.mark.swarm
@@ -116,14 +122,16 @@ def test_a_dropped_session_is_replayed_and_bad_input_is_refused_clearly(tiny_mod
             assert any(r.during == "generation" for r in model.recoveries), "the expired session was not replayed"
             with pytest.raises(RemoteError, match="--max-tokens of 48; shorten the prompt or max_new_tokens"):
                 model.generate(torch.zeros(2, 20, dtype=torch.long), max_new_tokens=10)
-            with pytest.raises(ValueError, match="padded prompts"):
-                model.generate(PROMPTS, attention_mask=torch.tensor([[0] + [1] * 5, [1] * 6]))
+            padded = model.generate(PADDED, attention_mask=PADDED_MASK, max_new_tokens=NEW_TOKENS)
+            with pytest.raises(ValueError, match="padded on the left"):
+                model.generate(PROMPTS, attention_mask=torch.tensor([[1] * 5 + [0], [1] * 6]))
             with pytest.raises(ValueError, match="does not support"):
                 model.generate(PROMPTS, num_beams=2)
         finally:
             model.shutdown()
     assert torch.equal(replayed, expected)
     assert torch.equal(expected, local_generate(model_dir, tmp_path / "initial"))
+    assert torch.equal(padded, local_generate(model_dir, tmp_path / "initial", padded=True)), padded
 
 
 def test_sessions_are_bounded_and_expire():

@@ -66,8 +66,9 @@ class SessionChain:
         self.stack, self.max_length, self.adapter, self.step = stack, max_length, adapter, step
         self.hops: list[HopSession] = []
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The output of the last block for the new tokens ``hidden`` (after everything sent before)."""
+    def __call__(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The output of the last block for the new tokens ``hidden`` (after everything sent before); ``mask``
+        (padded prompts) covers every token so far."""
         new, index, block = hidden.shape[1], 0, 0
         failed, since = None, None
         while block < self.stack.router.num_blocks:
@@ -76,7 +77,7 @@ class SessionChain:
                 self.hops.append(HopSession(hop, uuid.uuid4().hex))
             session = self.hops[index]
             try:
-                outputs = self._send(session, hidden)
+                outputs = self._send(session, hidden, mask)
             except PeerFailure as e:
                 failed, since = e.peer, since or time.monotonic()
                 self.stack.give_up_after_patience(since, session.hop, e)
@@ -91,7 +92,7 @@ class SessionChain:
         self.stack.recovered(failed, "generation", self.step(), since)
         return hidden[:, -new:]
 
-    def _send(self, session: HopSession, hidden: torch.Tensor) -> torch.Tensor:
+    def _send(self, session: HopSession, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         hop, wire = session.hop, self.stack.wire
         request = InferRequest(
             session.key,
@@ -102,11 +103,11 @@ class SessionChain:
             self.adapter,
             self.step(),
             wire.compression,
+            mask is not None,
         )
         units = hidden.shape[0] * hidden.shape[1] * (hop.end - hop.start)
-        reply = self.stack.call(
-            hop.peer_id, request.to_meta(), [wire.cast(hidden)], units, compression=wire.compression_type
-        )
+        tensors = [wire.cast(hidden)] + ([mask] if mask is not None else [])
+        reply = self.stack.call(hop.peer_id, request.to_meta(), tensors, units, compression=wire.compression_type)
         return reply.tensors[0].to(hidden.dtype)
 
     def end(self, sessions: list[HopSession] | None = None) -> None:
@@ -161,12 +162,14 @@ def eos_ids(config: GenerationConfig) -> list[int]:
 @torch.no_grad()
 def generate_tokens(
     input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
     config: GenerationConfig,
     embed: Callable[[torch.Tensor], torch.Tensor],
     chain: SessionChain,
     head: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """The decoding loop: the prompt once, then one token per round; rows that ended get the pad token."""
+    """The decoding loop: the prompt once, then one token per round; rows that ended get the pad token. A mask
+    (left-padded prompts) grows by one real token per round, as in transformers."""
     eos = eos_ids(config)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
     warpers = logits_warpers(config) if config.do_sample else None
@@ -174,7 +177,7 @@ def generate_tokens(
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     step_input = input_ids
     for _ in range(config.max_new_tokens):
-        logits = head(chain(embed(step_input))[:, -1:]).float()[:, -1]
+        logits = head(chain(embed(step_input), attention_mask)[:, -1:]).float()[:, -1]
         if warpers is not None:
             scores = warpers(sequences, logits)
             tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
@@ -187,4 +190,6 @@ def generate_tokens(
         if not unfinished.any():
             break
         step_input = tokens[:, None]
+        if attention_mask is not None:
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], dim=1)
     return sequences

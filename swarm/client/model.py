@@ -375,14 +375,18 @@ class SwarmModelForCausalLM(nn.Module):
 
         Each span keeps the tokens' keys and values on its peer, so a new token is one small request per span; a
         peer that fails mid-generation is replaced by a replica that replays the prefix. Adapter state is never
-        changed, so generating between training steps is safe. Prompts in one batch must have the same length."""
+        changed, so generating between training steps is safe. Prompts of different lengths are padded on the left,
+        with their ``attention_mask``, as for transformers."""
         if input_ids.ndim != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must be [batch, prompt length >= 1], got shape {list(input_ids.shape)}")
-        if attention_mask is not None and not bool(attention_mask.bool().all()):
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask must have the shape of input_ids {list(input_ids.shape)}")
+        if attention_mask is not None and not bool(attention_mask[:, -1].bool().all()):
             raise ValueError(
-                "padded prompts are not supported by generate() through the swarm yet: pass prompts of one length "
-                "(or one prompt at a time)"
+                "prompts of different lengths must be padded on the left for generation (tokenizer.padding_side = "
+                '"left"): every prompt must end with a real token'
             )
+        mask = None if attention_mask is None or bool(attention_mask.bool().all()) else attention_mask.long().cpu()
         config = resolve_config(generation_config or self.generation_config, input_ids.shape[1], kwargs)
         chain = SessionChain(
             self.stack,
@@ -393,6 +397,7 @@ class SwarmModelForCausalLM(nn.Module):
         try:
             return generate_tokens(
                 input_ids.to(self.device),
+                mask,
                 config,
                 lambda ids: self.embed_tokens(ids).cpu(),
                 chain,
