@@ -152,10 +152,12 @@ class SpanBackend:
             raise FencedError(f"adapter {name!r} is held by another trainer session; this session was replaced")
         return adapter
 
-    def _states(self, adapter: Adapter, blocks: range, step: int) -> dict[int, BlockAdapter]:
+    def _states(self, adapter: Adapter, blocks: range, step: int, or_later: bool = False) -> dict[int, BlockAdapter]:
+        """The blocks' states, all at ``step`` (for training); ``or_later``: all at one step, ``step`` or newer (a
+        read: evaluation or generation, by a client that may lag the trainer's last commit)."""
         states = {block: adapter.blocks[block] for block in blocks}
         steps = sorted({state.step for state in states.values()})
-        if steps != [step]:
+        if steps != [step] and not (or_later and len(steps) == 1 and steps[0] > step):
             raise StaleStepError(f"blocks {blocks.start}:{blocks.stop} are at step {steps} here, not {step}")
         return states
 
@@ -264,7 +266,7 @@ class SpanBackend:
         if request.adapter is None:
             lora = self._lora_off()
         else:
-            self._states(self.adapter(request.adapter), blocks, request.step)
+            self._states(self.adapter(request.adapter), blocks, request.step, or_later=True)
             self._activate(request.adapter)
             lora = contextlib.nullcontext()
         with torch.no_grad(), lora:
@@ -313,7 +315,7 @@ class SpanBackend:
         blocks = self._check_range(blocks.start, blocks.stop)
         self._check_hidden(hidden, attention_mask)
         adapter = self.adapter(name) if micro_batch is None else self._trained(name, micro_batch)
-        self._states(adapter, blocks, step)
+        self._states(adapter, blocks, step, or_later=micro_batch is None)
         self._activate(name)
         inputs = hidden.to(self.device, self.dtype)
         mask = None if attention_mask is None else attention_mask.to(self.device)

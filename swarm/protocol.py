@@ -181,8 +181,8 @@ SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 class InferRequest:
     """Generation: the hidden states of new tokens through blocks [start, end) in ``session``, which holds the keys
     and values of ``position`` tokens already. The first request (position 0) opens the session with room for
-    ``max_length`` tokens. ``adapter`` None runs the base model (LoRA off); else the adapter at ``step``. Tensors:
-    [hidden, mask?]; the mask (``has_mask``: padded prompts) covers every token of the session so far."""
+    ``max_length`` tokens. ``adapter`` None runs the base model (LoRA off); else the adapter at ``step`` or later.
+    Tensors: [hidden, mask?]; the mask (``has_mask``: padded prompts) covers every token of the session so far."""
 
     session: str
     start: int

@@ -12,8 +12,18 @@ import peft
 import pytest
 import torch
 import transformers
-from failover_helpers import connect, instrument, start_replicated_swarm, train
+from failover_helpers import (
+    assert_matches_local_peft,
+    connect,
+    finish_client,
+    instrument,
+    start_client,
+    start_replicated_swarm,
+    train,
+    wait_for_text,
+)
 
+import swarm
 from peers.inference import InferenceSessions
 from swarm.errors import InferenceMemoryError, ModelFolderError, RemoteError, SessionLostError
 from swarm.localswarm import LocalSwarm
@@ -132,6 +142,43 @@ def test_a_dropped_session_is_replayed_and_bad_input_is_refused_clearly(tiny_mod
     assert torch.equal(replayed, expected)
     assert torch.equal(expected, local_generate(model_dir, tmp_path / "initial"))
     assert torch.equal(padded, local_generate(model_dir, tmp_path / "initial", padded=True)), padded
+
+
+@pytest.mark.swarm
+def test_a_reader_generates_while_the_trainer_trains_and_changes_nothing(tiny_models, tmp_path):
+    """A second client opens the adapter with ``is_trainable=False`` (no LoRA config needed: it is the adapter's)
+    while its trainer, another process, trains: it generates with each newest committed step, claims nothing (the
+    trainer is never fenced and ends equal to local peft), and after the last step it generates what local peft
+    generates with the final adapter."""
+    model_dir = tiny_models["llama"]
+    steps = 6
+    with LocalSwarm(tmp_path / "swarm") as local:
+        start_replicated_swarm(local, model_dir)
+        # a trainer that takes its time (a slow data pipeline): the reader generates while steps are in progress
+        trainer = start_client(local, model_dir, tmp_path, "trainer", "shared", "--steps", str(steps), "--pause", "1")
+        wait_for_text(tmp_path / "trainer.log", "committed step 1", trainer)
+        reader = swarm.SwarmModelForCausalLM.from_pretrained(
+            model_dir, initial_peers=local.initial_peers, adapter="shared", is_trainable=False
+        )
+        try:
+            read_at = []
+            while trainer.poll() is None:
+                reader.generate(PROMPTS, max_new_tokens=4)
+                read_at.append(reader.step)
+            finish_client(trainer, tmp_path / "trainer.log")
+            final = reader.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+            assert reader.step == steps
+            with pytest.raises(ValueError, match="is_trainable=False"):
+                reader(**{"input_ids": PROMPTS, "labels": PROMPTS}).loss.backward()
+        finally:
+            reader.shutdown()
+        with pytest.raises(swarm.AdapterStateLostError, match="no committed step"):
+            swarm.SwarmModelForCausalLM.from_pretrained(
+                model_dir, initial_peers=local.initial_peers, adapter="never-trained", is_trainable=False
+            )
+    assert read_at and read_at[0] < steps, f"the reader never generated while the trainer trained: {read_at}"
+    assert_matches_local_peft(model_dir, tmp_path, steps=steps)
+    assert torch.equal(final, local_generate(model_dir, tmp_path / "final"))
 
 
 def test_sessions_are_bounded_and_expire():

@@ -23,6 +23,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--hang-in-step", type=int, default=None, help="stop (forever) after one micro-batch of it")
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds to wait after each micro-batch (mid-step)")
     args = parser.parse_args()
     local = LocalSwarm(args.out, initial_peers=args.initial_peers)
     model = connect(local, args.model, args.adapter, trainer="test-trainer")
@@ -33,6 +34,7 @@ def main() -> None:
     while model.step < args.steps:
         for index, batch in enumerate(batches_for_step(model.step)):
             (model(**batch).loss / MICRO_BATCHES).backward()
+            time.sleep(args.pause)
             if model.step == args.hang_in_step and index == 0:
                 print("hanging mid-step", flush=True)
                 time.sleep(3600)

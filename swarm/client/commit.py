@@ -95,6 +95,17 @@ class ReplicaSet:
         with self._refreshing:
             self._refresh(step)
 
+    def follow(self, step: int) -> None:
+        """A reader's refresh: which live peers hold the adapter at ``step`` or later, one step across their span.
+        It opens without claiming and never syncs or resumes anything: the trainer keeps the replicas."""
+        servers = self.stack.router.live_servers(eligible_only=False)
+        for peer, steps in self.open_many(list(servers)).items():
+            held = set(steps.values())
+            if len(held) == 1 and min(held) >= step:
+                self.current[peer] = min(held)
+            else:
+                self.current.pop(peer, None)
+
     def _refresh(self, step: int) -> None:
         servers = self.stack.router.live_servers(eligible_only=False)
         behind: dict[PeerID, dict[int, int]] = {}

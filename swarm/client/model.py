@@ -60,6 +60,18 @@ def _read_tensors(spec: ModelSpec, names: list[str]) -> dict[str, torch.Tensor]:
 RESUME_MODES = ("committed", "latest")
 
 
+def _committed_or_raise(dht: DHT, spec: ModelSpec, adapter: str) -> CommittedRecord:
+    """The adapter's committed record, which a reader (``is_trainable=False``) needs: there is nothing to read
+    without one."""
+    recorded = read_committed(dht, spec.name, adapter)
+    if recorded is None:
+        raise AdapterStateLostError(
+            f"adapter {adapter!r} has no committed step in this swarm: there is nothing to read yet. Train it first "
+            "(is_trainable=True), or check its name"
+        )
+    return recorded
+
+
 def _generation_config(spec: ModelSpec) -> GenerationConfig:
     """The folder's generation_config.json, else what transformers derives from the model config."""
     if (spec.path / "generation_config.json").is_file():
@@ -89,8 +101,10 @@ class SwarmModelForCausalLM(nn.Module):
         resume: str = "committed",
         unreachable_wait: float = 30.0,
         wire: WireFormat | None = None,
+        is_trainable: bool = True,
     ):
         super().__init__()
+        self.is_trainable = is_trainable
         self.spec, self.dht, self.adapter, self.trainer = spec, dht, adapter, trainer
         self.lora_wire = lora_config_to_wire(lora_config)
         self.lora_config = lora_config_from_wire(self.lora_wire)
@@ -108,19 +122,24 @@ class SwarmModelForCausalLM(nn.Module):
                 spec.name,
                 spec.num_blocks,
                 unreachable_wait=unreachable_wait,
-                eligible=lambda peer: self.replicas.current.get(peer) == self.ledger.step,
-                on_wait=lambda: self.replicas.refresh(self.ledger.step),
+                eligible=self._is_current,
+                on_wait=self._track,
             )
             self.stack = RemoteStack(self.transport, self.router, adapter, patience, spot_check, wire=wire)
             self.replicas = ReplicaSet(self.stack, self._open_on)
             self.copies_keeper = CopyKeeper(
                 self.stack, self.replicas, min_copies, {"lora": self.lora_wire, "seed": seed}
             )
-            self.lease = AdapterLease(dht, spec.name, adapter, identity.owner, trainer, self.session)
-            self.lease.acquire(patience)
-            self.ledger = StepLedger(step=self._resume_step(resume), session=self.session)
-            self.replicas.refresh(self.ledger.step)
-            self.copies_keeper.ensure(self.ledger.step, self.replicas.peers(self.ledger.step))
+            if is_trainable:
+                self.lease = AdapterLease(dht, spec.name, adapter, identity.owner, trainer, self.session)
+                self.lease.acquire(patience)
+                self.ledger = StepLedger(step=self._resume_step(resume), session=self.session)
+                self.replicas.refresh(self.ledger.step)
+                self.copies_keeper.ensure(self.ledger.step, self.replicas.peers(self.ledger.step))
+            else:
+                _committed_or_raise(dht, spec, adapter)
+                self.ledger = StepLedger(step=self._resume_step("committed"), session=self.session)
+                self.replicas.follow(self.ledger.step)
             self.router.start()
         except BaseException:
             self.shutdown()
@@ -162,6 +181,7 @@ class SwarmModelForCausalLM(nn.Module):
         unreachable_wait: float = 30.0,
         wire_dtype: str | None = None,
         compression: str = "none",
+        is_trainable: bool = True,
     ) -> SwarmModelForCausalLM:
         """Join the swarm as a client and open (or resume) ``adapter`` on the peers serving ``model_dir``.
 
@@ -182,8 +202,11 @@ class SwarmModelForCausalLM(nn.Module):
         ``wire_dtype`` (``"bfloat16"``, ``"float16"``) and ``compression`` (``"blockwise8"``): how hidden states and
         their gradients travel; both off by default (exact parity with local training). They cut the bytes per step
         by 2x / ~4x at the cost of rounding the activations (see BENCHMARKS.md for what that does to the loss).
+        ``is_trainable=False`` (as in ``peft.PeftModel.from_pretrained``): a reader of an adapter that has committed
+        steps, to ``generate`` or evaluate with its newest committed step while its trainer goes on training; it
+        takes no lease and changes nothing on any peer. ``lora_config`` and ``seed`` then default to the adapter's.
         """
-        if lora_config is None:
+        if lora_config is None and is_trainable:
             raise ValueError("pass lora_config=peft.LoraConfig(r=..., lora_alpha=..., target_modules=[...])")
         try:
             check_adapter_name(adapter)
@@ -202,6 +225,13 @@ class SwarmModelForCausalLM(nn.Module):
         identity = Identity.load_or_create(None)
         dht = join_dht(peers, identity, key, client_mode=True)
         trainer = trainer or f"{getpass.getuser()}@{socket.gethostname()}"
+        if lora_config is None:
+            try:
+                recorded = _committed_or_raise(dht, spec, adapter)
+            except AdapterStateLostError:
+                dht.shutdown()
+                raise
+            lora_config, seed = lora_config_from_wire(recorded.lora), recorded.seed
         return cls(
             spec,
             dht,
@@ -220,11 +250,39 @@ class SwarmModelForCausalLM(nn.Module):
             resume,
             unreachable_wait,
             wire,
+            is_trainable,
         )
 
+    def _is_current(self, peer: PeerID) -> bool:
+        """Whether a peer may serve this client: at the trainer's step, or (a reader) at that step or later."""
+        step = self.replicas.current.get(peer)
+        return step == self.ledger.step if self.is_trainable else step is not None and step >= self.ledger.step
+
+    def _track(self) -> None:
+        """Bring the replicas up to date: the trainer's refresh (opens new peers, syncs laggards), or a reader's
+        look at the newest committed step and the peers holding it (it changes nothing on any peer)."""
+        if self.is_trainable:
+            self.replicas.refresh(self.ledger.step)
+            return
+        recorded = read_committed(self.dht, self.spec.name, self.adapter)
+        if recorded is not None and recorded.step > self.ledger.step:
+            self.ledger = StepLedger(step=recorded.step, session=self.session)
+        self.replicas.follow(self.ledger.step)
+
+    def _current_peers(self) -> dict[PeerID, range]:
+        return {p: span for p, span in self.router.live_servers().items() if self._is_current(p)}
+
+    def _must_train(self, what: str) -> None:
+        if not self.is_trainable:
+            raise ValueError(
+                f"{what} needs a trainer: this client opened adapter {self.adapter!r} with is_trainable=False "
+                "(it reads the adapter and generates, while its trainer trains)"
+            )
+
     def _open_on(self, peer_id: PeerID) -> tuple[dict[int, int], dict[int, int]]:
-        """Open (or claim) the adapter on a peer; returns its committed step per served block and per standby copy."""
-        request = OpenRequest(self.adapter, self.lora_wire, self.seed, self.session)
+        """Open (or claim) the adapter on a peer; returns its committed step per served block and per standby copy.
+        A reader opens without a session: it claims nothing."""
+        request = OpenRequest(self.adapter, self.lora_wire, self.seed, self.session if self.is_trainable else None)
         reply = OpenReply.from_meta(self.stack.call(peer_id, request.to_meta(), []).meta)
         return reply.steps, reply.standby
 
@@ -337,6 +395,7 @@ class SwarmModelForCausalLM(nn.Module):
     ) -> CausalLMOutputWithPast:
         hidden, mask = self._inputs(input_ids, attention_mask)
         if torch.is_grad_enabled():
+            self._must_train("a forward with gradients")
             micro_batch = self.ledger.new_micro_batch()
             # The embeddings are frozen: the stack's input gradient would be thrown away, so it is not asked for.
             # (The input is marked as needing one only so that autograd runs the stack's backward at all.)
@@ -388,6 +447,8 @@ class SwarmModelForCausalLM(nn.Module):
             )
         mask = None if attention_mask is None or bool(attention_mask.bool().all()) else attention_mask.long().cpu()
         config = resolve_config(generation_config or self.generation_config, input_ids.shape[1], kwargs)
+        if not self.is_trainable:
+            self._track()  # a reader generates with the newest committed step
         chain = SessionChain(
             self.stack,
             input_ids.shape[1] + config.max_new_tokens,
@@ -450,6 +511,7 @@ class SwarmModelForCausalLM(nn.Module):
 
     def commit(self, hparams: OptimizerHParams) -> int:
         """Commit the step in progress on every live replica of every block; returns the new step."""
+        self._must_train("opt.step()")
         if self.ledger.empty:
             logger.warning("optimizer step with no backward since the last step: nothing to commit")
             return self.step
@@ -472,8 +534,8 @@ class SwarmModelForCausalLM(nn.Module):
         deadline = time.monotonic() + self.stack.patience
         answers: dict[PeerID, tuple[PeerID, range, dict, list[torch.Tensor]]] = {}
         while True:
-            self.replicas.refresh(self.step)
-            for peer, span in self.replicas.peers(self.step).items():
+            self._track()
+            for peer, span in self._current_peers().items():
                 if peer in answers:
                     continue
                 try:
@@ -525,7 +587,7 @@ class SwarmModelForCausalLM(nn.Module):
         for part in ("copies_keeper", "replicas"):
             if hasattr(self, part):
                 getattr(self, part).close()
-        if hasattr(self, "lease"):
+        if getattr(self, "lease", None) is not None:
             self.lease.release()
         if hasattr(self, "transport"):
             RemoteExpertWorker.run_coroutine(self.transport.shutdown())
