@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from peers.inference import InferenceSessions
+from peers.inference import InferenceSession, InferenceSessions
 from peers.state import (
     ActivationCache,
     Adapter,
@@ -228,7 +228,8 @@ class SpanBackend:
 
     def infer(self, request: InferRequest, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """New tokens through the span in a generation session (opened at position 0); never changes any state but
-        the session's keys and values. Runs the adapter's last committed step, or the base model."""
+        the session's keys and values. Runs the adapter's last committed step, or the base model. A request that
+        fails half-way ends its session: the client replays the prefix."""
         blocks = request.blocks
         if not blocks or any(block not in self.layers for block in blocks):
             self.sessions.end(request.session)
@@ -242,38 +243,45 @@ class SpanBackend:
                 f"a generation request's attention_mask covers every token so far: [{batch}, "
                 f"{request.position + length}], got {list(attention_mask.shape)}"
             )
-        if request.position == 0:
-            if batch * request.max_length > self.max_tokens or length > request.max_length:
-                raise RequestError(
-                    f"a generation of {batch}x{request.max_length} tokens (prompt + max_new_tokens, times the batch) "
-                    f"exceeds this peer's --max-tokens of {self.max_tokens}; shorten the prompt or max_new_tokens"
-                )
-            reserve = self.kv_bytes(blocks, batch, request.max_length)
-            cache = DynamicCache(config=self.spec.config)
-            session = self.sessions.open(request.session, blocks, batch, request.max_length, reserve, cache)
-        else:
-            session = self.sessions.get(request.session)
-            if session.blocks != blocks or session.batch != batch or session.length != request.position:
-                raise RequestError(
-                    f"generation session {request.session} holds blocks {spans_text(session.blocks)}, a batch of "
-                    f"{session.batch} and {session.length} tokens; the request does not continue it"
-                )
-            if session.length + length > session.max_length:
-                raise RequestError(
-                    f"generation session {request.session} was opened for {session.max_length} tokens; open a "
-                    "longer one"
-                )
         if request.adapter is None:
             lora = self._lora_off()
         else:
             self._states(self.adapter(request.adapter), blocks, request.step, or_later=True)
             self._activate(request.adapter)
             lora = contextlib.nullcontext()
-        with torch.no_grad(), lora:
-            mask = None if attention_mask is None else attention_mask.to(self.device)
-            outputs = self.run(hidden.to(self.device, self.dtype), mask, blocks, session.cache, session.length)
+        session = self._session(request, batch, length)
+        try:
+            with torch.no_grad(), lora:
+                mask = None if attention_mask is None else attention_mask.to(self.device)
+                outputs = self.run(hidden.to(self.device, self.dtype), mask, blocks, session.cache, session.length)
+        except BaseException:
+            self.sessions.end(request.session)
+            raise
         session.length += length
         return outputs.to(hidden.dtype).cpu()
+
+    def _session(self, request: InferRequest, batch: int, length: int) -> InferenceSession:
+        """The request's session: opened (position 0) with room for ``max_length`` tokens, or continued."""
+        if request.position == 0:
+            if batch * request.max_length > self.max_tokens or length > request.max_length:
+                raise RequestError(
+                    f"a generation of {batch}x{request.max_length} tokens (prompt + max_new_tokens, times the batch) "
+                    f"exceeds this peer's --max-tokens of {self.max_tokens}; shorten the prompt or max_new_tokens"
+                )
+            reserve = self.kv_bytes(request.blocks, batch, request.max_length)
+            cache = DynamicCache(config=self.spec.config)
+            return self.sessions.open(request.session, request.blocks, batch, request.max_length, reserve, cache)
+        session = self.sessions.get(request.session)
+        if session.blocks != request.blocks or session.batch != batch or session.length != request.position:
+            raise RequestError(
+                f"generation session {request.session} holds blocks {spans_text(session.blocks)}, a batch of "
+                f"{session.batch} and {session.length} tokens; the request does not continue it"
+            )
+        if session.length + length > session.max_length:
+            raise RequestError(
+                f"generation session {request.session} was opened for {session.max_length} tokens; open a longer one"
+            )
+        return session
 
     @contextlib.contextmanager
     def _lora_off(self):

