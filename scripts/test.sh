@@ -8,5 +8,11 @@ if [ "$(id -u)" = 0 ] && ! command -v nft >/dev/null && command -v apt-get >/dev
   { apt-get install -y -q nftables || { apt-get update -q && apt-get install -y -q nftables; }; } >/dev/null 2>&1 ||
     echo "could not install nftables: the NAT tests will skip" >&2
 fi
+# The monitor's browser test draws the page in headless chromium: as root, get it if it is missing.
+if [ "$(id -u)" = 0 ] && ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null &&
+  command -v apt-get >/dev/null; then
+  { apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; } >/dev/null 2>&1 ||
+    echo "could not install chromium: the monitor's browser test will skip" >&2
+fi
 .venv/bin/ruff check .
 exec .venv/bin/python -m pytest -q -rs "$@"

