@@ -191,7 +191,14 @@ class PeerDaemon:
                 adapters[name] = AdapterInfo(a.meta, a.steps(), a.standby_steps())
         standby = self.parts.replicator.standby if self.parts is not None else []
         info = PeerInfo(
-            self.spec.name, self.serving.start, self.serving.stop, self.state.value, self.throughput, adapters, standby
+            self.spec.name,
+            self.serving.start,
+            self.serving.stop,
+            self.state.value,
+            self.throughput,
+            adapters,
+            standby,
+            f"{self.config.quant_mode}/{self.config.dtype}",
         )
         return info.to_meta()
 

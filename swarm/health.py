@@ -75,6 +75,7 @@ class Peer:
     throughput: float
     adapters: dict[str, Holding] = field(default_factory=dict)
     standby_blocks: list[int] = field(default_factory=list)
+    weights: str = ""  # quantization / compute dtype, as the peer reports it
     up_since: float | None = None  # wall-clock time the monitor first saw it (tracker)
     gone_since: float | None = None  # wall-clock time it disappeared (tracker)
 
@@ -86,6 +87,8 @@ class Adapter:
     committed: int | None  # from the trainer's committed record, if read
     trainer: str | None
     copies: dict[int, int]  # block -> live peers holding it at the newest step
+    recoveries: list[dict] = field(default_factory=list)  # the trainer's last few: peer, during, step, seconds
+    steps_lost: int = 0  # the trainer's count of updates lost
     steps_per_minute: float | None = None  # tracker
 
 
@@ -196,6 +199,7 @@ def _peers(view: SwarmView) -> list[Peer]:
                 if info is not None
                 else {},
                 standby_blocks=sorted(info.standby_blocks) if info is not None else [],
+                weights=info.weights if info is not None else "",
             )
         )
     return sorted(peers, key=lambda p: (p.start, p.end, p.peer))
@@ -208,6 +212,8 @@ def _adapter(name: str, newest: int, blocks: list[Block], committed: CommittedRe
         committed=committed.step if committed is not None else None,
         trainer=committed.trainer if committed is not None else None,
         copies={b.block: b.copies[name].count for b in blocks if name in b.copies},
+        recoveries=list(committed.recoveries) if committed is not None else [],
+        steps_lost=committed.steps_lost if committed is not None else 0,
     )
 
 
@@ -254,6 +260,11 @@ def _problems(online: list[int], replication: int, peers: list[Peer], adapters: 
                 "record lingers until it expires"
             )
     for adapter in adapters:
+        if adapter.steps_lost:
+            problems.append(
+                f"adapter {adapter.name}: {adapter.steps_lost} step(s) lost so far (every copy of some block died; "
+                "the trainer's model.steps_lost says which): run peers with --checkpoint-dir and enough standby room"
+            )
         for first, last in ranges([b for b, count in adapter.copies.items() if count == 0]):
             problems.append(
                 f"adapter {adapter.name}: {_blocks_have(first, last)} no live copy of step {adapter.newest}: "

@@ -365,6 +365,7 @@ class PeerInfo:
     throughput: float
     adapters: dict[str, AdapterInfo]
     standby_blocks: list[int]
+    weights: str = ""  # how the base weights are held: quantization / compute dtype, e.g. "nf4/bfloat16"
 
     def to_meta(self) -> dict:
         adapters = {
@@ -379,6 +380,7 @@ class PeerInfo:
             "throughput": self.throughput,
             "adapters": adapters,
             "standby_blocks": list(self.standby_blocks),
+            "weights": self.weights,
         }
 
     @classmethod
@@ -398,4 +400,5 @@ class PeerInfo:
             throughput=float(meta.get("throughput", 0.0)),
             adapters=adapters,
             standby_blocks=[int(b) for b in meta.get("standby_blocks", [])],
+            weights=str(meta.get("weights", "")),
         )

@@ -18,6 +18,7 @@ from swarm.security import peer_id_of_owner
 logger = logging.getLogger(__name__)
 
 RECORD_TTL = 30.0
+RECOVERIES_KEPT = 5  # recent recoveries a trainer publishes with its committed step
 MAX_MADDRS = 16
 
 
@@ -191,9 +192,19 @@ class CommittedRecord:
     lora: dict
     seed: int
     trainer: str
+    recoveries: list[dict] = field(default_factory=list)  # the last few failures routed around (for the monitor)
+    steps_lost: int = 0  # updates lost so far (every copy of a block died)
 
     def to_value(self) -> dict:
-        return {"kind": "committed", "step": self.step, "lora": self.lora, "seed": self.seed, "trainer": self.trainer}
+        return {
+            "kind": "committed",
+            "step": self.step,
+            "lora": self.lora,
+            "seed": self.seed,
+            "trainer": self.trainer,
+            "recoveries": self.recoveries,
+            "steps_lost": self.steps_lost,
+        }
 
     @classmethod
     def from_value(cls, value: object) -> CommittedRecord | None:
@@ -202,7 +213,12 @@ class CommittedRecord:
         except (TypeError, KeyError):
             return None
         valid = isinstance(step, int) and step >= 0 and isinstance(seed, int) and isinstance(lora, dict)
-        return cls(step, lora, seed, trainer) if valid and isinstance(trainer, str) else None
+        if not valid or not isinstance(trainer, str):
+            return None
+        recoveries = value.get("recoveries", [])
+        recoveries = [r for r in recoveries if isinstance(r, dict)] if isinstance(recoveries, list) else []
+        lost = value.get("steps_lost", 0)
+        return cls(step, lora, seed, trainer, recoveries[-RECOVERIES_KEPT:], lost if isinstance(lost, int) else 0)
 
 
 def announce_committed(dht: DHT, model: str, adapter: str, owner: bytes, record: CommittedRecord):

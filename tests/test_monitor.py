@@ -70,6 +70,17 @@ def test_every_block_at_the_target_is_healthy_and_the_state_is_json():
     assert json.loads(json.dumps(asdict(health)))["status"] == HEALTHY
 
 
+def test_the_trainers_recoveries_and_steps_lost_are_shown_and_a_loss_is_a_problem():
+    recovery = {"peer": B1.to_base58(), "during": "commit", "step": 5, "seconds": 0.4}
+    committed = {"a": CommittedRecord(9, {}, 0, "trainer-1", [recovery], steps_lost=2)}
+    value = CommittedRecord.from_value(committed["a"].to_value())
+    assert value == committed["a"], "the record carries them through the DHT's encoding"
+    health = build("m", 4, _view({A0, A1, B0, B1}), replication=2, committed=committed)
+    (adapter,) = health.adapters
+    assert (adapter.recoveries, adapter.steps_lost) == ([recovery], 2)
+    assert any("2 step(s) lost so far" in problem for problem in health.problems), health.problems
+
+
 def test_a_block_under_the_target_is_degraded_and_said_in_words():
     health = build("m", 4, _view({A0, A1, B0}), replication=2)
     assert health.status == DEGRADED
@@ -203,6 +214,7 @@ def test_the_monitor_sees_a_peer_fail_within_two_refreshes(tiny_models, tmp_path
             assert state["error"] is None and model["status"] == HEALTHY, state
             assert {p["peer"] for p in model["peers"]} == {p.peer_id for p in peers.values()}
             assert [b["block"] for b in model["blocks"]] == [0, 1, 2, 3] and model["problems"] == []
+            assert {p["weights"] for p in model["peers"]} == {"none/float32"}, "quantization / dtype as served"
             peers["b1"].signal(signal.SIGKILL)
             killed = time.monotonic()
             state = _wait(lambda: _state(url), lambda s: _model(s)["status"] == DEGRADED, 30)

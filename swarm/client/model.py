@@ -35,7 +35,7 @@ from swarm.compression import WireFormat
 from swarm.errors import AdapterConfigError, AdapterStateLostError, RequestError, SwarmUnavailableError
 from swarm.network import check_access, initial_peers_or_env, join_dht, load_swarm_key
 from swarm.protocol import Method, OpenReply, OpenRequest, OptimizerHParams, check_adapter_name
-from swarm.records import CommittedRecord, announce_committed, read_committed
+from swarm.records import RECOVERIES_KEPT, CommittedRecord, announce_committed, read_committed
 from swarm.routing import Router
 from swarm.security import Identity, SwarmKey
 from swarm.spec import ModelSpec, load_spec
@@ -519,7 +519,12 @@ class SwarmModelForCausalLM(nn.Module):
         applied = commit(self.stack, self.replicas, self.ledger, hparams)
         self.ledger = self.ledger.next()
         self.copies_keeper.ensure(self.step, applied)
-        record = CommittedRecord(self.step, self.lora_wire, self.seed, self.trainer)
+        recent = [
+            {"peer": r.peer.to_base58(), "during": r.during, "step": r.step, "seconds": round(r.seconds, 2)}
+            for r in self.recoveries[-RECOVERIES_KEPT:]
+        ]
+        lost = sum(e.steps for e in self.steps_lost)
+        record = CommittedRecord(self.step, self.lora_wire, self.seed, self.trainer, recent, lost)
         announce_committed(self.dht, self.spec.name, self.adapter, self.owner, record)
         self.router.refresh_soon()  # peers that joined or moved meanwhile are brought in at the next step
         return self.step

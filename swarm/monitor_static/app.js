@@ -68,6 +68,7 @@ function peerRow(model, peer, now) {
     el("td", { class: "bar-cell" }, spanBar(model, peer)),
     el("td", {}, `${peer.start}:${peer.end}`),
     el("td", {}, `${Math.round(peer.throughput)} tok/s`),
+    el("td", {}, peer.weights || "-"),
     el("td", {}, adaptersText(peer)),
     el("td", {}, peer.standby_blocks.length ? peer.standby_blocks.join(", ") : "-"),
     el("td", {}, since),
@@ -85,7 +86,16 @@ function adapterRow(adapter) {
     el("td", {}, rate),
     el("td", {}, adapter.trainer || "-"),
     el("td", {}, copies),
+    el("td", {}, recoveriesText(adapter)),
+    el("td", {}, String(adapter.steps_lost)),
   );
+}
+
+function recoveriesText(adapter) {
+  const recent = adapter.recoveries.map(
+    (r) => `${r.peer.slice(0, 6)}..${r.peer.slice(-4)} failed during ${r.during} of step ${r.step + 1} (retried in ${r.seconds} s)`,
+  );
+  return recent.join("; ") || "none";
 }
 
 function modelCard(model, now) {
@@ -108,7 +118,7 @@ function modelCard(model, now) {
     el(
       "table",
       {},
-      head("peer", "state", "blocks", "span", "throughput", "adapters", "standby copies", "up"),
+      head("peer", "state", "blocks", "span", "throughput", "weights", "adapters", "standby copies", "up"),
       model.peers.map((p) => peerRow(model, p, now)),
     ),
   );
@@ -118,7 +128,15 @@ function modelCard(model, now) {
       el(
         "table",
         {},
-        head("adapter", "committed step", "steps / min", "trainer", "copies per block (block:copies)"),
+        head(
+          "adapter",
+          "committed step",
+          "steps / min",
+          "trainer",
+          "copies per block (block:copies)",
+          "recent recoveries",
+          "steps lost",
+        ),
         model.adapters.map((a) => adapterRow(a)),
       ),
     );
