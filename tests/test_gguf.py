@@ -62,13 +62,7 @@ def test_the_real_model_trains_through_the_swarm_like_local_peft_and_generates_t
         )
         try:
             model.save_adapter(tmp_path / "initial")
-            optimizer = swarm.RemoteOptimizer(model, **hparams)
-            for step in range(steps):
-                batches = demo.instruction_batches(tokenizer, rows, step)
-                for batch in batches:
-                    (model(**batch).loss / len(batches)).backward()
-                optimizer.step()
-                optimizer.zero_grad()
+            _train(model, swarm.RemoteOptimizer(model, **hparams), tokenizer, rows, steps)
             model.save_adapter(tmp_path / "final")
             generated = model.generate(question, max_new_tokens=12, do_sample=False)
         finally:
@@ -77,12 +71,7 @@ def test_the_real_model_trains_through_the_swarm_like_local_peft_and_generates_t
     base = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     local_model = peft.PeftModel.from_pretrained(base, tmp_path / "initial", is_trainable=True)
     optimizer = torch.optim.AdamW([p for p in local_model.parameters() if p.requires_grad], **hparams)
-    for step in range(steps):
-        batches = demo.instruction_batches(tokenizer, rows, step)
-        for batch in batches:
-            (local_model(**batch).loss / len(batches)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    _train(local_model, optimizer, tokenizer, rows, steps)
     local_model.save_pretrained(tmp_path / "reference")
     swarm_state = load_file(tmp_path / "final" / "adapter_model.safetensors")
     reference = load_file(tmp_path / "reference" / "adapter_model.safetensors")
@@ -93,3 +82,13 @@ def test_the_real_model_trains_through_the_swarm_like_local_peft_and_generates_t
     with torch.no_grad():
         expected = local_model.generate(question, max_new_tokens=12, do_sample=False)
     assert torch.equal(generated, expected), (tokenizer.decode(generated[0]), tokenizer.decode(expected[0]))
+
+
+def _train(model, optimizer, tokenizer, rows: list[dict], steps: int) -> None:
+    """The demo's recipe: two micro-batches of its instruction data per step, the same for the swarm and local."""
+    for step in range(steps):
+        batches = demo.instruction_batches(tokenizer, rows, step)
+        for batch in batches:
+            (model(**batch).loss / len(batches)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
