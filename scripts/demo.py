@@ -8,7 +8,7 @@ SIGKILLed during a step (the client retries on peer-c); later peer-c, by then th
 right after a step returned: a replica of 0:15 takes 15:30 over from the copy of the adapter state it was asked to
 hold before that step was acknowledged. Losses fall throughout; the same questions are answered again after training
 (through the swarm, on whoever is left); recoveries, steps lost, copies per block and the final `swarm status`
-are printed."""
+are printed. The swarm's health page (`swarm monitor`) runs alongside; its address is printed first."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -72,6 +73,15 @@ def answer(model: swarm.SwarmModelForCausalLM, tokenizer, question: str, max_new
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
 
 
+def port_is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "demo")
@@ -80,6 +90,8 @@ def main() -> None:
     parser.add_argument(
         "--orphan-at-step", type=int, default=12, help="SIGKILL peer-c, the last server of 15:30, before it (0: never)"
     )
+    parser.add_argument("--monitor-port", type=int, default=8080, help="the health page's port (0: any free one)")
+    parser.add_argument("--keep-running", action="store_true", help="keep the swarm (and its page) up until Ctrl-C")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("hivemind").setLevel(logging.WARNING)
@@ -90,6 +102,8 @@ def main() -> None:
     with LocalSwarm(args.workdir / "logs") as local:
         local.start_dht()
         logger.info("bootstrap node: %s", local.initial_peers[0])
+        _, url = local.start_monitor(args.monitor_port if port_is_free(args.monitor_port) else 0)
+        print(f"--- watch the swarm in a browser: {url} (swarm monitor) ---")
         extra = ["--balance-interval", "2"]
         peers = {
             name: local.start_peer(model_dir, span, name=name, extra=extra, wait=False)
@@ -150,6 +164,14 @@ def main() -> None:
         finally:
             model.shutdown()
         print(status(local.initial_peers, None, None, replication=2))
+        if args.keep_running:
+            print(f"--- the swarm stays up: {url} ; Ctrl-C to stop ---")
+            try:
+                threading.Event().wait()
+            except KeyboardInterrupt:
+                pass
+        else:
+            print("(run with --keep-running to keep the swarm and its page up after training)")
 
 
 if __name__ == "__main__":

@@ -134,6 +134,16 @@ class LocalSwarm:
         self.initial_peers = [ln for ln in dht.log.read_text().splitlines() if ln.startswith(wanted)]
         return dht
 
+    def start_monitor(self, port: int = 0, refresh: float = 2.0, timeout: float = 60.0) -> tuple[Process, str]:
+        """``swarm monitor`` on 127.0.0.1 (``port`` 0: any free one); returns it and the page's URL (no trailing
+        slash)."""
+        monitor = self._spawn(
+            "monitor",
+            ["monitor", "--initial-peers", *self.initial_peers, "--port", str(port), "--refresh", str(refresh)],
+        )
+        line = monitor.wait_for_line("swarm monitor on ", timeout)
+        return monitor, line.split(" on ", 1)[1].split()[0].rstrip("/")
+
     def start_peer(
         self,
         model: str | Path,

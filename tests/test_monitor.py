@@ -208,22 +208,23 @@ def test_the_monitor_sees_a_peer_fail_within_two_refreshes(tiny_models, tmp_path
     with LocalSwarm(tmp_path) as local:
         local.start_dht()
         peers = local.start_peers(tiny_models["llama"], {"a0": "0:2", "a1": "0:2", "b0": "2:4", "b1": "2:4"})
-        with monitor(tmp_path, local.initial_peers, "monitor") as url:
-            state = _wait(lambda: _state(url), lambda s: _model(s)["status"] == HEALTHY, 30)
-            model = _model(state)
-            assert state["error"] is None and model["status"] == HEALTHY, state
-            assert {p["peer"] for p in model["peers"]} == {p.peer_id for p in peers.values()}
-            assert [b["block"] for b in model["blocks"]] == [0, 1, 2, 3] and model["problems"] == []
-            assert {p["weights"] for p in model["peers"]} == {"none/float32"}, "quantization / dtype as served"
-            peers["b1"].signal(signal.SIGKILL)
-            killed = time.monotonic()
-            state = _wait(lambda: _state(url), lambda s: _model(s)["status"] == DEGRADED, 30)
-            model = _model(state)
-            assert model["status"] == DEGRADED, state
-            assert time.monotonic() - killed < 10, "noticed within a couple of refreshes"
-            assert "blocks 2-3 have one server: a failure there would pause training" in model["problems"][0]
-            dead = {p["peer"]: p["state"] for p in model["peers"]}[peers["b1"].peer_id]
-            assert dead in ("unreachable", GONE)
+        monitor_process, url = local.start_monitor(refresh=1)  # as the demo starts it
+        state = _wait(lambda: _state(url), lambda s: _model(s)["status"] == HEALTHY, 30)
+        model = _model(state)
+        assert state["error"] is None and model["status"] == HEALTHY, state
+        assert {p["peer"] for p in model["peers"]} == {p.peer_id for p in peers.values()}
+        assert [b["block"] for b in model["blocks"]] == [0, 1, 2, 3] and model["problems"] == []
+        assert {p["weights"] for p in model["peers"]} == {"none/float32"}, "quantization / dtype as served"
+        peers["b1"].signal(signal.SIGKILL)
+        killed = time.monotonic()
+        state = _wait(lambda: _state(url), lambda s: _model(s)["status"] == DEGRADED, 30)
+        model = _model(state)
+        assert model["status"] == DEGRADED, state
+        assert time.monotonic() - killed < 10, "noticed within a couple of refreshes"
+        assert "blocks 2-3 have one server: a failure there would pause training" in model["problems"][0]
+        dead = {p["peer"]: p["state"] for p in model["peers"]}[peers["b1"].peer_id]
+        assert dead in ("unreachable", GONE)
+        assert monitor_process.popen.poll() is None, monitor_process.tail()  # it never crashed
 
 
 def _chromium() -> str:
