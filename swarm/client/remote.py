@@ -209,6 +209,9 @@ class RemoteStack:
             for r in self.router.replicas(hop.start)
             if r.peer_id != hop.peer_id and r.start <= hop.start and hop.end <= r.end
         ]
+        # In random order: checking stops once the replicas asked agree, so a fixed order (the records') would
+        # never ask a dishonest peer listed last, unless it computed the hop itself.
+        self.random.shuffle(others)
         majority: list[PeerID] = []
         for peer in others:
             try:
