@@ -15,7 +15,7 @@ from peers.doors import Doorkeeper
 from peers.state import BlockState, BlockUpdate, GradsByBlock, pack_states, unpack_states
 from swarm.blocks import lora_config_from_wire
 from swarm.compression import COMPRESSIONS
-from swarm.errors import RequestError
+from swarm.errors import RequestError, SourceUnavailableError
 from swarm.protocol import (
     SYNC_TIMEOUT,
     CommitRequest,
@@ -75,6 +75,7 @@ class PeerService(Doorkeeper):
             }
         )
         self.after_commit: Callable[[str], Awaitable[None]] | None = None
+        self.after_revert: Callable[[str], Awaitable[None]] | None = None  # so that the checkpoint is not left ahead
         self.on_committed: Callable[[str, dict, dict[int, int], PeerID], Awaitable[None]] | None = None
         self.on_replicate: Callable[[str, dict, int, list[tuple[range, PeerID]]], Awaitable[dict[int, int]]] | None = (
             None
@@ -160,7 +161,10 @@ class PeerService(Doorkeeper):
 
     async def _revert(self, message: Message) -> Message:
         meta = message.meta
-        steps = await self.compute(self.backend.revert, read_str(meta, "adapter"), read_int(meta, "step"))
+        name = read_str(meta, "adapter")
+        steps = await self.compute(self.backend.revert, name, read_int(meta, "step"))
+        if self.after_revert is not None:
+            self.in_background(self.after_revert(name))
         return Message(meta={"steps": by_block(steps)}, tensors=[])
 
     async def _fetch(
@@ -209,7 +213,12 @@ class PeerService(Doorkeeper):
         meta = message.meta
         name, blocks = read_str(meta, "adapter"), _blocks(meta)
         source = read_peer(meta, "source")
-        states = await fetch_state(self.transport, source, name, blocks)
+        try:
+            states = await fetch_state(self.transport, source, name, blocks)
+        except Exception as e:  # the source's failure, not this peer's: the client picks another source
+            raise SourceUnavailableError(
+                f"could not pull blocks {blocks.start}:{blocks.stop} from {source}: {e}", source.to_base58()
+            ) from None
         steps = await self.compute(self.backend.import_state, name, states)
         logger.info("synced adapter %r blocks %s from %s: steps %s", name, sorted(states), source, steps)
         return Message(meta={"steps": by_block(steps)}, tensors=[])

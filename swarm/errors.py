@@ -82,6 +82,7 @@ class ErrorKind:
     MISSING_FORWARD = "missing_forward"  # a backward without its input, and this peer no longer holds the forward
     SESSION_LOST = "session_lost"  # a generation session this peer no longer holds (ended, idle, restarted)
     INFERENCE_MEMORY = "inference_memory"  # no room for another generation session (--max-inference-mb)
+    SOURCE_UNAVAILABLE = "source_unavailable"  # the peer a sync was to pull from did not answer: pick another
 
 
 class RequestError(SwarmError, ValueError):
@@ -130,6 +131,16 @@ class InferenceMemoryError(RequestError):
     """No room for another generation session within the peer's ``--max-inference-mb``."""
 
     kind = ErrorKind.INFERENCE_MEMORY
+
+
+class SourceUnavailableError(RequestError):
+    """A sync's source could not be reached or did not give the state: the asking peer is fine, the source is not."""
+
+    kind = ErrorKind.SOURCE_UNAVAILABLE
+
+    def __init__(self, message: str, source: str):
+        super().__init__(message)
+        self.details = {"source": source}
 
 
 class FencedError(RequestError):

@@ -16,7 +16,8 @@ logger = logging.getLogger(__name__)
 
 
 def _die_with_parent() -> None:
-    """In the child: get SIGKILL if the process that started us dies (Linux), so no swarm outlives its owner."""
+    """In the child: get SIGKILL if the process that started us dies (Linux), so no swarm outlives its owner. Linux
+    sends it when the starting *thread* ends: start processes from threads that outlive them."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:

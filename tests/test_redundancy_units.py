@@ -3,6 +3,8 @@ swarm view's counting, record fields, the status table, and default span sizing.
 
 from __future__ import annotations
 
+import time
+
 import peft
 import pytest
 import torch
@@ -12,9 +14,10 @@ from peers.backend import SpanBackend
 from peers.daemon import PeerConfig, blocks_that_fit
 from peers.state import BlockState, BlockUpdate, pack_states, unpack_states
 from swarm.blocks import lora_config_to_wire
-from swarm.client.commit import ReplicaSet
-from swarm.errors import MissingForwardError
-from swarm.protocol import AdapterInfo, OptimizerHParams, PeerInfo
+from swarm.client.commit import ReplicaSet, commit
+from swarm.client.ledger import StepLedger
+from swarm.errors import ErrorKind, MissingForwardError, RemoteError
+from swarm.protocol import AdapterInfo, Method, OptimizerHParams, PeerInfo
 from swarm.records import ServerRecord, ServerState
 from swarm.spec import load_spec
 from swarm.status import render
@@ -236,6 +239,134 @@ def test_a_takeover_holding_part_of_its_span_current_syncs_only_the_rest():
         replicas.close()
     assert stack.sent == [(mover, stayer.to_base58(), 3, 4)]
     assert steps == {2: 1, 3: 1}
+
+
+class _BanningRouter(_Router):
+    def __init__(self, servers: dict[PeerID, range]):
+        super().__init__(servers)
+        self.banned: list[PeerID] = []
+
+    def ban(self, peer: PeerID, reason: str) -> float:
+        self.banned.append(peer)
+        self.servers.pop(peer, None)
+        return 2.0
+
+
+class _DeadSourceStack(_Stack):
+    """A SYNC from ``dead`` fails the way a peer reports it: the source, not the asking peer, is unavailable."""
+
+    def __init__(self, router: _Router, dead: PeerID):
+        super().__init__(router)
+        self.dead = dead
+
+    def call(self, peer: PeerID, meta: dict, tensors: list) -> _Reply:
+        if meta["source"] == self.dead.to_base58():
+            self.sent.append((peer, meta["source"], meta["start"], meta["end"]))
+            raise RemoteError(ErrorKind.SOURCE_UNAVAILABLE, "could not pull blocks 2:4", {"source": meta["source"]})
+        return super().call(peer, meta, tensors)
+
+
+def test_a_sync_whose_source_died_pulls_from_another_and_blames_the_source():
+    """Chaos found it: the client chose a dead replica (its record still fresh) as the source of a sync; the syncing
+    peer's refusal was taken as its own failure, so the healthy peer was banned and the dead source chosen again,
+    for 15 s of a stalled step. Now the source is dropped and another one used at once."""
+    mover, dead, alive = PeerID(b"m" * 8), PeerID(b"d" * 8), PeerID(b"a" * 8)
+    router = _BanningRouter({mover: range(2, 4), dead: range(2, 4), alive: range(2, 4)})
+    stack = _DeadSourceStack(router, dead)
+    replicas = ReplicaSet(stack, open_on=lambda peer: ({}, {}))
+    try:
+        replicas.current.update({dead: 1, alive: 1})
+        steps = replicas._sync(mover, range(2, 4), {2: 0, 3: 0}, step=1)
+    finally:
+        replicas.close()
+    assert stack.sent == [(mover, dead.to_base58(), 2, 4), (mover, alive.to_base58(), 2, 4)]
+    assert router.banned == [dead] and dead not in replicas.current
+    assert steps == {2: 1, 3: 1}
+
+
+class _CommitRouter(_Router):
+    def refresh(self) -> None:
+        pass
+
+    def announced(self) -> dict[int, list[PeerID]]:
+        return {b: [p for p, span in self.servers.items() if b in span] for b in range(self.num_blocks)}
+
+
+class _CommitStack:
+    """Peers holding steps per block; OPEN reports them, COMMIT applies the step on every block of the peer."""
+
+    adapter = "a"
+    patience = 3.0
+
+    def __init__(self, steps: dict[PeerID, dict[int, int]]):
+        self.steps = steps
+        self.router = _CommitRouter({p: range(min(held), max(held) + 1) for p, held in steps.items()})
+        self.on_peer_state, self.commits, self.fast_forwards = [], [], []
+
+    def open_on(self, peer: PeerID) -> tuple[dict[int, int], dict[int, int]]:
+        return dict(self.steps[peer]), {}
+
+    def call(self, peer: PeerID, meta: dict, tensors: list, floor: float = 0.0) -> _Reply:
+        held = self.steps[peer]
+        if meta["method"] == Method.COMMIT:
+            self.commits.append(peer)
+            self.steps[peer] = {b: s + 1 if s == meta["step"] else s for b, s in held.items()}
+        else:
+            assert meta["method"] == Method.FAST_FORWARD, meta
+            self.fast_forwards.append((peer, meta["start"]))
+            held[meta["start"]] = meta["step"]
+        return _Reply({"steps": {str(b): s for b, s in self.steps[peer].items()}})
+
+    def recovered(self, *args) -> None:
+        pass
+
+
+def test_a_replica_that_already_applied_the_step_counts_as_committed():
+    """Chaos found it: the only server of blocks 2:4 applied step 45, that commit was taken back elsewhere, and the
+    peer came back (restarted from its checkpoint) already at 46. The client, still committing 45, refused it ("holds
+    steps [46], not 45") and waited for a server of 2:4 at 45 that never came: the training loop died one step behind
+    its own peers. A replica applies a step only with every gradient of the ledger, so its state is the step's result:
+    the commit counts it as applied and does not ask it again."""
+    ahead, behind = PeerID(b"x" * 8), PeerID(b"w" * 8)
+    stack = _CommitStack({ahead: {2: 46, 3: 46}, behind: {0: 45, 1: 45}})
+    replicas = ReplicaSet(stack, open_on=stack.open_on)
+    ledger = StepLedger(step=45, session="s")
+    for block, holder in ((0, behind), (1, behind), (2, ahead), (3, ahead)):
+        ledger.acknowledge("s:45:000000001", range(block, block + 1), holder)
+    try:
+        applied = commit(stack, replicas, ledger, HPARAMS)
+    finally:
+        replicas.close()
+    assert applied == {ahead: range(2, 4), behind: range(0, 2)}
+    assert stack.commits == [behind]
+    assert stack.steps[behind] == {0: 46, 1: 46}
+
+
+def test_a_block_without_a_current_copy_waits_for_its_holders_before_declaring_a_loss():
+    """Chaos found it: both servers of a block were killed within seconds and restarted from their checkpoints; a
+    peer that had just joined with a fresh state answered first, and the client declared 148 steps lost on the spot
+    (the restarted peers came back holding the step moments later). A loss is declared only after ``lost_grace``
+    seconds without any holder of the step, or at once when the user asked for it (``resume="latest"``)."""
+    current, survivor = PeerID(b"w" * 8), PeerID(b"x" * 8)
+    stack = _CommitStack({current: {0: 5, 1: 5}, survivor: {2: 3, 3: 3}})
+    replicas = ReplicaSet(stack, open_on=stack.open_on, lost_grace=0.3)
+    try:
+        replicas.refresh(5)
+        assert stack.fast_forwards == [] and replicas.lost == []
+        time.sleep(0.35)
+        replicas.refresh(5)
+        assert stack.fast_forwards == [(survivor, 2), (survivor, 3)]
+        assert [(e.blocks, e.steps) for e in replicas.lost] == [((2,), 2), ((3,), 2)]
+        assert replicas.current[survivor] == 5
+    finally:
+        replicas.close()
+    stack = _CommitStack({current: {0: 5, 1: 5}, survivor: {2: 3, 3: 3}})
+    replicas = ReplicaSet(stack, open_on=stack.open_on, lost_grace=60.0)
+    try:
+        replicas.refresh(5, accept_losses=True)
+        assert stack.fast_forwards == [(survivor, 2), (survivor, 3)]
+    finally:
+        replicas.close()
 
 
 def test_a_cached_forward_is_counted_at_what_autograd_keeps(tiny_models):

@@ -43,8 +43,17 @@ class StepsLost:
 class ReplicaSet:
     """Which peers hold the adapter at the client's step; opens new peers and brings laggards up to date."""
 
-    def __init__(self, stack: RemoteStack, open_on: Callable[[PeerID], tuple[dict[int, int], dict[int, int]]]):
+    def __init__(
+        self,
+        stack: RemoteStack,
+        open_on: Callable[[PeerID], tuple[dict[int, int], dict[int, int]]],
+        lost_grace: float = 30.0,
+    ):
         self.stack, self.open_on = stack, open_on
+        # Seconds a block stays without any current copy before its newest survivor is declared current: its holders
+        # may be restarting from their checkpoints, and a loss declared cannot be taken back.
+        self.lost_grace = lost_grace
+        self.orphaned: dict[int, float] = {}  # block -> since when no current copy is known
         self.current: dict[PeerID, int] = {}
         self.standby: dict[PeerID, dict[int, int]] = {}  # peer -> block -> step of the standby copy it holds
         self.lost: list[StepsLost] = []
@@ -88,12 +97,13 @@ class ReplicaSet:
         """After a failure or refusal the peer's state is unknown: re-check it before it serves again."""
         self.current.pop(peer, None)
 
-    def refresh(self, step: int) -> None:
+    def refresh(self, step: int, accept_losses: bool = False) -> None:
         """Open the adapter on every announced peer not known current; sync those that are behind. A block whose
-        current copies all died resumes from the newest surviving one, and the steps lost are reported. One refresh
-        at a time: micro-batches in flight together may all find a block without a current server."""
+        current copies all died resumes from the newest surviving one once none came back within ``lost_grace`` (at
+        once with ``accept_losses``), and the steps lost are reported. One refresh at a time: micro-batches in flight
+        together may all find a block without a current server."""
         with self._refreshing:
-            self._refresh(step)
+            self._refresh(step, accept_losses)
 
     def follow(self, step: int) -> None:
         """A reader's refresh: which live peers hold the adapter at ``step`` or later, one step across their span.
@@ -106,17 +116,17 @@ class ReplicaSet:
             else:
                 self.current.pop(peer, None)
 
-    def _refresh(self, step: int) -> None:
+    def _refresh(self, step: int, accept_losses: bool) -> None:
         servers = self.stack.router.live_servers(eligible_only=False)
         behind: dict[PeerID, dict[int, int]] = {}
         unknown = [p for p in servers if self.current.get(p, -1) < step]  # ahead: applied this step already
         for peer, steps in self.open_many(unknown).items():
-            if set(steps.values()) == {step}:
-                self.current[peer] = step
+            if set(steps.values()) in ({step}, {step + 1}):
+                self.current[peer] = min(steps.values())  # a peer at step + 1 applied `step`: see ahead_of()
             else:
                 behind[peer] = steps
         if behind:
-            self._adopt_survivors(step, behind)
+            self._adopt_survivors(step, behind, accept_losses)
         for peer, steps in behind.items():
             try:
                 if any(s < step for s in steps.values()):
@@ -129,13 +139,16 @@ class ReplicaSet:
             else:
                 logger.warning("peer %s holds steps %s, not %d; not using it", peer, sorted(set(steps.values())), step)
 
-    def _adopt_survivors(self, step: int, behind: dict[PeerID, dict[int, int]]) -> None:
-        """For blocks that no announced peer could hold at ``step`` (none current, none unreachable), declare the
-        newest surviving copy current: its updates since are lost, and that is reported."""
+    def _adopt_survivors(self, step: int, behind: dict[PeerID, dict[int, int]], accept_losses: bool) -> None:
+        """For blocks that no announced peer could hold at ``step`` (none current, none unreachable) for
+        ``lost_grace`` seconds, declare the newest surviving copy current: its updates since are lost, and that is
+        reported."""
         current = self.peers(step)
         announced = self.stack.router.announced()
+        now = time.monotonic()
         for block in range(self.stack.router.num_blocks):
             if any(block in span for span in current.values()) or self.standby_holders(block, step):
+                self.orphaned.pop(block, None)
                 continue  # a current copy lives: laggards sync from it
             unknown = [p for p in announced.get(block, []) if p not in behind and self.current.get(p) != step]
             survivors = [(steps[block], peer) for peer, steps in behind.items() if block in steps]
@@ -144,6 +157,19 @@ class ReplicaSet:
             newest, peer = max(survivors, key=lambda item: item[0])
             if newest >= step:
                 continue
+            since = self.orphaned.setdefault(block, now)
+            if not accept_losses and now - since < self.lost_grace:
+                if since == now:
+                    logger.warning(
+                        "no live peer holds block %d at step %d (the newest survivor: step %d); waiting up to %.0fs "
+                        "for its holders to come back (restarted peers load their --checkpoint-dir)",
+                        block,
+                        step,
+                        newest,
+                        self.lost_grace,
+                    )
+                continue
+            self.orphaned.pop(block, None)
             meta = {
                 "method": Method.FAST_FORWARD,
                 "adapter": self.stack.adapter,
@@ -199,17 +225,37 @@ class ReplicaSet:
                 "start": block,
                 "end": end,
             }
-            reply = self.stack.call(peer, meta, [])
+            try:
+                reply = self.stack.call(peer, meta, [])
+            except RemoteError as e:
+                if e.kind != ErrorKind.SOURCE_UNAVAILABLE:
+                    raise
+                self._drop_source(source, str(e))
+                continue  # the same blocks, from another source
             steps = {int(b): s for b, s in reply.meta["steps"].items()}
             logger.info("peer %s synced blocks %d:%d to step %d from %s", peer, block, end, step, source)
             block = end
         return steps
+
+    def _drop_source(self, source: PeerID, reason: str) -> None:
+        """A peer could not pull state from ``source``: do not offer it as a source (or route to it) until it
+        answers again. Blaming the peer that asked, as a failed request would, left it banned and the dead source
+        chosen again, for as long as its record lived."""
+        self.stack.router.ban(source, reason)
+        self.forget(source)
+        self.standby.pop(source, None)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def peers(self, step: int) -> dict[PeerID, range]:
         return {p: s for p, s in self.stack.router.live_servers().items() if self.current.get(p) == step}
+
+    def ahead_of(self, step: int) -> dict[PeerID, range]:
+        """Live peers that already applied ``step``: a commit whose reply was lost, or one taken back elsewhere
+        while this peer restarted from its checkpoint. A replica applies only with every gradient of the ledger, and
+        a step taken back is redone to the same bits, so their state is the step's result: the commit counts them."""
+        return self.peers(step + 1)
 
 
 def commit(
@@ -223,6 +269,7 @@ def commit(
     failed: list[PeerID] = []
     while True:
         replicas.refresh(step)
+        applied.update(replicas.ahead_of(step))
         pending = {p: span for p, span in replicas.peers(step).items() if p not in applied}
         done = {b for span in applied.values() for b in span}
         blocks = range(stack.router.num_blocks)

@@ -126,7 +126,7 @@ class SwarmModelForCausalLM(nn.Module):
                 on_wait=self._track,
             )
             self.stack = RemoteStack(self.transport, self.router, adapter, patience, spot_check, wire=wire)
-            self.replicas = ReplicaSet(self.stack, self._open_on)
+            self.replicas = ReplicaSet(self.stack, self._open_on, lost_grace=patience / 2)
             self.copies_keeper = CopyKeeper(
                 self.stack, self.replicas, min_copies, {"lora": self.lora_wire, "seed": seed}
             )
@@ -134,7 +134,7 @@ class SwarmModelForCausalLM(nn.Module):
                 self.lease = AdapterLease(dht, spec.name, adapter, identity.owner, trainer, self.session)
                 self.lease.acquire(patience)
                 self.ledger = StepLedger(step=self._resume_step(resume), session=self.session)
-                self.replicas.refresh(self.ledger.step)
+                self.replicas.refresh(self.ledger.step, accept_losses=resume == "latest")
                 self.copies_keeper.ensure(self.ledger.step, self.replicas.peers(self.ledger.step))
             else:
                 _committed_or_raise(dht, spec, adapter)
