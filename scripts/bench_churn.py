@@ -246,6 +246,7 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=6)
     parser.add_argument("--span", type=int, default=3, help="blocks per peer (--num-blocks)")
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny Llama")
     parser.add_argument("--model", type=Path, default=None, help="an HF model folder instead of a tiny random Llama")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=None)
@@ -257,7 +258,9 @@ def main() -> None:
     logger.setLevel(logging.INFO)
     logging.getLogger("swarm.chaos").setLevel(logging.INFO)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-churn-"))
-    model_dir = args.model or make_tiny_model(workdir / "model", layers=args.layers, seed=1)
+    model_dir = args.model or make_tiny_model(
+        workdir / "model", layers=args.layers, hidden=args.hidden, intermediate=2 * args.hidden, seed=1
+    )
     plan = {} if args.no_baseline else {"no churn": None}
     plan.update({f"1 event / {i:g} s": i for i in args.intervals})
     runs = {}
@@ -267,7 +270,8 @@ def main() -> None:
             model_dir, workdir / f"run{index}", args.minutes * 60, interval, args.seed, args.peers, args.span
         )
     print(
-        f"config: {args.peers} peers x {args.span} blocks of a {args.layers}-block model, replication 2, "
+        f"config: {args.peers} peers x {args.span} blocks of a {args.layers}-block model (hidden {args.hidden}), "
+        "replication 2, "
         f"{MICRO_BATCHES} micro-batches of 2x16 tokens per step, seed {args.seed}"
     )
     print(report(runs))

@@ -14,9 +14,9 @@ from peers.backend import SpanBackend
 from peers.daemon import PeerConfig, blocks_that_fit
 from peers.state import BlockState, BlockUpdate, pack_states, unpack_states
 from swarm.blocks import lora_config_to_wire
-from swarm.client.commit import ReplicaSet, commit
+from swarm.client.commit import ReplicaSet, commit, take_back_abandoned
 from swarm.client.ledger import StepLedger
-from swarm.errors import ErrorKind, MissingForwardError, RemoteError
+from swarm.errors import ErrorKind, MissingForwardError, RemoteError, SwarmUnavailableError
 from swarm.protocol import AdapterInfo, Method, OptimizerHParams, PeerInfo
 from swarm.records import ServerRecord, ServerState
 from swarm.spec import load_spec
@@ -311,6 +311,8 @@ class _CommitStack:
         if meta["method"] == Method.COMMIT:
             self.commits.append(peer)
             self.steps[peer] = {b: s + 1 if s == meta["step"] else s for b, s in held.items()}
+        elif meta["method"] == Method.REVERT:
+            self.steps[peer] = {b: meta["step"] if s == meta["step"] + 1 else s for b, s in held.items()}
         else:
             assert meta["method"] == Method.FAST_FORWARD, meta
             self.fast_forwards.append((peer, meta["start"]))
@@ -340,6 +342,32 @@ def test_a_replica_that_already_applied_the_step_counts_as_committed():
     assert applied == {ahead: range(2, 4), behind: range(0, 2)}
     assert stack.commits == [behind]
     assert stack.steps[behind] == {0: 46, 1: 46}
+
+
+def test_a_replica_past_the_step_is_not_counted_for_gradients_that_replaced_discarded_ones():
+    """The other side of counting a replica past the step as applied: if the user discarded the gradients of a commit
+    that failed part-way (zero_grad without a step) and trains the step again, a replica that applied the discarded
+    gradients holds another state. It must never pass for having applied the new ones: exactly once."""
+    ahead, behind = PeerID(b"x" * 8), PeerID(b"w" * 8)
+    stack = _CommitStack({ahead: {2: 46, 3: 46}, behind: {0: 45, 1: 45}})
+    stack.patience = 1.0
+    replicas = ReplicaSet(stack, open_on=stack.open_on)
+    ledger = StepLedger(step=45, session="s", committing=True).discarded()
+    for block, holder in ((0, behind), (1, behind), (2, behind), (3, behind)):
+        ledger.acknowledge("s:45:000000002", range(block, block + 1), holder)
+    try:
+        with pytest.raises(SwarmUnavailableError, match=r"blocks \[2, 3\] have had no live replica at step 45"):
+            commit(stack, replicas, ledger, HPARAMS)
+    finally:
+        replicas.close()
+    assert stack.commits == []
+    replicas = ReplicaSet(stack, open_on=stack.open_on)
+    replicas.current[ahead] = 46
+    try:
+        take_back_abandoned(stack, replicas, 45)  # what discard_step does first
+    finally:
+        replicas.close()
+    assert stack.steps[ahead] == {2: 45, 3: 45} and replicas.current[ahead] == 45
 
 
 def test_a_block_without_a_current_copy_waits_for_its_holders_before_declaring_a_loss():

@@ -265,11 +265,13 @@ def commit(
     peer and applies in the same call. Gradients that died with a peer are replayed on a replica still at the step
     first. Returns the replicas that applied it (and their spans). Raises CommitError if impossible."""
     step, started, rounds = ledger.step, time.monotonic(), 0
+    ledger.committing = True
     applied: dict[PeerID, range] = {}
     failed: list[PeerID] = []
     while True:
         replicas.refresh(step)
-        applied.update(replicas.ahead_of(step))
+        if not ledger.tainted:
+            applied.update(replicas.ahead_of(step))
         pending = {p: span for p, span in replicas.peers(step).items() if p not in applied}
         done = {b for span in applied.values() for b in span}
         blocks = range(stack.router.num_blocks)
@@ -354,6 +356,16 @@ def _commit_all(
         for block, mbs in (lacking or {}).items():
             missing.setdefault(block, set()).update(mbs)
     return applied, {block: sorted(mbs) for block, mbs in missing.items()}
+
+
+def take_back_abandoned(stack: RemoteStack, replicas: ReplicaSet, step: int) -> None:
+    """The user discarded gradients whose commit failed part-way: take the step back on the replicas that applied
+    it, so they redo it with the gradients that will be committed instead. One that cannot (it restarted since) stays
+    past the step and is never counted as having applied the new gradients (see ``StepLedger.tainted``)."""
+    ahead = replicas.ahead_of(step)
+    if ahead:
+        logger.warning("taking step %d back on %d replica(s) that applied discarded gradients", step, len(ahead))
+        _take_back(stack, replicas, dict(ahead), step)
 
 
 def _take_back(stack: RemoteStack, replicas: ReplicaSet, applied: dict[PeerID, range], step: int) -> None:

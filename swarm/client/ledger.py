@@ -29,6 +29,10 @@ class StepLedger:
     holders: dict[int, dict[str, PeerID]] = field(default_factory=dict)
     segments: dict[str, list[Segment]] = field(default_factory=dict)
     masks: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    committing: bool = False  # a commit of these gradients started: some replica may have applied them
+    # Gradients of this step were discarded after their commit started: a replica found past the step may hold
+    # those, not these, so it must not be taken for having applied this ledger.
+    tainted: bool = False
 
     def new_micro_batch(self) -> str:
         """A fresh id ``session:step:counter``; ids of one session sort in the order they were made."""
@@ -61,7 +65,8 @@ class StepLedger:
 
     def discarded(self) -> StepLedger:
         """The same step with nothing recorded (the gradients already sent are never committed)."""
-        return StepLedger(step=self.step, session=self.session, counter=self.counter)
+        tainted = self.tainted or self.committing
+        return StepLedger(step=self.step, session=self.session, counter=self.counter, tainted=tainted)
 
     @property
     def empty(self) -> bool:

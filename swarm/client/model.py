@@ -24,7 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from swarm.blocks import lora_config_from_wire, lora_config_to_wire, spans_text
 from swarm.checkpoint import save_peft_adapter
-from swarm.client.commit import ReplicaSet, StepsLost, commit
+from swarm.client.commit import ReplicaSet, StepsLost, commit, take_back_abandoned
 from swarm.client.copies import CopyKeeper
 from swarm.client.generation import SessionChain, generate_tokens, resolve_config
 from swarm.client.lease import AdapterLease
@@ -531,6 +531,8 @@ class SwarmModelForCausalLM(nn.Module):
 
     def discard_step(self) -> None:
         """Forget the micro-batches of the step in progress (their gradients are never committed)."""
+        if self.ledger.committing:
+            take_back_abandoned(self.stack, self.replicas, self.ledger.step)
         self.ledger = self.ledger.discarded()
 
     def _each_block(self, method: str) -> list[tuple[PeerID, range, dict, list[torch.Tensor]]]:
