@@ -2,12 +2,21 @@
 
 Coverage maps block -> number of OTHER peers serving it (missing keys mean 0). Every decision ranks spans by the
 swarm's badness if this peer served them, so all peers optimise the same objective and cannot undo each other's moves.
+
+A single move can stall short of coverage: 2-block peers at 0:2, 1:3, 3:5 and 6:8 leave block 5 without a server, and
+any one move that covers it leaves another block without one. `next_move` then follows a plan, the shortest sequence of
+moves that ends with one more block covered, computed from the snapshot alone so that every peer agrees on it; only the
+plan's first mover moves, and the next round's plan is one move shorter.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import lru_cache
+
+MAX_PLAN_STATES = 2000  # swarm states a plan search expands at most: a few hundred ms in the worst case
 
 
 def badness(counts: Sequence[int], replication: int) -> tuple[int, int]:
@@ -29,6 +38,29 @@ def _overlap(a: range, b: range) -> int:
     return max(0, min(a.stop, b.stop) - max(a.start, b.start))
 
 
+def _prefix(flags: Iterator[bool]) -> list[int]:
+    """Running sums of `flags`, so that any window's total is two lookups."""
+    sums = [0]
+    for flag in flags:
+        sums.append(sums[-1] + flag)
+    return sums
+
+
+def _badness_with(coverage: dict[int, int], num_blocks: int, replication: int) -> Callable[[range], tuple[int, int]]:
+    """`badness(coverage_with(coverage, num_blocks, w), replication)` for any window `w`, in constant time: serving a
+    block removes a hole where nobody serves it, and one unit of deficit where fewer than `replication` do."""
+    counts = [coverage.get(b, 0) for b in range(num_blocks)]
+    holes, deficit = badness(counts, replication)
+    zero = _prefix(c == 0 for c in counts)
+    under = _prefix(c < replication for c in counts)
+
+    def of(w: range) -> tuple[int, int]:
+        lo, hi = min(w.start, num_blocks), min(w.stop, num_blocks)
+        return holes - (zero[hi] - zero[lo]), deficit - (under[hi] - under[lo])
+
+    return of
+
+
 def choose_span(
     coverage: dict[int, int],
     num_blocks: int,
@@ -44,9 +76,10 @@ def choose_span(
     if num_blocks < 1 or span_len < 1:
         raise ValueError(f"need num_blocks >= 1 and span_len >= 1, got {num_blocks} and {span_len}")
     throughput = throughput or {}
+    bad = _badness_with(coverage, num_blocks, replication)
 
     def key(w: range) -> tuple[tuple[int, int], float]:
-        return badness(coverage_with(coverage, num_blocks, w), replication), sum(throughput.get(b, 0.0) for b in w)
+        return bad(w), sum(throughput.get(b, 0.0) for b in w)
 
     windows = _windows(num_blocks, min(span_len, num_blocks))
     best = min(key(w) for w in windows)
@@ -76,10 +109,10 @@ def plan_move(
         )
     if len(current) <= max_blocks:
         candidates.add(current)
+    bad = _badness_with(coverage, num_blocks, replication)
 
     def key(w: range) -> tuple[tuple[int, int], int, int, int, int]:
-        bad = badness(coverage_with(coverage, num_blocks, w), replication)
-        return bad, max(0, len(w) - span_len), int(w != current), -_overlap(w, current), w.start
+        return bad(w), max(0, len(w) - span_len), int(w != current), -_overlap(w, current), w.start
 
     best = min(candidates, key=key)
     return None if best == current else best
@@ -106,3 +139,136 @@ def safe_to_drop(block: int, others: list[tuple[str, bool]], my_peer_id: str) ->
     peers moving away at once never both drop the block.
     """
     return any(not moving or peer_id > my_peer_id for peer_id, moving in others if peer_id != my_peer_id)
+
+
+def next_move(
+    spans: Mapping[str, range],
+    me: str,
+    num_blocks: int,
+    span_len: int,
+    replication: int,
+    max_blocks: int | None = None,
+    pinned: Mapping[int, int] | None = None,
+) -> range | None:
+    """This peer's move this round, or None: the `plan_move` one if it leaves no block without a server, else this
+    peer's step of the `cover_plan` while some block has no server.
+
+    `spans` holds every settled live peer's span, this one's (`me`) included; `pinned` counts, per block, the servers
+    no plan moves (joining or moving peers). A move dropping a block nobody else serves is no move at all: the daemon
+    would load it, have `safe_to_drop` refuse it, and try again every round.
+    """
+    current = spans[me]
+    counts = _counts(spans, num_blocks, pinned)
+    others = {b: c - (b in current) for b, c in enumerate(counts)}
+    target = plan_move(others, num_blocks, current, span_len, replication, max_blocks)
+    if target is not None and all(others[b] for b in current if b not in target):
+        return target
+    if 0 not in counts:
+        return None
+    plan = cover_plan(spans, num_blocks, replication, pinned)
+    return plan[0][1] if plan and plan[0][0] == me else None
+
+
+def cover_plan(
+    spans: Mapping[str, range],
+    num_blocks: int,
+    replication: int,
+    pinned: Mapping[int, int] | None = None,
+    max_states: int = MAX_PLAN_STATES,
+) -> list[tuple[str, range]]:
+    """The shortest list of (peer, new span) moves of the peers in `spans` after which one more block has a server;
+    [] if there is none within `max_states` expanded swarm states.
+
+    Each move keeps the peer's span length and leaves no block without a server, so `safe_to_drop` has no reason to
+    refuse it; each one but the last covers no new block and does not raise the replication deficit, the last covers
+    a block. So no step raises the badness and each lowers (blocks without a server, plan length): peers following
+    plans cannot oscillate. The search is breadth-first, peers in id order then windows by start, so the plan depends
+    on the snapshot alone and every peer that sees it agrees on who moves first.
+    """
+    peers = sorted(spans)
+    frozen = tuple((spans[p].start, len(spans[p])) for p in peers)
+    pins = tuple(sorted((b, c) for b, c in (pinned or {}).items() if c and 0 <= b < num_blocks))
+    return [(peers[i], window) for i, window in _search(frozen, pins, num_blocks, replication, max_states)]
+
+
+def _counts(spans: Mapping[str, range], num_blocks: int, pinned: Mapping[int, int] | None) -> list[int]:
+    counts = [(pinned or {}).get(b, 0) for b in range(num_blocks)]
+    for span in spans.values():
+        for b in span:
+            counts[b] += 1
+    return counts
+
+
+@lru_cache(maxsize=16)  # every peer seeing the same snapshot asks for the same plan
+def _search(
+    frozen: tuple[tuple[int, int], ...],
+    pins: tuple[tuple[int, int], ...],
+    num_blocks: int,
+    replication: int,
+    limit: int,
+) -> tuple[tuple[int, range], ...]:
+    """Breadth-first search over span starts; a state's counts are made from its parent's when it is expanded."""
+    lengths = [length for _, length in frozen]
+    root = tuple(start for start, _ in frozen)
+    counts = [0] * num_blocks
+    for b, c in pins:
+        counts[b] += c
+    for start, length in frozen:
+        for b in range(start, start + length):
+            counts[b] += 1
+    if 0 not in counts:
+        return ()
+    seen = {root}
+    queue = deque([(root, counts, None, ())])
+    for _ in range(limit):
+        if not queue:
+            break
+        starts, counts, move, path = queue.popleft()
+        if move is not None:
+            counts = _moved(counts, *move)
+        for i, start, covers in _steps(starts, lengths, counts, replication):
+            step = (*path, (i, range(start, start + lengths[i])))
+            if covers:
+                return step
+            state = (*starts[:i], start, *starts[i + 1 :])
+            if state not in seen:
+                seen.add(state)
+                queue.append((state, counts, (starts[i], start, lengths[i]), step))
+    return ()
+
+
+def _moved(counts: list[int], old: int, new: int, length: int) -> list[int]:
+    counts = list(counts)
+    for b in range(old, old + length):
+        counts[b] -= 1
+    for b in range(new, new + length):
+        counts[b] += 1
+    return counts
+
+
+def _steps(
+    starts: tuple[int, ...], lengths: list[int], counts: list[int], replication: int
+) -> Iterator[tuple[int, int, bool]]:
+    """Every allowed move from one state, as (peer index, new start, covers a block).
+
+    A peer may only move to windows holding every block it serves alone, so nothing is left uncovered; the blocks it
+    leaves and enters are two intervals, whose effect on holes and deficit the prefix sums give in constant time.
+    """
+    num_blocks = len(counts)
+    zero = _prefix(c == 0 for c in counts)
+    under = _prefix(c < replication for c in counts)  # entering lowers the deficit
+    thin = _prefix(c <= replication for c in counts)  # leaving raises it
+    for i, (old, length) in enumerate(zip(starts, lengths, strict=True)):
+        alone = [b for b in range(old, old + length) if counts[b] == 1]
+        lo, hi = (alone[-1] + 1 - length, alone[0]) if alone else (0, num_blocks - length)
+        for new in range(max(0, lo), min(hi, num_blocks - length) + 1):
+            if new == old:
+                continue
+            if new > old:
+                left, entered = (old, min(new, old + length)), (max(new, old + length), new + length)
+            else:
+                left, entered = (max(old, new + length), old + length), (new, min(old, new + length))
+            if zero[entered[1]] - zero[entered[0]]:
+                yield i, new, True
+            elif thin[left[1]] - thin[left[0]] <= under[entered[1]] - under[entered[0]]:
+                yield i, new, False

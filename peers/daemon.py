@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from peers.backend import SpanBackend
-from peers.balancer import badness, choose_span, coverage_with, plan_move, safe_to_drop
+from peers.balancer import badness, choose_span, coverage_with, next_move, safe_to_drop
 from peers.checkpoints import CheckpointStore, CheckpointWriter
 from peers.replication import Replicator, StandbyPolicy
 from peers.service import PeerService
@@ -270,6 +270,7 @@ class PeerDaemon:
         replicator = Replicator(backend, service.compute, self.transport, self.identity.peer_id, policy)
         replicator.on_refreshed = self._checkpoint
         service.after_commit = self._after_commit
+        service.after_revert = self._checkpoint
         service.on_committed = replicator.on_committed
         service.on_replicate = replicator.hold
         return PeerParts(backend, service, replicator)
@@ -306,7 +307,8 @@ class PeerDaemon:
         logger.info("now serving blocks %d:%d, %.0f tokens/s", target.start, target.stop, self.throughput)
 
     async def _balance_round(self) -> None:
-        """Free idle generation sessions, refresh standby copies, then move if that strictly helps the swarm."""
+        """Free idle generation sessions, refresh standby copies, then move if that strictly helps the swarm or is this
+        peer's step of a plan that brings a block without a server back."""
         await self.parts.service.compute(self.parts.backend.sessions.expire)
         view = await self._observe()
         changed = await self.parts.replicator.refresh_standby(view, self.serving)
@@ -314,9 +316,11 @@ class PeerDaemon:
             await self._checkpoint(name)
         if not self.config.rebalance:
             return
-        coverage = view.coverage(self.identity.peer_id)
-        target = plan_move(
-            coverage, self.spec.num_blocks, self.serving, self.span_len, self.config.replication, self.max_blocks
+        spans, pinned = settled_spans(view, self.spec.num_blocks)
+        me = self.identity.peer_id.to_base58()
+        spans[me] = self.serving
+        target = await asyncio.to_thread(  # a plan search may take a few hundred ms: not on the event loop
+            next_move, spans, me, self.spec.num_blocks, self.span_len, self.config.replication, self.max_blocks, pinned
         )
         if target is not None:
             await self._move(target)
@@ -458,6 +462,33 @@ def _exit_now() -> None:
     logger.error("leaving took too long; exiting now")
     logging.shutdown()
     os._exit(1)
+
+
+def settled_spans(view: SwarmView, num_blocks: int) -> tuple[dict[str, range], dict[int, int]]:
+    """The view as ``next_move`` takes it: the span of each settled live peer (online on one span, not moving), which a
+    plan may move, and per block how many other live peers will serve it. A joining or moving peer counts where it is
+    going, not where it is leaving: two peers counting on each other to keep a block would both leave it."""
+    online: dict = {}  # peer -> the spans it announces online
+    going: dict = {}  # peer -> the blocks it is loading or moving to
+    for records in view.records.values():
+        for r in records:
+            if r.peer_id not in view.alive:
+                continue
+            if r.state == ServerState.ONLINE:
+                online.setdefault(r.peer_id, set()).add(r.blocks)
+            target = {ServerState.ONLINE: r.moving_to, ServerState.JOINING: r.blocks}.get(r.state)
+            if target is not None:
+                going.setdefault(r.peer_id, set()).update(b for b in target if b < num_blocks)
+    settled = {
+        peer: span
+        for peer, spans in online.items()
+        if peer not in going and len(spans) == 1 and (span := next(iter(spans))).stop <= num_blocks
+    }
+    pinned: dict[int, int] = {}
+    for peer in (online.keys() - settled.keys()) | going.keys():
+        for b in going.get(peer) or {b for span in online.get(peer, ()) for b in span if b < num_blocks}:
+            pinned[b] = pinned.get(b, 0) + 1
+    return {peer.to_base58(): span for peer, span in settled.items()}, pinned
 
 
 def _others(view: SwarmView, block: int, me) -> list[tuple[str, bool]]:

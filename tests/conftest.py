@@ -24,6 +24,7 @@ def _load_script(name: str):
 
 make_tiny_model = _load_script("make_tiny_model").make_tiny_model
 demo = _load_script("demo")  # its instruction data and chat batches, for the real-model tests
+simulate_swarm = _load_script("simulate_swarm")  # the swarm simulation, for its fast test
 bench_churn = _load_script("bench_churn")  # the churn driver and its checks, run short in the chaos test
 
 

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
-from peers.balancer import badness, choose_span, choose_standby, coverage_with, plan_move, safe_to_drop
+from peers.balancer import (
+    badness,
+    choose_span,
+    choose_standby,
+    cover_plan,
+    coverage_with,
+    next_move,
+    plan_move,
+    safe_to_drop,
+)
 
 
 def test_badness_counts_uncovered_then_deficit():
@@ -176,3 +186,129 @@ def test_safe_to_drop():
     assert safe_to_drop(0, [("a", True), ("b", False)], "m") is True
     # Two movers: exactly one of them may go.
     assert safe_to_drop(0, [("b", True)], "a") != safe_to_drop(0, [("a", True)], "b")
+
+
+# --- next_move: single moves, then plans that never leave a block without a server ---------------------------------
+
+STALL = {"a": range(0, 2), "b": range(1, 3), "c": range(3, 5), "d": range(6, 8)}  # block 5 has no server
+
+
+def _counts(spans: dict[str, range], num_blocks: int) -> list[int]:
+    return [sum(b in s for s in spans.values()) for b in range(num_blocks)]
+
+
+def _others(spans: dict[str, range], me: str) -> dict[int, int]:
+    cov: dict[int, int] = {}
+    for peer, span in spans.items():
+        if peer != me:
+            for b in span:
+                cov[b] = cov.get(b, 0) + 1
+    return cov
+
+
+def _rounds(
+    spans: dict[str, range], num_blocks: int, replication: int, rng: random.Random | None = None, max_rounds: int = 60
+) -> tuple[dict[str, range], int]:
+    """Balance rounds: every peer in turn (id order, or random with `rng`) applies next_move at once, with its span's
+    length as its capacity. Checks every move: it leaves no block without a server and does not raise the badness.
+    Returns the spans once a whole round moves nobody, and the moves made."""
+    spans, moves = dict(spans), 0
+    for _ in range(max_rounds):
+        moved = False
+        for me in rng.sample(sorted(spans), len(spans)) if rng else sorted(spans):
+            counts = _counts(spans, num_blocks)
+            target = next_move(spans, me, num_blocks, len(spans[me]), replication, len(spans[me]))
+            if target is None:
+                continue
+            assert len(target) == len(spans[me]), (me, target, spans)
+            assert all(counts[b] > 1 for b in spans[me] if b not in target), f"{me} -> {target} uncovers: {spans}"
+            before, spans[me] = badness(counts, replication), target
+            assert badness(_counts(spans, num_blocks), replication) <= before, f"{me} -> {target}: {spans}"
+            moved, moves = True, moves + 1
+        if not moved:
+            return spans, moves
+    pytest.fail(f"still moving after {max_rounds} rounds: {spans}")
+
+
+def test_cover_plan_breaks_the_known_stall():
+    # No single move covers block 5 without uncovering another: b slides first (block 1 keeps a's replica, block 3
+    # gains one), then c can leave block 3 for block 5.
+    assert all(plan_move(_others(STALL, p), 8, STALL[p], 2, 2) is None for p in STALL)
+    assert cover_plan(STALL, 8, 2) == [("b", range(2, 4)), ("c", range(4, 6))]
+
+
+def test_only_the_plans_first_mover_moves():
+    assert {p: next_move(STALL, p, 8, 2, 2) for p in STALL} == {"a": None, "b": range(2, 4), "c": None, "d": None}
+    after = {**STALL, "b": range(2, 4)}
+    assert cover_plan(after, 8, 2) == [("c", range(4, 6))]
+
+
+def test_next_move_covers_the_known_stall_and_settles():
+    spans, moves = _rounds(STALL, 8, 2)
+    assert 0 not in _counts(spans, 8) and moves == 2, spans
+
+
+def test_next_move_runs_a_long_domino_chain():
+    starts = [0, 1, 3, 5, 7, 9, 11, 13]  # 8 peers of 2 blocks on 16: block 15 has no server
+    spans = {f"p{i}": range(s, s + 2) for i, s in enumerate(starts)}
+    final, moves = _rounds(spans, 16, 2)
+    assert 0 not in _counts(final, 16) and moves == 7, final
+    assert len(cover_plan(spans, 16, 2)) == 7
+    # The same on an 80-block model: 40 peers, a plan of 39 moves, found at once.
+    spans = {f"p{i:02d}": range(s, s + 2) for i, s in enumerate([0, 1, *range(3, 78, 2)])}
+    started = time.perf_counter()
+    assert len(cover_plan(spans, 80, 2)) == 39 and time.perf_counter() - started < 1.0
+
+
+def test_next_move_never_drops_a_block_nobody_else_serves():
+    # plan_move would take A from 0:3 to 3:6 (two holes fewer) and leave block 0 without a server: safe_to_drop would
+    # refuse that after loading, every round. B, whose blocks A also serves, covers a hole instead.
+    spans = {"A": range(0, 3), "B": range(1, 3)}
+    assert plan_move(_others(spans, "A"), 6, spans["A"], 3, 1) == range(3, 6)
+    assert next_move(spans, "A", 6, 3, 1) is None
+    assert next_move(spans, "B", 6, 2, 1) == range(3, 5)
+
+
+def test_pinned_servers_count_but_never_move():
+    # A joining peer (pinned) is about to serve block 5: nobody needs to move.
+    assert all(next_move(STALL, p, 8, 2, 2, pinned={5: 1}) is None for p in STALL)
+    # Pinned servers relieve a peer of its blocks: with block 0 pinned, a may leave it and cover block 5 at once.
+    assert cover_plan(STALL, 8, 2, pinned={0: 1}) == [("a", range(4, 6))]
+
+
+def test_random_placements_reach_full_coverage_then_stop():
+    # Whenever the spans add up to the model, rounds of next_move reach full coverage, never making a move that
+    # uncovers a block or raises the badness, and then stop moving. plan_move alone (the daemon's rule before) stalls
+    # in 27 of these 400 cases and, in 110 more, makes a move that leaves a block without a server.
+    rng = random.Random(7)
+    for case in range(400):
+        num_blocks, replication = rng.randint(2, 30), rng.randint(1, 3)
+        spans: dict[str, range] = {}
+        while sum(len(s) for s in spans.values()) < num_blocks or rng.random() < 0.3:
+            length = rng.randint(1, min(num_blocks, rng.choice((2, 4, 8))))
+            start = rng.randint(0, num_blocks - length)
+            spans[f"peer-{rng.randrange(10**6):06d}"] = range(start, start + length)
+        final, _ = _rounds(spans, num_blocks, replication, rng)
+        assert 0 not in _counts(final, num_blocks), f"case {case}, R={replication}: {spans} stalled at {final}"
+
+
+def test_next_move_is_fast_on_a_thousand_peers():
+    # 1000 peers on 80 blocks, nobody on block 40: each peer's round takes well under 10 ms, and any move covers it.
+    rng = random.Random(3)
+    spans = {}
+    while len(spans) < 1000:
+        length = rng.randint(1, 8)
+        start = rng.randint(0, 80 - length)
+        if 40 not in range(start, start + length):
+            spans[f"peer-{len(spans):04d}"] = range(start, start + length)
+    started = time.perf_counter()
+    moves = {p: t for p in spans if (t := next_move(spans, p, 80, len(spans[p]), 2, len(spans[p]))) is not None}
+    assert (time.perf_counter() - started) / len(spans) < 0.01
+    assert moves and all(40 in t for t in moves.values())
+
+
+def test_cover_plan_gives_up_past_its_state_budget():
+    starts = [0, 1, 3, 5, 7, 9, 11, 13]
+    spans = {f"p{i}": range(s, s + 2) for i, s in enumerate(starts)}
+    assert cover_plan(spans, 16, 2, max_states=3) == []
+    assert cover_plan({"a": range(0, 2)}, 4, 2) == []  # not enough capacity: nothing to find
