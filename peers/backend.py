@@ -31,6 +31,7 @@ from swarm.errors import (
     FencedError,
     MissingForwardError,
     MissingGradientsError,
+    NotServedError,
     RequestError,
     SessionLostError,
     StaleStepError,
@@ -170,8 +171,10 @@ class SpanBackend:
                     module.set_adapter(name)
 
     def _check_range(self, start: int, end: int) -> range:
-        if not (start < end and all(block in self.layers for block in range(start, end))):
-            raise RequestError(
+        if start >= end:
+            raise RequestError(f"empty block range {start}:{end}")
+        if not all(block in self.layers for block in range(start, end)):
+            raise NotServedError(
                 f"blocks {start}:{end} are not all served here (this peer serves {spans_text(self.blocks)})"
             )
         return range(start, end)

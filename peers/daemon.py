@@ -234,9 +234,17 @@ class PeerDaemon:
                 spans_text(list(span)),
                 spans_text(list(best)),
             )
+            await self._withdraw([b for b in span if b not in best])
             span = best
         logger.info("chose blocks %d:%d", span.start, span.stop)
         return span
+
+    async def _withdraw(self, blocks: list[int]) -> None:
+        """Replace this peer's records on ``blocks`` by leaving ones: a joining record left there would count as a
+        server to come until it expired, and the balancer would move the real servers away."""
+        me = self.identity.peer_id
+        leaving = ServerRecord(me, ServerState.LEAVING, min(blocks, default=0), max(blocks, default=0) + 1, 0.0)
+        await self._announce([(leaving, range(b, b + 1)) for b in blocks])
 
     def _load(self, blocks: range) -> SpanBackend:
         """Build the backend (slow: runs in a thread while the event loop keeps the P2P connection alive)."""
@@ -297,6 +305,7 @@ class PeerDaemon:
                 self.moving_to, self.joining = None, None
                 await self.parts.service.compute(self.parts.backend.remove, [b for b in target if b not in old])
                 await self._announce()
+                await self._withdraw([b for b in target if b not in old])
                 return
         self.serving, self.joining, self.moving_to = target, None, None
         leaving = ServerRecord(me, ServerState.LEAVING, old.start, old.stop, self.throughput)

@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 KINDS = {"kill": 0.3, "freeze": 0.2, "term": 0.2, "double-kill": 0.15, "join": 0.15}
 # Client-side phases a strike can wait for: it then hits the peer the client is calling with that method.
 PHASES = ("forward", "backward", "commit")
+# A peer-side phase: the strike waits (at most MOVE_WAIT s) for a peer to start moving to other blocks, and hits it.
+MOVE, MOVE_WAIT = "move", 30.0
 SPAN_LINE = re.compile(r"(?:now )?serving blocks (\d+):(\d+)")
 MOVE_LINE = re.compile(r"moving from blocks (\d+):(\d+) to (\d+):(\d+)")
 
@@ -35,7 +37,7 @@ MOVE_LINE = re.compile(r"moving from blocks (\d+):(\d+) to (\d+):(\d+)")
 @dataclass(frozen=True)
 class ChaosEvent:
     """One scheduled fault. ``phase``: wait (at most ``PHASE_WAIT`` s) for the client to send that method, then
-    strike the peer it calls instead of ``targets[0]``."""
+    strike the peer it calls instead of ``targets[0]``; ``move``: wait for a peer to start a move, and strike it."""
 
     at: float
     kind: str
@@ -55,7 +57,7 @@ def chaos_schedule(seed: int, duration: float, mean_interval: float, names: list
     while at < duration:
         kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
         targets = tuple(rng.sample(names, 2 if kind == "double-kill" else 1)) if kind != "join" else ()
-        phase = rng.choice((None, *PHASES)) if kind in ("kill", "freeze", "term") else None
+        phase = rng.choice((None, *PHASES, MOVE)) if kind in ("kill", "freeze", "term") else None
         events.append(ChaosEvent(at, kind, targets, phase, rng.uniform(1.0, 8.0), rng.random() < 0.6))
         at += rng.expovariate(1.0 / mean_interval)
     return events
@@ -68,6 +70,7 @@ class Outage:
     name: str
     blocks: range
     since: float
+    pid: int  # the process struck: the outage of a crash ends when another process of that name serves
     until: float | None = None
 
 
@@ -90,14 +93,18 @@ class ChaosPeers:
     def alive(self, name: str) -> bool:
         return self.processes[name].popen.poll() is None
 
+    def log_text(self, name: str) -> str:
+        log = self.processes[name].log
+        return log.read_text(errors="replace") if log.exists() else ""
+
     def span(self, name: str) -> range:
         """The blocks the peer's log says it serves now (empty before it serves)."""
-        found = SPAN_LINE.findall(self.processes[name].log.read_text(errors="replace"))
+        found = SPAN_LINE.findall(self.log_text(name))
         return range(int(found[-1][0]), int(found[-1][1])) if found else range(0)
 
     def name_of(self, peer_id: str) -> str | None:
-        for name, process in list(self.processes.items()):
-            if f" as {peer_id}" in process.log.read_text(errors="replace"):
+        for name in list(self.processes):
+            if f" as {peer_id}" in self.log_text(name):
                 return name
         return None
 
@@ -209,11 +216,26 @@ class ChaosDriver:
     def _fire(self, event: ChaosEvent) -> None:
         if event.kind == "join":
             self._join()
+        elif event.phase == MOVE:
+            self._watch_moves(event, self._moves_so_far(), self.now() + MOVE_WAIT)
         elif event.phase is not None:
             with self.lock:
                 self.armed, self.armed_until = event, self.now() + PHASE_WAIT
         else:
             self._strike(event, [t for t in event.targets if self.peers.alive(t)])
+
+    def _moves_so_far(self) -> dict[str, int]:
+        return {name: len(MOVE_LINE.findall(self.peers.log_text(name))) for name in list(self.peers.processes)}
+
+    def _watch_moves(self, event: ChaosEvent, before: dict[str, int], until: float) -> None:
+        """Strike the first peer whose log shows a new move (it is loading or taking state for its new blocks)."""
+        moving = [n for n, count in self._moves_so_far().items() if count > before.get(n, 0) and self.peers.alive(n)]
+        if moving:
+            self._strike(event, moving[:1])
+        elif self.now() > until:
+            self._strike(event, [t for t in event.targets if self.peers.alive(t)], late=True)
+        else:
+            self._later(self.now() + 0.5, lambda: self._watch_moves(event, before, until))
 
     def on_request(self, method: str, peer_id: str) -> None:
         """Called by the client before each request: an armed phase strike hits the peer it is about to call."""
@@ -279,7 +301,8 @@ class ChaosDriver:
 
     def _outage(self, name: str) -> None:
         with self.lock:
-            self.stats.outages.append(Outage(name, self.peers.span(name), self.now()))
+            pid = self.peers.processes[name].pid
+            self.stats.outages.append(Outage(name, self.peers.span(name), self.now(), pid))
 
     def _recovered(self, name: str) -> None:
         with self.lock:
@@ -288,10 +311,10 @@ class ChaosDriver:
                     outage.until = self.now()
 
     def _mark_recovered(self) -> None:
-        """A restarted peer's outage ends when it serves again (its new log says so)."""
+        """A restarted peer's outage ends when it serves again (its new log says so); a frozen one's when thawed."""
         for outage in [o for o in self.stats.outages if o.until is None]:
-            process = self.peers.processes[outage.name]
-            if process.popen.poll() is None and "serving blocks" in process.log.read_text(errors="replace"):
+            restarted = self.peers.processes[outage.name].pid != outage.pid
+            if restarted and self.peers.alive(outage.name) and "serving blocks" in self.peers.log_text(outage.name):
                 self._recovered(outage.name)
 
 

@@ -83,6 +83,7 @@ class ErrorKind:
     SESSION_LOST = "session_lost"  # a generation session this peer no longer holds (ended, idle, restarted)
     INFERENCE_MEMORY = "inference_memory"  # no room for another generation session (--max-inference-mb)
     SOURCE_UNAVAILABLE = "source_unavailable"  # the peer a sync was to pull from did not answer: pick another
+    NOT_SERVED = "not_served"  # blocks this peer does not serve (any more: it moved, or restarted on other blocks)
 
 
 class RequestError(SwarmError, ValueError):
@@ -131,6 +132,12 @@ class InferenceMemoryError(RequestError):
     """No room for another generation session within the peer's ``--max-inference-mb``."""
 
     kind = ErrorKind.INFERENCE_MEMORY
+
+
+class NotServedError(RequestError):
+    """Blocks this peer does not serve now; the client's view of it is stale, so it routes elsewhere."""
+
+    kind = ErrorKind.NOT_SERVED
 
 
 class SourceUnavailableError(RequestError):

@@ -53,6 +53,7 @@ PEER_STATE_ERRORS = frozenset(
         ErrorKind.TOO_LARGE,
         ErrorKind.SESSION_LOST,
         ErrorKind.INFERENCE_MEMORY,
+        ErrorKind.NOT_SERVED,
     }
 )
 # Methods whose replies can be large even when the request is small: they use the stream door.

@@ -16,8 +16,15 @@ from peers.state import BlockState, BlockUpdate, pack_states, unpack_states
 from swarm.blocks import lora_config_to_wire
 from swarm.client.commit import ReplicaSet, commit, take_back_abandoned
 from swarm.client.ledger import StepLedger
-from swarm.errors import ErrorKind, MissingForwardError, RemoteError, SwarmUnavailableError
-from swarm.protocol import AdapterInfo, Method, OptimizerHParams, PeerInfo
+from swarm.errors import (
+    ErrorKind,
+    MissingForwardError,
+    NotServedError,
+    RemoteError,
+    RequestError,
+    SwarmUnavailableError,
+)
+from swarm.protocol import PEER_STATE_ERRORS, AdapterInfo, Method, OptimizerHParams, PeerInfo
 from swarm.records import ServerRecord, ServerState
 from swarm.spec import load_spec
 from swarm.status import render
@@ -395,6 +402,21 @@ def test_a_block_without_a_current_copy_waits_for_its_holders_before_declaring_a
         assert stack.fast_forwards == [(survivor, 2), (survivor, 3)]
     finally:
         replicas.close()
+
+
+def test_a_request_for_blocks_a_peer_no_longer_serves_sends_the_client_elsewhere(tiny_models):
+    """Chaos found it: a peer restarted with its identity and chose other blocks; the client, whose records still
+    showed the old span, sent it a backward and got "bad request", which ended the training loop. Blocks a peer does
+    not serve are a stale view, not a wrong request: the refusal is one the client routes around."""
+    backend = _backend(tiny_models["llama"], range(2, 4))
+    backend.open_adapter("a", lora_config_to_wire(peft.LoraConfig(r=4, target_modules=["q_proj"])), 0)
+    hidden = torch.randn(1, 4, backend.spec.hidden_size)
+    with pytest.raises(NotServedError, match="blocks 0:2 are not all served here") as refused:
+        backend.forward("a", range(0, 2), 0, hidden, None, "s:0:0")
+    assert refused.value.kind in PEER_STATE_ERRORS
+    with pytest.raises(RequestError) as malformed:
+        backend.forward("a", range(3, 3), 0, hidden, None, "s:0:1")
+    assert malformed.value.kind == ErrorKind.BAD_REQUEST
 
 
 def test_a_cached_forward_is_counted_at_what_autograd_keeps(tiny_models):
