@@ -79,9 +79,10 @@ class ChurnRun:
         return 60.0 * self.steps / max(self.seconds, 1e-9)
 
     @property
-    def longest_pause(self) -> float:
+    def longest_pauses(self) -> list[float]:
+        """The three longest waits between two commits (the first from the start), longest first."""
         times = [0.0, *self.commit_times]
-        return max((b - a for a, b in zip(times, times[1:], strict=False)), default=self.seconds)
+        return sorted((b - a for a, b in zip(times, times[1:], strict=False)), reverse=True)[:3] or [self.seconds]
 
     @property
     def parity(self) -> bool:
@@ -219,10 +220,10 @@ def report(runs: dict[str, ChurnRun]) -> str:
         "steps / minute": lambda r: f"{r.steps_per_minute:.1f}",
         "ratio to no churn": lambda r: f"{r.steps_per_minute / base.steps_per_minute:.2f}" if base else "-",
         "chaos events": lambda r: str(sum(r.chaos.applied.values())) if r.chaos else "0",
-        "steps lost": lambda r: str(r.steps_lost),
-        "losses reported": lambda r: "yes" if len(r.lost_reports) or not r.steps_lost else "NO",
+        "steps lost (reported)": lambda r: str(r.steps_lost),
+        "unreported loss": lambda r: "none" if r.parity or r.steps_lost or r.error else "YES: differs from local",
         "2 holders down at once": lambda r: str(len(r.chaos.shared_outages())) if r.chaos else "0",
-        "longest pause (s)": lambda r: f"{r.longest_pause:.1f}",
+        "longest pauses (s)": lambda r: ", ".join(f"{p:.1f}" for p in r.longest_pauses),
         "client recoveries": lambda r: str(r.recoveries),
         "moves / takeovers": lambda r: f"{r.moves} / {r.takeovers}",
         "max |swarm - local peft|": lambda r: f"{r.max_abs_diff:.2e}" if r.max_abs_diff is not None else "-",
@@ -230,9 +231,9 @@ def report(runs: dict[str, ChurnRun]) -> str:
         "training loop error": lambda r: "none" if r.error is None else r.error.strip().splitlines()[-1][:60],
     }
     width = max(len(k) for k in rows) + 2
-    lines = ["".ljust(width) + "".join(name.rjust(22) for name in runs)]
+    lines = ["".ljust(width) + "".join(name.rjust(24) for name in runs)]
     for label, cell in rows.items():
-        lines.append(label.ljust(width) + "".join(cell(r).rjust(22) for r in runs.values()))
+        lines.append(label.ljust(width) + "".join(cell(r).rjust(24) for r in runs.values()))
     for name, run in runs.items():
         if run.chaos:
             lines.append(f"{name}: events {dict(sorted(run.chaos.applied.items()))}")
