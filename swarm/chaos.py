@@ -109,7 +109,8 @@ class ChaosPeers:
         return None
 
     def logs(self) -> list[Path]:
-        return sorted(self.workdir.parent.glob("**/*.log"))
+        """Every peer's log, restarts included."""
+        return sorted(p for p in self.local.workdir.glob("*.log") if p.name.split(".")[0] in self.processes)
 
 
 @dataclass
