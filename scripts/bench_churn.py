@@ -4,11 +4,13 @@ restarts and adds peers, side by side with a run of the same length without chur
 Each run starts its own bootstrap node and ``--peers`` peers (replication 2, each with a checkpoint dir and an
 identity, choosing their spans as users' peers do); a client connects at once and trains a tiny Llama (or
 ``--model DIR``) with LoRA. Chaos events come at exponential intervals of mean ``--interval`` seconds: SIGKILL,
-SIGSTOP then SIGCONT or SIGKILL, SIGTERM, two SIGKILLs at once, a new peer joining; a third of the strikes wait
-for the client's forward, backward or commit request and hit the peer it calls; stricken peers restart 2 s later
-from their checkpoint dir. Printed per run: committed steps per minute (and the ratio to the run without churn),
-steps lost (and whether a loss had an excuse: two holders of a block down at once), the longest pause between
-commits, moves and takeovers, and whether the final adapter equals local peft trained on the same batches.
+SIGSTOP then SIGCONT or SIGKILL, SIGTERM, two SIGKILLs at once, a new peer joining. Most strikes are aimed at a
+phase: the peer the client calls with a forward, backward or commit, a peer pulling the standby copy the client
+asked for, a peer applying a commit and writing its checkpoint, or a peer starting a move. Stricken peers restart
+2 s later from their checkpoint dir. Printed per run: committed steps per minute (and the ratio to the run without
+churn), steps lost (and whether a loss had an excuse: two holders of a block down at once), the longest pauses
+between commits, moves and takeovers, checkpoint writes the strikes tore, and whether the final adapter equals
+local peft trained on the same batches.
 
 Usage::
 
@@ -71,6 +73,7 @@ class ChurnRun:
     chaos: ChurnStats | None = None
     moves: int = 0
     takeovers: int = 0
+    torn_writes: int = 0
     max_abs_diff: float | None = None
     error: str | None = None
 
@@ -108,6 +111,7 @@ def run_churn(
     vocab = _vocab(model_dir)
     names = [f"peer{i}" for i in range(peers)]
     with LocalSwarm(workdir / "logs") as local, contextlib.ExitStack() as closing:
+        closing.enter_context(_client_log(workdir / "logs" / "client.log"))
         local.start_dht()
         fleet = ChaosPeers(local, model_dir, [*PEER_FLAGS, "--num-blocks", str(span)], workdir / "peers")
         for name in names:
@@ -144,10 +148,31 @@ def run_churn(
         finally:
             model.shutdown()
         run.chaos = driver.stats
-        run.moves, run.takeovers = count_moves(fleet.logs())
+        run.moves, run.takeovers, run.torn_writes = count_moves(fleet.logs())
     if run.error is None:
         run.max_abs_diff = _diff_to_local(model_dir, workdir, run.steps, vocab)
     return run
+
+
+@contextlib.contextmanager
+def _client_log(path: Path):
+    """The client's and the chaos driver's log lines (INFO and up) in ``path``, beside the peers' logs, so that a
+    pause or a loss can be read back: which peer was struck when, and what the client did about it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    loggers = [logging.getLogger("swarm"), logging.getLogger("peers")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.addHandler(handler)
+        log.setLevel(min(log.getEffectiveLevel(), logging.INFO))
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels, strict=True):
+            log.removeHandler(handler)
+            log.setLevel(level)
+        handler.close()
 
 
 def _vocab(model_dir: Path) -> int:
@@ -226,6 +251,7 @@ def report(runs: dict[str, ChurnRun]) -> str:
         "longest pauses (s)": lambda r: ", ".join(f"{p:.1f}" for p in r.longest_pauses),
         "client recoveries": lambda r: str(r.recoveries),
         "moves / takeovers": lambda r: f"{r.moves} / {r.takeovers}",
+        "torn checkpoint writes": lambda r: str(r.torn_writes),
         "max |swarm - local peft|": lambda r: f"{r.max_abs_diff:.2e}" if r.max_abs_diff is not None else "-",
         "equals local peft": lambda r: "yes" if r.parity else "NO",
         "training loop error": lambda r: "none" if r.error is None else r.error.strip().splitlines()[-1][:60],
@@ -256,8 +282,9 @@ def main() -> None:
     if not 0 < args.minutes <= 60:
         parser.error("--minutes must be in (0, 60]")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    for handler in logging.root.handlers:  # the terminal: progress and warnings; the rest is in logs/client.log
+        handler.addFilter(lambda record: record.levelno >= logging.WARNING or record.name == logger.name)
     logger.setLevel(logging.INFO)
-    logging.getLogger("swarm.chaos").setLevel(logging.INFO)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-churn-"))
     model_dir = args.model or make_tiny_model(
         workdir / "model", layers=args.layers, hidden=args.hidden, intermediate=2 * args.hidden, seed=1
@@ -266,7 +293,8 @@ def main() -> None:
     plan.update({f"1 event / {i:g} s": i for i in args.intervals})
     runs = {}
     for index, (name, interval) in enumerate(plan.items()):
-        logger.info("run %d/%d: %s, %.1f min (logs in %s)", index + 1, len(plan), name, args.minutes, workdir)
+        logs = workdir / f"run{index}" / "logs"
+        logger.info("run %d/%d: %s, %.1f min (logs in %s)", index + 1, len(plan), name, args.minutes, logs)
         runs[name] = run_churn(
             model_dir, workdir / f"run{index}", args.minutes * 60, interval, args.seed, args.peers, args.span
         )

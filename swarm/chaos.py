@@ -26,12 +26,18 @@ logger = logging.getLogger(__name__)
 # What an event does to its peers: crash (SIGKILL), freeze (SIGSTOP, then SIGCONT or SIGKILL), a clean leave
 # (SIGTERM), two crashes at the same moment, or a new peer joining.
 KINDS = {"kill": 0.3, "freeze": 0.2, "term": 0.2, "double-kill": 0.15, "join": 0.15}
-# Client-side phases a strike can wait for: it then hits the peer the client is calling with that method.
-PHASES = ("forward", "backward", "commit")
+# Client-side phases a strike can wait for: it then hits the peer the client is calling with that request. Two strike
+# a moment (the event's ``lag``) after the request, while the peer works on it: "replicate" while the peer pulls the
+# standby copy the trainer asked for before acknowledging a step, "checkpoint" while the peer a commit was sent to
+# applies the step and writes its checkpoint.
+PHASES = ("forward", "backward", "commit", "replicate", "checkpoint")
+REQUEST_OF = {"checkpoint": "commit"}
+LAGGED = ("replicate", "checkpoint")
 # A peer-side phase: the strike waits (at most MOVE_WAIT s) for a peer to start moving to other blocks, and hits it.
 MOVE, MOVE_WAIT = "move", 30.0
 SPAN_LINE = re.compile(r"(?:now )?serving blocks (\d+):(\d+)")
 MOVE_LINE = re.compile(r"moving from blocks (\d+):(\d+) to (\d+):(\d+)")
+TORN_WRITE_LINE = "discarding an interrupted checkpoint write"
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class ChaosEvent:
     phase: str | None = None
     hold: float = 0.0  # freeze: seconds stopped
     thaw: bool = True  # freeze: SIGCONT after the hold (False: SIGKILL)
+    lag: float = 0.0  # replicate / checkpoint: seconds from the request to the strike
 
 
 PHASE_WAIT = 5.0
@@ -58,7 +65,8 @@ def chaos_schedule(seed: int, duration: float, mean_interval: float, names: list
         kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
         targets = tuple(rng.sample(names, 2 if kind == "double-kill" else 1)) if kind != "join" else ()
         phase = rng.choice((None, *PHASES, MOVE)) if kind in ("kill", "freeze", "term") else None
-        events.append(ChaosEvent(at, kind, targets, phase, rng.uniform(1.0, 8.0), rng.random() < 0.6))
+        hold, thaw, lag = rng.uniform(1.0, 8.0), rng.random() < 0.6, rng.uniform(0.0, 0.05)
+        events.append(ChaosEvent(at, kind, targets, phase, hold, thaw, lag))
         at += rng.expovariate(1.0 / mean_interval)
     return events
 
@@ -188,7 +196,8 @@ class ChaosDriver:
         """End the driver's thread: only once the peers it restarted are stopped (see ``thread``)."""
         self.stopping.set()
         self.released.set()
-        self.thread.join(10)
+        if self.thread.ident is not None:
+            self.thread.join(10)
 
     def now(self) -> float:
         return time.monotonic() - self.started
@@ -242,14 +251,18 @@ class ChaosDriver:
         """Called by the client before each request: an armed phase strike hits the peer it is about to call."""
         with self.lock:
             event = self.armed
-            if event is None or method != event.phase:
+            if event is None or method != REQUEST_OF.get(event.phase, event.phase):
                 return
             self.armed = None
         if self.now() > self.armed_until:
             self._strike(event, [t for t in event.targets if self.peers.alive(t)], late=True)
             return
         name = self.peers.name_of(peer_id)
-        if name is not None and self.peers.alive(name):
+        if name is None or not self.peers.alive(name):
+            return
+        if event.phase in LAGGED:
+            self._later(self.now() + event.lag, lambda: self._strike(event, [name] if self.peers.alive(name) else []))
+        else:
             self._strike(event, [name])
 
     def _strike(self, event: ChaosEvent, names: list[str], late: bool = False) -> None:
@@ -323,11 +336,14 @@ def _span_text(blocks: range) -> str:
     return f"{blocks.start}:{blocks.stop}" if blocks else "none"
 
 
-def count_moves(logs: list[Path]) -> tuple[int, int]:
-    """(moves, takeovers) from peers' logs: a takeover is a move that grows the span over orphaned blocks."""
-    moves = takeovers = 0
+def count_moves(logs: list[Path]) -> tuple[int, int, int]:
+    """(moves, takeovers, torn checkpoint writes) from peers' logs: a takeover is a move that grows the span over
+    orphaned blocks; a torn write is one a restarted peer found interrupted (a strike hit it while writing)."""
+    moves = takeovers = torn = 0
     for log in logs:
-        for a, b, c, d in MOVE_LINE.findall(log.read_text(errors="replace")):
+        text = log.read_text(errors="replace")
+        for a, b, c, d in MOVE_LINE.findall(text):
             moves += 1
             takeovers += int(d) - int(c) > int(b) - int(a)
-    return moves, takeovers
+        torn += text.count(TORN_WRITE_LINE)
+    return moves, takeovers, torn
