@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import time
 
 import pytest
 
+from peers.daemon import PeerConfig, PeerDaemon
 from swarm.localswarm import LocalSwarm
 from swarm.network import join_dht
 from swarm.records import ServerState, read_servers
@@ -42,6 +44,35 @@ def test_dht_prints_multiaddrs_and_peer_announces_then_leaves_cleanly(tiny_model
             assert "left the swarm" in peer.log.read_text()
         finally:
             observer.shutdown()
+
+
+def test_a_peer_that_gives_up_blocks_it_announced_as_joining_withdraws_them(tiny_models, tmp_path):
+    """Chaos finding: a peer that switched spans while choosing (or aborted a move) left its joining records on the
+    blocks it gave up; until they expired they counted as a server to come, and the balancer moved real servers
+    away from blocks nobody would serve."""
+    model_dir = tiny_models["llama"]
+    name = load_spec(model_dir).name
+    with LocalSwarm(tmp_path) as local:
+        local.start_dht()
+        daemon = PeerDaemon(PeerConfig(model=str(model_dir), initial_peers=local.initial_peers, num_blocks=2))
+        daemon.dht = join_dht(local.initial_peers, daemon.identity, None, host="127.0.0.1")
+        observer = join_dht(local.initial_peers, Identity.load_or_create(None), None, client_mode=True)
+        try:
+
+            def states() -> dict[int, set[ServerState]]:
+                servers = read_servers(observer, name, 4)
+                return {b: {r.state for r in servers[b] if r.peer_id == daemon.identity.peer_id} for b in range(4)}
+
+            daemon.joining = range(1, 3)
+            asyncio.run(daemon._announce())
+            assert states() == {0: set(), 1: {ServerState.JOINING}, 2: {ServerState.JOINING}, 3: set()}
+            asyncio.run(daemon._withdraw([1]))  # what _choose_span does when it switches to 2:4
+            daemon.joining = range(2, 4)
+            asyncio.run(daemon._announce())
+            assert states() == {0: set(), 1: {ServerState.LEAVING}, 2: {ServerState.JOINING}, 3: {ServerState.JOINING}}
+        finally:
+            observer.shutdown()
+            daemon.dht.shutdown()
 
 
 @pytest.mark.parametrize("target", ["process-group", "process"])
