@@ -315,7 +315,10 @@ class _CommitStack:
 
     def call(self, peer: PeerID, meta: dict, tensors: list, floor: float = 0.0) -> _Reply:
         held = self.steps[peer]
-        if meta["method"] == Method.COMMIT:
+        if meta["method"] == Method.SYNC:
+            source = self.steps[PeerID.from_base58(meta["source"])]
+            held.update({b: source[b] for b in range(meta["start"], meta["end"])})
+        elif meta["method"] == Method.COMMIT:
             self.commits.append(peer)
             self.steps[peer] = {b: s + 1 if s == meta["step"] else s for b, s in held.items()}
         elif meta["method"] == Method.REVERT:
@@ -349,6 +352,28 @@ def test_a_replica_that_already_applied_the_step_counts_as_committed():
     assert applied == {ahead: range(2, 4), behind: range(0, 2)}
     assert stack.commits == [behind]
     assert stack.steps[behind] == {0: 46, 1: 46}
+
+
+def test_a_peer_holding_blocks_on_both_sides_of_a_commit_is_brought_in_by_taking_the_step_back():
+    """Chaos found it (one event every 5 s): both servers of blocks 2:4 died in the middle of the commit of step 42,
+    after the servers of 0:2 had applied it. The peers that came back for 1:4 took block 1 over at 43 from an applied
+    replica and blocks 2:4 at 42 from their own copies: the client refused them ("holds steps [42, 43]"), waited for a
+    server of 2:4 at 42 and died of impatience with two of them alive. Taking the step back on the replicas that
+    applied it lets the split peer sync block 1 down to 42; then the step is committed everywhere, once."""
+    done, split = PeerID(b"d" * 8), PeerID(b"s" * 8)
+    stack = _CommitStack({done: {0: 43, 1: 43}, split: {1: 43, 2: 42, 3: 42}})
+    stack.patience = 5.0
+    replicas = ReplicaSet(stack, open_on=stack.open_on)
+    ledger = StepLedger(step=42, session="s")
+    for block, holder in ((0, done), (1, done), (2, split), (3, split)):
+        ledger.acknowledge("s:42:000000001", range(block, block + 1), holder)
+    try:
+        applied = commit(stack, replicas, ledger, HPARAMS)
+    finally:
+        replicas.close()
+    assert applied == {done: range(0, 2), split: range(1, 4)}
+    assert sorted(stack.commits) == sorted([done, split])
+    assert stack.steps == {done: {0: 43, 1: 43}, split: {1: 43, 2: 43, 3: 43}}
 
 
 def test_a_replica_past_the_step_is_not_counted_for_gradients_that_replaced_discarded_ones():

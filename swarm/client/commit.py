@@ -54,6 +54,8 @@ class ReplicaSet:
         # may be restarting from their checkpoints, and a loss declared cannot be taken back.
         self.lost_grace = lost_grace
         self.orphaned: dict[int, float] = {}  # block -> since when no current copy is known
+        # peers holding some blocks at the step being committed and others past it: see split_over()
+        self.split: dict[PeerID, dict[int, int]] = {}
         self.current: dict[PeerID, int] = {}
         self.standby: dict[PeerID, dict[int, int]] = {}  # peer -> block -> step of the standby copy it holds
         self.lost: list[StepsLost] = []
@@ -127,9 +129,10 @@ class ReplicaSet:
                 behind[peer] = steps
         if behind:
             self._adopt_survivors(step, behind, accept_losses)
+        self.split = {p: steps for p, steps in behind.items() if {step, step + 1} <= set(steps.values())}
         for peer, steps in behind.items():
             try:
-                if any(s < step for s in steps.values()):
+                if any(s != step for s in steps.values()):
                     steps = self._sync(peer, servers[peer], steps, step)
             except (PeerFailure, RemoteError, CommitError) as e:
                 logger.warning("peer %s cannot be brought to step %d yet: %s", peer, step, e)
@@ -251,6 +254,14 @@ class ReplicaSet:
     def peers(self, step: int) -> dict[PeerID, range]:
         return {p: s for p, s in self.stack.router.live_servers().items() if self.current.get(p) == step}
 
+    def split_over(self, blocks: list[int], step: int) -> bool:
+        """Whether a live peer, found in the last refresh, holds one of ``blocks`` at ``step`` and other blocks past
+        it: it took those over from a replica that had applied the step (the holders of ``blocks`` died in the
+        middle of the commit, and it restarted from their older copies). It can take part once the step is taken
+        back on the replicas that applied it: it is then synced down to ``step`` like any laggard."""
+        live = self.stack.router.live_servers(eligible_only=False)
+        return any(peer in live and any(steps.get(b) == step for b in blocks) for peer, steps in self.split.items())
+
     def ahead_of(self, step: int) -> dict[PeerID, range]:
         """Live peers that already applied ``step``: a commit whose reply was lost, or one taken back elsewhere
         while this peer restarted from its checkpoint. A replica applies only with every gradient of the ledger, and
@@ -282,7 +293,15 @@ def commit(
                     f"blocks {uncovered} have had no live replica at step {step} for {stack.patience:.0f}s; "
                     "start peers serving them or raise the client's patience"
                 )
-            logger.warning("blocks %s have no live replica at step %d; waiting", uncovered, step)
+            if applied and replicas.split_over(uncovered, step):
+                logger.warning(
+                    "blocks %s are at step %d only on peers that hold others past it; taking the step back",
+                    uncovered,
+                    step,
+                )
+                _take_back(stack, replicas, applied, step)
+            else:
+                logger.warning("blocks %s have no live replica at step %d; waiting", uncovered, step)
             time.sleep(1.0)
             stack.router.refresh()
             continue
