@@ -333,6 +333,18 @@ class _CommitStack:
         pass
 
 
+def _commit_step(stack: _CommitStack, step: int, holders: dict[int, PeerID]) -> dict[PeerID, range]:
+    """Commit ``step`` of one micro-batch whose gradients of each block are held by ``holders[block]``."""
+    replicas = ReplicaSet(stack, open_on=stack.open_on)
+    ledger = StepLedger(step=step, session="s")
+    for block, holder in holders.items():
+        ledger.acknowledge(f"s:{step}:000000001", range(block, block + 1), holder)
+    try:
+        return commit(stack, replicas, ledger, HPARAMS)
+    finally:
+        replicas.close()
+
+
 def test_a_replica_that_already_applied_the_step_counts_as_committed():
     """Chaos found it: the only server of blocks 2:4 applied step 45, that commit was taken back elsewhere, and the
     peer came back (restarted from its checkpoint) already at 46. The client, still committing 45, refused it ("holds
@@ -341,14 +353,7 @@ def test_a_replica_that_already_applied_the_step_counts_as_committed():
     the commit counts it as applied and does not ask it again."""
     ahead, behind = PeerID(b"x" * 8), PeerID(b"w" * 8)
     stack = _CommitStack({ahead: {2: 46, 3: 46}, behind: {0: 45, 1: 45}})
-    replicas = ReplicaSet(stack, open_on=stack.open_on)
-    ledger = StepLedger(step=45, session="s")
-    for block, holder in ((0, behind), (1, behind), (2, ahead), (3, ahead)):
-        ledger.acknowledge("s:45:000000001", range(block, block + 1), holder)
-    try:
-        applied = commit(stack, replicas, ledger, HPARAMS)
-    finally:
-        replicas.close()
+    applied = _commit_step(stack, 45, {0: behind, 1: behind, 2: ahead, 3: ahead})
     assert applied == {ahead: range(2, 4), behind: range(0, 2)}
     assert stack.commits == [behind]
     assert stack.steps[behind] == {0: 46, 1: 46}
@@ -363,14 +368,7 @@ def test_a_peer_holding_blocks_on_both_sides_of_a_commit_is_brought_in_by_taking
     done, split = PeerID(b"d" * 8), PeerID(b"s" * 8)
     stack = _CommitStack({done: {0: 43, 1: 43}, split: {1: 43, 2: 42, 3: 42}})
     stack.patience = 5.0
-    replicas = ReplicaSet(stack, open_on=stack.open_on)
-    ledger = StepLedger(step=42, session="s")
-    for block, holder in ((0, done), (1, done), (2, split), (3, split)):
-        ledger.acknowledge("s:42:000000001", range(block, block + 1), holder)
-    try:
-        applied = commit(stack, replicas, ledger, HPARAMS)
-    finally:
-        replicas.close()
+    applied = _commit_step(stack, 42, {0: done, 1: done, 2: split, 3: split})
     assert applied == {done: range(0, 2), split: range(1, 4)}
     assert sorted(stack.commits) == sorted([done, split])
     assert stack.steps == {done: {0: 43, 1: 43}, split: {1: 43, 2: 43, 3: 43}}
