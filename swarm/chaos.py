@@ -290,12 +290,16 @@ class ChaosDriver:
             self._recovered(name)
 
     def _restart(self, name: str, process: Process) -> None:
-        if self.stopping.is_set():
+        """Start ``name`` again once ``process`` is gone; only once per process: a peer struck again while going
+        down (in its leave grace, or frozen) has two restarts queued, and two processes sharing one identity and
+        checkpoint dir are not a peer (requests for its id reach either one)."""
+        if self.stopping.is_set() or self.peers.processes[name] is not process:
             return
         try:
             process.popen.wait(30)  # a clean leave takes its grace period
         except Exception:
             process.signal(signal.SIGKILL)
+            process.popen.wait(10)
         if sum(self.peers.alive(n) for n in self.peers.processes) >= self.target_size:
             logger.info("chaos t=%.1fs: %s stays gone (the swarm has its size)", self.now(), name)
             self._recovered(name)
