@@ -27,7 +27,7 @@ from peers.state import (
     session_of,
 )
 from swarm.blocks import add_lora, load_block, lora_config_from_wire, spans_text
-from swarm.errors import (
+from swarm.net.errors import (
     FencedError,
     MissingForwardError,
     MissingGradientsError,
@@ -37,7 +37,7 @@ from swarm.errors import (
     StaleStepError,
     UnknownAdapterError,
 )
-from swarm.protocol import InferRequest, OptimizerHParams
+from swarm.net.protocol import InferRequest, OptimizerHParams
 from swarm.spec import ModelSpec
 
 logger = logging.getLogger(__name__)

@@ -20,16 +20,16 @@ from peers.checkpoints import CheckpointStore, CheckpointWriter
 from peers.replication import Replicator, StandbyPolicy
 from peers.service import PeerService
 from swarm.blocks import spans_text
-from swarm.errors import SwarmAccessError
-from swarm.network import check_access, join_dht, load_swarm_key
-from swarm.protocol import AdapterInfo, Method, PeerInfo
-from swarm.reachability import choose_relays, verify_relayed
-from swarm.records import RECORD_TTL, ServerRecord, ServerState, announce, announce_model
-from swarm.security import Identity
+from swarm.net.errors import SwarmAccessError
+from swarm.net.network import check_access, join_dht, load_swarm_key
+from swarm.net.protocol import AdapterInfo, Method, PeerInfo
+from swarm.net.reachability import choose_relays, verify_relayed
+from swarm.net.records import RECORD_TTL, ServerRecord, ServerState, announce, announce_model
+from swarm.net.security import Identity
+from swarm.net.transport import Transport
+from swarm.net.view import SwarmView, observe
+from swarm.net.wire import Message
 from swarm.spec import ModelSpec, load_spec
-from swarm.transport import Transport
-from swarm.view import SwarmView, observe
-from swarm.wire import Message
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from transformers import DynamicCache
 
-from swarm.errors import InferenceMemoryError, SessionLostError
+from swarm.net.errors import InferenceMemoryError, SessionLostError
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from peers.balancer import choose_standby
 from peers.service import fetch_state_or_updates
 from peers.state import BlockState, BlockUpdate
 from swarm.blocks import spans_text
-from swarm.transport import Transport
-from swarm.view import SwarmView
+from swarm.net.transport import Transport
+from swarm.net.view import SwarmView
 
 logger = logging.getLogger(__name__)
 

@@ -11,12 +11,11 @@ import torch
 from hivemind.p2p import PeerID
 
 from peers.backend import SpanBackend
-from peers.doors import Doorkeeper
 from peers.state import BlockState, BlockUpdate, GradsByBlock, pack_states, unpack_states
 from swarm.blocks import lora_config_from_wire
-from swarm.compression import COMPRESSIONS
-from swarm.errors import RequestError, SourceUnavailableError
-from swarm.protocol import (
+from swarm.net.compression import COMPRESSIONS
+from swarm.net.errors import RequestError, SourceUnavailableError
+from swarm.net.protocol import (
     SYNC_TIMEOUT,
     CommitRequest,
     InferRequest,
@@ -33,9 +32,10 @@ from swarm.protocol import (
     read_steps,
     read_str,
 )
-from swarm.security import SwarmKey
-from swarm.transport import Transport
-from swarm.wire import DEFAULT_MAX_PAYLOAD_BYTES, Message
+from swarm.net.security import SwarmKey
+from swarm.net.servicer import Doorkeeper
+from swarm.net.transport import Transport
+from swarm.net.wire import DEFAULT_MAX_PAYLOAD_BYTES, Message
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm.blocks import LoraParam
-from swarm.errors import RequestError
-from swarm.protocol import OptimizerHParams
+from swarm.net.errors import RequestError
+from swarm.net.protocol import OptimizerHParams
 
 GradsByBlock = dict[int, dict[str, list[torch.Tensor]]]
 

@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
 from peers.backend import SpanBackend  # noqa: E402
 from peers.daemon import QUANT_BYTES  # noqa: E402
 from swarm.blocks import lora_config_to_wire  # noqa: E402
-from swarm.protocol import OptimizerHParams  # noqa: E402
+from swarm.net.protocol import OptimizerHParams  # noqa: E402
 from swarm.spec import ModelSpec, load_spec  # noqa: E402
 
 logger = logging.getLogger("bench_70b_block")

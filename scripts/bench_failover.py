@@ -30,10 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from make_tiny_model import make_bench_model  # noqa: E402
-
 import swarm  # noqa: E402
-from swarm.localswarm import LocalSwarm  # noqa: E402
+from swarm.testing.localswarm import LocalSwarm  # noqa: E402
+from swarm.testing.tiny import make_bench_model  # noqa: E402
 
 logger = logging.getLogger("bench_failover")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

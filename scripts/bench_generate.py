@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
 
 import swarm  # noqa: E402
 from swarm.gguf import smollm2_folder  # noqa: E402
-from swarm.localswarm import LocalSwarm  # noqa: E402
+from swarm.testing.localswarm import LocalSwarm  # noqa: E402
 
 logger = logging.getLogger("bench_generate")
 LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"])

@@ -30,8 +30,9 @@ for path in (ROOT, ROOT / "scripts"):  # swarm, and bench_step.py's recipe (one 
 
 import bench_step  # noqa: E402
 
-from swarm.localswarm import LocalSwarm  # noqa: E402
-from swarm.netlab import NetLab, unavailable  # noqa: E402
+from swarm.testing.localswarm import LocalSwarm  # noqa: E402
+from swarm.testing.netlab import NetLab, unavailable  # noqa: E402
+from swarm.testing.tiny import make_tiny_model  # noqa: E402
 
 logger = logging.getLogger("bench_nat")
 
@@ -100,7 +101,6 @@ def main(argv: list[str] | None = None) -> None:
     if why_not:
         sys.exit(f"bench_nat: cannot build the lab here: {why_not}")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_nat-"))
-    make_tiny_model = bench_step._load_make_tiny_model()
     heads = max(1, args.hidden // 64)
     model = make_tiny_model(
         workdir / "model",

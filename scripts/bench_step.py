@@ -14,13 +14,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,9 +32,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import swarm  # noqa: E402
-from swarm.localswarm import LocalSwarm  # noqa: E402
-from swarm.protocol import Method  # noqa: E402
-from swarm.wire import Message  # noqa: E402
+from swarm.net.protocol import Method  # noqa: E402
+from swarm.net.wire import Message  # noqa: E402
+from swarm.testing.localswarm import LocalSwarm  # noqa: E402
+from swarm.testing.tiny import make_tiny_model  # noqa: E402
 
 logger = logging.getLogger("bench_step")
 
@@ -46,13 +45,6 @@ HPARAMS = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 GOAL_RATIO = 1.15
 PHASES = ("forward", "backward", "optimizer")
 
-
-def _load_make_tiny_model() -> Callable[..., Path]:
-    """Import ``make_tiny_model`` from scripts/make_tiny_model.py by file path."""
-    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "scripts" / "make_tiny_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.make_tiny_model
 
 
 @dataclass
@@ -255,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
         workdir = args.workdir or Path(tmp)
-        model_dir = _load_make_tiny_model()(
+        model_dir = make_tiny_model(
             workdir / "bench-model",
             family="llama",
             layers=args.layers,

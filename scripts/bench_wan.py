@@ -37,8 +37,9 @@ for path in (ROOT, ROOT / "scripts"):  # swarm, and bench_step.py's recipe (one 
 import bench_step  # noqa: E402
 
 import swarm  # noqa: E402
-from swarm.localswarm import LocalSwarm  # noqa: E402
-from swarm.wire import payload_bytes  # noqa: E402
+from swarm.net.wire import payload_bytes  # noqa: E402
+from swarm.testing.localswarm import LocalSwarm  # noqa: E402
+from swarm.testing.tiny import make_tiny_model  # noqa: E402
 
 logger = logging.getLogger("bench_wan")
 GOAL_BOUND, GOAL_SPEEDUP = 1.5, 3.0
@@ -124,7 +125,7 @@ def run_swarm(
     ports = [(free_port(), free_port()) for _ in range(peers + 1)]  # (announced, real) per node
     pairs = [f"{announced}:{real}" for announced, real in ports]
     link = subprocess.Popen(
-        [sys.executable, "-m", "swarm.wanlink", "--rtt-ms", str(rtt_ms), "--mbit", str(mbit), *pairs],
+        [sys.executable, "-m", "swarm.testing.wanlink", "--rtt-ms", str(rtt_ms), "--mbit", str(mbit), *pairs],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench_wan_") as tmp:
         workdir = args.workdir or Path(tmp)
-        model_dir = bench_step._load_make_tiny_model()(
+        model_dir = make_tiny_model(
             workdir / "model",
             family="llama",
             layers=args.layers,

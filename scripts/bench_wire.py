@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:
 
 import swarm  # noqa: E402
 from swarm.gguf import smollm2_folder  # noqa: E402
-from swarm.localswarm import LocalSwarm  # noqa: E402
+from swarm.testing.localswarm import LocalSwarm  # noqa: E402
 
 logger = logging.getLogger("bench_wire")
 FORMATS = {

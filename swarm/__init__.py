@@ -1,8 +1,15 @@
-"""swarm: LoRA fine-tuning of Llama-family models over a swarm of peer GPUs that come and go."""
+"""swarm: LoRA fine-tuning of Llama-family models over a swarm of peer GPUs that come and go.
 
-from swarm.client.model import SwarmModelForCausalLM
-from swarm.client.optimizer import RemoteOptimizer
-from swarm.errors import (
+The client's names load on first use, so that a peer daemon or a bootstrap node importing ``swarm.net`` does not
+import the client (and ``swarm.testing`` is never on anyone's import path but tests', scripts' and the demo's).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from swarm.net.errors import (
     AdapterBusyError,
     AdapterConfigError,
     AdapterStateLostError,
@@ -15,7 +22,17 @@ from swarm.errors import (
     SwarmKeyError,
     SwarmUnavailableError,
 )
-from swarm.spec import load_tokenizer
+
+if TYPE_CHECKING:
+    from swarm.client.model import SwarmModelForCausalLM
+    from swarm.client.optimizer import RemoteOptimizer
+    from swarm.spec import load_tokenizer
+
+_LAZY = {
+    "SwarmModelForCausalLM": "swarm.client.model",
+    "RemoteOptimizer": "swarm.client.optimizer",
+    "load_tokenizer": "swarm.spec",
+}
 
 __all__ = [
     "SwarmModelForCausalLM",
@@ -34,3 +51,11 @@ __all__ = [
     "load_tokenizer",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'swarm' has no attribute {name!r}")

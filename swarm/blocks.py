@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from swarm.errors import AdapterConfigError
+from swarm.net.errors import AdapterConfigError
 from swarm.spec import ModelSpec
 
 QUANT_MODES = ("none", "int8", "nf4")

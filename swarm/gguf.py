@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from swarm.errors import ModelFolderError
+from swarm.net.errors import ModelFolderError
 from swarm.spec import load_spec
 
 logger = logging.getLogger(__name__)

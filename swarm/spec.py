@@ -11,7 +11,7 @@ from types import ModuleType
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from swarm.errors import ModelFolderError
+from swarm.net.errors import ModelFolderError
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
 SINGLE_FILE = "model.safetensors"

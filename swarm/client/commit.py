@@ -21,8 +21,8 @@ from hivemind.p2p import PeerID
 
 from swarm.client.ledger import StepLedger
 from swarm.client.remote import PeerFailure, RemoteStack
-from swarm.errors import CommitError, RemoteError, SwarmUnavailableError
-from swarm.protocol import FETCH_TIMEOUT, CommitRequest, ErrorKind, Method, OptimizerHParams
+from swarm.net.errors import CommitError, RemoteError, SwarmUnavailableError
+from swarm.net.protocol import FETCH_TIMEOUT, CommitRequest, ErrorKind, Method, OptimizerHParams
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from hivemind.p2p import PeerID
 
 from swarm.client.commit import ReplicaSet
 from swarm.client.remote import PeerFailure, RemoteStack
-from swarm.errors import RemoteError
-from swarm.protocol import Method
+from swarm.net.errors import RemoteError
+from swarm.net.protocol import Method
 
 logger = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from transformers.generation.logits_process import (
 )
 
 from swarm.client.remote import PeerFailure, RemoteStack
-from swarm.protocol import InferRequest, Method
-from swarm.routing import Hop
-from swarm.wire import Message
+from swarm.client.routing import Hop
+from swarm.net.protocol import InferRequest, Method
+from swarm.net.wire import Message
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import time
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from swarm.errors import AdapterBusyError
+from swarm.net.errors import AdapterBusyError
 
 logger = logging.getLogger(__name__)
 

@@ -23,23 +23,23 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from swarm.blocks import lora_config_from_wire, lora_config_to_wire, spans_text
-from swarm.checkpoint import save_peft_adapter
 from swarm.client.commit import ReplicaSet, StepsLost, commit, take_back_abandoned
 from swarm.client.copies import CopyKeeper
+from swarm.client.export import save_peft_adapter
 from swarm.client.generation import SessionChain, generate_tokens, resolve_config
 from swarm.client.lease import AdapterLease
 from swarm.client.ledger import StepLedger
 from swarm.client.pipeline import run_pipelined
 from swarm.client.remote import PeerFailure, RemoteStack, RemoteStackFunction
-from swarm.compression import WireFormat
-from swarm.errors import AdapterConfigError, AdapterStateLostError, RequestError, SwarmUnavailableError
-from swarm.network import check_access, initial_peers_or_env, join_dht, load_swarm_key
-from swarm.protocol import Method, OpenReply, OpenRequest, OptimizerHParams, check_adapter_name
-from swarm.records import RECOVERIES_KEPT, CommittedRecord, announce_committed, read_committed
-from swarm.routing import Router
-from swarm.security import Identity, SwarmKey
+from swarm.client.routing import Router
+from swarm.net.compression import WireFormat
+from swarm.net.errors import AdapterConfigError, AdapterStateLostError, RequestError, SwarmUnavailableError
+from swarm.net.network import check_access, initial_peers_or_env, join_dht, load_swarm_key
+from swarm.net.protocol import Method, OpenReply, OpenRequest, OptimizerHParams, check_adapter_name
+from swarm.net.records import RECOVERIES_KEPT, CommittedRecord, announce_committed, read_committed
+from swarm.net.security import Identity, SwarmKey
+from swarm.net.transport import Transport
 from swarm.spec import ModelSpec, load_spec
-from swarm.transport import Transport
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from swarm.client.model import SwarmModelForCausalLM
-from swarm.protocol import OptimizerHParams
+from swarm.net.protocol import OptimizerHParams
 
 
 class RemoteOptimizer(torch.optim.Optimizer):

@@ -16,12 +16,12 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerErr
 from hivemind.proto import runtime_pb2
 
 from swarm.client.ledger import Segment, StepLedger
-from swarm.compression import WireFormat
-from swarm.errors import LeaseLostError, RemoteError, SwarmUnavailableError
-from swarm.protocol import PEER_STATE_ERRORS, ErrorKind, Method, SpanRequest
-from swarm.routing import Hop, Router
-from swarm.transport import Transport
-from swarm.wire import Message, WireError
+from swarm.client.routing import Hop, Router
+from swarm.net.compression import WireFormat
+from swarm.net.errors import LeaseLostError, RemoteError, SwarmUnavailableError
+from swarm.net.protocol import PEER_STATE_ERRORS, ErrorKind, Method, SpanRequest
+from swarm.net.transport import Transport
+from swarm.net.wire import Message, WireError
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,281 @@
+"""Pick chains of live peers over blocks, from the DHT's announcements; ban failing peers with backoff."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hivemind import DHT
+from hivemind.p2p import PeerID
+
+from swarm.net.errors import SwarmUnavailableError
+from swarm.net.records import ServerRecord, ServerState, read_servers
+from swarm.net.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+
+class NoRouteError(RuntimeError):
+    """Some blocks have no live server."""
+
+
+@dataclass(frozen=True)
+class Hop:
+    """Blocks [start, end) computed by one peer."""
+
+    peer_id: PeerID
+    start: int
+    end: int
+
+    @property
+    def blocks(self) -> range:
+        return range(self.start, self.end)
+
+
+@dataclass
+class PeerHealth:
+    """What the client learned about one peer: failures in a row (since when), ban, and its speed per method."""
+
+    failures: int = 0
+    failing_since: float | None = None
+    banned_until: float = 0.0
+    seconds_per_unit: dict[str, float] = field(default_factory=dict)
+
+
+# Small requests that never wait for compute beyond a moment: a peer that does not answer them within this time is
+# not worth waiting for (a dial to a dead address would otherwise take libp2p ~20 s to give up).
+CONTROL_METHODS = frozenset({"open", "info", "digest", "replicate", "fast_forward"})
+FIRST_CONTROL_TIMEOUT = 10.0
+
+
+class Router:
+    """The client's view of who serves what, refreshed from the DHT in the background.
+
+    Peers whose process is gone (the transport saw their connection close) are left out at once, whatever their
+    records still say, until they announce again. A peer that stopped answering but keeps its connection (frozen,
+    overloaded) may still hold state: it counts as a possible holder for ``unreachable_wait`` seconds.
+    """
+
+    def __init__(
+        self,
+        dht: DHT,
+        transport: Transport,
+        model: str,
+        num_blocks: int,
+        *,
+        unreachable_wait: float = 30.0,
+        eligible: Callable[[PeerID], bool] = lambda peer: True,
+        on_wait: Callable[[], None] = lambda: None,
+        first_timeout: float = 60.0,
+        min_timeout: float = 2.0,
+        min_ban: float = 2.0,
+        max_ban: float = 120.0,
+        refresh_every: float = 3.0,
+        seed: int | None = None,
+    ):
+        self.dht, self.transport, self.model, self.num_blocks = dht, transport, model, num_blocks
+        self.unreachable_wait = unreachable_wait
+        self.first_timeout, self.min_timeout = first_timeout, min_timeout
+        self.min_ban, self.max_ban, self.refresh_every = min_ban, max_ban, refresh_every
+        self.servers: dict[int, list[ServerRecord]] = {}
+        self.health: dict[PeerID, PeerHealth] = {}
+        self.eligible = eligible  # whether a peer may be routed to (it holds the adapter at the client's step)
+        self.on_wait = on_wait  # run while waiting for a route: bring new peers in
+        self.random = random.Random(seed)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._fresh = threading.Event()
+        self._fresh.set()
+        self._thread: threading.Thread | None = None
+
+    # --- the swarm's view -------------------------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        servers = read_servers(self.dht, self.model, self.num_blocks)
+        self.transport.learn(r for records in servers.values() for r in records)
+        with self._lock:
+            self.servers = servers
+
+    def start(self) -> None:
+        """Refresh the view every ``refresh_every`` seconds (or sooner, see ``refresh_soon``) until ``stop()``."""
+        self._thread = threading.Thread(target=self._refresh_loop, name="swarm-router", daemon=True)
+        self._thread.start()
+
+    def refresh_soon(self) -> None:
+        """Refresh in the background now (after a commit, while the next step computes)."""
+        self._fresh.clear()
+        self._wake.set()
+
+    def wait_fresh(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) for the refresh asked by ``refresh_soon`` to finish: a commit that waits for
+        it sees every peer that had announced itself by the previous commit, so a peer that joined or moved is
+        brought in within one step."""
+        self._fresh.wait(timeout)
+
+    def _refresh_loop(self) -> None:
+        while True:
+            self._wake.wait(self.refresh_every)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.refresh()
+            except Exception as e:
+                logger.warning("could not refresh the swarm view: %s", e)
+            finally:
+                self._fresh.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+
+    # --- health -----------------------------------------------------------------------------------------------
+
+    def _health(self, peer: PeerID) -> PeerHealth:
+        return self.health.setdefault(peer, PeerHealth())
+
+    def ban(self, peer: PeerID, reason: str) -> float:
+        """Stop using a peer for a while; each failure in a row doubles the ban (capped)."""
+        health = self._health(peer)
+        health.failures += 1
+        if health.failing_since is None:
+            health.failing_since = time.monotonic()
+        seconds = min(self.max_ban, self.min_ban * 2 ** (health.failures - 1))
+        health.banned_until = time.monotonic() + seconds
+        logger.warning("peer %s failed (%s); banned for %.0fs", peer, reason, seconds)
+        return seconds
+
+    def distrust(self, peer: PeerID, reason: str) -> None:
+        """Never use this peer again in this client (it returned results its replicas disagree with)."""
+        self._health(peer).banned_until = float("inf")
+        logger.error("peer %s is banned for good: %s", peer, reason)
+
+    def succeeded(self, peer: PeerID, method: str, units: float, seconds: float) -> None:
+        health = self._health(peer)
+        health.failures, health.failing_since = 0, None
+        rate = seconds / max(units, 1.0)
+        old = health.seconds_per_unit.get(method)
+        health.seconds_per_unit[method] = rate if old is None else 0.7 * old + 0.3 * rate
+
+    def timeout(self, peer: PeerID, method: str, units: float) -> float:
+        """Generous before the first answer; afterwards a few times the peer's measured speed."""
+        rate = self._health(peer).seconds_per_unit.get(method)
+        if rate is None:
+            return min(self.first_timeout, FIRST_CONTROL_TIMEOUT) if method in CONTROL_METHODS else self.first_timeout
+        return max(self.min_timeout, 1.0 + 5.0 * rate * max(units, 1.0))
+
+    def usable(self, record: ServerRecord, eligible_only: bool = True) -> bool:
+        """Online, not gone, not banned, and (unless told otherwise) eligible: holding the adapter at the client's
+        step."""
+        return (
+            record.state == ServerState.ONLINE
+            and not self.transport.is_gone(record.peer_id)
+            and self._health(record.peer_id).banned_until <= time.monotonic()
+            and (not eligible_only or self.eligible(record.peer_id))
+        )
+
+    # --- routes -----------------------------------------------------------------------------------------------
+
+    def replicas(self, block: int, eligible_only: bool = True) -> list[ServerRecord]:
+        with self._lock:
+            return [r for r in self.servers.get(block, []) if self.usable(r, eligible_only)]
+
+    def live_servers(self, eligible_only: bool = True) -> dict[PeerID, range]:
+        """Every usable peer and the span it announces."""
+        with self._lock:
+            records = [r for records in self.servers.values() for r in records if self.usable(r, eligible_only)]
+        return {r.peer_id: range(r.start, r.end) for r in records}
+
+    def may_hold_state(self, peer: PeerID) -> bool:
+        """Whether a peer that announces blocks may still hold their state: not gone, and not silent for longer
+        than ``unreachable_wait`` (a frozen or partitioned peer is waited for that long, no longer)."""
+        if self.transport.is_gone(peer):
+            return False
+        since = self._health(peer).failing_since
+        return since is None or time.monotonic() - since < self.unreachable_wait
+
+    def announced(self) -> dict[int, list[PeerID]]:
+        """Per block, every peer announcing it online (banned or not) that may still hold its state."""
+        with self._lock:
+            return {
+                block: [r.peer_id for r in records if r.state == ServerState.ONLINE and self.may_hold_state(r.peer_id)]
+                for block, records in self.servers.items()
+            }
+
+    def uncovered(self, start: int = 0, end: int | None = None, eligible_only: bool = True) -> list[int]:
+        end = self.num_blocks if end is None else end
+        return [b for b in range(start, end) if not self.replicas(b, eligible_only)]
+
+    def route(self, start: int = 0, end: int | None = None, prefer: PeerID | None = None) -> list[Hop]:
+        """Fewest hops; among servers reaching equally far, pick at random weighted by throughput."""
+        end = self.num_blocks if end is None else end
+        hops: list[Hop] = []
+        block = start
+        while block < end:
+            candidates = self.replicas(block)
+            if not candidates:
+                raise NoRouteError(f"no live server for blocks {self.uncovered(start, end)}")
+            reach = max(min(r.end, end) for r in candidates)
+            farthest = [r for r in candidates if min(r.end, end) == reach]
+            preferred = [r for r in farthest if r.peer_id == prefer]
+            if preferred:
+                chosen = preferred[0]
+            else:
+                chosen = self.random.choices(farthest, weights=[max(r.throughput, 1e-3) for r in farthest])[0]
+            hops.append(Hop(chosen.peer_id, block, reach))
+            block = reach
+        return hops
+
+    def wait_covered(self, patience: float, eligible_only: bool = False) -> None:
+        """Wait up to ``patience`` seconds until every block has a live server."""
+        self._wait(
+            lambda: None if self.uncovered(eligible_only=eligible_only) else True, 0, None, patience, eligible_only
+        )
+
+    def wait_route(
+        self, start: int = 0, end: int | None = None, prefer: PeerID | None = None, patience: float = 60.0
+    ) -> list[Hop]:
+        """A route, waiting up to ``patience`` seconds for missing blocks to get a server again."""
+
+        def attempt() -> list[Hop] | None:
+            try:
+                return self.route(start, end, prefer)
+            except NoRouteError:
+                return None
+
+        return self._wait(attempt, start, end, patience, eligible_only=True)
+
+    def _wait(self, attempt: Callable, start: int, end: int | None, patience: float, eligible_only: bool):
+        result = attempt()
+        if result is not None:
+            return result
+        since = time.monotonic()
+        missing = self.uncovered(start, end, eligible_only)
+        logger.warning(
+            "blocks %s have no live server since %s; waiting up to %.0fs for one to (re)join",
+            missing,
+            time.strftime("%H:%M:%S"),
+            patience,
+        )
+        while time.monotonic() - since < patience:
+            time.sleep(min(1.0, self.min_ban))
+            try:
+                self.refresh()
+                self.on_wait()
+            except Exception as e:
+                logger.warning("could not refresh the swarm view: %s", e)
+            result = attempt()
+            if result is not None:
+                return result
+            missing = self.uncovered(start, end, eligible_only) or missing
+        raise SwarmUnavailableError(
+            f"blocks {missing} have had no live server for {patience:.0f}s; start a peer serving them "
+            f"(swarm peer --blocks {missing[0]}:{missing[-1] + 1} ...) or raise the client's patience"
+        )

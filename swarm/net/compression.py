@@ -1,0 +1,98 @@
+"""How activations and their gradients travel: at full precision (the default, exact), or cast to a 16-bit dtype
+and/or quantized blockwise to 8 bits with hivemind's compression, for slow links. Masks and other integer tensors
+always travel as they are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+
+from swarm.net.errors import RequestError
+
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COMPRESSIONS = {"none": runtime_pb2.CompressionType.NONE, "blockwise8": runtime_pb2.CompressionType.BLOCKWISE_8BIT}
+BLOCKSIZE = 4096  # hivemind's blockwise quantization block
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """``dtype``: what floating tensors are cast to before they leave (None: as computed); ``compression``: how
+    they are then encoded. A peer answers in the format of the request."""
+
+    dtype: str | None = None
+    compression: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype must be one of {sorted(WIRE_DTYPES)} or None, got {self.dtype!r}")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {sorted(COMPRESSIONS)}, got {self.compression!r}")
+
+    @property
+    def exact(self) -> bool:
+        return self.dtype is None and self.compression == "none"
+
+    @property
+    def compression_type(self) -> int:
+        return COMPRESSIONS[self.compression]
+
+    def cast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A floating tensor in the wire dtype (others as they are)."""
+        if self.dtype is None or not tensor.is_floating_point():
+            return tensor
+        return tensor.to(WIRE_DTYPES[self.dtype])
+
+
+def read_compression(meta: dict) -> str:
+    """The reply compression a request asks for (the reply's dtype follows the request's tensors)."""
+    compression = meta.get("compression", "none")
+    if compression not in COMPRESSIONS:
+        raise RequestError(f"'compression' must be one of {sorted(COMPRESSIONS)}, got {compression!r}")
+    return compression
+
+
+def serialize(tensor: torch.Tensor, compression: int) -> runtime_pb2.Tensor:
+    """hivemind's serializer (``compression`` for floating tensors only), except that an uncompressed bfloat16
+    tensor travels in 2 bytes per value (hivemind widens it to float32, numpy having no bfloat16)."""
+    if not tensor.is_floating_point():
+        compression = runtime_pb2.CompressionType.NONE
+    if tensor.dtype == torch.bfloat16 and compression == runtime_pb2.CompressionType.NONE:
+        serialized = serialize_torch_tensor(tensor.view(torch.int16))
+        serialized.dtype = "bfloat16"
+        return serialized
+    return serialize_torch_tensor(tensor, compression)
+
+
+def deserialize(serialized: runtime_pb2.Tensor) -> torch.Tensor:
+    """hivemind's deserializer, but for 2-byte bfloat16 (see ``serialize``) and blockwise 8-bit tensors, whose
+    header hivemind 1.1 reads in a way that numpy 2 refuses (``int()`` of a one-element array)."""
+    size = tuple(serialized.size)
+    if serialized.compression == runtime_pb2.CompressionType.NONE and serialized.dtype == "bfloat16":
+        if len(serialized.buffer) == 2 * int(np.prod(size)):
+            values = torch.frombuffer(bytearray(serialized.buffer), dtype=torch.int16)
+            return values.view(torch.bfloat16).reshape(size).requires_grad_(serialized.requires_grad)
+    if serialized.compression != runtime_pb2.CompressionType.BLOCKWISE_8BIT:
+        return deserialize_torch_tensor(serialized)
+    from bitsandbytes.functional import dequantize_blockwise
+
+    buffer = serialized.buffer
+    absmax_size, code_size = (int(v) for v in np.frombuffer(buffer, count=2, dtype=np.int64))
+    absmax = np.frombuffer(buffer, offset=16, count=absmax_size, dtype=np.float32)
+    code = np.frombuffer(buffer, offset=16 + absmax.nbytes, count=code_size, dtype=np.float32)
+    quantized = np.frombuffer(buffer, offset=16 + absmax.nbytes + code.nbytes, dtype=np.uint8)
+    if quantized.size != int(np.prod(size)) or absmax_size != -(-quantized.size // BLOCKSIZE):
+        raise ValueError("a blockwise 8-bit tensor whose sizes do not add up")
+    result = dequantize_blockwise(
+        torch.as_tensor(quantized.copy()).reshape(size),
+        absmax=torch.as_tensor(absmax.copy()),
+        code=torch.as_tensor(code.copy()),
+        blocksize=BLOCKSIZE,
+        nested=False,
+    )
+    if serialized.dtype not in WIRE_DTYPES:
+        raise ValueError(f"a blockwise 8-bit tensor of dtype {serialized.dtype!r}")
+    return result.to(WIRE_DTYPES[serialized.dtype]).requires_grad_(serialized.requires_grad)

@@ -1,0 +1,98 @@
+"""Joining the swarm's DHT with the right identity, record validators and (for private swarms) key."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from hivemind import DHT
+from hivemind.p2p import P2P
+
+from swarm.net.addresses import peer_of
+from swarm.net.errors import SwarmAccessError
+from swarm.net.protocol import Method
+from swarm.net.records import record_validators
+from swarm.net.security import Identity, SwarmKey
+from swarm.net.transport import Transport
+from swarm.net.wire import Message
+
+logger = logging.getLogger(__name__)
+
+# Serve through the relays we name, at once: p2pd's autorelay otherwise waits for AutoNAT's verdict and then up
+# to minutes for relay candidates. hivemind passes no such flags, so they ride on its reachability presets.
+RELAYED = "swarm-relayed"
+P2P.FORCE_REACHABILITY_MAPPING[RELAYED] = {"forceReachabilityPrivate": 1, "relayDiscovery": 0}
+
+
+def initial_peers_or_env(initial_peers: list[str] | None) -> list[str]:
+    """``--initial-peers`` / ``initial_peers=``, else ``SWARM_INITIAL_PEERS`` (space or comma separated)."""
+    if initial_peers:
+        return list(initial_peers)
+    return os.environ.get("SWARM_INITIAL_PEERS", "").replace(",", " ").split()
+
+
+def load_swarm_key(path: str | Path | None) -> SwarmKey | None:
+    return None if path is None else SwarmKey.load(path)
+
+
+def join_dht(
+    initial_peers: list[str],
+    identity: Identity,
+    swarm_key: SwarmKey | None,
+    client_mode: bool = False,
+    host: str = "0.0.0.0",
+    port: int = 0,
+    announce_maddrs: list[str] | None = None,
+    relays: list[str] | None = None,
+) -> DHT:
+    """A DHT node whose records are signed by ``identity`` and, in a private swarm, sealed with the key.
+
+    ``announce_maddrs``: the only addresses to announce. ``relays``: this node cannot be dialed; it reserves a slot on
+    these relays and is reached through them (and takes no part in storing DHT records, which needs dialing)."""
+    kwargs: dict = {}
+    if not client_mode:
+        kwargs["host_maddrs"] = [f"/ip4/{host}/tcp/{port}"]
+    if announce_maddrs:
+        kwargs["announce_maddrs"] = announce_maddrs
+    if relays:
+        kwargs.update(use_auto_relay=True, trusted_relays=relays, force_reachability=RELAYED)
+    try:
+        return DHT(
+            initial_peers=initial_peers,
+            client_mode=client_mode or bool(relays),
+            identity_path=str(identity.path),
+            record_validators=record_validators(identity, swarm_key),
+            start=True,
+            **kwargs,
+        )
+    except Exception as e:
+        if "bootstrap peers" not in str(e):
+            raise
+        raise SwarmAccessError(
+            f"none of the initial peers answered ({' '.join(initial_peers)}): check that `swarm dht` (or a peer) "
+            "runs there and that its port is reachable from this machine"
+        ) from None
+
+
+async def check_access(transport: Transport, initial_peers: list[str], timeout: float = 10.0) -> None:
+    """Ask the bootstrap peers ``hello``: a private swarm and a missing or different key give a clear error."""
+    mine = None if transport.swarm_key is None else transport.swarm_key.key_id
+    for maddr in initial_peers:
+        try:
+            peer = peer_of(maddr)
+            reply = await transport.acall(peer, Message({"method": Method.HELLO}, []), timeout)
+        except Exception as e:
+            logger.debug("no hello from %s: %s", maddr, e)
+            continue
+        theirs = reply.meta.get("key_id")
+        if reply.meta.get("private") and mine is None:
+            raise SwarmAccessError(f"{maddr} belongs to a private swarm: pass its swarm key (--swarm-key FILE)")
+        if reply.meta.get("private") and theirs != mine:
+            raise SwarmAccessError(
+                f"wrong swarm key: {maddr} belongs to the private swarm with key id {theirs}, yours is {mine}"
+            )
+        if not reply.meta.get("private") and mine is not None:
+            raise SwarmAccessError(f"{maddr} belongs to a public swarm; drop --swarm-key to join it")
+        return
+    logger.warning("none of the initial peers answered hello; continuing")

@@ -1,0 +1,280 @@
+"""DHT records: which peer serves which blocks, in what state, how fast, with which adapters at which step."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import partial
+
+from hivemind import DHT
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.node import DHTNode
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+from hivemind.utils.serializer import MSGPackSerializer
+
+from swarm.net.addresses import only_relayed
+from swarm.net.security import Identity, SwarmKey, SwarmKeyValidator, peer_id_of_owner
+
+logger = logging.getLogger(__name__)
+
+RECORD_TTL = 30.0
+RECOVERIES_KEPT = 5  # recent recoveries a trainer publishes with its committed step
+MAX_MADDRS = 16
+
+
+class ServerState(str, Enum):
+    JOINING = "joining"
+    ONLINE = "online"
+    LEAVING = "leaving"
+
+
+@dataclass
+class ServerRecord:
+    """One peer's announcement for one block."""
+
+    peer_id: PeerID
+    state: ServerState
+    start: int
+    end: int
+    throughput: float
+    adapters: dict[str, int] = field(default_factory=dict)
+    moving_to: range | None = None  # an online peer about to hand these blocks over and serve this span instead
+    announced_at: float = 0.0  # DHT time of the announcement: tells a peer that announced again after it was gone
+    maddrs: list[str] = field(default_factory=list)  # where to dial it: direct, or through relays
+
+    @property
+    def blocks(self) -> range:
+        return range(self.start, self.end)
+
+    @property
+    def relayed(self) -> bool:
+        """Reached only through relays (it sits behind NAT)."""
+        return only_relayed(self.maddrs)
+
+    def to_value(self) -> dict:
+        value = {
+            "kind": "server",
+            "state": self.state.value,
+            "start": self.start,
+            "end": self.end,
+            "throughput": self.throughput,
+            "adapters": self.adapters,
+            "announced_at": self.announced_at,
+            "maddrs": self.maddrs,
+        }
+        if self.moving_to is not None:
+            value["moving_to"] = [self.moving_to.start, self.moving_to.stop]
+        return value
+
+    @classmethod
+    def from_value(cls, peer_id: PeerID, value: object) -> ServerRecord | None:
+        """Parse a record value; anything malformed is dropped (and logged), never trusted."""
+        try:
+            record = cls(
+                peer_id=peer_id,
+                state=ServerState(value["state"]),
+                start=int(value["start"]),
+                end=int(value["end"]),
+                throughput=float(value["throughput"]),
+                adapters={str(k): int(v) for k, v in dict(value.get("adapters", {})).items()},
+                moving_to=range(*(int(x) for x in value["moving_to"])) if value.get("moving_to") else None,
+                announced_at=float(value.get("announced_at", 0.0)),
+                maddrs=_maddrs(value.get("maddrs", [])),
+            )
+        except (TypeError, KeyError, ValueError, AttributeError):
+            logger.debug("ignoring a malformed record from %s", peer_id)
+            return None
+        return record if 0 <= record.start < record.end else None
+
+
+def _maddrs(value: object) -> list[str]:
+    if not isinstance(value, list) or len(value) > MAX_MADDRS or not all(isinstance(m, str) for m in value):
+        raise TypeError("maddrs must be a short list of strings")
+    return list(value)
+
+
+def block_key(model: str, block: int) -> str:
+    return f"swarm:{model}:block:{block}"
+
+
+MODELS_KEY = "swarm:models"
+
+
+def model_value(model: str, num_blocks: int) -> dict:
+    """A peer's note that ``model`` (with ``num_blocks`` blocks) is served in this swarm, for ``swarm status``."""
+    return {"kind": "model", "name": model, "num_blocks": num_blocks}
+
+
+async def _store_model(_dht: DHT, node: DHTNode, owner: bytes, value: dict, ttl: float) -> None:
+    await node.store(MODELS_KEY, value, get_dht_time() + ttl, subkey=owner)
+
+
+def announce_model(dht: DHT, model: str, num_blocks: int, owner: bytes, ttl: float = RECORD_TTL):
+    return dht.run_coroutine(partial(_store_model, owner=owner, value=model_value(model, num_blocks), ttl=ttl))
+
+
+async def _read_models(_dht: DHT, node: DHTNode) -> dict[str, int]:
+    found = await node.get(MODELS_KEY, latest=True)
+    models: dict[str, int] = {}
+    if found is not None and isinstance(found.value, dict):
+        for item in found.value.values():
+            value = item.value
+            if (
+                isinstance(value, dict)
+                and isinstance(value.get("name"), str)
+                and isinstance(value.get("num_blocks"), int)
+            ):
+                models[value["name"]] = value["num_blocks"]
+    return models
+
+
+def read_models(dht: DHT) -> dict[str, int]:
+    """Models announced in the swarm and their number of blocks."""
+    return dht.run_coroutine(_read_models)
+
+
+async def _store(_dht: DHT, node: DHTNode, model: str, owner: bytes, value: dict, blocks: range, ttl: float) -> None:
+    expiration = get_dht_time() + ttl
+    keys = [block_key(model, block) for block in blocks]
+    await node.store_many(keys, [value] * len(keys), expiration, subkeys=[owner] * len(keys))
+
+
+def announce(
+    dht: DHT, model: str, owner: bytes, record: ServerRecord, blocks: range, ttl: float = RECORD_TTL, wait: bool = True
+):
+    """Write (or refresh) this peer's record under every block it serves, as a subkey only its owner can sign
+    (the owner marker); records expire after ``ttl``."""
+    value = {**record.to_value(), "announced_at": get_dht_time()}
+    store = partial(_store, model=model, owner=owner, value=value, blocks=blocks, ttl=ttl)
+    return dht.run_coroutine(store, return_future=not wait)
+
+
+async def _read(_dht: DHT, node: DHTNode, model: str, num_blocks: int) -> dict[int, list[ServerRecord]]:
+    keys = [block_key(model, block) for block in range(num_blocks)]
+    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
+    servers: dict[int, list[ServerRecord]] = {}
+    for block, key in enumerate(keys):
+        entry = found.get(key)
+        records = []
+        if entry is not None and isinstance(entry.value, dict):
+            for subkey, item in entry.value.items():
+                try:
+                    peer_id = peer_id_of_owner(subkey)
+                except Exception:
+                    continue
+                record = ServerRecord.from_value(peer_id, item.value)
+                if record is not None and record.start <= block < record.end:
+                    records.append(record)
+        servers[block] = records
+    return servers
+
+
+def read_servers(dht: DHT, model: str, num_blocks: int) -> dict[int, list[ServerRecord]]:
+    """Every live announcement, per block."""
+    return dht.run_coroutine(partial(_read, model=model, num_blocks=num_blocks))
+
+
+# --- the adapter's committed step -------------------------------------------------------------------------------
+
+COMMITTED_TTL = 30 * 24 * 3600.0  # the committed step must outlive the trainer and every peer that held it
+
+
+def committed_key(model: str, adapter: str) -> str:
+    return f"swarm:{model}:adapter:{adapter}:committed"
+
+
+@dataclass(frozen=True)
+class CommittedRecord:
+    """What the trainer wrote after its last commit: the step every block of the adapter is at, and the adapter's
+    identity (LoRA config and seed), so that a restarted client knows what to wait for."""
+
+    step: int
+    lora: dict
+    seed: int
+    trainer: str
+    recoveries: list[dict] = field(default_factory=list)  # the last few failures routed around (for the monitor)
+    steps_lost: int = 0  # updates lost so far (every copy of a block died)
+
+    def to_value(self) -> dict:
+        return {
+            "kind": "committed",
+            "step": self.step,
+            "lora": self.lora,
+            "seed": self.seed,
+            "trainer": self.trainer,
+            "recoveries": self.recoveries,
+            "steps_lost": self.steps_lost,
+        }
+
+    @classmethod
+    def from_value(cls, value: object) -> CommittedRecord | None:
+        try:
+            step, lora, seed, trainer = value["step"], value["lora"], value["seed"], value["trainer"]
+        except (TypeError, KeyError):
+            return None
+        valid = isinstance(step, int) and step >= 0 and isinstance(seed, int) and isinstance(lora, dict)
+        if not valid or not isinstance(trainer, str):
+            return None
+        recoveries = value.get("recoveries", [])
+        recoveries = [r for r in recoveries if isinstance(r, dict)] if isinstance(recoveries, list) else []
+        lost = value.get("steps_lost", 0)
+        return cls(step, lora, seed, trainer, recoveries[-RECOVERIES_KEPT:], lost if isinstance(lost, int) else 0)
+
+
+def announce_committed(dht: DHT, model: str, adapter: str, owner: bytes, record: CommittedRecord):
+    """Write the committed step (signed by the trainer); returns a future: a commit does not wait for the DHT."""
+    key, value = committed_key(model, adapter), record.to_value()
+    return dht.store(key, value, get_dht_time() + COMMITTED_TTL, subkey=owner, return_future=True)
+
+
+def read_committed(dht: DHT, model: str, adapter: str) -> CommittedRecord | None:
+    """The newest committed step any trainer of this adapter wrote, or None if none is known to this swarm."""
+    found = dht.get(committed_key(model, adapter), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return None
+    records = [CommittedRecord.from_value(item.value) for item in found.value.values()]
+    return max((r for r in records if r is not None), key=lambda r: r.step, default=None)
+
+
+class RecordSchemaValidator(RecordValidatorBase):
+    """Every swarm record is owned (a signed owner-marker subkey) and has a known shape."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey)
+            value = MSGPackSerializer.loads(record.value)
+            peer_id_of_owner(subkey)
+        except Exception:
+            return False
+        return isinstance(value, dict) and valid_value(value)
+
+    @property
+    def priority(self) -> int:
+        return 0
+
+
+def valid_value(value: dict) -> bool:
+    kind = value.get("kind")
+    if kind == "server":
+        return ServerRecord.from_value(PeerID(b"\x00"), value) is not None
+    if kind == "model":
+        return isinstance(value.get("name"), str) and isinstance(value.get("num_blocks"), int)
+    if kind == "committed":
+        return CommittedRecord.from_value(value) is not None
+    if kind == "lease":
+        return (
+            isinstance(value.get("trainer"), str)
+            and isinstance(value.get("session"), str)
+            and isinstance(value.get("released"), bool)
+        )
+    return False
+
+
+def record_validators(identity: Identity, swarm_key: SwarmKey | None) -> list[RecordValidatorBase]:
+    validators: list[RecordValidatorBase] = [RSASignatureValidator(identity.private_key), RecordSchemaValidator()]
+    if swarm_key is not None:
+        validators.append(SwarmKeyValidator(swarm_key))
+    return validators

@@ -1,0 +1,202 @@
+"""Calling a peer: pick unary or stream, encode, send, decode, and turn refusals into RemoteError."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable
+
+from hivemind import DHT
+from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.utils import as_aiter
+
+from swarm.net import lanes
+from swarm.net.addresses import dial, only_relayed, relay_of
+from swarm.net.errors import ErrorKind, RemoteError
+from swarm.net.protocol import RELAY_TIMEOUT, RELAY_TO, STREAMED_REPLIES
+from swarm.net.records import ServerRecord
+from swarm.net.security import SwarmKey
+from swarm.net.wire import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    Message,
+    PeerDoors,
+    WireError,
+    collect,
+    decode,
+    encode,
+    payload_bytes,
+    raise_if_error,
+)
+
+STREAM_ATTEMPTS = 3
+
+logger = logging.getLogger(__name__)
+
+
+class PeerGoneError(ConnectionError):
+    """The peer's connection closed (its process died, or its machine left the network): not merely slow."""
+
+
+class Transport:
+    """A way to call other peers' doors over hivemind P2P: async inside peers, sync for the client.
+
+    It tells a peer that is gone from one that is only slow or frozen. A process that dies takes its TCP
+    connections with it within milliseconds, while a frozen one keeps them open; so a peer this transport has
+    been connected to and is not any more, or a failed call to a peer that leaves no connection behind, marks the
+    peer gone. Calls to a gone peer fail at once (libp2p would spend ~20 s on a dial and a peer-routing search)
+    until the peer announces itself again (``learn``).
+
+    A peer is dialed at the addresses from its own record (``learn``) before the first call, so reaching it never
+    depends on libp2p's peer routing having found it; a peer behind NAT is reached through its relay.
+    """
+
+    def __init__(self, p2p: P2P, swarm_key: SwarmKey | None = None, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES):
+        self.p2p, self.swarm_key, self.max_payload_bytes = p2p, swarm_key, max_payload_bytes
+        self.seen: set[PeerID] = set()  # peers this transport has had an answer from
+        self.gone: dict[PeerID, float] = {}  # peer -> wall-clock time its connection was found closed
+        self.addresses: dict[PeerID, list[str]] = {}  # peer -> the multiaddrs it announced
+
+    @classmethod
+    def for_dht(cls, dht: DHT, swarm_key: SwarmKey | None = None) -> Transport:
+        """A transport sharing the P2P daemon of a DHT, driven from synchronous code."""
+        return cls(RemoteExpertWorker.run_coroutine(dht.replicate_p2p()), swarm_key)
+
+    def call(self, peer: PeerID, message: Message, timeout: float | None = None) -> Message:
+        """Send ``message`` and wait for the reply; a refusal becomes a RemoteError."""
+        return RemoteExpertWorker.run_coroutine(self.acall(peer, message, timeout))
+
+    async def acall(
+        self, peer: PeerID, message: Message, timeout: float | None = None, direct: bool = False
+    ) -> Message:
+        """Call ``peer``; a peer behind NAT (announced only through relays) is called through one of its relays,
+        unless ``direct`` (what a relay itself does)."""
+        relays = [] if direct else self._relays(peer)
+        if relays:
+            return await self._call_relayed(peer, relays, message, timeout)
+        if peer in self.gone:
+            raise self._mark_gone(peer)
+        if peer in self.seen:
+            if not await self.connected(peer):
+                raise self._mark_gone(peer)
+        elif peer in self.addresses and not await self._dial(peer):
+            raise self._mark_gone(peer)
+        try:
+            reply = await self._send(peer, message, timeout)
+        except (RemoteError, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            if not await self.connected(peer):
+                raise self._mark_gone(peer) from e
+            raise
+        self.seen.add(peer)
+        return reply
+
+    async def _call_relayed(
+        self, peer: PeerID, relays: list[PeerID], message: Message, timeout: float | None
+    ) -> Message:
+        """Hand the request to a relay, which passes it on over the connection the peer keeps to it. (libp2p's own
+        relayed connections are reset after 128 KiB, far less than one request of activations.)"""
+        if peer in self.gone:
+            raise self._mark_gone(peer)
+        wrapped = Message({**message.meta, RELAY_TO: peer.to_base58(), RELAY_TIMEOUT: timeout}, message.tensors)
+        for relay in relays:
+            try:
+                reply = await self.acall(relay, wrapped, timeout, direct=True)
+            except RemoteError as e:
+                if e.kind == ErrorKind.UNREACHABLE:
+                    continue  # this relay lost its connection to the peer
+                raise
+            except PeerGoneError:
+                continue
+            self.seen.add(peer)
+            return reply
+        raise self._mark_gone(peer)
+
+    async def _send(self, peer: PeerID, message: Message, timeout: float | None) -> Message:
+        stub = PeerDoors.get_stub(self.p2p, peer)
+        payload = payload_bytes(message.tensors)
+        if payload > lanes.LANE_BYTES and message.meta.get("method") not in STREAMED_REPLIES:
+            return await asyncio.wait_for(self._send_lanes(stub, message, payload), timeout=timeout)
+        parts = encode(message, self.swarm_key)
+        if len(parts) == 1 and message.meta.get("method") not in STREAMED_REPLIES:
+            reply = await stub.rpc_call(parts[0], timeout=timeout)
+            return raise_if_error(decode([reply]))
+        return raise_if_error(await asyncio.wait_for(self._stream(stub, parts), timeout=timeout))
+
+    async def _send_lanes(self, stub, message: Message, payload: int) -> Message:
+        """A large request as one call per chunk, all at once (see ``swarm.net.lanes``)."""
+        parts = encode(message, self.swarm_key, lanes.chunk_bytes(payload))
+        packed = lanes.pack(parts, max(1, len(parts) - 1), uuid.uuid4().hex)
+        replies = await asyncio.gather(*(stub.rpc_lane(lane) for lane in packed))
+        return raise_if_error(decode(lanes.unpack(list(replies))))
+
+    async def connected(self, peer: PeerID) -> bool:
+        """Whether the P2P daemon holds an open connection to ``peer`` right now."""
+        try:
+            return any(info.peer_id == peer for info in await self.p2p.list_peers())
+        except Exception:
+            return True  # cannot tell: do not declare anyone gone
+
+    async def _dial(self, peer: PeerID) -> bool:
+        try:
+            await dial(self.p2p, peer, self.addresses[peer])
+            return True
+        except Exception as e:
+            logger.debug("could not dial %s at %s: %s", peer, self.addresses[peer], e)
+            return False
+
+    def _relays(self, peer: PeerID) -> list[PeerID]:
+        """The relays a peer announced itself through (none: it is dialed directly); each relay's own address is
+        remembered so that it can be dialed."""
+        maddrs = self.addresses.get(peer, [])
+        if not only_relayed(maddrs):
+            return []
+        relays = []
+        for maddr in maddrs:
+            relay_maddr, relay = relay_of(maddr)
+            self.addresses.setdefault(relay, [relay_maddr])
+            relays.append(relay)
+        return relays
+
+    def _mark_gone(self, peer: PeerID) -> PeerGoneError:
+        self.gone.setdefault(peer, time.time())
+        return PeerGoneError(f"peer {peer} is gone: its connection closed (process stopped or machine offline)")
+
+    def is_gone(self, peer: PeerID) -> bool:
+        return peer in self.gone
+
+    def learn(self, records: Iterable[ServerRecord]) -> None:
+        """Take each peer's addresses from its newest record; peers that announced themselves after they were found
+        gone (restarted, back online) may be called again."""
+        newest: dict[PeerID, ServerRecord] = {}
+        for record in records:
+            if record.peer_id not in newest or record.announced_at > newest[record.peer_id].announced_at:
+                newest[record.peer_id] = record
+        for peer, record in newest.items():
+            if record.maddrs:
+                self.addresses[peer] = record.maddrs
+            gone_at = self.gone.get(peer)
+            if gone_at is not None and record.announced_at > gone_at:
+                del self.gone[peer]
+                self.seen.discard(peer)
+
+    async def _stream(self, stub, parts: list[runtime_pb2.ExpertRequest]) -> Message:
+        """Stream a request and decode the reply. A reply stream that closes early (nothing, or a tensor cut short:
+        seen rarely under load) is asked for again: every streamed method is idempotent."""
+        for attempt in range(1, STREAM_ATTEMPTS + 1):
+            replies: AsyncIterator = await stub.rpc_stream(as_aiter(*parts))
+            reply = await collect(replies, self.max_payload_bytes)
+            try:
+                return decode(reply)
+            except WireError as e:
+                if attempt == STREAM_ATTEMPTS:
+                    raise
+                logger.warning("a streamed reply was cut short (%s); asking again", e)
+        raise AssertionError("unreachable")
+
+    async def shutdown(self) -> None:
+        await self.p2p.shutdown()

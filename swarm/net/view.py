@@ -1,0 +1,109 @@
+"""A peer's view of the swarm: who announces what (DHT records) and who actually answers (``info`` pings).
+
+Records of a dead peer live on until they expire; balancing and takeover decisions count only peers that
+answered a ping in this round, so an orphaned block is noticed within one round, not one record lifetime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from hivemind import DHT
+from hivemind.p2p import PeerID
+
+from swarm.net.protocol import Method, PeerInfo
+from swarm.net.records import ServerRecord, ServerState, read_servers
+from swarm.net.transport import Transport
+from swarm.net.wire import Message
+
+logger = logging.getLogger(__name__)
+
+PING_TIMEOUT = 3.0
+
+
+@dataclass
+class SwarmView:
+    """One round's snapshot: records per block, and the info of every peer that answered."""
+
+    records: dict[int, list[ServerRecord]]
+    alive: dict[PeerID, PeerInfo]
+
+    def _live(self, block: int, states: tuple[ServerState, ...], exclude: PeerID | None) -> list[ServerRecord]:
+        return [
+            r
+            for r in self.records.get(block, [])
+            if r.state in states and r.peer_id != exclude and r.peer_id in self.alive
+        ]
+
+    def online(self, block: int, exclude: PeerID | None = None) -> list[ServerRecord]:
+        return self._live(block, (ServerState.ONLINE,), exclude)
+
+    def coverage(self, exclude: PeerID, joining_before: PeerID | None = None) -> dict[int, int]:
+        """Live servers per block other than ``exclude``; joining peers count too (they will serve soon). With
+        ``joining_before``, only joiners with a smaller id count: two peers that chose the same span at once
+        settle it by id (the larger one chooses again)."""
+        counts = {}
+        for block in self.records:
+            online = len(self.online(block, exclude))
+            joining = self._live(block, (ServerState.JOINING,), exclude)
+            if joining_before is not None:
+                joining = [r for r in joining if r.peer_id.to_bytes() < joining_before.to_bytes()]
+            counts[block] = online + len(joining)
+        return counts
+
+    def throughput(self) -> dict[int, float]:
+        return {block: sum(r.throughput for r in self.online(block)) for block in self.records}
+
+    def holders(self, exclude: PeerID) -> dict[int, int]:
+        """Per block, how many other live peers hold its adapter state (served or standby), for any adapter."""
+        counts: dict[int, int] = {}
+        for peer, info in self.alive.items():
+            if peer == exclude:
+                continue
+            blocks = {b for a in info.adapters.values() for b in (*a.steps, *a.standby)} | set(info.standby_blocks)
+            for block in blocks:
+                counts[block] = counts.get(block, 0) + 1
+        return counts
+
+    def adapters(self) -> dict[str, dict]:
+        """Every adapter some live peer holds, with its config and seed."""
+        return {name: a.meta for info in self.alive.values() for name, a in info.adapters.items()}
+
+    def newest(self, name: str, block: int, exclude: PeerID) -> tuple[int, PeerID] | None:
+        """The newest state of (adapter, block) on another live peer, served or standby, and who holds it."""
+        found = [
+            (step, peer)
+            for peer, info in self.alive.items()
+            if peer != exclude and name in info.adapters and (step := info.adapters[name].step_of(block)) is not None
+        ]
+        return max(found, key=lambda item: item[0]) if found else None
+
+    def trainer_step(self, name: str) -> int | None:
+        """The adapter's newest committed step on any live server: what its trainer is at."""
+        steps = [s for info in self.alive.values() if name in info.adapters for s in info.adapters[name].steps.values()]
+        return max(steps) if steps else None
+
+    def watchers(self, blocks: list[int]) -> list[PeerID]:
+        """Live peers keeping standby copies of any of ``blocks``."""
+        return [peer for peer, info in self.alive.items() if set(info.standby_blocks) & set(blocks)]
+
+
+async def observe(dht: DHT, transport: Transport, model: str, num_blocks: int, me: PeerID) -> SwarmView:
+    """Read the records, then ping every peer they name (except ``me``) at once."""
+    records = await asyncio.to_thread(read_servers, dht, model, num_blocks)
+    transport.learn(r for block_records in records.values() for r in block_records)
+    peers = {r.peer_id for block_records in records.values() for r in block_records if r.peer_id != me}
+
+    async def ping(peer: PeerID) -> PeerInfo | None:
+        try:
+            reply = await transport.acall(peer, Message({"method": Method.INFO}, []), timeout=PING_TIMEOUT)
+            return PeerInfo.from_meta(reply.meta)
+        except Exception as e:
+            logger.debug("peer %s did not answer: %s", peer, e)
+            return None
+
+    answers = await asyncio.gather(*(ping(peer) for peer in peers))
+    alive = {peer: info for peer, info in zip(peers, answers, strict=True) if info is not None}
+    return SwarmView(records=records, alive=alive)

@@ -1,0 +1,131 @@
+"""``swarm status``: what a swarm serves, block by block, from its records and its live peers' answers.
+
+The observation (``Observer``) and the health state (swarm/health.py) are shared with ``swarm monitor``; this module
+only turns them into a text table."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from hivemind import DHT
+from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+from hivemind.p2p import PeerID
+
+from swarm.net.network import check_access, join_dht
+from swarm.net.records import CommittedRecord, read_committed, read_models
+from swarm.net.security import Identity, SwarmKey
+from swarm.net.transport import Transport
+from swarm.net.view import SwarmView, observe
+from swarm.ops.health import ModelHealth, build, short
+
+logger = logging.getLogger(__name__)
+
+ME = PeerID(b"status")
+NO_MODEL = "no model is served in this swarm (yet): start peers with `swarm peer --model ...`"
+
+
+def render(model: str, num_blocks: int, view: SwarmView, replication: int) -> str:
+    """A table: one row per block with its servers (state, relayed or not, span, throughput, adapter steps), the
+    replication level, the peers keeping standby copies, how many peers hold each adapter's newest step, and
+    UNCOVERED where no live peer serves it."""
+    return render_health(build(model, num_blocks, view, replication))
+
+
+def render_health(health: ModelHealth) -> str:
+    rows = [f"model {health.model}: {health.num_blocks} blocks, target replication {health.replication}"]
+    rows.append(f"{'block':>5}  {'repl':>4}  servers / standby copies / copies of each adapter's newest step")
+    uncovered = []
+    for block in health.blocks:
+        servers = []
+        for s in block.servers:
+            steps = " ".join(f"{name}@{step}" for name, step in s.steps.items())
+            servers.append(
+                f"{short(s.peer)} {s.state}{' relayed' if s.relayed else ''} {s.start}:{s.end} "
+                f"{s.throughput:.0f} tok/s" + (f" [{steps}]" if steps else "")
+            )
+        if not block.online:
+            uncovered.append(block.block)
+        mark = "" if block.online else "  UNCOVERED"
+        low = "" if block.online >= health.replication or not block.online else "  (under-replicated)"
+        rows.append(f"{block.block:>5}  {block.online:>4}  " + ("; ".join(servers) or "-") + mark + low)
+        if block.standby:
+            standby = [
+                f"{short(peer)} [{' '.join(f'{n}@{step}' for n, step in held.items())}]"
+                for peer, held in block.standby.items()
+            ]
+            rows.append(f"{'':>5}  {'':>4}  standby: " + "; ".join(standby))
+        if block.copies:
+            text = "; ".join(f"{name}@{c.step}: {c.count}" for name, c in block.copies.items())
+            single = any(c.count < 2 for c in block.copies.values())
+            rows.append(f"{'':>5}  {'':>4}  copies: {text}" + ("  (one failure would lose it)" if single else ""))
+    if uncovered:
+        rows.append(f"UNCOVERED blocks {uncovered}: start `swarm peer` serving them (or wait for a takeover)")
+    return "\n".join(rows)
+
+
+@dataclass
+class Observation:
+    """One model as seen in one round."""
+
+    model: str
+    num_blocks: int
+    view: SwarmView
+    committed: dict[str, CommittedRecord]
+
+
+class Observer:
+    """A client-mode member of the swarm that looks at it: joins once (checking the key), then observes on demand."""
+
+    def __init__(self, initial_peers: list[str], swarm_key: SwarmKey | None):
+        self.dht: DHT = join_dht(initial_peers, Identity.load_or_create(None), swarm_key, client_mode=True)
+        self.transport = Transport.for_dht(self.dht, swarm_key)
+        try:
+            RemoteExpertWorker.run_coroutine(check_access(self.transport, initial_peers))
+        except Exception:
+            self.close()
+            raise
+
+    def models(self, only: str | None = None) -> dict[str, int]:
+        """Models announced in the swarm (or just ``only``) and their number of blocks."""
+        models = read_models(self.dht)
+        return models if only is None else {only: models[only]} if only in models else {}
+
+    def observe(self, model: str, num_blocks: int, committed: bool = True) -> Observation:
+        """The records and live peers of ``model``; with ``committed``, also each adapter's committed record."""
+        view = RemoteExpertWorker.run_coroutine(observe(self.dht, self.transport, model, num_blocks, ME))
+        records = {}
+        if committed:
+            for name in sorted(view.adapters()):
+                record = read_committed(self.dht, model, name)
+                if record is not None:
+                    records[name] = record
+        return Observation(model, num_blocks, view, records)
+
+    def close(self) -> None:
+        try:
+            RemoteExpertWorker.run_coroutine(self.transport.shutdown())
+        finally:
+            self.dht.shutdown()
+
+
+def status(initial_peers: list[str], swarm_key: SwarmKey | None, model: str | None, replication: int) -> str:
+    """Join as a client, find the models announced (or the one named), and render each."""
+    observer = Observer(initial_peers, swarm_key)
+    try:
+        models = observer.models(model)
+        if not models:
+            return NO_MODEL if model is None else no_such_model(model, observer.models())
+        tables = []
+        for name, num_blocks in sorted(models.items()):
+            seen = observer.observe(name, num_blocks, committed=False)
+            tables.append(render(name, num_blocks, seen.view, replication))
+        return "\n\n".join(tables)
+    finally:
+        observer.close()
+
+
+def no_such_model(model: str, served: dict[str, int]) -> str:
+    if not served:
+        return NO_MODEL
+    return f"nobody serves model {model!r} in this swarm; served: {', '.join(sorted(served))} (check --model)"

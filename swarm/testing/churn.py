@@ -1,0 +1,255 @@
+"""Churn, measured: a loopback swarm trains for a fixed time while a seeded chaos driver crashes, freezes, stops,
+restarts and adds peers, side by side with a run of the same length without churn.
+
+Each run starts its own bootstrap node and ``--peers`` peers (replication 2, each with a checkpoint dir and an
+identity, choosing their spans as users' peers do); a client connects at once and trains a tiny Llama (or
+``--model DIR``) with LoRA. Chaos events come at exponential intervals of mean ``--interval`` seconds: SIGKILL,
+SIGSTOP then SIGCONT or SIGKILL, SIGTERM, two SIGKILLs at once, a new peer joining. Most strikes are aimed at a
+phase: the peer the client calls with a forward, backward or commit, a peer pulling the standby copy the client
+asked for, a peer applying a commit and writing its checkpoint, or a peer starting a move. Stricken peers restart
+2 s later from their checkpoint dir. Printed per run: committed steps per minute (and the ratio to the run without
+churn), steps lost (and whether a loss had an excuse: two holders of a block down at once), the longest pauses
+between commits, moves and takeovers, checkpoint writes the strikes tore, and whether the final adapter equals
+local peft trained on the same batches.
+
+The runs and their table; ``scripts/bench_churn.py`` is the command, ``tests/e2e/test_churn.py`` runs it short.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import peft
+import torch
+from safetensors.torch import load_file
+from tqdm.auto import tqdm
+
+import swarm
+from swarm.testing.chaos import ChaosDriver, ChaosPeers, ChurnStats, chaos_schedule, count_moves
+from swarm.testing.localswarm import LocalSwarm
+
+logger = logging.getLogger(__name__)
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "up_proj"])
+HPARAMS = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+MICRO_BATCHES, SEED = 2, 11
+PEER_FLAGS = ["--replication", "2", "--balance-interval", "2"]
+
+
+def batches_for_step(step: int, vocab: int) -> list[dict[str, torch.Tensor]]:
+    """The data of step ``step``, from the step alone: a step redone after a loss trains on the same batches."""
+    g = torch.Generator().manual_seed(5000 + step)
+    ids = [torch.randint(0, vocab, (2, 16), generator=g) for _ in range(MICRO_BATCHES)]
+    return [dict(input_ids=i, attention_mask=torch.ones_like(i), labels=i) for i in ids]
+
+
+@dataclass
+class ChurnRun:
+    """What one run measured."""
+
+    seconds: float
+    steps: int
+    commit_times: list[float] = field(default_factory=list)
+    steps_lost: int = 0
+    lost_reports: list[str] = field(default_factory=list)
+    recoveries: int = 0
+    chaos: ChurnStats | None = None
+    moves: int = 0
+    takeovers: int = 0
+    torn_writes: int = 0
+    max_abs_diff: float | None = None
+    error: str | None = None
+
+    @property
+    def steps_per_minute(self) -> float:
+        return 60.0 * self.steps / max(self.seconds, 1e-9)
+
+    @property
+    def longest_pauses(self) -> list[float]:
+        """The three longest waits between two commits (the first from the start), longest first."""
+        times = [0.0, *self.commit_times]
+        return sorted((b - a for a, b in zip(times, times[1:], strict=False)), reverse=True)[:3] or [self.seconds]
+
+    @property
+    def parity(self) -> bool:
+        """Equal to local peft (only expected when no step was lost: a lost step is an update some blocks missed)."""
+        return self.max_abs_diff is not None and self.max_abs_diff <= 1e-4
+
+    @property
+    def excused(self) -> bool:
+        """Whether two holders of one block were down at once (the only failure a step may be lost to)."""
+        return bool(self.chaos and self.chaos.shared_outages())
+
+
+def run_churn(
+    model_dir: Path,
+    workdir: Path,
+    seconds: float,
+    interval: float | None,
+    seed: int = 0,
+    peers: int = 5,
+    span: int = 2,
+) -> ChurnRun:
+    """Train for ``seconds`` under chaos at mean ``interval`` (None: no chaos); compare with local peft."""
+    vocab = _vocab(model_dir)
+    names = [f"peer{i}" for i in range(peers)]
+    with LocalSwarm(workdir / "logs") as local, contextlib.ExitStack() as closing:
+        closing.enter_context(_client_log(workdir / "logs" / "client.log"))
+        local.start_dht()
+        fleet = ChaosPeers(local, model_dir, [*PEER_FLAGS, "--num-blocks", str(span)], workdir / "peers")
+        for name in names:
+            fleet.start(name)
+        schedule = chaos_schedule(seed, seconds, interval, names) if interval else []
+        driver = ChaosDriver(fleet, schedule, target_size=peers)
+        closing.callback(driver.close)  # runs last: after the peers it restarted are stopped
+        closing.callback(local.close)
+        model = swarm.SwarmModelForCausalLM.from_pretrained(
+            model_dir,
+            initial_peers=local.initial_peers,
+            adapter=f"churn-{seed}",
+            lora_config=peft.LoraConfig(**LORA),
+            seed=SEED,
+        )
+        run = ChurnRun(seconds=0.0, steps=0)
+        try:
+            model.save_adapter(workdir / "initial")
+            _hook(model, driver)
+            driver.start()
+            started = time.monotonic()
+            try:
+                _train(model, vocab, started + seconds, run, started)
+            finally:
+                run.seconds = time.monotonic() - started
+                driver.stop()
+                run.steps = model.step
+                run.steps_lost = sum(e.steps for e in model.steps_lost)
+                run.lost_reports = [str(e) for e in model.steps_lost]
+                run.recoveries = len(model.recoveries)
+            model.save_adapter(workdir / "final")
+        except Exception:
+            run.error = traceback.format_exc()
+        finally:
+            model.shutdown()
+        run.chaos = driver.stats
+        run.moves, run.takeovers, run.torn_writes = count_moves(fleet.logs())
+    if run.error is None:
+        run.max_abs_diff = _diff_to_local(model_dir, workdir, run.steps, vocab)
+    return run
+
+
+@contextlib.contextmanager
+def _client_log(path: Path):
+    """The client's and the chaos driver's log lines (INFO and up) in ``path``, beside the peers' logs, so that a
+    pause or a loss can be read back: which peer was struck when, and what the client did about it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    loggers = [logging.getLogger("swarm"), logging.getLogger("peers")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.addHandler(handler)
+        log.setLevel(min(log.getEffectiveLevel(), logging.INFO))
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels, strict=True):
+            log.removeHandler(handler)
+            log.setLevel(level)
+        handler.close()
+
+
+def _vocab(model_dir: Path) -> int:
+    import transformers
+
+    return transformers.AutoConfig.from_pretrained(model_dir).vocab_size
+
+
+def _hook(model: swarm.SwarmModelForCausalLM, driver: ChaosDriver) -> None:
+    """Let phase-aimed strikes see each request the client is about to send."""
+    original = model.stack.call
+
+    def call(peer, meta, tensors, *args, **kwargs):
+        driver.on_request(meta["method"], peer.to_base58())
+        return original(peer, meta, tensors, *args, **kwargs)
+
+    model.stack.call = call
+
+
+def _train(model: swarm.SwarmModelForCausalLM, vocab: int, deadline: float, run: ChurnRun, started: float) -> None:
+    optimizer = swarm.RemoteOptimizer(model, **HPARAMS)
+    with tqdm(desc="steps", unit="step", leave=False) as bar:
+        while time.monotonic() < deadline:
+            for batch in batches_for_step(model.step, vocab):
+                (model(**batch).loss / MICRO_BATCHES).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            run.commit_times.append(time.monotonic() - started)
+            bar.update(1)
+
+
+def _diff_to_local(model_dir: Path, workdir: Path, steps: int, vocab: int) -> float:
+    """Largest absolute difference between the swarm's adapter and local peft trained on the same batches."""
+
+    # One thread: a second one spin-waits for a core the swarm's processes (or anything else) may hold, which slowed
+    # hundreds of tiny steps 30-fold.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train_locally(model_dir, workdir, steps, vocab)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_locally(model_dir: Path, workdir: Path, steps: int, vocab: int) -> float:
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    local = peft.PeftModel.from_pretrained(base, workdir / "initial", is_trainable=True)
+    optimizer = torch.optim.AdamW([p for p in local.parameters() if p.requires_grad], **HPARAMS)
+    for step in range(steps):
+        for batch in batches_for_step(step, vocab):
+            (local(**batch).loss / MICRO_BATCHES).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    local.save_pretrained(workdir / "reference")
+    ours = load_file(workdir / "final" / "adapter_model.safetensors")
+    reference = load_file(workdir / "reference" / "adapter_model.safetensors")
+    if ours.keys() != reference.keys():
+        return float("inf")
+    return max((ours[k] - reference[k]).abs().max().item() for k in ours)
+
+
+def report(runs: dict[str, ChurnRun]) -> str:
+    """The side-by-side table: one column per run."""
+    base = runs.get("no churn")
+    rows = {
+        "minutes": lambda r: f"{r.seconds / 60:.1f}",
+        "committed steps": lambda r: str(r.steps),
+        "steps / minute": lambda r: f"{r.steps_per_minute:.1f}",
+        "ratio to no churn": lambda r: f"{r.steps_per_minute / base.steps_per_minute:.2f}" if base else "-",
+        "chaos events": lambda r: str(sum(r.chaos.applied.values())) if r.chaos else "0",
+        "steps lost (reported)": lambda r: str(r.steps_lost),
+        "unreported loss": lambda r: "none" if r.parity or r.steps_lost or r.error else "YES: differs from local",
+        "2 holders down at once": lambda r: str(len(r.chaos.shared_outages())) if r.chaos else "0",
+        "longest pauses (s)": lambda r: ", ".join(f"{p:.1f}" for p in r.longest_pauses),
+        "client recoveries": lambda r: str(r.recoveries),
+        "moves / takeovers": lambda r: f"{r.moves} / {r.takeovers}",
+        "torn checkpoint writes": lambda r: str(r.torn_writes),
+        "max |swarm - local peft|": lambda r: f"{r.max_abs_diff:.2e}" if r.max_abs_diff is not None else "-",
+        "equals local peft": lambda r: "yes" if r.parity else "NO",
+        "training loop error": lambda r: "none" if r.error is None else r.error.strip().splitlines()[-1][:60],
+    }
+    width = max(len(k) for k in rows) + 2
+    lines = ["".ljust(width) + "".join(name.rjust(24) for name in runs)]
+    for label, cell in rows.items():
+        lines.append(label.ljust(width) + "".join(cell(r).rjust(24) for r in runs.values()))
+    for name, run in runs.items():
+        if run.chaos:
+            lines.append(f"{name}: events {dict(sorted(run.chaos.applied.items()))}")
+    return "\n".join(lines)
+
+

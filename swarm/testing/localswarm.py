@@ -1,0 +1,202 @@
+"""A swarm of real processes on 127.0.0.1 (bootstrap DHT + peer daemons), for the demo, tests and benchmarks."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGKILL if the process that started us dies (Linux), so no swarm outlives its owner. Linux
+    sends it when the starting *thread* ends: start processes from threads that outlive them."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class LocalSwarmError(RuntimeError):
+    """A local process did not start; the message carries the tail of its log."""
+
+
+@dataclass
+class Process:
+    """A child process with its log file."""
+
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def tail(self, lines: int = 40) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_for_line(self, needle: str, timeout: float) -> str:
+        """Block until the log has a line containing ``needle``; raise with the log tail if it dies or times out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.log.read_text(errors="replace") if self.log.exists() else ""
+            for line in text.splitlines():
+                if needle in line:
+                    return line
+            if self.popen.poll() is not None:
+                raise LocalSwarmError(f"{self.name} exited with {self.popen.returncode}:\n{self.tail()}")
+            time.sleep(0.1)
+        raise LocalSwarmError(f"{self.name} did not print {needle!r} within {timeout:.0f}s:\n{self.tail()}")
+
+    def signal(self, sig: int) -> None:
+        """SIGKILL, SIGSTOP and SIGCONT hit the whole process group (the daemon, its DHT process and their p2pd),
+        like a machine failing or freezing; other signals go to the daemon itself, which shuts its children down."""
+        if self.popen.poll() is None:
+            if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCONT):
+                os.killpg(self.pid, sig)
+            else:
+                os.kill(self.pid, sig)
+
+    @property
+    def peer_id(self) -> str:
+        """The peer id a daemon printed once serving (``... serving blocks S:E of MODEL as PEER_ID``)."""
+        return self.wait_for_line("serving blocks", timeout=0.1).rsplit(" as ", 1)[1].strip()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL to the whole group (a frozen process is thawed first so it can die)."""
+        if self.popen.poll() is None:
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.pid, signal.SIGKILL)  # whatever is left of the group, p2pd included
+        except ProcessLookupError:
+            pass
+        self.popen.wait(timeout)
+
+
+@dataclass
+class LocalSwarm:
+    """Starts and owns processes; ``close()`` kills every one of them by PID."""
+
+    workdir: Path
+    processes: list[Process] = field(default_factory=list)
+    initial_peers: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def _spawn(
+        self, name: str, args: list[str], launcher: list[str] | None = None, prefix: list[str] | None = None
+    ) -> Process:
+        """Start ``swarm ARGS`` (or ``launcher ARGS``), after ``prefix`` if given (``ip netns exec NS``: the process
+        keeps its PID, so it is still killed by PID)."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = self.workdir / f"{name}.log"
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+            **self.env,
+        }
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(
+                [*(prefix or []), *(launcher or [sys.executable, "-m", "swarm"]), *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        process = Process(name, popen, log)
+        self.processes.append(process)
+        return process
+
+    def start_dht(
+        self,
+        extra: list[str] | None = None,
+        timeout: float = 60.0,
+        host: str = "127.0.0.1",
+        prefix: list[str] | None = None,
+    ) -> Process:
+        dht = self._spawn("dht", ["dht", "--host", host, *(extra or [])], prefix=prefix)
+        dht.wait_for_line("/ip4/", timeout)
+        wanted = "/ip4/" if host == "0.0.0.0" else f"/ip4/{host}/"
+        self.initial_peers = [ln for ln in dht.log.read_text().splitlines() if ln.startswith(wanted)]
+        return dht
+
+    def start_monitor(self, port: int = 0, refresh: float = 2.0, timeout: float = 60.0) -> tuple[Process, str]:
+        """``swarm monitor`` on 127.0.0.1 (``port`` 0: any free one); returns it and the page's URL (no trailing
+        slash)."""
+        monitor = self._spawn(
+            "monitor",
+            ["monitor", "--initial-peers", *self.initial_peers, "--port", str(port), "--refresh", str(refresh)],
+        )
+        line = monitor.wait_for_line("swarm monitor on ", timeout)
+        return monitor, line.split(" on ", 1)[1].split()[0].rstrip("/")
+
+    def start_peer(
+        self,
+        model: str | Path,
+        blocks: str | None,
+        name: str | None = None,
+        extra: list[str] | None = None,
+        wait: bool = True,
+        timeout: float = 120.0,
+        launcher: list[str] | None = None,
+        host: str = "127.0.0.1",
+        prefix: list[str] | None = None,
+    ) -> Process:
+        """Start ``swarm peer`` on 127.0.0.1 serving ``blocks`` (START:END, or None: the peer chooses); by default
+        wait until it serves.
+
+        ``launcher`` replaces ``python -m swarm`` (a test can start a patched peer this way); ``prefix`` runs it
+        elsewhere (``ip netns exec NS``), listening on ``host``."""
+        name = name or f"peer{len(self.processes)}"
+        args = [
+            "peer",
+            "--model",
+            str(model),
+            *(["--blocks", blocks] if blocks else []),
+            "--host",
+            host,
+            "--initial-peers",
+            *self.initial_peers,
+            *(extra or []),
+        ]
+        peer = self._spawn(name, args, launcher, prefix)
+        if wait:
+            peer.wait_for_line("serving blocks", timeout)
+        return peer
+
+    def start_peers(
+        self, model: str | Path, spans: dict[str, str | None], extra: list[str] | None = None, timeout: float = 300.0
+    ) -> dict[str, Process]:
+        """Start one peer per name -> START:END (None: it chooses) at once; return when all serve."""
+        peers = {name: self.start_peer(model, span, name=name, extra=extra, wait=False) for name, span in spans.items()}
+        for peer in peers.values():
+            peer.wait_for_line("serving blocks", timeout)
+        return peers
+
+    def close(self) -> None:
+        for process in reversed(self.processes):
+            try:
+                process.stop()
+            except Exception:
+                logger.exception("could not stop %s (pid %d)", process.name, process.pid)
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

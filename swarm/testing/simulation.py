@@ -1,0 +1,562 @@
+"""A thousand peers, simulated: the real balancer, span choice and router against a simulated DHT and clock.
+
+    .venv/bin/python scripts/simulate_swarm.py          # 100 and 1000 peers, 6 simulated hours, seed 0
+
+(this module is the simulation; the script prints its table and draws its figures)
+
+Real (imported, not copied): a new peer picks its span with ``choose_span``; every settled peer runs a balance round
+every ~5 s and calls ``next_move`` on what ``settled_spans`` makes of the records, as ``PeerDaemon._balance_round``
+does; a move hands its old blocks over only if ``safe_to_drop`` lets it, as ``PeerDaemon._move`` does; pipelines come
+from ``Router.route()``; the records are ``ServerRecord``s in a ``SwarmView``.
+
+Simulated: the DHT (every record is seen by every peer at once: no propagation delay, no expiry), the clock, and the
+peers: a capacity in blocks (1-8, so that 100 peers hold ~3.5 copies of an 80-block model, near the 2 the balancer
+keeps), a speed, loading (``--load-s`` per new block), churn (exponential lifetimes with a mean of ``--lifetime-h``,
+Poisson arrivals at the rate that keeps the population stable, and ``--bursts`` bursts in which 10-20 % of the peers
+leave at once). A departure is a crash: pings drop the peer at once, with no handover. A peer's rounds are ``5 s x
+U(0.5, 1.5)`` apart, the factor drawn once per peer (the daemon draws it every round). A new peer chooses once (the
+daemon looks again after announcing; here no two peers choose at the same instant).
+
+Figures (after the first 15 min, the cold start; PNGs in ``--out``):
+- coverage: blocks with an online server (all the time, and all the time the peers' capacity covers the model);
+  replication: online servers per block (least served block, mean).
+- recovery after a burst: time from the burst until every block has an online server again, and until every block
+  has ``--replication`` of them; 0 when the burst broke neither.
+- moves and aborted moves (refused by ``safe_to_drop`` after loading) per hour; the most moves in one epoch (the time
+  between two membership changes: an arrival, a peer coming online, a departure).
+- a pipeline's throughput: the least over its hops of the hop's speed (a peer's tokens/s through one block divided by
+  the hop's blocks): tokens/s of a steady stream of micro-batches through the chain. routed: the mean over routes
+  drawn by ``Router.route()``; best: the widest chain over all chains. ideal: the summed per-block speed of all online
+  peers over the number of blocks, what every block would get if compute were spread evenly; capacity: the least over
+  blocks of its servers' summed span throughput. capacity / ideal tells how evenly spans spread compute (1: perfect).
+
+Invariants (the exit status is 1 if one fails): no oscillation (a peer choosing to move back to a span it chose to
+leave in the same epoch); at most one move per peer of the population in an epoch; no stall (a block without a server
+while every peer is settled, their capacity covers the model, and every round says stay); and the stall search:
+random placements of heterogeneous spans, played in rounds of ``next_move``, all reach full coverage, with no move that
+uncovers a block or raises the badness, and then stop moving.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from hivemind.p2p import PeerID
+from tqdm import tqdm
+
+from peers.balancer import badness, choose_span, next_move, safe_to_drop
+from peers.daemon import _others, settled_spans
+from swarm.client.routing import NoRouteError, Router
+from swarm.net.protocol import PeerInfo
+from swarm.net.records import ServerRecord, ServerState
+from swarm.net.view import SwarmView
+
+logger = logging.getLogger(__name__)
+
+MODEL = "simulated-80"
+CAPACITIES = (1, 2, 3, 4, 6, 8)  # blocks a peer can hold, and how common each is: 3.1 on average
+CAPACITY_WEIGHTS = (0.15, 0.3, 0.25, 0.15, 0.1, 0.05)
+SPEED_PER_CAPACITY = 250.0  # median tokens/s through one block, per block of capacity: bigger GPUs are faster
+STATE_S = 2.0  # taking the adapter state of a span from a replica
+HANDOFF_S = 1.5  # announcing the move and looking again before handing blocks over (PeerDaemon._move)
+WARMUP_S = 900.0  # the cold start, left out of the summary
+
+
+@dataclass
+class SimConfig:
+    """One run: the target population, how long, and the swarm's and peers' parameters (times in seconds)."""
+
+    peers: int = 100
+    hours: float = 6.0
+    seed: int = 0
+    num_blocks: int = 80
+    replication: int = 2
+    lifetime_h: float = 1.0
+    bursts: int = 4
+    round_s: float = 5.0
+    load_s: float = 10.0
+    sample_s: float = 10.0
+    route_s: float = 300.0
+    routes: int = 16  # routes drawn per throughput sample
+    # call next_move in every round of every peer; by default rounds whose answer is known to be "stay" are skipped
+    exact: bool = False
+
+
+@dataclass
+class Peer:
+    """A simulated peer daemon: its capacity and speed, what it serves, and where it is going."""
+
+    peer_id: PeerID
+    capacity: int
+    speed: float  # tokens/s through one block
+    interval: float  # seconds between balance rounds
+    phase: float
+    serving: range = range(0)
+    joining: range | None = None
+    moving_to: range | None = None
+    decided: int = -1  # the state version at which its last round chose to stay
+    round_pending: bool = False
+    asleep: bool = False  # its rounds stopped while every block had its replicas; woken when one lacks them
+    left: dict[range, int] = field(default_factory=dict)  # spans it chose to leave -> the membership epoch then
+
+    @property
+    def name(self) -> str:
+        return self.peer_id.to_base58()
+
+    @property
+    def settled(self) -> bool:
+        return bool(self.serving) and self.joining is None
+
+    def records(self) -> list[tuple[ServerRecord, list[int]]]:
+        """What it announces, and under which blocks, as PeerDaemon._records: online on its span, joining on the
+        blocks it is loading."""
+        found = []
+        if self.serving:
+            start, stop, tput = self.serving.start, self.serving.stop, self.speed / len(self.serving)
+            online = ServerRecord(self.peer_id, ServerState.ONLINE, start, stop, tput, moving_to=self.moving_to)
+            found.append((online, list(self.serving)))
+        if self.joining:
+            joining = ServerRecord(self.peer_id, ServerState.JOINING, self.joining.start, self.joining.stop, 0.0)
+            found.append((joining, [b for b in self.joining if b not in self.serving]))
+        return found
+
+
+@dataclass
+class Burst:
+    """Peers leaving at once, and when the swarm was whole again."""
+
+    at: float
+    left: int
+    worst_uncovered: int = 0
+    covered_at: float | None = None
+    replicated_at: float | None = None
+
+
+class Sample(NamedTuple):
+    at: float
+    peers: int
+    uncovered: int  # blocks without an online server
+    thin: int  # blocks with fewer than R online servers
+    least: int  # online servers of the least served block
+    mean: float  # online servers per block
+    capacity: int  # blocks the peers present can hold in all
+
+
+class Throughput(NamedTuple):
+    at: float
+    routed: float
+    best: float
+    capacity: float
+    ideal: float
+
+
+@dataclass
+class Stats:
+    samples: list[Sample] = field(default_factory=list)
+    throughput: list[Throughput] = field(default_factory=list)
+    moves: list[tuple[float, str, range, range]] = field(default_factory=list)
+    aborted: int = 0
+    arrivals: int = 0
+    departures: int = 0
+    decisions: int = 0
+    decision_s: float = 0.0
+    bursts: list[Burst] = field(default_factory=list)
+    moves_per_epoch: dict[int, int] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+
+class _NoTransport:
+    """The router asks the transport whether a peer's process is gone; in the simulation departed peers have no
+    records, so none is."""
+
+    def is_gone(self, peer: PeerID) -> bool:
+        return False
+
+    def learn(self, records: object) -> None:
+        pass
+
+
+class Simulation:
+    """An event loop over simulated time; every change of a peer's records goes through `_update`."""
+
+    def __init__(self, config: SimConfig):
+        self.config = config
+        self.rng = random.Random(config.seed)
+        self.now = 0.0
+        self.events: list[tuple[float, int, Callable, tuple]] = []
+        self.order = itertools.count()
+        self.peers: dict[str, Peer] = {}
+        self.alive: dict[PeerID, PeerInfo] = {}
+        self.version = 0  # bumped by any change of records
+        self.epoch = 0  # bumped by membership changes: arrivals, peers coming online, departures
+        n = config.num_blocks
+        self.coverage = [0] * n  # online + joining servers per block: what a new peer counts (SwarmView.coverage)
+        self.planned = [0] * n  # servers per block, moving peers counted where they go: what the balancer counts
+        self.online = [0] * n  # online servers per block: what clients can use
+        self.throughput = [0.0] * n  # summed span throughput of the online servers per block
+        self._view: tuple[int, SwarmView, tuple[dict[str, range], dict[int, int]]] | None = None
+        self.router = Router(None, _NoTransport(), MODEL, n, seed=config.seed)
+        self.stats = Stats()
+
+    # --- the event loop ---------------------------------------------------------------------------------------
+
+    def at(self, when: float, action: Callable, *args) -> None:
+        heapq.heappush(self.events, (when, next(self.order), action, args))
+
+    def run(self, progress: bool = False) -> Stats:
+        config = self.config
+        end = config.hours * 3600.0
+        for _ in range(config.peers):
+            self.at(self.rng.uniform(0.0, 60.0), self._arrive, False)
+        self.at(self.rng.expovariate(self._arrival_rate()), self._arrive, True)
+        for k in range(config.bursts):
+            self.at(WARMUP_S + (end - WARMUP_S) * (k + 0.5) / config.bursts, self._burst)
+        self.at(0.0, self._sample)
+        self.at(WARMUP_S, self._sample_throughput)
+        bar = tqdm(total=int(end), unit="sim s", disable=not progress, leave=False, mininterval=1.0)
+        while self.events and self.events[0][0] <= end:
+            when, _, action, args = heapq.heappop(self.events)
+            bar.update(int(when) - bar.n)
+            self.now = when
+            action(*args)
+        bar.close()
+        self._check_epochs()
+        return self.stats
+
+    # --- the swarm's state ------------------------------------------------------------------------------------
+
+    def _count(self, peer: Peer, sign: int) -> None:
+        for b in peer.serving:
+            self.online[b] += sign
+            self.coverage[b] += sign
+            self.throughput[b] += sign * peer.speed / len(peer.serving)
+        for b in peer.joining or ():
+            if b not in peer.serving:
+                self.coverage[b] += sign
+        for b in peer.serving if peer.joining is None else peer.joining:
+            self.planned[b] += sign
+
+    def _update(self, peer: Peer, **changes) -> None:
+        self._count(peer, -1)
+        for name, value in changes.items():
+            setattr(peer, name, value)
+        self._count(peer, +1)
+        self._changed()
+
+    def _changed(self) -> None:
+        self.version += 1
+        if not self._clean():
+            for peer in self.peers.values():
+                if peer.asleep:
+                    peer.asleep = False
+                    self._schedule_round(peer)
+        self._track_bursts()
+
+    def _track_bursts(self) -> None:
+        holes, least = self.online.count(0), min(self.online)
+        for burst in self.stats.bursts:
+            if burst.covered_at is None:
+                burst.worst_uncovered = max(burst.worst_uncovered, holes)
+                burst.covered_at = self.now if holes == 0 else None
+            if burst.replicated_at is None and least >= self.config.replication:
+                burst.replicated_at = self.now
+
+    def _clean(self) -> bool:
+        """Every block has its replicas: no round can move (no peer holds more than its capacity)."""
+        return badness(self.planned, self.config.replication) == (0, 0)
+
+    def view(self) -> SwarmView:
+        return self._snapshot()[0]
+
+    def _snapshot(self) -> tuple[SwarmView, tuple[dict[str, range], dict[int, int]]]:
+        """The records every peer reads this instant, and what settled_spans makes of them (cached per version)."""
+        if self._view is None or self._view[0] != self.version:
+            records: dict[int, list[ServerRecord]] = {b: [] for b in range(self.config.num_blocks)}
+            for peer in self.peers.values():
+                for record, blocks in peer.records():
+                    for b in blocks:
+                        records[b].append(record)
+            view = SwarmView(records, self.alive)
+            self._view = (self.version, view, settled_spans(view, self.config.num_blocks))
+        return self._view[1], self._view[2]
+
+    # --- peers come and go ------------------------------------------------------------------------------------
+
+    def _arrival_rate(self) -> float:
+        return self.config.peers / (self.config.lifetime_h * 3600.0)
+
+    def _new_peer(self) -> Peer:
+        rng, config = self.rng, self.config
+        capacity = min(rng.choices(CAPACITIES, CAPACITY_WEIGHTS)[0], config.num_blocks)
+        speed = SPEED_PER_CAPACITY * capacity * rng.lognormvariate(0.0, 0.3)
+        interval = config.round_s * rng.uniform(0.5, 1.5)
+        return Peer(PeerID(rng.randbytes(32)), capacity, speed, interval, rng.uniform(0.0, interval))
+
+    def _arrive(self, poisson: bool) -> None:
+        config = self.config
+        if poisson:
+            self.at(self.now + self.rng.expovariate(self._arrival_rate()), self._arrive, True)
+        peer = self._new_peer()
+        coverage = dict(enumerate(self.coverage))
+        span = choose_span(
+            coverage, config.num_blocks, peer.capacity, config.replication, dict(enumerate(self.throughput)), self.rng
+        )
+        self.peers[peer.name] = peer
+        self.alive[peer.peer_id] = PeerInfo(MODEL, span.start, span.stop, ServerState.JOINING.value, 0.0, {}, [])
+        self.stats.arrivals += 1
+        self.epoch += 1
+        self._update(peer, joining=span)
+        self.at(self.now + len(span) * config.load_s + STATE_S, self._come_online, peer)
+        self.at(self.now + self.rng.expovariate(1.0 / (config.lifetime_h * 3600.0)), self._leave, peer)
+
+    def _present(self, peer: Peer) -> bool:
+        return self.peers.get(peer.name) is peer
+
+    def _come_online(self, peer: Peer) -> None:
+        if self._present(peer):
+            self.epoch += 1
+            self._update(peer, serving=peer.joining, joining=None)
+            self._schedule_round(peer)
+
+    def _leave(self, peer: Peer) -> None:
+        if self._present(peer):
+            self._count(peer, -1)
+            del self.peers[peer.name], self.alive[peer.peer_id]
+            self.stats.departures += 1
+            self.epoch += 1
+            self._changed()
+
+    def _burst(self) -> None:
+        fraction = self.rng.uniform(0.10, 0.20)
+        gone = self.rng.sample(sorted(self.peers), round(fraction * len(self.peers)))
+        logger.info("t=%.2fh: burst, %d of %d peers leave at once", self.now / 3600, len(gone), len(self.peers))
+        for name in gone:
+            self._leave(self.peers[name])
+        self.stats.bursts.append(Burst(self.now, len(gone)))
+        self._track_bursts()
+
+    # --- balance rounds and moves -----------------------------------------------------------------------------
+
+    def _schedule_round(self, peer: Peer) -> None:
+        if not peer.round_pending:
+            peer.round_pending = True
+            when = peer.phase + (int((self.now - peer.phase) // peer.interval) + 1) * peer.interval
+            self.at(when if when > self.now else when + peer.interval, self._round, peer)  # float rounding
+
+    def _round(self, peer: Peer) -> None:
+        peer.round_pending = False
+        if not self._present(peer) or not peer.settled:
+            return
+        if not self.config.exact and self._clean():
+            peer.asleep = True
+            return
+        if self.config.exact or peer.decided != self.version:
+            target = self._decide(peer)
+            if target is not None:
+                self._start_move(peer, target)
+                return
+            peer.decided = self.version
+        self._schedule_round(peer)
+
+    def _decide(self, peer: Peer) -> range | None:
+        config = self.config
+        spans, pinned = self._snapshot()[1]
+        started = time.perf_counter()
+        target = next_move(
+            spans, peer.name, config.num_blocks, peer.capacity, config.replication, peer.capacity, pinned
+        )
+        self.stats.decision_s += time.perf_counter() - started
+        self.stats.decisions += 1
+        return target
+
+    def _start_move(self, peer: Peer, target: range) -> None:
+        if peer.left.get(target) == self.epoch:
+            self.stats.failures.append(
+                f"oscillation: {peer.name[:8]} chose to move back to {target.start}:{target.stop} at "
+                f"t={self.now:.0f}s, with no change in membership since it chose to leave it"
+            )
+        peer.left[peer.serving] = self.epoch
+        self.stats.moves_per_epoch[self.epoch] = self.stats.moves_per_epoch.get(self.epoch, 0) + 1
+        self._update(peer, joining=target)
+        loading = sum(1 for b in target if b not in peer.serving) * self.config.load_s + STATE_S
+        self.at(self.now + loading, self._loaded, peer)
+
+    def _loaded(self, peer: Peer) -> None:
+        if not self._present(peer):
+            return
+        if all(b in peer.joining for b in peer.serving):
+            self._finish_move(peer)
+            return
+        self._update(peer, moving_to=peer.joining)
+        self.at(self.now + HANDOFF_S, self._hand_over, peer)
+
+    def _hand_over(self, peer: Peer) -> None:
+        if not self._present(peer):
+            return
+        view = self.view()
+        handed_over = [b for b in peer.serving if b not in peer.joining]
+        if all(safe_to_drop(b, _others(view, b, peer.peer_id), peer.name) for b in handed_over):
+            self._finish_move(peer)
+            return
+        self.stats.aborted += 1
+        self._update(peer, joining=None, moving_to=None)
+        self._schedule_round(peer)
+
+    def _finish_move(self, peer: Peer) -> None:
+        self.stats.moves.append((self.now, peer.name, peer.serving, peer.joining))
+        self._update(peer, serving=peer.joining, joining=None, moving_to=None)
+        self._schedule_round(peer)
+
+    def _check_epochs(self) -> None:
+        """Between two membership changes every move makes the swarm better, so the moves run out: a peer has little
+        reason to move twice."""
+        for epoch, moves in self.stats.moves_per_epoch.items():
+            if moves > self.config.peers:
+                self.stats.failures.append(f"{moves} moves between two membership changes (epoch {epoch})")
+
+    # --- measurements -----------------------------------------------------------------------------------------
+
+    def _sample(self) -> None:
+        self.at(self.now + self.config.sample_s, self._sample)
+        online = self.online
+        holes = online.count(0)
+        thin = sum(1 for c in online if c < self.config.replication)
+        capacity = sum(p.capacity for p in self.peers.values())
+        mean = sum(online) / len(online)
+        self.stats.samples.append(Sample(self.now, len(self.peers), holes, thin, min(online), mean, capacity))
+        if self._stalled(capacity):
+            self.stats.failures.append(f"stall at t={self.now:.0f}s: blocks without a server and nobody moves")
+
+    def _stalled(self, capacity: int) -> bool:
+        if 0 not in self.planned or capacity < self.config.num_blocks:
+            return False
+        return all(p.settled and not p.asleep and p.decided == self.version for p in self.peers.values())
+
+    def _sample_throughput(self) -> None:
+        self.at(self.now + self.config.route_s, self._sample_throughput)
+        view = self.view()
+        self.router.servers = view.records
+        speeds = {p.peer_id: p.speed for p in self.peers.values()}
+        try:
+            routes = [self.router.route() for _ in range(self.config.routes)]
+            routed = sum(min(speeds[h.peer_id] / len(h.blocks) for h in route) for route in routes) / len(routes)
+        except NoRouteError:
+            routed = 0.0
+        best = widest_chain(view, speeds, self.config.num_blocks)
+        ideal = sum(speeds[p.peer_id] for p in self.peers.values() if p.serving) / self.config.num_blocks
+        self.stats.throughput.append(Throughput(self.now, routed, best, min(self.throughput), ideal))
+
+
+def widest_chain(view: SwarmView, speeds: dict[PeerID, float], num_blocks: int) -> float:
+    """The best pipeline's throughput: over all chains of online servers through blocks [0, n), the greatest least hop
+    speed (dynamic programming from the last block back)."""
+    best = [0.0] * num_blocks + [float("inf")]
+    for b in range(num_blocks - 1, -1, -1):
+        for r in view.online(b):
+            for end in range(b + 1, min(r.end, num_blocks) + 1):
+                best[b] = max(best[b], min(speeds[r.peer_id] / (end - b), best[end]))
+    return best[0]
+
+
+# --- the stall search ---------------------------------------------------------------------------------------------
+
+
+def settle(
+    spans: dict[str, range], num_blocks: int, replication: int, rng: random.Random, max_rounds: int = 100
+) -> dict[str, range]:
+    """Play balance rounds (each peer in random order, moving at once) until nobody moves; returns the final spans,
+    or raises AssertionError when a move uncovers a block or raises the badness, or it never settles."""
+    spans = dict(spans)
+    for _ in range(max_rounds):
+        moved = False
+        for me in rng.sample(sorted(spans), len(spans)):
+            counts = _counts(spans, num_blocks)
+            target = next_move(spans, me, num_blocks, len(spans[me]), replication, len(spans[me]))
+            if target is None:
+                continue
+            assert all(counts[b] > 1 for b in spans[me] if b not in target), f"{me} uncovers a block: {spans}"
+            before, spans[me] = badness(counts, replication), target
+            assert badness(_counts(spans, num_blocks), replication) <= before, f"{me} made it worse: {spans}"
+            moved = True
+        if not moved:
+            return spans
+    raise AssertionError(f"still moving after {max_rounds} rounds: {spans}")
+
+
+def _counts(spans: dict[str, range], num_blocks: int) -> list[int]:
+    counts = [0] * num_blocks
+    for span in spans.values():
+        for b in span:
+            counts[b] += 1
+    return counts
+
+
+def random_swarm(rng: random.Random, num_blocks: int, max_len: int) -> dict[str, range]:
+    """Random spans of random lengths, at least `num_blocks` blocks in all."""
+    spans, total = {}, 0
+    while total < num_blocks or rng.random() < 0.3:
+        length = rng.randint(1, min(num_blocks, max_len))
+        start = rng.randint(0, num_blocks - length)
+        spans[f"peer-{len(spans):03d}"] = range(start, start + length)
+        total += length
+    return spans
+
+
+def stall_search(cases: int, seed: int) -> list[str]:
+    """Random placements that enough capacity can cover: every one must settle with every block served."""
+    rng, failures = random.Random(seed), []
+    for _ in range(cases):
+        num_blocks, replication = rng.randint(2, 80), rng.randint(1, 3)
+        spans = random_swarm(rng, num_blocks, rng.choice((2, 4, 8)))
+        try:
+            final = settle(spans, num_blocks, replication, rng)
+            assert 0 not in _counts(final, num_blocks), f"stalled at {final}"
+        except AssertionError as e:
+            failures.append(f"{num_blocks} blocks, R={replication}, from {spans}: {e}")
+    return failures
+
+
+# --- report -------------------------------------------------------------------------------------------------------
+
+
+def summary(config: SimConfig, stats: Stats, wall_s: float) -> dict[str, str]:
+    """The printed figures of one run; coverage and replication leave the cold start out."""
+    after = [s for s in stats.samples if s.at >= WARMUP_S] or stats.samples
+    n = config.num_blocks
+    tput = [t for t in stats.throughput if t.best > 0]
+    return {
+        "peers (mean)": f"{_mean(s.peers for s in after):.0f}",
+        "arrivals / departures": f"{stats.arrivals} / {stats.departures}",
+        "peers leaving in each burst": ", ".join(str(b.left) for b in stats.bursts) or "-",
+        "time fully covered": f"{100 * _mean(s.uncovered == 0 for s in after):.2f} %",
+        "  of the time capacity allows": f"{100 * _mean(s.uncovered == 0 for s in after if s.capacity >= n):.2f} %",
+        "time every block >= R": f"{100 * _mean(s.thin == 0 for s in after):.2f} %",
+        "min / mean replication": f"{min(s.least for s in after)} / {_mean(s.mean for s in after):.1f}",
+        "blocks a burst uncovered": ", ".join(str(b.worst_uncovered) for b in stats.bursts) or "-",
+        "coverage back after (s)": ", ".join(_since(b, b.covered_at) for b in stats.bursts) or "-",
+        "every block >= R after (s)": ", ".join(_since(b, b.replicated_at) for b in stats.bursts) or "-",
+        "moves / hour": f"{len(stats.moves) / config.hours:.1f}",
+        "aborted moves / hour": f"{stats.aborted / config.hours:.1f}",
+        "most moves in one epoch": str(max(stats.moves_per_epoch.values(), default=0)),
+        "routed / best pipeline": f"{_mean(t.routed / t.best for t in tput):.2f}",
+        "capacity / ideal": f"{_mean(t.capacity / t.ideal for t in tput):.2f}",
+        "next_move calls (ms each)": f"{stats.decisions} ({1000 * stats.decision_s / max(1, stats.decisions):.2f})",
+        "wall time (s)": f"{wall_s:.0f}",
+        "invariants": "ok" if not stats.failures else f"{len(stats.failures)} FAILED",
+    }
+
+
+def _since(burst: Burst, at: float | None) -> str:
+    return "never" if at is None else f"{at - burst.at:.0f}"
+
+
+def _mean(values) -> float:
+    values = [float(v) for v in values]
+    return sum(values) / len(values) if values else 0.0

@@ -1,0 +1,216 @@
+"""Write a small random Llama-family causal LM in Hugging Face folder format.
+
+The model is saved as ``config.json`` plus sharded safetensors
+(``model-0000i-of-0000K.safetensors`` and ``model.safetensors.index.json``) so
+that sharded loading code paths get exercised in tests and benchmarks.
+
+Usage::
+
+    python -m swarm.testing.tiny OUT_DIR [--family llama|mistral|qwen2] \
+        [--layers N] [--hidden H] [--heads N] [--kv-heads N] [--intermediate N] \
+        [--vocab N] [--seed S] [--tie-embeddings] [--shard-size BYTES_OR_STR]
+
+The module is importable too: see :func:`make_tiny_model`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+logger = logging.getLogger(__name__)
+
+FAMILIES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+}
+
+MAX_POSITION_EMBEDDINGS = 512
+# Default shard size is about a third of the model, so the default model
+# always produces several shards; never go below this many bytes.
+MIN_DEFAULT_SHARD_BYTES = 1024
+
+
+def _validate(
+    family: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    intermediate: int,
+    vocab: int,
+) -> None:
+    """Raise ``ValueError`` with a hint on how to fix any bad argument."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; use one of: {', '.join(sorted(FAMILIES))}")
+    for name, value in (
+        ("layers", layers),
+        ("hidden", hidden),
+        ("heads", heads),
+        ("kv-heads", kv_heads),
+        ("intermediate", intermediate),
+        ("vocab", vocab),
+    ):
+        if value < 1:
+            raise ValueError(f"--{name} must be a positive integer, got {value}")
+    if hidden % heads:
+        raise ValueError(
+            f"--hidden ({hidden}) must be divisible by --heads ({heads}); "
+            f"pick a hidden size that is a multiple of {heads} or change --heads"
+        )
+    if heads % kv_heads:
+        raise ValueError(
+            f"--heads ({heads}) must be divisible by --kv-heads ({kv_heads}); "
+            f"pick --kv-heads as a divisor of {heads} (e.g. 1 or {heads})"
+        )
+    if (hidden // heads) % 2:
+        raise ValueError(
+            f"head dim --hidden/--heads = {hidden // heads} must be even for "
+            "rotary embeddings; change --hidden or --heads"
+        )
+
+
+def _model_bytes(model: torch.nn.Module) -> int:
+    """Return the size in bytes of the model's unique (tied counted once) parameters."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    family: str = "llama",
+    layers: int = 4,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    vocab: int = 256,
+    seed: int = 0,
+    tie_embeddings: bool = False,
+    max_shard_size: str | int | None = None,
+) -> Path:
+    """Build a random float32 model of ``family`` and save it sharded to ``out_dir``.
+
+    ``max_shard_size`` accepts bytes (int) or a string such as ``"200KB"``;
+    when ``None`` it is about a third of the model size, giving >= 2 shards.
+    Returns the output directory.
+    """
+    _validate(family, layers, hidden, heads, kv_heads, intermediate, vocab)
+    config_cls, model_cls = FAMILIES[family]
+    config_kwargs: dict[str, object] = {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": tie_embeddings,
+    }
+    if family == "qwen2":
+        config_kwargs["use_sliding_window"] = False
+    config = config_cls(**config_kwargs)
+
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    model.eval()
+
+    if max_shard_size is None:
+        max_shard_size = max(_model_bytes(model) // 3, MIN_DEFAULT_SHARD_BYTES)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+
+    n_shards = len(list(out.glob("model-*-of-*.safetensors")))
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info(
+        "saved %s model (%d params, tied=%s) to %s in %d shard(s), max_shard_size=%s",
+        family,
+        n_params,
+        tie_embeddings,
+        out,
+        n_shards,
+        max_shard_size,
+    )
+    return out
+
+
+def _shard_size(value: str) -> str | int:
+    """Parse ``--shard-size``: plain digits are bytes, else a size string like 200KB."""
+    return int(value) if value.isdigit() else value
+
+
+def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse command-line arguments."""
+    parser = argparse.ArgumentParser(description="Write a small random Llama-family model as sharded safetensors.")
+    parser.add_argument("out_dir", type=Path, help="output folder")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="llama")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--intermediate", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tie-embeddings",
+        action="store_true",
+        help="tie lm_head to the input embeddings",
+    )
+    parser.add_argument(
+        "--shard-size",
+        type=_shard_size,
+        default=None,
+        help="max shard size, bytes or e.g. '200KB' (default: about 1/3 of the model)",
+    )
+    return parser.parse_args(argv)
+
+
+def make_bench_model(out_dir: str | Path, layers: int, hidden: int) -> Path:
+    """The benchmarks' model: 8 heads, intermediate 11/4 of hidden, vocab 1024 (a small Llama's proportions)."""
+    return make_tiny_model(
+        out_dir, layers=layers, hidden=hidden, heads=8, kv_heads=8, intermediate=hidden * 11 // 4, vocab=1024
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point; prints the output folder as the last line."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = _parse_args(argv)
+    try:
+        out = make_tiny_model(
+            args.out_dir,
+            family=args.family,
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            intermediate=args.intermediate,
+            vocab=args.vocab,
+            seed=args.seed,
+            tie_embeddings=args.tie_embeddings,
+            max_shard_size=args.shard_size,
+        )
+    except ValueError as exc:
+        sys.exit(f"error: {exc}")
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""Churn, the way volunteers' machines behave: for two minutes peers crash, freeze, leave, restart from their
+checkpoint dirs and join, one event every 4 s on average, two at once sometimes, most aimed at a phase (forward,
+backward, commit, standby pull, checkpoint write, move), while a client that connected at once trains with
+sub-second steps. What must hold is not a speed but the promises: the training loop never sees an exception, no step
+is lost unless two holders of a block were down at once (and then the loss is reported), and the adapter ends equal
+to local peft on the same batches.
+The same driver, longer and with a no-churn run beside it, is scripts/churn.py.
+"""
+
+from __future__ import annotations
+
+from swarm.testing import churn
+
+
+def test_two_minutes_of_churn_lose_nothing_unreported_and_end_equal_to_local_peft(tiny_models, tmp_path):
+    run = churn.run_churn(tiny_models["llama"], tmp_path, seconds=120, interval=4.0, seed=4, peers=5, span=2)
+    print(churn.report({"churn": run}))
+    assert run.error is None, run.error
+    kinds = {kind.split("@")[0] for kind in run.chaos.applied}
+    assert {"kill", "freeze", "term", "double-kill", "join"} <= kinds, run.chaos.applied
+    assert any("@" in kind for kind in run.chaos.applied), "no strike was aimed at a client request"
+    assert run.steps >= 20, "training hardly moved"
+    if run.steps_lost:
+        assert run.excused, f"{run.steps_lost} step(s) lost, with never two holders of a block down at once"
+        assert run.lost_reports
+    else:
+        assert run.parity, f"the adapter differs from local peft by {run.max_abs_diff} with no step reported lost"
+

@@ -1,0 +1,94 @@
+"""The two commands a user runs: `swarm dht` prints its addresses; `swarm peer` announces, serves and leaves."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from peers.daemon import PeerConfig, PeerDaemon
+from swarm.net.network import join_dht
+from swarm.net.records import ServerState, read_servers
+from swarm.net.security import Identity
+from swarm.spec import load_spec
+from swarm.testing.localswarm import LocalSwarm
+
+
+def test_dht_prints_multiaddrs_and_peer_announces_then_leaves_cleanly(tiny_models, tmp_path):
+    model_dir = tiny_models["llama"]
+    name = load_spec(model_dir).name
+    with LocalSwarm(tmp_path) as local:
+        dht_process = local.start_dht()
+        lines = [ln for ln in dht_process.log.read_text().splitlines() if ln.startswith("/")]
+        assert lines and all(ln.startswith(("/ip4/", "/ip6/")) and "/p2p/" in ln for ln in lines)
+        peer = local.start_peer(model_dir, "1:3")
+        observer = join_dht(local.initial_peers, Identity.load_or_create(None), None, client_mode=True)
+        try:
+            servers = read_servers(observer, name, 4)
+            assert [len(servers[b]) for b in range(4)] == [0, 1, 1, 0]
+            assert servers[1][0].state == ServerState.ONLINE and servers[1][0].throughput > 0
+            peer.signal(signal.SIGTERM)
+            states = set()
+            deadline = time.monotonic() + 30
+            while peer.popen.poll() is None and time.monotonic() < deadline:
+                states.update(r.state for r in read_servers(observer, name, 4)[1])
+                time.sleep(0.2)
+            assert peer.popen.wait(30) == 0
+            assert ServerState.LEAVING in states, "the peer did not announce that it was leaving"
+            assert "left the swarm" in peer.log.read_text()
+        finally:
+            observer.shutdown()
+
+
+def test_a_peer_that_gives_up_blocks_it_announced_as_joining_withdraws_them(tiny_models, tmp_path):
+    """Chaos finding: a peer that switched spans while choosing (or aborted a move) left its joining records on the
+    blocks it gave up; until they expired they counted as a server to come, and the balancer moved real servers
+    away from blocks nobody would serve."""
+    model_dir = tiny_models["llama"]
+    name = load_spec(model_dir).name
+    with LocalSwarm(tmp_path) as local:
+        local.start_dht()
+        daemon = PeerDaemon(PeerConfig(model=str(model_dir), initial_peers=local.initial_peers, num_blocks=2))
+        daemon.dht = join_dht(local.initial_peers, daemon.identity, None, host="127.0.0.1")
+        observer = join_dht(local.initial_peers, Identity.load_or_create(None), None, client_mode=True)
+        try:
+
+            def states() -> dict[int, set[ServerState]]:
+                servers = read_servers(observer, name, 4)
+                return {b: {r.state for r in servers[b] if r.peer_id == daemon.identity.peer_id} for b in range(4)}
+
+            daemon.joining = range(1, 3)
+            asyncio.run(daemon._announce())
+            assert states() == {0: set(), 1: {ServerState.JOINING}, 2: {ServerState.JOINING}, 3: set()}
+            asyncio.run(daemon._withdraw([1]))  # what _choose_span does when it switches to 2:4
+            daemon.joining = range(2, 4)
+            asyncio.run(daemon._announce())
+            assert states() == {0: set(), 1: {ServerState.LEAVING}, 2: {ServerState.JOINING}, 3: {ServerState.JOINING}}
+        finally:
+            observer.shutdown()
+            daemon.dht.shutdown()
+
+
+@pytest.mark.parametrize("target", ["process-group", "process"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_peer_exits_on_sigterm_or_sigint_to_it_or_to_its_whole_process_group(target, sig, tiny_models, tmp_path):
+    """Sent to the group (systemd's stop, ``kill -- -PGID``), the signal stops the peer's P2P daemon and DHT
+    process too: the peer must exit anyway, within its leave grace plus a bound."""
+    with LocalSwarm(tmp_path) as local:
+        local.start_dht()
+        peer = local.start_peer(tiny_models["llama"], "0:2", extra=["--leave-grace", "1"])
+        if target == "process-group":
+            os.killpg(peer.pid, sig)
+        else:
+            os.kill(peer.pid, sig)
+        try:
+            code = peer.popen.wait(40)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the peer did not exit after {sig!r} to its {target}:\n{peer.tail()}") from None
+        assert code in (0, -sig), peer.tail()
+        if target == "process":
+            assert code == 0 and "left the swarm" in peer.log.read_text(), peer.tail()

@@ -1,0 +1,299 @@
+"""Promise 1: training through the swarm equals local transformers + peft training, within float tolerance."""
+
+from __future__ import annotations
+
+import threading
+
+import peft
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+import swarm
+
+LORA = dict(
+    r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+)
+HPARAMS = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+STEPS, MICRO_BATCHES = 5, 2
+
+
+def make_batches(vocab: int, seed: int = 0) -> list[list[dict[str, torch.Tensor]]]:
+    """The same MICRO_BATCHES batches at each of STEPS steps (so the loss must fall), with right padding in one row."""
+    g = torch.Generator().manual_seed(seed)
+    micro = []
+    for _ in range(MICRO_BATCHES):
+        ids = torch.randint(0, vocab, (2, 12), generator=g)
+        mask = torch.ones_like(ids)
+        mask[1, 9:] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        micro.append(dict(input_ids=ids, attention_mask=mask, labels=labels))
+    return [micro] * STEPS
+
+
+def train(model, optimizer, batches, accumulation: int = MICRO_BATCHES) -> list[float]:
+    losses = []
+    for micro in batches:
+        for batch in micro:
+            out = model(**batch)
+            (out.loss / accumulation).backward()
+            losses.append(out.loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def local_peft(model_dir, adapter_dir):
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    return peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
+
+
+@pytest.fixture(scope="module")
+def parity_run(llama_swarm, tiny_models, tmp_path_factory):
+    """Train 5 steps through the swarm and locally from the same initial adapter."""
+    model_dir = tiny_models["llama"]
+    out = tmp_path_factory.mktemp("parity")
+    model = swarm.SwarmModelForCausalLM.from_pretrained(
+        model_dir,
+        initial_peers=llama_swarm.initial_peers,
+        adapter="parity",
+        lora_config=peft.LoraConfig(**LORA),
+        dtype=torch.float32,
+        seed=7,
+    )
+    backwards = record_backwards(model)
+    try:
+        model.save_adapter(out / "initial")
+        batches = make_batches(model.spec.config.vocab_size)
+        swarm_losses = train(model, swarm.RemoteOptimizer(model, **HPARAMS), batches)
+        model.save_adapter(out / "final")
+        probe = batches[0][0]
+        with torch.no_grad():
+            swarm_logits = model(probe["input_ids"], attention_mask=probe["attention_mask"]).logits
+        assert model.step == STEPS
+    finally:
+        model.shutdown()
+    reference = local_peft(model_dir, out / "initial")
+    trainable = [p for p in reference.parameters() if p.requires_grad]
+    local_losses = train(reference, torch.optim.AdamW(trainable, **HPARAMS), batches)
+    reference.save_pretrained(out / "local")
+    return dict(
+        out=out,
+        model_dir=model_dir,
+        swarm_losses=swarm_losses,
+        local_losses=local_losses,
+        swarm_logits=swarm_logits,
+        probe=probe,
+        backwards=backwards,
+    )
+
+
+def record_backwards(model: swarm.SwarmModelForCausalLM) -> list[dict]:
+    """What each backward request carried and got back."""
+    calls, original = [], model.stack.call
+
+    def call(peer, meta, tensors, *args, **kwargs):
+        reply = original(peer, meta, tensors, *args, **kwargs)
+        if meta["method"] == "backward":
+            calls.append(dict(meta=meta, sent=len(tensors), returned=len(reply.tensors)))
+        return reply
+
+    model.stack.call = call
+    return calls
+
+
+def test_backwards_carry_no_bytes_that_nobody_needs(parity_run):
+    """The peer that ran a forward keeps it: its backward carries only the output gradient and the mask, not the
+    hidden states again; the first span returns no input gradient (the embeddings are frozen)."""
+    backwards = parity_run["backwards"]
+    assert len(backwards) == STEPS * MICRO_BATCHES * 2, backwards  # two spans per micro-batch
+    for call in backwards:
+        assert call["meta"]["has_hidden"] is False and call["sent"] == 2, call  # output gradient + mask
+        first_span = call["meta"]["start"] == 0
+        assert call["meta"]["input_grad"] is not first_span and call["returned"] == int(not first_span), call
+
+
+def test_losses_match_local_peft(parity_run):
+    swarm_losses, local_losses = parity_run["swarm_losses"], parity_run["local_losses"]
+    assert len(swarm_losses) == STEPS * MICRO_BATCHES
+    assert swarm_losses[-1] < swarm_losses[0], "training through the swarm did not lower the loss"
+    torch.testing.assert_close(torch.tensor(swarm_losses), torch.tensor(local_losses), rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_matches_local_peft(parity_run):
+    out = parity_run["out"]
+    swarm_state = load_file(out / "final" / "adapter_model.safetensors")
+    local_state = load_file(out / "local" / "adapter_model.safetensors")
+    initial_state = load_file(out / "initial" / "adapter_model.safetensors")
+    assert swarm_state.keys() == local_state.keys() == initial_state.keys()
+    assert len(swarm_state) == 4 * 7 * 2
+    moved = max((swarm_state[k] - initial_state[k]).abs().max().item() for k in swarm_state)
+    assert moved > 1e-3, "the adapter did not train"
+    for key in swarm_state:
+        torch.testing.assert_close(swarm_state[key], local_state[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_exported_adapter_reproduces_swarm_logits(parity_run):
+    reference = local_peft(parity_run["model_dir"], parity_run["out"] / "final")
+    probe = parity_run["probe"]
+    with torch.no_grad():
+        logits = reference(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
+    torch.testing.assert_close(logits, parity_run["swarm_logits"], rtol=1e-4, atol=1e-4)
+
+
+def test_parity_holds_when_peers_keep_no_forwards(tiny_models, tmp_path):
+    """A peer without room for forward graphs (--activation-cache-mb 0) answers every backward sent without its
+    input with missing_forward; the client sends the input after all, and training still equals local peft."""
+    from swarm.testing.localswarm import LocalSwarm
+
+    model_dir = tiny_models["llama"]
+    with LocalSwarm(tmp_path / "logs") as local:
+        local.start_dht()
+        local.start_peer(model_dir, "0:4", name="forgetful", extra=["--activation-cache-mb", "0"])
+        model = swarm.SwarmModelForCausalLM.from_pretrained(
+            model_dir,
+            initial_peers=local.initial_peers,
+            adapter="forgetful",
+            lora_config=peft.LoraConfig(**LORA),
+            seed=7,
+        )
+        backwards = record_backwards(model)
+        try:
+            model.save_adapter(tmp_path / "initial")
+            batches = make_batches(model.spec.config.vocab_size)[:2]
+            swarm_losses = train(model, swarm.RemoteOptimizer(model, **HPARAMS), batches)
+        finally:
+            model.shutdown()
+    assert [call["meta"]["has_hidden"] for call in backwards] == [True] * len(batches) * MICRO_BATCHES  # resent
+    reference = local_peft(model_dir, tmp_path / "initial")
+    trainable = [p for p in reference.parameters() if p.requires_grad]
+    local_losses = train(reference, torch.optim.AdamW(trainable, **HPARAMS), batches)
+    torch.testing.assert_close(torch.tensor(swarm_losses), torch.tensor(local_losses), rtol=1e-4, atol=1e-5)
+
+
+def test_pipelined_steps_equal_local_peft(llama_swarm, tiny_models, tmp_path):
+    """model.train_step keeps several micro-batches in the swarm at once (fed from a generator here) and still
+    gives the gradients of the plain loop: the adapter equals local peft's, and requests really overlapped."""
+    model_dir, count = tiny_models["llama"], 4
+    model = swarm.SwarmModelForCausalLM.from_pretrained(
+        model_dir,
+        initial_peers=llama_swarm.initial_peers,
+        adapter="pipelined",
+        lora_config=peft.LoraConfig(**LORA),
+        seed=11,
+    )
+    g = torch.Generator().manual_seed(3)
+    vocab = model.spec.config.vocab_size
+    micro = [dict(input_ids=ids, labels=ids) for ids in torch.randint(0, vocab, (count, 2, 12), generator=g)]
+    busy, most, original, lock = [0], [0], model.stack.call, threading.Lock()
+
+    def call(peer, meta, tensors, *args, **kwargs):
+        with lock:
+            busy[0] += 1
+            most[0] = max(most[0], busy[0])
+        try:
+            return original(peer, meta, tensors, *args, **kwargs)
+        finally:
+            with lock:
+                busy[0] -= 1
+
+    try:
+        model.save_adapter(tmp_path / "initial")
+        optimizer = swarm.RemoteOptimizer(model, **HPARAMS)
+        model.stack.call = call
+        swarm_losses = []
+        for _ in range(3):
+            swarm_losses.append(model.train_step((b for b in micro), accumulation=count).item())
+            optimizer.step()
+        model.stack.call = original
+        model.save_adapter(tmp_path / "final")
+        with pytest.raises(TypeError, match="accumulation"):
+            model.train_step(b for b in micro)
+    finally:
+        model.shutdown()
+    assert most[0] >= 2, "the micro-batches never overlapped"
+    reference = local_peft(model_dir, tmp_path / "initial")
+    trainable = [p for p in reference.parameters() if p.requires_grad]
+    local_losses = train(reference, torch.optim.AdamW(trainable, **HPARAMS), [micro] * 3, accumulation=count)
+    mean_losses = [sum(local_losses[i : i + count]) / count for i in range(0, len(local_losses), count)]
+    torch.testing.assert_close(torch.tensor(swarm_losses), torch.tensor(mean_losses), rtol=1e-5, atol=1e-5)
+    swarm_state = load_file(tmp_path / "final" / "adapter_model.safetensors")
+    reference.save_pretrained(tmp_path / "local")
+    local_state = load_file(tmp_path / "local" / "adapter_model.safetensors")
+    for key in swarm_state:
+        torch.testing.assert_close(swarm_state[key], local_state[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_compressed_wire_trains_close_to_exact_and_is_off_by_default(llama_swarm, tiny_models):
+    """wire_dtype="bfloat16" + compression="blockwise8": the logits stay close to the exact ones, a step trains;
+    without them the requests carry full-precision tensors (the exact parity above)."""
+    model_dir = tiny_models["llama"]
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 256, (2, 12), generator=g)
+    logits, sent = {}, {}
+    for name, options in {"exact": {}, "compressed": dict(wire_dtype="bfloat16", compression="blockwise8")}.items():
+        model = swarm.SwarmModelForCausalLM.from_pretrained(
+            model_dir,
+            initial_peers=llama_swarm.initial_peers,
+            adapter=f"wire-{name}",
+            lora_config=peft.LoraConfig(**LORA),
+            seed=7,
+            **options,
+        )
+        requests, original = [], model.stack.call
+
+        def call(peer, meta, tensors, *args, original=original, requests=requests, **kwargs):
+            requests.append((meta, [t.dtype for t in tensors], kwargs.get("compression", 0)))
+            return original(peer, meta, tensors, *args, **kwargs)
+
+        try:
+            model.stack.call = call
+            with torch.no_grad():
+                logits[name] = model(ids).logits
+            loss = model.train_step([dict(input_ids=ids, labels=ids)])
+            swarm.RemoteOptimizer(model, **HPARAMS).step()
+            assert model.step == 1 and torch.isfinite(loss)
+        finally:
+            model.shutdown()
+        sent[name] = [r for r in requests if r[0]["method"] in ("forward", "backward")]
+    assert all(dtypes[0] == torch.float32 and not c and m["compression"] == "none" for m, dtypes, c in sent["exact"])
+    assert all(dtypes[0] == torch.bfloat16 and c for m, dtypes, c in sent["compressed"])
+    assert all(m["compression"] == "blockwise8" for m, _, _ in sent["compressed"])
+    scale = logits["exact"].abs().max()
+    assert (logits["compressed"] - logits["exact"]).abs().max() <= 0.05 * scale
+    assert not torch.equal(logits["compressed"], logits["exact"]), "the compressed wire changed nothing"
+
+
+def test_large_micro_batches_travel_over_parallel_lanes_exactly(llama_swarm, tiny_models, tmp_path):
+    """A micro-batch whose hidden states exceed a stream window (here 16x128 tokens x 64 x fp32 = 512 KiB) goes
+    out as several calls at once and comes back the same way; the step still equals local peft's."""
+    model_dir = tiny_models["llama"]
+    model = swarm.SwarmModelForCausalLM.from_pretrained(
+        model_dir, initial_peers=llama_swarm.initial_peers, adapter="lanes", lora_config=peft.LoraConfig(**LORA), seed=5
+    )
+    ids = torch.randint(0, 256, (16, 128), generator=torch.Generator().manual_seed(9))
+    batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+    laned, original = [], model.transport._send_lanes
+
+    async def send_lanes(stub, message, payload):
+        laned.append(message.meta["method"])
+        return await original(stub, message, payload)
+
+    try:
+        model.save_adapter(tmp_path / "initial")
+        model.transport._send_lanes = send_lanes
+        swarm_losses = train(model, swarm.RemoteOptimizer(model, **HPARAMS), [[batch]], accumulation=1)
+        model.save_adapter(tmp_path / "final")
+    finally:
+        model.shutdown()
+    assert laned.count("forward") == 2 and laned.count("backward") == 2, laned
+    reference = local_peft(model_dir, tmp_path / "initial")
+    trainable = [p for p in reference.parameters() if p.requires_grad]
+    local_losses = train(reference, torch.optim.AdamW(trainable, **HPARAMS), [[batch]], accumulation=1)
+    torch.testing.assert_close(torch.tensor(swarm_losses), torch.tensor(local_losses), rtol=1e-5, atol=1e-5)
+    reference.save_pretrained(tmp_path / "local")
+    swarm_state = load_file(tmp_path / "final" / "adapter_model.safetensors")
+    local_state = load_file(tmp_path / "local" / "adapter_model.safetensors")
+    for key in swarm_state:
+        torch.testing.assert_close(swarm_state[key], local_state[key], rtol=1e-4, atol=1e-5, msg=key)

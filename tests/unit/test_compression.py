@@ -1,0 +1,47 @@
+"""Compressed activations on the wire: off by default (bit-exact), bounded error when on, masks untouched, and
+malformed compressed tensors refused like any bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarm.net.compression import WireFormat
+from swarm.net.wire import Message, WireError, decode, encode
+
+
+def _round_trip(wire: WireFormat, hidden: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    parts = encode(Message({}, [wire.cast(hidden), mask], wire.compression_type))
+    size = sum(t.ByteSize() for part in parts for t in part.tensors)
+    back = decode(parts)
+    return back.tensors[0].to(hidden.dtype), back.tensors[1], size
+
+
+@pytest.mark.parametrize(
+    "dtype, compression, tolerance, shrink",
+    [(None, "none", 0.0, 1.0), ("bfloat16", "none", 1e-2, 0.55), (None, "blockwise8", 3e-2, 0.3)],
+)
+def test_round_trip_error_is_bounded_and_bytes_shrink(dtype, compression, tolerance, shrink):
+    hidden = torch.randn(4, 64, 256, generator=torch.Generator().manual_seed(0)) * 3
+    mask = torch.ones(4, 64, dtype=torch.int64)
+    mask[1, 50:] = 0
+    wire = WireFormat(dtype, compression)
+    back, mask_back, size = _round_trip(wire, hidden, mask)
+    assert back.shape == hidden.shape and back.dtype == torch.float32
+    error = ((back - hidden).abs().max() / hidden.abs().max()).item()
+    assert error <= tolerance, error
+    if wire.exact:
+        assert torch.equal(back, hidden), "the default wire is exact"
+    assert torch.equal(mask_back, mask) and mask_back.dtype == torch.int64, "masks travel as they are"
+    assert size <= shrink * hidden.numel() * 4 + mask.numel() * 8 + 64, size
+
+
+def test_bad_settings_and_bad_tensors_are_refused():
+    with pytest.raises(ValueError, match="wire_dtype"):
+        WireFormat("int8")
+    with pytest.raises(ValueError, match="compression"):
+        WireFormat(None, "zip")
+    parts = encode(Message({}, [torch.randn(64, 128)], WireFormat(None, "blockwise8").compression_type))
+    parts[0].tensors[0].buffer = parts[0].tensors[0].buffer[:-100]  # cut short
+    with pytest.raises(WireError, match="could not be decoded"):
+        decode(parts)

@@ -1,0 +1,116 @@
+"""``swarm monitor``: the health state shared with ``swarm status`` (unit tests on hand-made views), the JSON API and
+the page against real local swarms (a peer SIGKILLed turns the swarm degraded), a private swarm seen with and
+without its key, and the page as a headless browser draws it (skipped without chromium)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+from hivemind.p2p import PeerID
+
+from swarm.net.protocol import AdapterInfo, PeerInfo
+from swarm.net.records import CommittedRecord, ServerRecord, ServerState
+from swarm.net.view import SwarmView
+from swarm.ops.health import BROKEN, DEGRADED, GONE, HEALTHY, Tracker, build, short
+from swarm.ops.status import render, render_health
+
+A0, A1, B0, B1 = (PeerID(bytes([i]) * 8) for i in (1, 2, 3, 4))
+
+
+META = {"lora": {}, "seed": 0}
+
+
+def _view(alive: set[PeerID], step: int = 5) -> SwarmView:
+    """Four blocks: A0 and A1 serve 0:2, B0 and B1 serve 2:4; every peer keeps standby copies of the other half."""
+    spans = {A0: (0, 2), A1: (0, 2), B0: (2, 4), B1: (2, 4)}
+    records = {
+        b: [ServerRecord(p, ServerState.ONLINE, s, e, 10.0) for p, (s, e) in spans.items() if s <= b < e]
+        for b in range(4)
+    }
+    infos = {}
+    for peer, (start, end) in spans.items():
+        served = {b: step for b in range(start, end)}
+        standby = {b: step for b in range(4) if b not in served}
+        infos[peer] = PeerInfo(
+            "m", start, end, "online", 10.0, {"a": AdapterInfo(META, served, standby)}, sorted(standby)
+        )
+    return SwarmView(records, {p: info for p, info in infos.items() if p in alive})
+
+
+def test_every_block_at_the_target_is_healthy_and_the_state_is_json():
+    committed = {"a": CommittedRecord(5, {}, 0, "trainer-1")}
+    health = build("m", 4, _view({A0, A1, B0, B1}), replication=2, committed=committed)
+    assert health.status == HEALTHY and health.problems == []
+    assert [b.online for b in health.blocks] == [2, 2, 2, 2]
+    assert {p.peer for p in health.peers} == {p.to_base58() for p in (A0, A1, B0, B1)}
+    assert all(p.state == "online" and p.short == short(p.peer) for p in health.peers)
+    (adapter,) = health.adapters
+    assert (adapter.name, adapter.committed, adapter.trainer, adapter.copies) == (
+        "a",
+        5,
+        "trainer-1",
+        dict.fromkeys(range(4), 4),
+    )
+    assert json.loads(json.dumps(asdict(health)))["status"] == HEALTHY
+
+
+def test_the_trainers_recoveries_and_steps_lost_are_shown_and_a_loss_is_a_problem():
+    recovery = {"peer": B1.to_base58(), "during": "commit", "step": 5, "seconds": 0.4}
+    committed = {"a": CommittedRecord(9, {}, 0, "trainer-1", [recovery], steps_lost=2)}
+    value = CommittedRecord.from_value(committed["a"].to_value())
+    assert value == committed["a"], "the record carries them through the DHT's encoding"
+    health = build("m", 4, _view({A0, A1, B0, B1}), replication=2, committed=committed)
+    (adapter,) = health.adapters
+    assert (adapter.recoveries, adapter.steps_lost) == ([recovery], 2)
+    assert any("2 step(s) lost so far" in problem for problem in health.problems), health.problems
+
+
+def test_a_block_under_the_target_is_degraded_and_said_in_words():
+    health = build("m", 4, _view({A0, A1, B0}), replication=2)
+    assert health.status == DEGRADED
+    assert "blocks 2-3 have one server: a failure there would pause training" in health.problems[0]
+    assert any(f"peer {short(B1.to_base58())} (blocks 2:4) does not answer" in p for p in health.problems)
+    assert {p.peer: p.state for p in health.peers}[B1.to_base58()] == "unreachable"
+    three = build("m", 4, _view({A0, A1, B0, B1}), replication=3)
+    assert three.status == DEGRADED and "blocks 0-3 have 2 servers, below the target of 3" in three.problems[0]
+
+
+def test_a_block_without_a_server_is_broken_and_said_in_words():
+    health = build("m", 4, _view({A0, A1}), replication=2)
+    assert health.status == BROKEN
+    assert health.problems[0].startswith(
+        "blocks 2-3 have no server: training is paused until a peer serves them (start `swarm peer --blocks 2:4`"
+    )
+    lone = build("m", 5, _view({A0, A1, B0, B1}), replication=2)  # block 4: nobody announces it
+    assert lone.status == BROKEN and lone.problems[0].startswith("block 4 has no server")
+    assert any("adapter a: block 4 has no live copy of step 5" in p for p in lone.problems)
+
+
+def test_status_renders_the_shared_state_with_its_copies_lines():
+    view = _view({A0, B0})
+    table = render("m", 4, view, replication=2)
+    assert table == render_health(build("m", 4, view, replication=2))
+    assert "copies: a@5: 2" in table and "(one failure would lose it)" not in table
+    assert "unreachable" in table and "(under-replicated)" in table
+
+
+def test_the_tracker_keeps_gone_peers_for_a_while_and_measures_steps_per_minute():
+    tracker = Tracker(keep_gone=600.0, window=300.0)
+    everyone = {A0, A1, B0, B1}
+    first = tracker.update(build("m", 4, _view(everyone, step=10), 2), now=1000.0)
+    assert all(p.up_since == 1000.0 for p in first.peers) and first.adapters[0].steps_per_minute is None
+    later = tracker.update(build("m", 4, _view(everyone, step=12), 2), now=1060.0)
+    assert later.adapters[0].steps_per_minute == pytest.approx(2.0)
+    gone_view = _view(everyone - {B1}, step=14)
+    for records in gone_view.records.values():  # its records expired: the view no longer names it
+        records[:] = [r for r in records if r.peer_id != B1]
+    left = tracker.update(build("m", 4, gone_view, 2), now=1120.0)
+    gone = [p for p in left.peers if p.state == GONE]
+    assert [(p.peer, p.gone_since, p.start, p.end) for p in gone] == [(B1.to_base58(), 1120.0, 2, 4)]
+    assert tracker.update(build("m", 4, gone_view, 2), now=1700.0).peers[-1].state == GONE  # still within 10 min
+    assert all(p.state != GONE for p in tracker.update(build("m", 4, gone_view, 2), now=1721.0).peers)
+    back = tracker.update(build("m", 4, _view(everyone, step=14), 2), now=1800.0)
+    assert {p.peer: p.up_since for p in back.peers}[B1.to_base58()] == 1800.0  # a returning peer starts over
+
