@@ -14,6 +14,7 @@ from pathlib import Path
 from urllib.parse import quote, unquote
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
@@ -46,6 +47,10 @@ def _fsync_dir(directory: Path) -> None:
 
 def _prev(path: Path) -> Path:
     return path.with_name(path.name + ".prev")
+
+
+# What reading a torn, truncated or tampered checkpoint file raises.
+UNUSABLE = (OSError, ValueError, KeyError, TypeError, struct.error, SafetensorError)
 
 
 def _read(path: Path, adapter: str, block: int) -> tuple[dict, BlockState]:
@@ -155,11 +160,11 @@ class CheckpointStore:
         """The current file if intact, else the previous generation, else None; every fallback is logged."""
         try:
             return _read(path, adapter, block)
-        except Exception as e:
+        except UNUSABLE as e:
             problem = "is missing" if isinstance(e, FileNotFoundError) else f"is unusable ({e!r})"
         try:
             meta, state = _read(_prev(path), adapter, block)
-        except Exception as e:
+        except UNUSABLE as e:
             logger.error("checkpoint %s %s and so is its previous generation (%r): block skipped", path, problem, e)
             return None
         logger.warning(
@@ -233,7 +238,7 @@ class CheckpointWriter:
             for (adapter, block), (meta, state) in batch.items():
                 try:
                     path = self.store.save_block(adapter, block, state, meta)
-                except Exception:
+                except Exception:  # the boundary of the writer thread: log, and let the next submit retry
                     logger.exception("checkpoint of adapter %r block %d at step %d failed", adapter, block, state.step)
                     with self._cond:  # let the next submit of this block retry
                         if self._accepted.get((adapter, block)) == state.step:

@@ -20,7 +20,7 @@ from peers.checkpoints import CheckpointStore, CheckpointWriter
 from peers.replication import Replicator, StandbyPolicy
 from peers.service import PeerService
 from swarm.blocks import spans_text
-from swarm.net.errors import SwarmAccessError
+from swarm.net.errors import PEER_ERRORS, SwarmAccessError
 from swarm.net.network import check_access, join_dht, load_swarm_key
 from swarm.net.protocol import AdapterInfo, Method, PeerInfo
 from swarm.net.reachability import choose_relays, verify_relayed
@@ -358,7 +358,7 @@ class PeerDaemon:
     async def _notify(self, peer, notice: dict) -> None:
         try:
             await self.transport.acall(peer, Message(notice, []), timeout=5.0)
-        except Exception as e:
+        except PEER_ERRORS as e:
             logger.debug("could not notify %s of a commit: %s", peer, e)
 
     # --- the life of a peer -----------------------------------------------------------------------------------
@@ -413,8 +413,10 @@ class PeerDaemon:
             except asyncio.TimeoutError:
                 try:
                     await self._balance_round()
-                except Exception as e:
+                except PEER_ERRORS as e:
                     logger.warning("balancing round failed (will retry): %s", e)
+                except Exception:  # the boundary of a background loop: the peer serves on, and retries next round
+                    logger.exception("balancing round failed (will retry)")
         await self._leave(p2p)
 
     async def _addresses(self, p2p, relays: list[str]) -> list[str]:
@@ -451,7 +453,7 @@ class PeerDaemon:
         try:
             await asyncio.wait_for(self._finish(p2p), timeout=self.config.leave_grace + LEAVE_TIMEOUT / 2)
             logger.info("left the swarm")
-        except Exception as e:
+        except PEER_ERRORS as e:
             logger.warning("could not leave cleanly (%s: %s); exiting anyway", type(e).__name__, e)
         finally:
             self.dht.shutdown()

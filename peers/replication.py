@@ -20,6 +20,7 @@ from peers.balancer import choose_standby
 from peers.service import fetch_state_or_updates
 from peers.state import BlockState, BlockUpdate
 from swarm.blocks import spans_text
+from swarm.net.errors import PEER_ERRORS, RequestError
 from swarm.net.transport import Transport
 from swarm.net.view import SwarmView
 
@@ -168,7 +169,7 @@ class Replicator:
             return await fetch_state_or_updates(
                 self.transport, peer, name, span, {b: held[b] for b in span if b in held}
             )
-        except Exception as e:
+        except (*PEER_ERRORS, RequestError) as e:  # gone, refused, or a malformed export
             logger.warning("could not copy adapter %r blocks %s from %s: %s", name, spans_text(span), peer, e)
             return {}, {}
 

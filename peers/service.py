@@ -14,7 +14,7 @@ from peers.backend import SpanBackend
 from peers.state import BlockState, BlockUpdate, GradsByBlock, pack_states, unpack_states
 from swarm.blocks import lora_config_from_wire
 from swarm.net.compression import COMPRESSIONS
-from swarm.net.errors import RequestError, SourceUnavailableError
+from swarm.net.errors import PEER_ERRORS, RequestError, SourceUnavailableError
 from swarm.net.protocol import (
     SYNC_TIMEOUT,
     CommitRequest,
@@ -174,7 +174,7 @@ class PeerService(Doorkeeper):
         meta = {"method": Method.GRADS, "adapter": name, "step": step, "wanted": by_block(wanted)}
         try:
             reply = await self.transport.acall(PeerID.from_base58(peer), Message(meta, []), timeout=timeout)
-        except Exception as e:
+        except PEER_ERRORS as e:
             logger.warning("could not fetch gradients from %s: %s", peer, e)
             return {}
         grads: GradsByBlock = {}
@@ -215,7 +215,7 @@ class PeerService(Doorkeeper):
         source = read_peer(meta, "source")
         try:
             states = await fetch_state(self.transport, source, name, blocks)
-        except Exception as e:  # the source's failure, not this peer's: the client picks another source
+        except (*PEER_ERRORS, RequestError) as e:  # the source's failure (or bad reply): the client picks another
             raise SourceUnavailableError(
                 f"could not pull blocks {blocks.start}:{blocks.stop} from {source}: {e}", source.to_base58()
             ) from None

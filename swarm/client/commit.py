@@ -23,6 +23,7 @@ from swarm.client.ledger import StepLedger
 from swarm.client.remote import PeerFailure, RemoteStack
 from swarm.net.errors import CommitError, RemoteError, SwarmUnavailableError
 from swarm.net.protocol import FETCH_TIMEOUT, CommitRequest, ErrorKind, Method, OptimizerHParams
+from swarm.net.waiting import Deadline
 
 logger = logging.getLogger(__name__)
 
@@ -276,6 +277,7 @@ def commit(
     peer and applies in the same call. Gradients that died with a peer are replayed on a replica still at the step
     first. Returns the replicas that applied it (and their spans). Raises CommitError if impossible."""
     step, started, rounds = ledger.step, time.monotonic(), 0
+    patience = Deadline(stack.patience)
     ledger.committing = True
     applied: dict[PeerID, range] = {}
     failed: list[PeerID] = []
@@ -288,7 +290,7 @@ def commit(
         blocks = range(stack.router.num_blocks)
         uncovered = [b for b in blocks if b not in done and not any(b in span for span in pending.values())]
         if uncovered:
-            if time.monotonic() - started > stack.patience:
+            if patience.passed:
                 raise SwarmUnavailableError(
                     f"blocks {uncovered} have had no live replica at step {step} for {stack.patience:.0f}s; "
                     "start peers serving them or raise the client's patience"
@@ -302,7 +304,7 @@ def commit(
                 _take_back(stack, replicas, applied, step)
             else:
                 logger.warning("blocks %s have no live replica at step %d; waiting", uncovered, step)
-            time.sleep(1.0)
+            patience.pause(1.0)
             stack.router.refresh()
             continue
         if not pending:

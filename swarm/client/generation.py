@@ -10,7 +10,6 @@ top-p, stopping at the end-of-sequence token, finished rows padded), and greedy 
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ from transformers.generation.logits_process import (
 
 from swarm.client.remote import PeerFailure, RemoteStack
 from swarm.client.routing import Hop
+from swarm.net.errors import PEER_ERRORS
 from swarm.net.protocol import InferRequest, Method
 from swarm.net.wire import Message
 
@@ -71,7 +71,7 @@ class SessionChain:
         """The output of the last block for the new tokens ``hidden`` (after everything sent before); ``mask``
         (padded prompts) covers every token so far."""
         new, index, block = hidden.shape[1], 0, 0
-        failed, since = None, None
+        attempts = self.stack.attempts("generation")
         while block < self.stack.router.num_blocks:
             if index == len(self.hops):
                 hop = self.stack.router.wait_route(block, patience=self.stack.patience)[0]
@@ -80,8 +80,7 @@ class SessionChain:
             try:
                 outputs = self._send(session, hidden, mask)
             except PeerFailure as e:
-                failed, since = e.peer, since or time.monotonic()
-                self.stack.give_up_after_patience(since, session.hop, e)
+                attempts.failed(e, session.hop)
                 # everything this block has seen goes to the replacement; the spans after it start over too
                 hidden = hidden if session.inputs is None else torch.cat([session.inputs, hidden], dim=1)
                 logger.warning("generation: replaying %d tokens from block %d elsewhere", hidden.shape[1], block)
@@ -90,7 +89,7 @@ class SessionChain:
                 continue
             session.inputs = hidden if session.inputs is None else torch.cat([session.inputs, hidden], dim=1)
             hidden, block, index = outputs, session.hop.end, index + 1
-        self.stack.recovered(failed, "generation", self.step(), since)
+        attempts.succeeded(self.step())
         return hidden[:, -new:]
 
     def _send(self, session: HopSession, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -123,7 +122,7 @@ class SessionChain:
         try:
             meta = {"method": Method.END_SESSION, "session": session.key}
             self.stack.transport.call(session.hop.peer_id, Message(meta, []), timeout=5.0)
-        except Exception as e:  # the peer is gone or busy: its timeout frees the session
+        except PEER_ERRORS as e:  # the peer is gone or busy: its timeout frees the session
             logger.debug("could not end generation session on %s: %s", session.hop.peer_id, e)
 
 

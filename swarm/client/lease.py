@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from swarm.net.errors import AdapterBusyError
+from swarm.net.errors import TRANSPORT_ERRORS, AdapterBusyError
+from swarm.net.waiting import Deadline
 
 logger = logging.getLogger(__name__)
 
@@ -42,19 +42,15 @@ class AdapterLease:
 
     def acquire(self, patience: float) -> None:
         """Take the lease, waiting up to ``patience`` seconds for another trainer's lease to expire."""
-        deadline = time.monotonic() + patience
-        while True:
-            others = [h for h in self.holders() if h.get("trainer") != self.trainer]
-            if not others:
-                self._write()
-                break
-            holder = others[0]
-            if time.monotonic() > deadline:
+        deadline = Deadline(patience)
+        while others := [h for h in self.holders() if h.get("trainer") != self.trainer]:
+            if deadline.passed:
                 raise AdapterBusyError(
-                    f"adapter is being trained by {holder.get('trainer')!r}; stop that trainer, wait for its lease "
-                    f"to expire ({self.ttl:.0f}s after it stops), or pick another adapter name"
+                    f"adapter is being trained by {others[0].get('trainer')!r}; stop that trainer, wait for its "
+                    f"lease to expire ({self.ttl:.0f}s after it stops), or pick another adapter name"
                 )
-            time.sleep(1.0)
+            deadline.pause(1.0)
+        self._write()
         self._thread = threading.Thread(target=self._renew_loop, name="swarm-lease", daemon=True)
         self._thread.start()
         logger.info("holding the lease of %s as trainer %r", self.key, self.trainer)
@@ -67,8 +63,10 @@ class AdapterLease:
         while not self._stop.wait(self.ttl / 3):
             try:
                 self._write()
-            except Exception as e:
+            except TRANSPORT_ERRORS as e:
                 logger.warning("could not renew the adapter lease: %s", e)
+            except Exception:  # the boundary of a background loop: renew again next time
+                logger.exception("renewing the adapter lease failed")
 
     def release(self) -> None:
         """Stop renewing (waiting for a renewal in flight) and mark the lease released, if it was ever taken."""
@@ -78,5 +76,5 @@ class AdapterLease:
         self._thread.join(timeout=10)
         try:
             self._write(released=True)
-        except Exception as e:
+        except TRANSPORT_ERRORS as e:
             logger.warning("could not release the adapter lease: %s", e)

@@ -3,7 +3,6 @@ re-routing around peers that fail, from what the client keeps."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import time
@@ -12,30 +11,17 @@ from dataclasses import dataclass
 
 import torch
 from hivemind.p2p import PeerID
-from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 from hivemind.proto import runtime_pb2
 
 from swarm.client.ledger import Segment, StepLedger
 from swarm.client.routing import Hop, Router
 from swarm.net.compression import WireFormat
-from swarm.net.errors import LeaseLostError, RemoteError, SwarmUnavailableError
+from swarm.net.errors import TRANSPORT_ERRORS, LeaseLostError, RemoteError, SwarmUnavailableError
 from swarm.net.protocol import PEER_STATE_ERRORS, ErrorKind, Method, SpanRequest
 from swarm.net.transport import Transport
-from swarm.net.wire import Message, WireError
+from swarm.net.wire import Message
 
 logger = logging.getLogger(__name__)
-
-# Failures of the peer or of the way to it (a dead or frozen peer, a broken stream, a garbled reply). Anything else
-# raised while calling is a bug on this side, and surfaces instead of getting healthy peers banned.
-TRANSPORT_ERRORS = (
-    OSError,  # ConnectionError (PeerGoneError), TimeoutError
-    asyncio.TimeoutError,
-    asyncio.IncompleteReadError,
-    EOFError,
-    P2PDaemonError,
-    P2PHandlerError,
-    WireError,
-)
 
 
 class PeerFailure(Exception):
@@ -241,21 +227,16 @@ class RemoteStack:
 
     # --- forward and backward -------------------------------------------------------------------------------
 
-    def give_up_after_patience(self, since: float, hop: Hop, error: PeerFailure) -> None:
-        """A hop that keeps failing on every server it is tried on (e.g. each one answers with an internal error)
-        is given up after ``patience`` seconds, rather than retried forever."""
-        if time.monotonic() - since > self.patience:
-            raise SwarmUnavailableError(
-                f"blocks {hop.start}:{hop.end} have failed on every server tried for {self.patience:.0f}s; the last "
-                f"error: {error}. See that peer's log, or raise the client's patience"
-            ) from error
+    def attempts(self, during: str) -> Attempts:
+        """The retry of one piece of work (a hop, a segment, a token) over whichever replicas are live."""
+        return Attempts(self, during)
 
     def forward(
         self, hidden: torch.Tensor, mask: torch.Tensor | None, step: int, micro_batch: str | None
     ) -> tuple[torch.Tensor, list[HopInput]]:
         """Through blocks [0, n); a hop that fails is redone on another replica from the same input."""
         inputs: list[HopInput] = []
-        block, failed, since = 0, None, None
+        block, attempts = 0, self.attempts("forward")
         while block < self.router.num_blocks:
             hop = self.router.wait_route(block, patience=self.patience)[0]
             try:
@@ -267,11 +248,9 @@ class RemoteStack:
                 )
                 hop = Hop(chosen, hop.start, hop.end)
             except PeerFailure as e:
-                failed, since = e.peer, since or time.monotonic()
-                self.give_up_after_patience(since, hop, e)
+                attempts.failed(e, hop)
                 continue
-            self.recovered(failed, "forward", step, since)
-            failed, since = None, None
+            attempts.succeeded(step)
             inputs.append(HopInput(hop, hidden))
             hidden, block = outputs, hop.end
         return hidden, inputs
@@ -310,7 +289,7 @@ class RemoteStack:
 
         Backwards are idempotent per (micro-batch, block) on the peers, so redoing part of a segment is safe.
         """
-        failed, since = None, None
+        attempts = self.attempts("backward")
         prefer = None if cached_on is None else cached_on.peer_id
         while True:
             hops = self.router.wait_route(segment.start, segment.end, prefer=prefer, patience=self.patience)
@@ -334,11 +313,37 @@ class RemoteStack:
                     )
                     ledger.acknowledge(micro_batch, hop.blocks, chosen)
             except PeerFailure as e:
-                failed, since, prefer = e.peer, since or time.monotonic(), None
-                self.give_up_after_patience(since, Hop(e.peer, segment.start, segment.end), e)
+                prefer = None
+                attempts.failed(e, Hop(e.peer, segment.start, segment.end))
                 continue
-            self.recovered(failed, "backward", ledger.step, since)
+            attempts.succeeded(ledger.step)
             return grad
+
+
+class Attempts:
+    """One piece of work tried on one replica after another. The first failure starts the patience clock; work
+    that keeps failing on every server (each one answering with an internal error, say) is given up after
+    ``patience`` rather than retried forever; success records the recovery. What counts as a peer's fault, and its
+    ban with backoff, is ``RemoteStack.call``'s to say."""
+
+    def __init__(self, stack: RemoteStack, during: str):
+        self.stack, self.during = stack, during
+        self.last_failed: PeerID | None = None
+        self.since: float | None = None
+
+    def failed(self, error: PeerFailure, hop: Hop) -> None:
+        """Note a failure on ``hop``; raise SwarmUnavailableError once the work has failed for ``patience``."""
+        self.last_failed, self.since = error.peer, self.since or time.monotonic()
+        if time.monotonic() - self.since > self.stack.patience:
+            raise SwarmUnavailableError(
+                f"blocks {hop.start}:{hop.end} have failed on every server tried for {self.stack.patience:.0f}s; "
+                f"the last error: {error}. See that peer's log, or raise the client's patience"
+            ) from error
+
+    def succeeded(self, step: int) -> None:
+        """The work went through: a recovery, if it had failed; the next piece starts with a clean slate."""
+        self.stack.recovered(self.last_failed, self.during, step, self.since)
+        self.last_failed = self.since = None
 
 
 class RemoteStackFunction(torch.autograd.Function):

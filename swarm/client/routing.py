@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from hivemind import DHT
 from hivemind.p2p import PeerID
 
-from swarm.net.errors import SwarmUnavailableError
+from swarm.net.errors import PEER_ERRORS, SwarmUnavailableError
 from swarm.net.records import ServerRecord, ServerState, read_servers
 from swarm.net.transport import Transport
+from swarm.net.waiting import Deadline
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +126,10 @@ class Router:
                 return
             try:
                 self.refresh()
-            except Exception as e:
+            except PEER_ERRORS as e:
                 logger.warning("could not refresh the swarm view: %s", e)
+            except Exception:  # the boundary of a background loop: the client goes on with the view it has
+                logger.exception("refreshing the swarm view failed")
             finally:
                 self._fresh.set()
 
@@ -256,7 +259,7 @@ class Router:
         result = attempt()
         if result is not None:
             return result
-        since = time.monotonic()
+        deadline = Deadline(patience)
         missing = self.uncovered(start, end, eligible_only)
         logger.warning(
             "blocks %s have no live server since %s; waiting up to %.0fs for one to (re)join",
@@ -264,12 +267,12 @@ class Router:
             time.strftime("%H:%M:%S"),
             patience,
         )
-        while time.monotonic() - since < patience:
-            time.sleep(min(1.0, self.min_ban))
+        while not deadline.passed:
+            deadline.pause(min(1.0, self.min_ban))
             try:
                 self.refresh()
                 self.on_wait()
-            except Exception as e:
+            except PEER_ERRORS as e:
                 logger.warning("could not refresh the swarm view: %s", e)
             result = attempt()
             if result is not None:

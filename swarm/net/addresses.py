@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from swarm.net.errors import UsageError
+from swarm.net.errors import MULTIADDR_ERRORS, TRANSPORT_ERRORS, UsageError
+
+logger = logging.getLogger(__name__)
 
 CIRCUIT = "p2p-circuit"
 P2P_CODE = 0x01A5
@@ -23,7 +26,7 @@ def parse_announce(texts: list[str]) -> list[str]:
         try:
             maddr = Multiaddr(text)
             port = maddr.value_for_protocol("tcp")
-        except Exception:
+        except MULTIADDR_ERRORS:
             raise UsageError(
                 f"--announce-maddrs {text!r} is not a TCP multiaddr; expected one like /ip4/203.0.113.5/tcp/31337"
             ) from None
@@ -123,5 +126,5 @@ async def dial(p2p: P2P, peer: PeerID, maddrs: list[str], timeout: float = DIAL_
 async def hang_up(p2p: P2P, peer: PeerID) -> None:
     try:
         await p2p._client.disconnect(peer)
-    except Exception:
-        pass
+    except TRANSPORT_ERRORS as e:  # already gone: nothing to hang up
+        logger.debug("hanging up on %s: %s", peer, e)

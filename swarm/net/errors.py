@@ -3,12 +3,23 @@ each message says what to do next. (Failures the client routes around never reac
 
 from __future__ import annotations
 
+import asyncio
+
+from google.protobuf.message import DecodeError
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
+from hivemind.utils.multiaddr.exceptions import Error as MultiaddrError
+from msgpack import UnpackException
+
 
 class SwarmError(Exception):
     """Something the swarm could not do; the message says what to do next."""
 
 
 # --- bad input: the caller must change something --------------------------------------------------------------
+
+
+class WireError(ValueError):
+    """Bytes that are not a valid swarm message."""
 
 
 class ModelFolderError(SwarmError, ValueError):
@@ -154,3 +165,33 @@ class FencedError(RequestError):
     """The adapter was claimed by a newer trainer session; this one must stop."""
 
     kind = ErrorKind.FENCED
+
+
+# --- what may go wrong, by whose fault: the narrow excepts everyone uses -------------------------------------
+
+# Failures of a peer or of the way to it (a dead or frozen peer, a broken stream, a garbled reply). Anything else
+# raised while calling is a bug on this side, and surfaces instead of getting healthy peers banned.
+TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,  # ConnectionError (PeerGoneError), TimeoutError
+    asyncio.TimeoutError,
+    asyncio.IncompleteReadError,
+    EOFError,
+    P2PDaemonError,
+    P2PHandlerError,
+    WireError,
+)
+# What a call to another peer raises for that peer's reasons: the way to it failed, or it refused.
+PEER_ERRORS: tuple[type[BaseException], ...] = (*TRANSPORT_ERRORS, RemoteError)
+# What parsing bytes from outside (msgpack, protobuf, serialized tensors) raises on garbage.
+DECODE_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError,
+    TypeError,
+    KeyError,
+    IndexError,
+    OverflowError,
+    RuntimeError,  # torch, on tensor bytes that do not fit their header
+    DecodeError,
+    UnpackException,
+)
+# A multiaddr that does not parse, or lacks the part asked for.
+MULTIADDR_ERRORS: tuple[type[BaseException], ...] = (MultiaddrError, ValueError)

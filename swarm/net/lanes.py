@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
-from swarm.net.wire import WireError
+from swarm.net.errors import DECODE_ERRORS, WireError
 
 LANE_BYTES = 192 * 1024  # a chunk per lane, under the stream window with room for framing
 MAX_LANES = 64
@@ -51,7 +51,7 @@ def lane_of(lane: runtime_pb2.ExpertRequest) -> tuple[int, int, list[runtime_pb2
         if not (isinstance(index, int) and isinstance(count, int) and 0 <= index < count <= MAX_LANES):
             raise ValueError(f"lane {index!r} of {count!r}")
         return index, count, [runtime_pb2.ExpertRequest.FromString(part) for part in raw]
-    except Exception as e:
+    except DECODE_ERRORS as e:
         raise WireError(f"not a valid lane: {type(e).__name__}: {e}") from None
 
 

@@ -8,9 +8,10 @@ from pathlib import Path
 
 from hivemind import DHT
 from hivemind.p2p import P2P
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from swarm.net.addresses import peer_of
-from swarm.net.errors import SwarmAccessError
+from swarm.net.errors import MULTIADDR_ERRORS, PEER_ERRORS, SwarmAccessError
 from swarm.net.protocol import Method
 from swarm.net.records import record_validators
 from swarm.net.security import Identity, SwarmKey
@@ -66,7 +67,7 @@ def join_dht(
             start=True,
             **kwargs,
         )
-    except Exception as e:
+    except (P2PDaemonError, RuntimeError) as e:  # p2pd: "failed to connect to bootstrap peers"
         if "bootstrap peers" not in str(e):
             raise
         raise SwarmAccessError(
@@ -82,7 +83,7 @@ async def check_access(transport: Transport, initial_peers: list[str], timeout: 
         try:
             peer = peer_of(maddr)
             reply = await transport.acall(peer, Message({"method": Method.HELLO}, []), timeout)
-        except Exception as e:
+        except (*PEER_ERRORS, *MULTIADDR_ERRORS) as e:
             logger.debug("no hello from %s: %s", maddr, e)
             continue
         theirs = reply.meta.get("key_id")

@@ -17,7 +17,7 @@ import time
 from hivemind.p2p import P2P, PeerID
 
 from swarm.net.addresses import dial, hang_up, is_loopback, peer_of, relayed_maddr
-from swarm.net.errors import RequestError
+from swarm.net.errors import MULTIADDR_ERRORS, PEER_ERRORS, TRANSPORT_ERRORS, RequestError
 from swarm.net.protocol import Method, read_peer
 from swarm.net.security import SwarmKey
 from swarm.net.transport import Transport
@@ -52,7 +52,7 @@ class ReachabilityProbe:
         try:
             await dial(p2p, peer, maddrs, PROBE_TIMEOUT)
             return Message({"reachable": True}, [])
-        except Exception as e:
+        except (*TRANSPORT_ERRORS, *MULTIADDR_ERRORS) as e:
             return Message({"reachable": False, "why": str(e) or type(e).__name__}, [])
         finally:
             await hang_up(p2p, peer)
@@ -74,7 +74,7 @@ async def _ask(transport: Transport, checker: str, peer: PeerID, **question) -> 
     try:
         message = Message({"method": Method.REACHABLE, "peer": peer.to_base58(), **question}, [])
         reply = await transport.acall(peer_of(checker), message, ASK_TIMEOUT, direct=True)
-    except Exception as e:
+    except (*PEER_ERRORS, *MULTIADDR_ERRORS) as e:
         logger.debug("%s did not answer a reachability check: %s", checker, e)
         return None
     if not reply.meta.get("reachable"):

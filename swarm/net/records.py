@@ -16,6 +16,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
 from swarm.net.addresses import only_relayed
+from swarm.net.errors import DECODE_ERRORS
 from swarm.net.security import Identity, SwarmKey, SwarmKeyValidator, peer_id_of_owner
 
 logger = logging.getLogger(__name__)
@@ -163,7 +164,7 @@ async def _read(_dht: DHT, node: DHTNode, model: str, num_blocks: int) -> dict[i
             for subkey, item in entry.value.items():
                 try:
                     peer_id = peer_id_of_owner(subkey)
-                except Exception:
+                except ValueError:  # not a signed owner marker: not a record of ours
                     continue
                 record = ServerRecord.from_value(peer_id, item.value)
                 if record is not None and record.start <= block < record.end:
@@ -247,7 +248,7 @@ class RecordSchemaValidator(RecordValidatorBase):
             subkey = MSGPackSerializer.loads(record.subkey)
             value = MSGPackSerializer.loads(record.value)
             peer_id_of_owner(subkey)
-        except Exception:
+        except DECODE_ERRORS:
             return False
         return isinstance(value, dict) and valid_value(value)
 

@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography.exceptions import InvalidTag
+from cryptography.exceptions import InvalidTag, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
@@ -119,9 +119,12 @@ class Identity:
 
 def peer_id_of_owner(owner: bytes) -> PeerID:
     """The libp2p peer id of the RSA key in an owner marker (sha256 multihash of the protobuf public key)."""
-    if not (owner.startswith(OWNER_PREFIX) and owner.endswith(OWNER_SUFFIX)):
+    if not (isinstance(owner, bytes) and owner.startswith(OWNER_PREFIX) and owner.endswith(OWNER_SUFFIX)):
         raise ValueError("not an owner marker")
-    public = RSAPublicKey.from_bytes(owner[len(OWNER_PREFIX) : -len(OWNER_SUFFIX)])._public_key
+    try:
+        public = RSAPublicKey.from_bytes(owner[len(OWNER_PREFIX) : -len(OWNER_SUFFIX)])._public_key
+    except UnsupportedAlgorithm as e:
+        raise ValueError(f"not an RSA owner marker: {e}") from None
     der = public.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
     return PeerID(b"\x12\x20" + hashlib.sha256(encoded).digest())

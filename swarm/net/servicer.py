@@ -12,7 +12,7 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
 from swarm.net import lanes
-from swarm.net.errors import RemoteError, RequestError
+from swarm.net.errors import TRANSPORT_ERRORS, RemoteError, RequestError
 from swarm.net.protocol import RELAY_TIMEOUT, RELAY_TO, ErrorKind, Method, read_peer
 from swarm.net.reachability import ReachabilityProbe
 from swarm.net.security import SwarmKey
@@ -163,7 +163,7 @@ class Doorkeeper:
         except (RequestError, WireError) as e:
             logger.info("refused a request from %s: %s", context.remote_id, e)
             return error_message(getattr(e, "kind", ErrorKind.BAD_REQUEST), str(e), **getattr(e, "details", {}))
-        except Exception as e:
+        except Exception as e:  # the boundary: a bug here answers `internal` and the peer serves on
             logger.exception("request from %s failed", context.remote_id)
             return error_message(ErrorKind.INTERNAL, f"{type(e).__name__}: {e}")
 
@@ -180,7 +180,7 @@ class Doorkeeper:
             return await self.relay.acall(target, message, timeout or RELAY_CALL_TIMEOUT, direct=True)
         except RemoteError as e:
             return Message(e.meta, [])
-        except Exception as e:
+        except TRANSPORT_ERRORS as e:
             return error_message(ErrorKind.UNREACHABLE, f"this relay cannot reach {target}: {type(e).__name__} {e}")
 
     async def _reachable(self, message: Message) -> Message:

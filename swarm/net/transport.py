@@ -16,7 +16,7 @@ from hivemind.utils import as_aiter
 
 from swarm.net import lanes
 from swarm.net.addresses import dial, only_relayed, relay_of
-from swarm.net.errors import ErrorKind, RemoteError
+from swarm.net.errors import TRANSPORT_ERRORS, ErrorKind, RemoteError
 from swarm.net.protocol import RELAY_TIMEOUT, RELAY_TO, STREAMED_REPLIES
 from swarm.net.records import ServerRecord
 from swarm.net.security import SwarmKey
@@ -86,9 +86,7 @@ class Transport:
             raise self._mark_gone(peer)
         try:
             reply = await self._send(peer, message, timeout)
-        except (RemoteError, asyncio.CancelledError):
-            raise
-        except Exception as e:
+        except TRANSPORT_ERRORS as e:
             if not await self.connected(peer):
                 raise self._mark_gone(peer) from e
             raise
@@ -138,14 +136,14 @@ class Transport:
         """Whether the P2P daemon holds an open connection to ``peer`` right now."""
         try:
             return any(info.peer_id == peer for info in await self.p2p.list_peers())
-        except Exception:
+        except TRANSPORT_ERRORS:
             return True  # cannot tell: do not declare anyone gone
 
     async def _dial(self, peer: PeerID) -> bool:
         try:
             await dial(self.p2p, peer, self.addresses[peer])
             return True
-        except Exception as e:
+        except TRANSPORT_ERRORS as e:
             logger.debug("could not dial %s at %s: %s", peer, self.addresses[peer], e)
             return False
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from hivemind import DHT
 from hivemind.p2p import PeerID
 
+from swarm.net.errors import PEER_ERRORS, RequestError
 from swarm.net.protocol import Method, PeerInfo
 from swarm.net.records import ServerRecord, ServerState, read_servers
 from swarm.net.transport import Transport
@@ -100,7 +101,7 @@ async def observe(dht: DHT, transport: Transport, model: str, num_blocks: int, m
         try:
             reply = await transport.acall(peer, Message({"method": Method.INFO}, []), timeout=PING_TIMEOUT)
             return PeerInfo.from_meta(reply.meta)
-        except Exception as e:
+        except (*PEER_ERRORS, RequestError) as e:  # gone, refused, or a reply that is not a PeerInfo
             logger.debug("peer %s did not answer: %s", peer, e)
             return None
 

@@ -15,14 +15,10 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from swarm.net.compression import deserialize, serialize
-from swarm.net.errors import RemoteError
+from swarm.net.errors import DECODE_ERRORS, RemoteError, WireError
 from swarm.net.security import SwarmKey
 
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
-
-
-class WireError(ValueError):
-    """Bytes that are not a valid swarm message."""
 
 
 @dataclass
@@ -84,7 +80,7 @@ def decode(parts: list[runtime_pb2.ExpertRequest]) -> Message:
         raise WireError("empty message")
     try:
         meta = MSGPackSerializer.loads(parts[0].metadata) if parts[0].metadata else {}
-    except Exception as e:
+    except DECODE_ERRORS as e:
         raise WireError(f"metadata is not valid msgpack: {e}") from None
     if not isinstance(meta, dict):
         raise WireError("metadata must be a msgpack map")
@@ -95,7 +91,7 @@ def decode(parts: list[runtime_pb2.ExpertRequest]) -> Message:
             tensors = _combine_chunks(parts)
     except WireError:
         raise
-    except Exception as e:
+    except DECODE_ERRORS as e:
         raise WireError(f"tensors could not be decoded: {type(e).__name__}: {e}") from None
     return Message(meta=meta, tensors=tensors)
 

@@ -12,7 +12,7 @@ import sys
 import threading
 
 from swarm.blocks import DTYPES, QUANT_MODES
-from swarm.net.errors import SwarmError, UsageError
+from swarm.net.errors import MULTIADDR_ERRORS, SwarmError, UsageError
 from swarm.net.records import RECORD_TTL
 
 
@@ -55,7 +55,7 @@ def _initial_peers(args: argparse.Namespace, required: bool = True) -> list[str]
     for text in peers:
         try:
             Multiaddr(text).value_for_protocol("p2p")
-        except Exception:
+        except MULTIADDR_ERRORS:
             raise UsageError(
                 f"{text!r} is not a peer's multiaddr; expected one that `swarm dht` printed, like "
                 "/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW..."

@@ -16,7 +16,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib.resources import files
 
-from swarm.net.errors import SwarmError
+from swarm.net.errors import PEER_ERRORS, TRANSPORT_ERRORS, SwarmError
 from swarm.net.security import SwarmKey
 from swarm.ops.health import Tracker, build
 from swarm.ops.status import NO_MODEL, Observer, no_such_model
@@ -85,8 +85,9 @@ class Watcher:
                 models, error = self._round()
             except _Waiting:  # the previous error stands
                 models, error = None, self.state.error
-            except Exception as e:  # an observation failed: say so and try again next round
-                logger.warning("observing the swarm failed: %s", e, exc_info=logger.isEnabledFor(logging.DEBUG))
+            except Exception as e:  # the boundary of a background loop: say so on the page and try again next round
+                expected = isinstance(e, (SwarmError, *PEER_ERRORS))
+                logger.warning("observing the swarm failed: %s", e, exc_info=not expected)
                 models, error = None, _explain(e, self.config.refresh)
                 if not isinstance(e, SwarmError):
                     self._drop_observer()  # rejoin: the DHT node may be what broke
@@ -117,7 +118,7 @@ class Watcher:
         if self.observer is not None:
             try:
                 self.observer.close()
-            except Exception as e:
+            except TRANSPORT_ERRORS as e:
                 logger.debug("closing the observer: %s", e)
             self.observer = None
 

@@ -82,7 +82,7 @@ class Observer:
         self.transport = Transport.for_dht(self.dht, swarm_key)
         try:
             RemoteExpertWorker.run_coroutine(check_access(self.transport, initial_peers))
-        except Exception:
+        except BaseException:
             self.close()
             raise
 

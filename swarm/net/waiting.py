@@ -1,0 +1,40 @@
+"""Waiting for the swarm: one deadline type and one poll loop, so that every wait has a bound and says what for."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class Deadline:
+    """A wait's bound, from the moment it is made: ``passed`` once ``seconds`` have gone by."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.started = time.monotonic()
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    @property
+    def passed(self) -> bool:
+        return self.elapsed > self.seconds
+
+    def pause(self, interval: float) -> None:
+        """Sleep ``interval`` seconds, or until the deadline if that comes first."""
+        time.sleep(max(0.0, min(interval, self.seconds - self.elapsed)))
+
+
+def wait_until(probe: Callable[[], T | None], timeout: float, interval: float = 1.0) -> T | None:
+    """``probe()`` until it returns something other than None (returned), or ``timeout`` seconds (None: the caller
+    says what it waited for). The first look is immediate, the last one is at the deadline."""
+    deadline = Deadline(timeout)
+    while True:
+        found = probe()
+        if found is not None or deadline.passed:
+            return found
+        deadline.pause(interval)
