@@ -138,11 +138,11 @@ def run_local(model_dir: Path, batches: list[dict], steps: int, warmup: int) -> 
 def ping(model: swarm.SwarmModelForCausalLM, count: int = 20) -> dict[str, float]:
     """Median round trip of an empty ``info`` call to each peer of the route, in seconds."""
     result = {}
-    for hop in model.router.route():
+    for hop in model.session.router.route():
         times = []
         for _ in range(count):
             started = time.perf_counter()
-            model.transport.call(hop.peer_id, Message({"method": Method.INFO}, []), 30.0)
+            model.session.transport.call(hop.peer_id, Message({"method": Method.INFO}, []), 30.0)
             times.append(time.perf_counter() - started)
         result[f"{hop.start}:{hop.end}"] = statistics.median(times)
     return result

@@ -76,7 +76,7 @@ class Meter:
     def __init__(self, model: swarm.SwarmModelForCausalLM):
         self.calls: Counter = Counter()
         self.bytes: Counter = Counter()
-        original = model.transport.call
+        original = model.session.transport.call
 
         def call(peer, message, timeout=None):
             reply = original(peer, message, timeout)
@@ -84,7 +84,7 @@ class Meter:
             self.bytes[peer.to_base58()] += payload_bytes(message.tensors) + payload_bytes(reply.tensors)
             return reply
 
-        model.transport.call = call
+        model.session.transport.call = call
 
     def take(self) -> tuple[Counter, Counter]:
         calls, sent = self.calls, self.bytes

@@ -19,8 +19,10 @@ from typing import TypeVar
 
 from hivemind.p2p import PeerID
 
+from swarm.client.calls import PeerCalls, PeerFailure
+from swarm.client.current import CurrentPeers
 from swarm.client.ledger import StepLedger
-from swarm.client.remote import PeerFailure, RemoteStack
+from swarm.client.remote import RemoteStack
 from swarm.net.errors import CommitError, RemoteError, SwarmUnavailableError
 from swarm.net.protocol import FETCH_TIMEOUT, CommitRequest, ErrorKind, Method, OptimizerHParams
 from swarm.net.waiting import Deadline
@@ -46,23 +48,22 @@ class ReplicaSet:
 
     def __init__(
         self,
-        stack: RemoteStack,
+        calls: PeerCalls,
+        current: CurrentPeers,
         open_on: Callable[[PeerID], tuple[dict[int, int], dict[int, int]]],
         lost_grace: float = 30.0,
     ):
-        self.stack, self.open_on = stack, open_on
+        self.calls, self.current, self.open_on = calls, current, open_on
         # Seconds a block stays without any current copy before its newest survivor is declared current: its holders
         # may be restarting from their checkpoints, and a loss declared cannot be taken back.
         self.lost_grace = lost_grace
         self.orphaned: dict[int, float] = {}  # block -> since when no current copy is known
         # peers holding some blocks at the step being committed and others past it: see split_over()
         self.split: dict[PeerID, dict[int, int]] = {}
-        self.current: dict[PeerID, int] = {}
         self.standby: dict[PeerID, dict[int, int]] = {}  # peer -> block -> step of the standby copy it holds
         self.lost: list[StepsLost] = []
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="swarm-replicas")
         self._refreshing = threading.Lock()
-        stack.on_peer_state.append(self.forget)
 
     def note_standby(self, peer: PeerID, steps: dict[int, int]) -> None:
         """``peer`` said it holds standby copies of these blocks at these steps."""
@@ -70,7 +71,7 @@ class ReplicaSet:
 
     def standby_holders(self, block: int, step: int) -> list[PeerID]:
         """Live peers known to hold a standby copy of ``block`` at ``step``: a source to sync or resume from."""
-        router = self.stack.router
+        router = self.calls.router
         return [p for p, held in self.standby.items() if held.get(block) == step and router.may_hold_state(p)]
 
     def open_many(self, peers: list[PeerID]) -> dict[PeerID, dict[int, int]]:
@@ -96,10 +97,6 @@ class ReplicaSet:
         """``ask`` every peer at once (a round trip for all, not one each); the answers in the order of ``peers``."""
         return list(self._pool.map(ask, peers))
 
-    def forget(self, peer: PeerID) -> None:
-        """After a failure or refusal the peer's state is unknown: re-check it before it serves again."""
-        self.current.pop(peer, None)
-
     def refresh(self, step: int, accept_losses: bool = False) -> None:
         """Open the adapter on every announced peer not known current; sync those that are behind. A block whose
         current copies all died resumes from the newest surviving one once none came back within ``lost_grace`` (at
@@ -111,7 +108,7 @@ class ReplicaSet:
     def follow(self, step: int) -> None:
         """A reader's refresh: which live peers hold the adapter at ``step`` or later, one step across their span.
         It opens without claiming and never syncs or resumes anything: the trainer keeps the replicas."""
-        servers = self.stack.router.live_servers(eligible_only=False)
+        servers = self.calls.router.live_servers(eligible_only=False)
         for peer, steps in self.open_many(list(servers)).items():
             held = set(steps.values())
             if len(held) == 1 and min(held) >= step:
@@ -120,7 +117,7 @@ class ReplicaSet:
                 self.current.pop(peer, None)
 
     def _refresh(self, step: int, accept_losses: bool) -> None:
-        servers = self.stack.router.live_servers(eligible_only=False)
+        servers = self.calls.router.live_servers(eligible_only=False)
         behind: dict[PeerID, dict[int, int]] = {}
         unknown = [p for p in servers if self.current.get(p, -1) < step]  # ahead: applied this step already
         for peer, steps in self.open_many(unknown).items():
@@ -148,9 +145,9 @@ class ReplicaSet:
         ``lost_grace`` seconds, declare the newest surviving copy current: its updates since are lost, and that is
         reported."""
         current = self.peers(step)
-        announced = self.stack.router.announced()
+        announced = self.calls.router.announced()
         now = time.monotonic()
-        for block in range(self.stack.router.num_blocks):
+        for block in range(self.calls.router.num_blocks):
             if any(block in span for span in current.values()) or self.standby_holders(block, step):
                 self.orphaned.pop(block, None)
                 continue  # a current copy lives: laggards sync from it
@@ -176,13 +173,13 @@ class ReplicaSet:
             self.orphaned.pop(block, None)
             meta = {
                 "method": Method.FAST_FORWARD,
-                "adapter": self.stack.adapter,
+                "adapter": self.calls.adapter,
                 "step": step,
                 "start": block,
                 "end": block + 1,
             }
             try:
-                reply = self.stack.call(peer, meta, [])
+                reply = self.calls.call(peer, meta, [])
             except (PeerFailure, RemoteError) as e:
                 logger.warning("could not resume block %d on %s: %s", block, peer, e)
                 continue
@@ -192,7 +189,7 @@ class ReplicaSet:
             logger.error(
                 "block %d lost every current copy of adapter %r: resumed from step %d on %s; %d step(s) lost",
                 block,
-                self.stack.adapter,
+                self.calls.adapter,
                 newest,
                 peer,
                 lost.steps,
@@ -209,7 +206,7 @@ class ReplicaSet:
                 continue
             sources = [
                 (p, s.stop)
-                for p, s in self.stack.router.live_servers().items()
+                for p, s in self.calls.router.live_servers().items()
                 if p != peer and self.current.get(p) == step and s.start <= block < s.stop
             ]
             for holder in self.standby_holders(block, step):
@@ -224,13 +221,13 @@ class ReplicaSet:
             end = min(source_end, span.stop)
             meta = {
                 "method": Method.SYNC,
-                "adapter": self.stack.adapter,
+                "adapter": self.calls.adapter,
                 "source": source.to_base58(),
                 "start": block,
                 "end": end,
             }
             try:
-                reply = self.stack.call(peer, meta, [])
+                reply = self.calls.call(peer, meta, [])
             except RemoteError as e:
                 if e.kind != ErrorKind.SOURCE_UNAVAILABLE:
                     raise
@@ -245,22 +242,22 @@ class ReplicaSet:
         """A peer could not pull state from ``source``: do not offer it as a source (or route to it) until it
         answers again. Blaming the peer that asked, as a failed request would, left it banned and the dead source
         chosen again, for as long as its record lived."""
-        self.stack.router.ban(source, reason)
-        self.forget(source)
+        self.calls.router.ban(source, reason)
+        self.current.forget(source)
         self.standby.pop(source, None)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def peers(self, step: int) -> dict[PeerID, range]:
-        return {p: s for p, s in self.stack.router.live_servers().items() if self.current.get(p) == step}
+        return {p: s for p, s in self.calls.router.live_servers().items() if self.current.get(p) == step}
 
     def split_over(self, blocks: list[int], step: int) -> bool:
         """Whether a live peer, found in the last refresh, holds one of ``blocks`` at ``step`` and other blocks past
         it: it took those over from a replica that had applied the step (the holders of ``blocks`` died in the
         middle of the commit, and it restarted from their older copies). It can take part once the step is taken
         back on the replicas that applied it: it is then synced down to ``step`` like any laggard."""
-        live = self.stack.router.live_servers(eligible_only=False)
+        live = self.calls.router.live_servers(eligible_only=False)
         return any(peer in live and any(steps.get(b) == step for b in blocks) for peer, steps in self.split.items())
 
     def ahead_of(self, step: int) -> dict[PeerID, range]:
@@ -271,13 +268,14 @@ class ReplicaSet:
 
 
 def commit(
-    stack: RemoteStack, replicas: ReplicaSet, ledger: StepLedger, hparams: OptimizerHParams
+    hops: RemoteStack, replicas: ReplicaSet, ledger: StepLedger, hparams: OptimizerHParams
 ) -> dict[PeerID, range]:
     """Apply ``ledger.step`` on every live replica, all asked at once; each fetches the gradients it lacks peer to
-    peer and applies in the same call. Gradients that died with a peer are replayed on a replica still at the step
-    first. Returns the replicas that applied it (and their spans). Raises CommitError if impossible."""
+    peer and applies in the same call. Gradients that died with a peer are replayed (``hops``) on a replica still at
+    the step first. Returns the replicas that applied it (and their spans). Raises CommitError if impossible."""
+    calls = hops.calls
     step, started, rounds = ledger.step, time.monotonic(), 0
-    patience = Deadline(stack.patience)
+    patience = Deadline(calls.patience)
     ledger.committing = True
     applied: dict[PeerID, range] = {}
     failed: list[PeerID] = []
@@ -287,12 +285,12 @@ def commit(
             applied.update(replicas.ahead_of(step))
         pending = {p: span for p, span in replicas.peers(step).items() if p not in applied}
         done = {b for span in applied.values() for b in span}
-        blocks = range(stack.router.num_blocks)
+        blocks = range(calls.router.num_blocks)
         uncovered = [b for b in blocks if b not in done and not any(b in span for span in pending.values())]
         if uncovered:
             if patience.passed:
                 raise SwarmUnavailableError(
-                    f"blocks {uncovered} have had no live replica at step {step} for {stack.patience:.0f}s; "
+                    f"blocks {uncovered} have had no live replica at step {step} for {calls.patience:.0f}s; "
                     "start peers serving them or raise the client's patience"
                 )
             if applied and replicas.split_over(uncovered, step):
@@ -301,11 +299,11 @@ def commit(
                     uncovered,
                     step,
                 )
-                _take_back(stack, replicas, applied, step)
+                _take_back(calls, replicas, applied, step)
             else:
                 logger.warning("blocks %s have no live replica at step %d; waiting", uncovered, step)
             patience.pause(1.0)
-            stack.router.refresh()
+            calls.router.refresh()
             continue
         if not pending:
             break
@@ -316,19 +314,19 @@ def commit(
             raise CommitError(f"step {step} could not be committed in {MAX_COMMIT_ROUNDS} rounds; see the log for why")
         missing = _held_by_departed(ledger, pending, applied)
         if not missing:
-            newly, missing = _commit_all(stack, replicas, pending, ledger, hparams, failed)
+            newly, missing = _commit_all(calls, replicas, pending, ledger, hparams, failed)
             for peer in newly:
                 replicas.current[peer] = step + 1  # no longer eligible for this step's work (e.g. a replay)
                 applied[peer] = pending[peer]
         if missing:
-            _take_back(stack, replicas, applied, step)  # so that replays can run through their blocks at `step`
-            _replay(stack, ledger, missing)
+            _take_back(calls, replicas, applied, step)  # so that replays can run through their blocks at `step`
+            _replay(hops, ledger, missing)
             continue
         if all(any(b in span for span in applied.values()) for b in blocks):
             break
     logger.debug("step %d committed on %d peers in %.2fs", step, len(applied), time.monotonic() - started)
     if failed:
-        stack.recovered(failed[0], "commit", step, started)
+        calls.recovered(failed[0], "commit", step, started)
     return applied
 
 
@@ -347,7 +345,7 @@ def _held_by_departed(
 
 
 def _commit_all(
-    stack: RemoteStack,
+    calls: PeerCalls,
     replicas: ReplicaSet,
     peers: dict[PeerID, range],
     ledger: StepLedger,
@@ -358,9 +356,9 @@ def _commit_all(
     gradients some replica could not fetch from anyone live."""
 
     def attempt(peer: PeerID) -> dict[int, list[str]] | None:
-        meta = CommitRequest(stack.adapter, ledger.step, ledger.wire_holders(peers[peer]), hparams).to_meta()
+        meta = CommitRequest(calls.adapter, ledger.step, ledger.wire_holders(peers[peer]), hparams).to_meta()
         try:
-            stack.call(peer, meta, [], floor=2 * FETCH_TIMEOUT)
+            calls.call(peer, meta, [], floor=2 * FETCH_TIMEOUT)
         except PeerFailure:
             failed.append(peer)
             return None
@@ -379,39 +377,39 @@ def _commit_all(
     return applied, {block: sorted(mbs) for block, mbs in missing.items()}
 
 
-def take_back_abandoned(stack: RemoteStack, replicas: ReplicaSet, step: int) -> None:
+def take_back_abandoned(calls: PeerCalls, replicas: ReplicaSet, step: int) -> None:
     """The user discarded gradients whose commit failed part-way: take the step back on the replicas that applied
     it, so they redo it with the gradients that will be committed instead. One that cannot (it restarted since) stays
     past the step and is never counted as having applied the new gradients (see ``StepLedger.tainted``)."""
     ahead = replicas.ahead_of(step)
     if ahead:
         logger.warning("taking step %d back on %d replica(s) that applied discarded gradients", step, len(ahead))
-        _take_back(stack, replicas, dict(ahead), step)
+        _take_back(calls, replicas, dict(ahead), step)
 
 
-def _take_back(stack: RemoteStack, replicas: ReplicaSet, applied: dict[PeerID, range], step: int) -> None:
+def _take_back(calls: PeerCalls, replicas: ReplicaSet, applied: dict[PeerID, range], step: int) -> None:
     """Revert the replicas that applied ``step`` in a round where others could not (rare: a gradient holder died
     between two replicas' fetches). They apply it again, to the same bits, once the lost gradients are replayed."""
 
     def attempt(peer: PeerID) -> None:
         try:
-            reply = stack.call(peer, {"method": Method.REVERT, "adapter": stack.adapter, "step": step}, [])
+            reply = calls.call(peer, {"method": Method.REVERT, "adapter": calls.adapter, "step": step}, [])
         except (PeerFailure, RemoteError) as e:
             logger.warning("peer %s could not take step %d back: %s", peer, step, e)
-            replicas.forget(peer)
+            replicas.current.forget(peer)
             return
         if set(reply.meta["steps"].values()) == {step}:
             replicas.current[peer] = step
         else:
-            replicas.forget(peer)
+            replicas.current.forget(peer)
 
     replicas.each(attempt, list(applied))
     applied.clear()
 
 
-def _replay(stack: RemoteStack, ledger: StepLedger, missing: dict[int, list[str]]) -> None:
+def _replay(hops: RemoteStack, ledger: StepLedger, missing: dict[int, list[str]]) -> None:
     """Recompute lost gradients on live replicas from the segments the client kept."""
     plan = ledger.replay_plan(missing)
     logger.warning("replaying %d segment(s) whose gradients died with a peer (step %d)", len(plan), ledger.step)
     for micro_batch, segment in plan:
-        stack.backward_segment(segment, ledger.masks.get(micro_batch), ledger, micro_batch, input_grad=False)
+        hops.backward_segment(segment, ledger.masks.get(micro_batch), ledger, micro_batch, input_grad=False)

@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from hivemind.p2p import PeerID
 
+from swarm.client.calls import PeerCalls, PeerFailure
 from swarm.client.commit import ReplicaSet
-from swarm.client.remote import PeerFailure, RemoteStack
 from swarm.net.errors import RemoteError
 from swarm.net.protocol import Method
 
@@ -30,10 +30,10 @@ MAX_ROUNDS = 3  # a holder that fails is replaced by the next candidate, this ma
 class CopyKeeper:
     """Chooses standby holders for under-replicated blocks and has them copy each committed state."""
 
-    def __init__(self, stack: RemoteStack, replicas: ReplicaSet, min_copies: int, adapter_meta: dict, workers: int = 8):
+    def __init__(self, calls: PeerCalls, replicas: ReplicaSet, min_copies: int, adapter_meta: dict, workers: int = 8):
         if min_copies < 1:
             raise ValueError(f"min_copies must be at least 1, got {min_copies}")
-        self.stack, self.replicas, self.min_copies, self.adapter_meta = stack, replicas, min_copies, adapter_meta
+        self.calls, self.replicas, self.min_copies, self.adapter_meta = calls, replicas, min_copies, adapter_meta
         self.holders: dict[int, list[PeerID]] = {}  # block -> standby holders, kept from step to step
         self.copies: dict[int, int] = {}  # block -> peers holding the last acknowledged state
         self._short: dict[int, int] | None = None  # the shortfall last warned about
@@ -42,11 +42,11 @@ class CopyKeeper:
     def ensure(self, step: int, replicas: dict[PeerID, range]) -> dict[int, int]:
         """Make every block's state at ``step`` held by ``min_copies`` peers: ``replicas`` (current at ``step``)
         plus standby holders. Returns the copies per block; a shortfall is warned about once, never raised."""
-        num_blocks = self.stack.router.num_blocks
+        num_blocks = self.calls.router.num_blocks
         servers = {b: [p for p, span in replicas.items() if b in span] for b in range(num_blocks)}
         confirmed: dict[int, list[PeerID]] = {b: [] for b in range(num_blocks)}
         if self.min_copies > 1:
-            candidates = sorted(self.stack.router.live_servers(eligible_only=False), key=lambda p: p.to_bytes())
+            candidates = sorted(self.calls.router.live_servers(eligible_only=False), key=lambda p: p.to_bytes())
             asked: set[PeerID] = set()
             for _ in range(MAX_ROUNDS):
                 plan = self._plan(servers, confirmed, [p for p in candidates if p not in asked])
@@ -89,9 +89,9 @@ class CopyKeeper:
                 sources[-1][1] = block + 1
             else:
                 sources.append([block, block + 1, source.to_base58()])
-        meta = {"method": Method.REPLICATE, "adapter": self.stack.adapter, **self.adapter_meta, "step": step}
+        meta = {"method": Method.REPLICATE, "adapter": self.calls.adapter, **self.adapter_meta, "step": step}
         try:
-            reply = self.stack.call(holder, {**meta, "sources": sources}, [], units=len(blocks))
+            reply = self.calls.call(holder, {**meta, "sources": sources}, [], units=len(blocks))
         except (PeerFailure, RemoteError) as e:
             logger.warning("peer %s could not hold a copy of blocks %s at step %d: %s", holder, blocks, step, e)
             return {}
@@ -102,7 +102,7 @@ class CopyKeeper:
     def _warn_if_short(self, step: int) -> None:
         short = {b: c for b, c in self.copies.items() if c < self.min_copies}
         if short and short != self._short:
-            peers = len(self.stack.router.live_servers(eligible_only=False))
+            peers = len(self.calls.router.live_servers(eligible_only=False))
             logger.warning(
                 "step %d is held by fewer than min_copies=%d peers: copies per block %s (%d live peer(s) in the "
                 "swarm). A failure of the peer holding a single copy would lose this step; start more peers "

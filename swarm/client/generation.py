@@ -24,11 +24,11 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from swarm.client.remote import PeerFailure, RemoteStack
+from swarm.client.calls import PeerFailure
+from swarm.client.remote import RemoteStack
 from swarm.client.routing import Hop
-from swarm.net.errors import PEER_ERRORS
+from swarm.net.errors import RemoteError
 from swarm.net.protocol import InferRequest, Method
-from swarm.net.wire import Message
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +71,10 @@ class SessionChain:
         """The output of the last block for the new tokens ``hidden`` (after everything sent before); ``mask``
         (padded prompts) covers every token so far."""
         new, index, block = hidden.shape[1], 0, 0
-        attempts = self.stack.attempts("generation")
+        attempts = self.stack.calls.attempts("generation")
         while block < self.stack.router.num_blocks:
             if index == len(self.hops):
-                hop = self.stack.router.wait_route(block, patience=self.stack.patience)[0]
+                hop = self.stack.wait_route(block)[0]
                 self.hops.append(HopSession(hop, uuid.uuid4().hex))
             session = self.hops[index]
             try:
@@ -107,7 +107,7 @@ class SessionChain:
         )
         units = hidden.shape[0] * hidden.shape[1] * (hop.end - hop.start)
         tensors = [wire.cast(hidden)] + ([mask] if mask is not None else [])
-        reply = self.stack.call(hop.peer_id, request.to_meta(), tensors, units, compression=wire.compression_type)
+        reply = self.stack.calls.call(hop.peer_id, request.to_meta(), tensors, units, compression=wire.compression_type)
         return reply.tensors[0].to(hidden.dtype)
 
     def end(self, sessions: list[HopSession] | None = None) -> None:
@@ -121,8 +121,8 @@ class SessionChain:
     def _end_one(self, session: HopSession) -> None:
         try:
             meta = {"method": Method.END_SESSION, "session": session.key}
-            self.stack.transport.call(session.hop.peer_id, Message(meta, []), timeout=5.0)
-        except PEER_ERRORS as e:  # the peer is gone or busy: its timeout frees the session
+            self.stack.calls.call(session.hop.peer_id, meta, [])
+        except (PeerFailure, RemoteError) as e:  # the peer is gone or busy: its timeout frees the session
             logger.debug("could not end generation session on %s: %s", session.hop.peer_id, e)
 
 

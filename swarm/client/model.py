@@ -1,4 +1,5 @@
-"""The model a user trains: local embeddings, norm and LM head around a remote stack of LoRA'd blocks."""
+"""The model a user trains: local embeddings, norm and LM head around a remote stack of LoRA'd blocks. It computes;
+everything about the adapter in the swarm (lease, ledger, replicas, commits, copies) is its session's."""
 
 from __future__ import annotations
 
@@ -6,15 +7,11 @@ import contextlib
 import getpass
 import logging
 import socket
-import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from pathlib import Path
 
 import peft
 import torch
-from hivemind import DHT
-from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.p2p import PeerID
 from safetensors import safe_open
 from torch import nn
@@ -22,23 +19,28 @@ from transformers import GenerationConfig
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from swarm.blocks import lora_config_from_wire, lora_config_to_wire, spans_text
-from swarm.client.commit import ReplicaSet, StepsLost, commit, take_back_abandoned
-from swarm.client.copies import CopyKeeper
+from swarm.blocks import lora_config_from_wire, lora_config_to_wire
+from swarm.client.calls import Recovery
+from swarm.client.commit import StepsLost
 from swarm.client.export import save_peft_adapter
 from swarm.client.generation import SessionChain, generate_tokens, resolve_config
-from swarm.client.lease import AdapterLease
 from swarm.client.ledger import StepLedger
 from swarm.client.pipeline import run_pipelined
-from swarm.client.remote import PeerFailure, RemoteStack, RemoteStackFunction
-from swarm.client.routing import Router
+from swarm.client.remote import RemoteStackFunction
+from swarm.client.session import (
+    RESUME_MODES,
+    AdapterIdentity,
+    AdapterSession,
+    SessionOptions,
+    TrainingSession,
+    committed_or_raise,
+    open_session,
+)
 from swarm.net.compression import WireFormat
-from swarm.net.errors import AdapterConfigError, AdapterStateLostError, RequestError, SwarmUnavailableError
-from swarm.net.network import check_access, initial_peers_or_env, join_dht, load_swarm_key
-from swarm.net.protocol import Method, OpenReply, OpenRequest, OptimizerHParams, check_adapter_name
-from swarm.net.records import RECOVERIES_KEPT, CommittedRecord, announce_committed, read_committed
-from swarm.net.security import Identity, SwarmKey
-from swarm.net.transport import Transport
+from swarm.net.errors import AdapterConfigError, AdapterStateLostError, RequestError
+from swarm.net.network import initial_peers_or_env, join_dht, load_swarm_key
+from swarm.net.protocol import OptimizerHParams, check_adapter_name
+from swarm.net.security import Identity
 from swarm.spec import ModelSpec, load_spec
 
 logger = logging.getLogger(__name__)
@@ -57,21 +59,6 @@ def _read_tensors(spec: ModelSpec, names: list[str]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-RESUME_MODES = ("committed", "latest")
-
-
-def _committed_or_raise(dht: DHT, spec: ModelSpec, adapter: str) -> CommittedRecord:
-    """The adapter's committed record, which a reader (``is_trainable=False``) needs: there is nothing to read
-    without one."""
-    recorded = read_committed(dht, spec.name, adapter)
-    if recorded is None:
-        raise AdapterStateLostError(
-            f"adapter {adapter!r} has no committed step in this swarm: there is nothing to read yet. Train it first "
-            "(is_trainable=True), or check its name"
-        )
-    return recorded
-
-
 def _generation_config(spec: ModelSpec) -> GenerationConfig:
     """The folder's generation_config.json, else what transformers derives from the model config."""
     if (spec.path / "generation_config.json").is_file():
@@ -82,69 +69,14 @@ def _generation_config(spec: ModelSpec) -> GenerationConfig:
 class SwarmModelForCausalLM(nn.Module):
     """A causal LM whose decoder blocks (and their LoRA adapter) live on swarm peers."""
 
-    def __init__(
-        self,
-        spec: ModelSpec,
-        dht: DHT,
-        adapter: str,
-        lora_config: peft.LoraConfig,
-        dtype: torch.dtype,
-        device: torch.device,
-        seed: int,
-        patience: float,
-        trainer: str,
-        identity: Identity,
-        swarm_key: SwarmKey | None,
-        initial_peers: list[str],
-        spot_check: float = 0.0,
-        min_copies: int = 2,
-        resume: str = "committed",
-        unreachable_wait: float = 30.0,
-        wire: WireFormat | None = None,
-        is_trainable: bool = True,
-    ):
+    def __init__(self, spec: ModelSpec, session: AdapterSession, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.is_trainable = is_trainable
-        self.spec, self.dht, self.adapter, self.trainer = spec, dht, adapter, trainer
-        self.lora_wire = lora_config_to_wire(lora_config)
-        self.lora_config = lora_config_from_wire(self.lora_wire)
-        self.seed, self.dtype, self.device, self.owner = seed, dtype, device, identity.owner
-        self.session = uuid.uuid4().hex[:16]
+        self.spec, self.session, self.dtype, self.device = spec, session, dtype, device
+        self.adapter = session.adapter.name
+        self.lora_config = lora_config_from_wire(session.adapter.lora)
         self.generation_config = _generation_config(spec)
         self._adapter_on = True
-        try:
-            self._load_local_modules(dtype, device)
-            self.transport = Transport.for_dht(dht, swarm_key)
-            RemoteExpertWorker.run_coroutine(check_access(self.transport, initial_peers))
-            self.router = Router(
-                dht,
-                self.transport,
-                spec.name,
-                spec.num_blocks,
-                unreachable_wait=unreachable_wait,
-                eligible=self._is_current,
-                on_wait=self._track,
-            )
-            self.stack = RemoteStack(self.transport, self.router, adapter, patience, spot_check, wire=wire)
-            self.replicas = ReplicaSet(self.stack, self._open_on, lost_grace=patience / 2)
-            self.copies_keeper = CopyKeeper(
-                self.stack, self.replicas, min_copies, {"lora": self.lora_wire, "seed": seed}
-            )
-            if is_trainable:
-                self.lease = AdapterLease(dht, spec.name, adapter, identity.owner, trainer, self.session)
-                self.lease.acquire(patience)
-                self.ledger = StepLedger(step=self._resume_step(resume), session=self.session)
-                self.replicas.refresh(self.ledger.step, accept_losses=resume == "latest")
-                self.copies_keeper.ensure(self.ledger.step, self.replicas.peers(self.ledger.step))
-            else:
-                _committed_or_raise(dht, spec, adapter)
-                self.ledger = StepLedger(step=self._resume_step("committed"), session=self.session)
-                self.replicas.follow(self.ledger.step)
-            self.router.start()
-        except BaseException:
-            self.shutdown()
-            raise
-        logger.info("adapter %r at step %d", adapter, self.ledger.step)
+        self._load_local_modules(dtype, device)
 
     def _load_local_modules(self, dtype: torch.dtype, device: torch.device) -> None:
         """Embeddings, final norm and LM head: the only tensors of the model the client reads."""
@@ -224,149 +156,66 @@ class SwarmModelForCausalLM(nn.Module):
         key = load_swarm_key(swarm_key)
         identity = Identity.load_or_create(None)
         dht = join_dht(peers, identity, key, client_mode=True)
-        trainer = trainer or f"{getpass.getuser()}@{socket.gethostname()}"
         if lora_config is None:
             try:
-                recorded = _committed_or_raise(dht, spec, adapter)
+                recorded = committed_or_raise(dht, spec, adapter)
             except AdapterStateLostError:
                 dht.shutdown()
                 raise
             lora_config, seed = lora_config_from_wire(recorded.lora), recorded.seed
-        return cls(
-            spec,
-            dht,
-            adapter,
-            lora_config,
-            dtype,
-            torch.device(device),
-            seed,
-            patience,
-            trainer,
-            identity,
-            key,
-            peers,
-            spot_check,
-            min_copies,
-            resume,
-            unreachable_wait,
-            wire,
-            is_trainable,
-        )
+        options = SessionOptions(patience, spot_check, min_copies, resume, unreachable_wait, wire)
+        trainer = (trainer or f"{getpass.getuser()}@{socket.gethostname()}") if is_trainable else None
+        identity_of_adapter = AdapterIdentity(adapter, lora_config_to_wire(lora_config), seed)
+        session = open_session(spec, dht, identity, key, peers, identity_of_adapter, options, trainer)
+        try:
+            return cls(spec, session, dtype, torch.device(device))
+        except BaseException:
+            session.close()
+            raise
 
-    def _is_current(self, peer: PeerID) -> bool:
-        """Whether a peer may serve this client: at the trainer's step, or (a reader) at that step or later."""
-        step = self.replicas.current.get(peer)
-        return step == self.ledger.step if self.is_trainable else step is not None and step >= self.ledger.step
-
-    def _track(self) -> None:
-        """Bring the replicas up to date: the trainer's refresh (opens new peers, syncs laggards), or a reader's
-        look at the newest committed step and the peers holding it (it changes nothing on any peer)."""
-        if self.is_trainable:
-            self.replicas.refresh(self.ledger.step)
-            return
-        recorded = read_committed(self.dht, self.spec.name, self.adapter)
-        if recorded is not None and recorded.step > self.ledger.step:
-            self.ledger = StepLedger(step=recorded.step, session=self.session)
-        self.replicas.follow(self.ledger.step)
-
-    def _current_peers(self) -> dict[PeerID, range]:
-        return {p: span for p, span in self.router.live_servers().items() if self._is_current(p)}
-
-    def _must_train(self, what: str) -> None:
-        if not self.is_trainable:
+    @property
+    def training_session(self) -> TrainingSession:
+        """The training session; a reader has none."""
+        if not isinstance(self.session, TrainingSession):
             raise ValueError(
-                f"{what} needs a trainer: this client opened adapter {self.adapter!r} with is_trainable=False "
+                f"training needs a trainer: this client opened adapter {self.adapter!r} with is_trainable=False "
                 "(it reads the adapter and generates, while its trainer trains)"
             )
+        return self.session
 
-    def _open_on(self, peer_id: PeerID) -> tuple[dict[int, int], dict[int, int]]:
-        """Open (or claim) the adapter on a peer; returns its committed step per served block and per standby copy.
-        A reader opens without a session: it claims nothing."""
-        request = OpenRequest(self.adapter, self.lora_wire, self.seed, self.session if self.is_trainable else None)
-        reply = OpenReply.from_meta(self.stack.call(peer_id, request.to_meta(), []).meta)
-        return reply.steps, reply.standby
+    @property
+    def is_trainable(self) -> bool:
+        return isinstance(self.session, TrainingSession)
 
-    def _resume_step(self, resume: str) -> int:
-        """The adapter's last committed step, and wait (up to ``patience``) until the swarm can serve it.
-
-        The trainer records the committed step in the DHT at every commit; peers hold their blocks' steps. The step
-        to resume at is the newest of both: a restarted client never starts over on an adapter that has committed
-        steps, and waits for peers that still load. It goes once every block has a live server and a live copy at
-        that step (laggards sync from it), or, with nothing recorded (a new swarm), once every block has a server.
-        """
-        recorded = read_committed(self.dht, self.spec.name, self.adapter)
-        if recorded is not None and (recorded.lora != self.lora_wire or recorded.seed != self.seed):
-            raise ValueError(
-                f"adapter {self.adapter!r} was trained with another LoRA config or seed (by {recorded.trainer!r}); "
-                "pass the same lora_config and seed to resume it, or pick another adapter name"
-            )
-        deadline = time.monotonic() + self.stack.patience
-        while True:
-            self.router.refresh()
-            served = self.replicas.open_many(list(self.router.live_servers(eligible_only=False)))
-            held: dict[int, set[int]] = {}
-            for steps in [*served.values(), *self.replicas.standby.values()]:
-                for block, step in steps.items():
-                    held.setdefault(block, set()).add(step)
-            newest = max([recorded.step if recorded else 0, *(s for steps in held.values() for s in steps)])
-            covered = {block for steps in served.values() for block in steps}
-            uncovered = [b for b in range(self.spec.num_blocks) if b not in covered]
-            missing = [b for b in range(self.spec.num_blocks) if newest not in held.get(b, ())]
-            unanswered = {p for peers in self.router.announced().values() for p in peers} - set(served)
-            give_up = time.monotonic() > deadline  # on peers that never answered, with resume="latest"
-            if not uncovered and (
-                not missing or recorded is None or (resume == "latest" and (give_up or not unanswered))
-            ):
-                if missing:
-                    logger.warning("resuming adapter %r without step %d on blocks %s", self.adapter, newest, missing)
-                return newest
-            if give_up:
-                if uncovered:
-                    raise SwarmUnavailableError(
-                        f"blocks {uncovered} have had no live server for {self.stack.patience:.0f}s; start peers "
-                        "serving them (swarm peer --model ...) or raise the client's patience"
-                    )
-                newest_held = {b: max(held[b]) for b in missing if b in held}
-                raise AdapterStateLostError(
-                    f"adapter {self.adapter!r} is at step {newest}, but no live peer holds blocks {missing} at that "
-                    f"step (the newest they hold: {newest_held or 'none'}). Restart the peers that held them with "
-                    'their --checkpoint-dir, or pass resume="latest" to continue from the newest state they hold '
-                    "(the steps in between are lost and listed in model.steps_lost)"
-                )
-            logger.info(
-                "waiting for peers holding adapter %r at step %d (blocks without a server yet: %s; not at that "
-                "step: %s)",
-                self.adapter,
-                newest,
-                spans_text(uncovered),
-                spans_text(missing),
-            )
-            time.sleep(1.0)
+    @property
+    def ledger(self) -> StepLedger:
+        """The step in progress: which micro-batches were sent, who holds their gradients."""
+        return self.training_session.ledger
 
     @property
     def step(self) -> int:
         """The number of committed optimizer steps of this adapter."""
-        return self.ledger.step
+        return self.session.step
 
     @property
     def dishonest(self) -> list[PeerID]:
         """Peers caught returning results that their replicas disagree with."""
-        return self.stack.dishonest
+        return self.session.hops.dishonest
 
     @property
     def copies(self) -> dict[int, int]:
         """Per block, how many peers hold the state of the last committed step (live replicas + standby copies)."""
-        return dict(self.copies_keeper.copies)
+        return dict(self.training_session.copies.copies)
 
     @property
     def steps_lost(self) -> list[StepsLost]:
         """Blocks that lost every current copy of their state and resumed from an older one (empty: none lost)."""
-        return self.replicas.lost
+        return self.session.replicas.lost
 
     @property
-    def recoveries(self):
+    def recoveries(self) -> list[Recovery]:
         """Failures routed around so far (peer, during what, at which step, how long the retry took)."""
-        return self.stack.recoveries
+        return self.session.recoveries
 
     def _inputs(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
@@ -394,21 +243,32 @@ class SwarmModelForCausalLM(nn.Module):
         labels: torch.LongTensor | None = None,
     ) -> CausalLMOutputWithPast:
         hidden, mask = self._inputs(input_ids, attention_mask)
-        if torch.is_grad_enabled():
-            self._must_train("a forward with gradients")
-            micro_batch = self.ledger.new_micro_batch()
-            # The embeddings are frozen: the stack's input gradient would be thrown away, so it is not asked for.
-            # (The input is marked as needing one only so that autograd runs the stack's backward at all.)
-            hidden = RemoteStackFunction.apply(
-                hidden.requires_grad_(True),
-                mask,
-                self.stack,
-                self.ledger,
-                micro_batch,
-                self.embed_tokens.weight.requires_grad,
-            )
-        else:
-            hidden, _ = self.stack.forward(hidden, mask, self.ledger.step, None)
+        if not torch.is_grad_enabled():
+            hidden, _ = self.session.hops.forward(hidden, mask, self.step, None)
+            return self._head(hidden, labels)
+        ledger = self.ledger
+        return self._trained(hidden, mask, labels, ledger, ledger.new_micro_batch())
+
+    def _trained(
+        self,
+        hidden: torch.Tensor,
+        mask: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        ledger: StepLedger,
+        micro_batch: str,
+    ) -> CausalLMOutputWithPast:
+        """A forward with gradients through the swarm, as one autograd op: ``backward()`` runs the peers'
+        backward and records who holds the micro-batch's gradients in the ledger."""
+        # The embeddings are frozen: the stack's input gradient would be thrown away, so it is not asked for.
+        # (The input is marked as needing one only so that autograd runs the stack's backward at all.)
+        hidden = RemoteStackFunction.apply(
+            hidden.requires_grad_(True),
+            mask,
+            self.session.hops,
+            ledger,
+            micro_batch,
+            self.embed_tokens.weight.requires_grad,
+        )
         return self._head(hidden, labels)
 
     @contextlib.contextmanager
@@ -448,12 +308,12 @@ class SwarmModelForCausalLM(nn.Module):
         mask = None if attention_mask is None or bool(attention_mask.bool().all()) else attention_mask.long().cpu()
         config = resolve_config(generation_config or self.generation_config, input_ids.shape[1], kwargs)
         if not self.is_trainable:
-            self._track()  # a reader generates with the newest committed step
+            self.session.catch_up()  # a reader generates with the newest committed step
         chain = SessionChain(
-            self.stack,
+            self.session.hops,
             input_ids.shape[1] + config.max_new_tokens,
             self.adapter if self._adapter_on else None,
-            lambda: self.ledger.step,
+            lambda: self.step,
         )
         try:
             return generate_tokens(
@@ -489,7 +349,7 @@ class SwarmModelForCausalLM(nn.Module):
             accumulation = len(micro_batches)
         if accumulation < 1:
             raise ValueError(f"accumulation must be at least 1, got {accumulation}")
-        ledger = self.ledger
+        ledger = self.ledger  # the step's: micro-batch ids come from it in order
 
         def start(batch: Mapping[str, torch.Tensor]) -> Callable[[], torch.Tensor]:
             if "input_ids" not in batch or "labels" not in batch:
@@ -498,11 +358,9 @@ class SwarmModelForCausalLM(nn.Module):
             micro_batch = ledger.new_micro_batch()  # here, in order: the canonical order of the sum
 
             def run() -> torch.Tensor:
-                outputs, inputs = self.stack.forward(hidden, mask, ledger.step, micro_batch)
-                outputs.requires_grad_(True)
-                loss = self._head(outputs, batch["labels"]).loss / accumulation
-                loss.backward()
-                self.stack.backward(inputs, outputs.grad.contiguous(), mask, ledger, micro_batch, input_grad=False)
+                with torch.enable_grad():
+                    loss = self._trained(hidden, mask, batch["labels"], ledger, micro_batch).loss / accumulation
+                    loss.backward()
                 return loss.detach()
 
             return run
@@ -511,70 +369,19 @@ class SwarmModelForCausalLM(nn.Module):
 
     def commit(self, hparams: OptimizerHParams) -> int:
         """Commit the step in progress on every live replica of every block; returns the new step."""
-        self._must_train("opt.step()")
-        if self.ledger.empty:
-            logger.warning("optimizer step with no backward since the last step: nothing to commit")
-            return self.step
-        self.router.wait_fresh(timeout=self.router.refresh_every)
-        applied = commit(self.stack, self.replicas, self.ledger, hparams)
-        self.ledger = self.ledger.next()
-        self.copies_keeper.ensure(self.step, applied)
-        recent = [
-            {"peer": r.peer.to_base58(), "during": r.during, "step": r.step, "seconds": round(r.seconds, 2)}
-            for r in self.recoveries[-RECOVERIES_KEPT:]
-        ]
-        lost = sum(e.steps for e in self.steps_lost)
-        record = CommittedRecord(self.step, self.lora_wire, self.seed, self.trainer, recent, lost)
-        announce_committed(self.dht, self.spec.name, self.adapter, self.owner, record)
-        self.router.refresh_soon()  # peers that joined or moved meanwhile are brought in at the next step
-        return self.step
+        return self.training_session.commit(hparams)
 
     def discard_step(self) -> None:
         """Forget the micro-batches of the step in progress (their gradients are never committed)."""
-        if self.ledger.committing:
-            take_back_abandoned(self.stack, self.replicas, self.ledger.step)
-        self.ledger = self.ledger.discarded()
-
-    def _each_block(self, method: str) -> list[tuple[PeerID, range, dict, list[torch.Tensor]]]:
-        """Ask every current replica (used for exports and checks), waiting up to ``patience`` for every block
-        to have answered at least once: a replica banned a moment ago may be back in seconds."""
-        deadline = time.monotonic() + self.stack.patience
-        answers: dict[PeerID, tuple[PeerID, range, dict, list[torch.Tensor]]] = {}
-        while True:
-            self._track()
-            for peer, span in self._current_peers().items():
-                if peer in answers:
-                    continue
-                try:
-                    reply = self.stack.call(peer, {"method": method, "adapter": self.adapter}, [])
-                except PeerFailure:
-                    continue
-                answers[peer] = (peer, span, reply.meta, reply.tensors)
-            covered = {b for _, span, _, _ in answers.values() for b in span}
-            if len(covered) == self.spec.num_blocks or time.monotonic() > deadline:
-                return list(answers.values())
-            time.sleep(1.0)
+        self.training_session.discard_step()
 
     def adapter_state(self) -> dict[int, dict[str, torch.Tensor]]:
         """LoRA tensors of every block, from live replicas at the current step."""
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        for _, span, meta, tensors in self._each_block(Method.STATE):
-            for (block, name), tensor in zip(meta["names"], tensors, strict=True):
-                if block in span:  # a peer handing blocks over may still hold them, not current any more
-                    state.setdefault(block, {})[name] = tensor
-        missing = [b for b in range(self.spec.num_blocks) if b not in state]
-        if missing:
-            raise RuntimeError(f"no live replica holds blocks {missing} of adapter {self.adapter!r}")
-        return state
+        return self.session.adapter_state()
 
     def replica_digests(self) -> dict[int, dict[PeerID, str]]:
         """Per block, the state digest each live replica reports: equal digests mean identical replicas."""
-        digests: dict[int, dict[PeerID, str]] = {}
-        for peer, span, meta, _ in self._each_block(Method.DIGEST):
-            for block, digest in meta["digests"].items():
-                if int(block) in span:
-                    digests.setdefault(int(block), {})[peer] = digest
-        return digests
+        return self.session.replica_digests()
 
     def save_adapter(self, out_dir: str | Path) -> Path:
         """Write a standard peft adapter folder for this model."""
@@ -587,15 +394,5 @@ class SwarmModelForCausalLM(nn.Module):
         self.shutdown()
 
     def shutdown(self) -> None:
-        """Leave the swarm: release the adapter's lease, close this client's P2P connection and DHT node. Safe to
-        call on a model whose construction failed half-way (it releases what was started)."""
-        if hasattr(self, "router"):
-            self.router.stop()
-        for part in ("copies_keeper", "replicas"):
-            if hasattr(self, part):
-                getattr(self, part).close()
-        if getattr(self, "lease", None) is not None:
-            self.lease.release()
-        if hasattr(self, "transport"):
-            RemoteExpertWorker.run_coroutine(self.transport.shutdown())
-        self.dht.shutdown()
+        """Leave the swarm: release the adapter's lease, close this client's P2P connection and DHT node."""
+        self.session.close()

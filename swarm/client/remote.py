@@ -5,31 +5,20 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from hivemind.p2p import PeerID
-from hivemind.proto import runtime_pb2
 
+from swarm.client.calls import PeerCalls, PeerFailure
 from swarm.client.ledger import Segment, StepLedger
-from swarm.client.routing import Hop, Router
-from swarm.net.compression import WireFormat
-from swarm.net.errors import TRANSPORT_ERRORS, LeaseLostError, RemoteError, SwarmUnavailableError
-from swarm.net.protocol import PEER_STATE_ERRORS, ErrorKind, Method, SpanRequest
-from swarm.net.transport import Transport
+from swarm.client.routing import Hop
+from swarm.net.errors import RemoteError
+from swarm.net.protocol import ErrorKind, Method, SpanRequest
 from swarm.net.wire import Message
 
 logger = logging.getLogger(__name__)
-
-
-class PeerFailure(Exception):
-    """A peer failed or refused for its own reasons; the peer is banned and the work goes elsewhere."""
-
-    def __init__(self, peer: PeerID, reason: str):
-        super().__init__(f"{peer}: {reason}")
-        self.peer = peer
 
 
 @dataclass
@@ -40,72 +29,29 @@ class HopInput:
     hidden: torch.Tensor
 
 
-@dataclass
-class Recovery:
-    """A failure the client routed around: who, during what, and how long the retry took."""
-
-    peer: PeerID
-    during: str
-    step: int
-    seconds: float
-
-
 class RemoteStack:
-    """Runs blocks of one adapter through the swarm with retries, and records who holds which gradients."""
+    """Runs blocks of one adapter through the swarm with retries, and records who holds which gradients.
+
+    ``catch_up`` runs while a hop waits for a server: it brings new peers in (the trainer opens them and syncs
+    laggards; a reader looks for a newer committed step), so that they become eligible."""
 
     def __init__(
         self,
-        transport: Transport,
-        router: Router,
-        adapter: str,
-        patience: float,
+        calls: PeerCalls,
+        catch_up: Callable[[], None],
         spot_check: float = 0.0,
         spot_check_tolerance: float = 1e-3,
-        wire: WireFormat | None = None,
     ):
-        self.transport, self.router, self.adapter, self.patience = transport, router, adapter, patience
-        self.wire = wire or WireFormat()
+        self.calls, self.catch_up = calls, catch_up
+        self.router, self.adapter, self.wire = calls.router, calls.adapter, calls.wire
         self.spot_check, self.spot_check_tolerance = spot_check, spot_check_tolerance
-        self.on_peer_state: list = []  # callbacks(peer) run when a peer turns out stale or fresh
-        self.recoveries: list[Recovery] = []
         self.dishonest: list[PeerID] = []
         self.random = random.Random()
 
-    # --- calls ----------------------------------------------------------------------------------------------
-
-    def call(
-        self,
-        peer: PeerID,
-        meta: dict,
-        tensors: list[torch.Tensor],
-        units: float = 1.0,
-        floor: float = 0.0,
-        compression: int = runtime_pb2.CompressionType.NONE,
-    ) -> Message:
-        """One request; failures of the peer become PeerFailure (after a ban), refusals of the request raise."""
-        method = meta["method"]
-        started = time.monotonic()
-        timeout = floor + self.router.timeout(peer, method, units)
-        try:
-            reply = self.transport.call(peer, Message(meta, tensors, compression), timeout)
-        except RemoteError as e:
-            if e.kind == ErrorKind.FENCED:
-                raise LeaseLostError(str(e)) from None
-            if e.kind not in PEER_STATE_ERRORS:
-                raise
-            raise self._peer_failed(peer, str(e)) from e
-        except TRANSPORT_ERRORS as e:
-            reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            raise self._peer_failed(peer, f"{method}: {reason}") from e
-        self.router.succeeded(peer, method, units, time.monotonic() - started)
-        return reply
-
-    def _peer_failed(self, peer: PeerID, reason: str) -> PeerFailure:
-        """Ban the peer for a while and tell those who track peers' state; the work goes elsewhere."""
-        self.router.ban(peer, reason)
-        for callback in self.on_peer_state:
-            callback(peer)
-        return PeerFailure(peer, reason)
+    def wait_route(self, start: int, end: int | None = None, prefer: PeerID | None = None) -> list[Hop]:
+        """Hops over blocks [start, end) (to the last block when ``end`` is None), waiting up to the patience for
+        servers to (re)join."""
+        return self.router.wait_route(start, end, prefer=prefer, patience=self.calls.patience, on_wait=self.catch_up)
 
     def _tensors(self, hidden: torch.Tensor, mask: torch.Tensor | None, *extra: torch.Tensor) -> list[torch.Tensor]:
         """A span request's tensors, floating ones in the wire's dtype."""
@@ -114,7 +60,9 @@ class RemoteStack:
     def _span_call(self, hop: Hop, request: SpanRequest, tensors: list[torch.Tensor], dtype: torch.dtype) -> Message:
         """A forward or backward request in the wire's format; the answer back in the client's ``dtype``."""
         units = tensors[0].shape[0] * tensors[0].shape[1] * (hop.end - hop.start)
-        reply = self.call(hop.peer_id, request.to_meta(), tensors, units, compression=self.wire.compression_type)
+        reply = self.calls.call(
+            hop.peer_id, request.to_meta(), tensors, units, compression=self.wire.compression_type
+        )
         return Message(reply.meta, [t.to(dtype) for t in reply.tensors])
 
     def _forward_hop(
@@ -167,15 +115,6 @@ class RemoteStack:
         ledger.acknowledge(micro_batch, hop.blocks, hop.peer_id)
         return reply.tensors[0] if input_grad else None
 
-    def recovered(self, failed: PeerID | None, during: str, step: int, since: float | None) -> None:
-        if failed is None or since is None:
-            return
-        seconds = time.monotonic() - since
-        self.recoveries.append(Recovery(failed, during, step, seconds))
-        logger.warning(
-            "recovered from the failure of peer %s during %s (step %d) in %.2fs", failed, during, step, seconds
-        )
-
     # --- spot checks ------------------------------------------------------------------------------------------
 
     def _agree(self, a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -220,25 +159,20 @@ class RemoteStack:
             if peer not in majority:
                 self.router.distrust(peer, f"its blocks {hop.start}:{hop.end} results disagree with its replicas'")
                 self.dishonest.append(peer)
-                for callback in self.on_peer_state:
-                    callback(peer)
+                self.calls.current.forget(peer)
         chosen = hop.peer_id if hop.peer_id in majority else majority[0]
         return opinions[chosen], chosen
 
     # --- forward and backward -------------------------------------------------------------------------------
-
-    def attempts(self, during: str) -> Attempts:
-        """The retry of one piece of work (a hop, a segment, a token) over whichever replicas are live."""
-        return Attempts(self, during)
 
     def forward(
         self, hidden: torch.Tensor, mask: torch.Tensor | None, step: int, micro_batch: str | None
     ) -> tuple[torch.Tensor, list[HopInput]]:
         """Through blocks [0, n); a hop that fails is redone on another replica from the same input."""
         inputs: list[HopInput] = []
-        block, attempts = 0, self.attempts("forward")
+        block, attempts = 0, self.calls.attempts("forward")
         while block < self.router.num_blocks:
-            hop = self.router.wait_route(block, patience=self.patience)[0]
+            hop = self.wait_route(block)[0]
             try:
                 outputs = self._forward_hop(hop, hidden, mask, step, micro_batch)
                 outputs, chosen = self._spot_check(
@@ -289,10 +223,10 @@ class RemoteStack:
 
         Backwards are idempotent per (micro-batch, block) on the peers, so redoing part of a segment is safe.
         """
-        attempts = self.attempts("backward")
+        attempts = self.calls.attempts("backward")
         prefer = None if cached_on is None else cached_on.peer_id
         while True:
-            hops = self.router.wait_route(segment.start, segment.end, prefer=prefer, patience=self.patience)
+            hops = self.wait_route(segment.start, segment.end, prefer)
             try:
                 hiddens = [segment.hidden]
                 for hop in hops[:-1]:
@@ -318,32 +252,6 @@ class RemoteStack:
                 continue
             attempts.succeeded(ledger.step)
             return grad
-
-
-class Attempts:
-    """One piece of work tried on one replica after another. The first failure starts the patience clock; work
-    that keeps failing on every server (each one answering with an internal error, say) is given up after
-    ``patience`` rather than retried forever; success records the recovery. What counts as a peer's fault, and its
-    ban with backoff, is ``RemoteStack.call``'s to say."""
-
-    def __init__(self, stack: RemoteStack, during: str):
-        self.stack, self.during = stack, during
-        self.last_failed: PeerID | None = None
-        self.since: float | None = None
-
-    def failed(self, error: PeerFailure, hop: Hop) -> None:
-        """Note a failure on ``hop``; raise SwarmUnavailableError once the work has failed for ``patience``."""
-        self.last_failed, self.since = error.peer, self.since or time.monotonic()
-        if time.monotonic() - self.since > self.stack.patience:
-            raise SwarmUnavailableError(
-                f"blocks {hop.start}:{hop.end} have failed on every server tried for {self.stack.patience:.0f}s; "
-                f"the last error: {error}. See that peer's log, or raise the client's patience"
-            ) from error
-
-    def succeeded(self, step: int) -> None:
-        """The work went through: a recovery, if it had failed; the next piece starts with a clean slate."""
-        self.stack.recovered(self.last_failed, self.during, step, self.since)
-        self.last_failed = self.since = None
 
 
 class RemoteStackFunction(torch.autograd.Function):

@@ -70,7 +70,6 @@ class Router:
         *,
         unreachable_wait: float = 30.0,
         eligible: Callable[[PeerID], bool] = lambda peer: True,
-        on_wait: Callable[[], None] = lambda: None,
         first_timeout: float = 60.0,
         min_timeout: float = 2.0,
         min_ban: float = 2.0,
@@ -85,7 +84,6 @@ class Router:
         self.servers: dict[int, list[ServerRecord]] = {}
         self.health: dict[PeerID, PeerHealth] = {}
         self.eligible = eligible  # whether a peer may be routed to (it holds the adapter at the client's step)
-        self.on_wait = on_wait  # run while waiting for a route: bring new peers in
         self.random = random.Random(seed)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -243,9 +241,15 @@ class Router:
         )
 
     def wait_route(
-        self, start: int = 0, end: int | None = None, prefer: PeerID | None = None, patience: float = 60.0
+        self,
+        start: int = 0,
+        end: int | None = None,
+        prefer: PeerID | None = None,
+        patience: float = 60.0,
+        on_wait: Callable[[], None] | None = None,
     ) -> list[Hop]:
-        """A route, waiting up to ``patience`` seconds for missing blocks to get a server again."""
+        """A route, waiting up to ``patience`` seconds for missing blocks to get a server again; ``on_wait`` runs
+        between looks (the caller brings new peers in)."""
 
         def attempt() -> list[Hop] | None:
             try:
@@ -253,9 +257,17 @@ class Router:
             except NoRouteError:
                 return None
 
-        return self._wait(attempt, start, end, patience, eligible_only=True)
+        return self._wait(attempt, start, end, patience, eligible_only=True, on_wait=on_wait)
 
-    def _wait(self, attempt: Callable, start: int, end: int | None, patience: float, eligible_only: bool):
+    def _wait(
+        self,
+        attempt: Callable,
+        start: int,
+        end: int | None,
+        patience: float,
+        eligible_only: bool,
+        on_wait: Callable[[], None] | None = None,
+    ):
         result = attempt()
         if result is not None:
             return result
@@ -271,7 +283,8 @@ class Router:
             deadline.pause(min(1.0, self.min_ban))
             try:
                 self.refresh()
-                self.on_wait()
+                if on_wait is not None:
+                    on_wait()
             except PEER_ERRORS as e:
                 logger.warning("could not refresh the swarm view: %s", e)
             result = attempt()

@@ -170,13 +170,13 @@ def _vocab(model_dir: Path) -> int:
 
 def _hook(model: swarm.SwarmModelForCausalLM, driver: ChaosDriver) -> None:
     """Let phase-aimed strikes see each request the client is about to send."""
-    original = model.stack.call
+    original = model.session.calls.call
 
     def call(peer, meta, tensors, *args, **kwargs):
         driver.on_request(meta["method"], peer.to_base58())
         return original(peer, meta, tensors, *args, **kwargs)
 
-    model.stack.call = call
+    model.session.calls.call = call
 
 
 def _train(model: swarm.SwarmModelForCausalLM, vocab: int, deadline: float, run: ChurnRun, started: float) -> None:

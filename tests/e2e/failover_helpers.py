@@ -109,13 +109,13 @@ Hook = Callable[[str, str, int], None]
 
 def instrument(model: swarm.SwarmModelForCausalLM, hook: Hook) -> None:
     """Call ``hook(method, peer_id, step)`` just before each request the client sends (to time a fault)."""
-    original = model.stack.call
+    original = model.session.calls.call
 
     def call(peer, meta, tensors, *args, **kwargs):
         hook(meta["method"], peer.to_base58(), model.step)
         return original(peer, meta, tensors, *args, **kwargs)
 
-    model.stack.call = call
+    model.session.calls.call = call
 
 
 def assert_replicas_identical(model: swarm.SwarmModelForCausalLM) -> None:

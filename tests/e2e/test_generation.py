@@ -112,14 +112,14 @@ def test_a_dropped_session_is_replayed_and_bad_input_is_refused_clearly(tiny_mod
                     time.sleep(2.5)  # longer than --inference-timeout: the first span's session expires
 
             sent: list[tuple[int, int, int]] = []  # (first block, position, tokens sent) of each infer request
-            original = model.stack.call
+            original = model.session.calls.call
 
             def record(peer, meta, tensors, *args, **kwargs):
                 if meta["method"] == "infer":
                     sent.append((meta["start"], meta["position"], tensors[0].shape[1]))
                 return original(peer, meta, tensors, *args, **kwargs)
 
-            model.stack.call = record
+            model.session.calls.call = record
             expected = model.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
             prompt = PROMPTS.shape[1]
             # the prompt once per span, then one token per span per round: the keys and values stay on the peers

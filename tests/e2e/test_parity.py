@@ -91,7 +91,7 @@ def parity_run(llama_swarm, tiny_models, tmp_path_factory):
 
 def record_backwards(model: swarm.SwarmModelForCausalLM) -> list[dict]:
     """What each backward request carried and got back."""
-    calls, original = [], model.stack.call
+    calls, original = [], model.session.calls.call
 
     def call(peer, meta, tensors, *args, **kwargs):
         reply = original(peer, meta, tensors, *args, **kwargs)
@@ -99,7 +99,7 @@ def record_backwards(model: swarm.SwarmModelForCausalLM) -> list[dict]:
             calls.append(dict(meta=meta, sent=len(tensors), returned=len(reply.tensors)))
         return reply
 
-    model.stack.call = call
+    model.session.calls.call = call
     return calls
 
 
@@ -186,7 +186,7 @@ def test_pipelined_steps_equal_local_peft(llama_swarm, tiny_models, tmp_path):
     g = torch.Generator().manual_seed(3)
     vocab = model.spec.config.vocab_size
     micro = [dict(input_ids=ids, labels=ids) for ids in torch.randint(0, vocab, (count, 2, 12), generator=g)]
-    busy, most, original, lock = [0], [0], model.stack.call, threading.Lock()
+    busy, most, original, lock = [0], [0], model.session.calls.call, threading.Lock()
 
     def call(peer, meta, tensors, *args, **kwargs):
         with lock:
@@ -201,12 +201,12 @@ def test_pipelined_steps_equal_local_peft(llama_swarm, tiny_models, tmp_path):
     try:
         model.save_adapter(tmp_path / "initial")
         optimizer = swarm.RemoteOptimizer(model, **HPARAMS)
-        model.stack.call = call
+        model.session.calls.call = call
         swarm_losses = []
         for _ in range(3):
             swarm_losses.append(model.train_step((b for b in micro), accumulation=count).item())
             optimizer.step()
-        model.stack.call = original
+        model.session.calls.call = original
         model.save_adapter(tmp_path / "final")
         with pytest.raises(TypeError, match="accumulation"):
             model.train_step(b for b in micro)
@@ -241,14 +241,14 @@ def test_compressed_wire_trains_close_to_exact_and_is_off_by_default(llama_swarm
             seed=7,
             **options,
         )
-        requests, original = [], model.stack.call
+        requests, original = [], model.session.calls.call
 
         def call(peer, meta, tensors, *args, original=original, requests=requests, **kwargs):
             requests.append((meta, [t.dtype for t in tensors], kwargs.get("compression", 0)))
             return original(peer, meta, tensors, *args, **kwargs)
 
         try:
-            model.stack.call = call
+            model.session.calls.call = call
             with torch.no_grad():
                 logits[name] = model(ids).logits
             loss = model.train_step([dict(input_ids=ids, labels=ids)])
@@ -274,7 +274,7 @@ def test_large_micro_batches_travel_over_parallel_lanes_exactly(llama_swarm, tin
     )
     ids = torch.randint(0, 256, (16, 128), generator=torch.Generator().manual_seed(9))
     batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
-    laned, original = [], model.transport._send_lanes
+    laned, original = [], model.session.transport._send_lanes
 
     async def send_lanes(stub, message, payload):
         laned.append(message.meta["method"])
@@ -282,7 +282,7 @@ def test_large_micro_batches_travel_over_parallel_lanes_exactly(llama_swarm, tin
 
     try:
         model.save_adapter(tmp_path / "initial")
-        model.transport._send_lanes = send_lanes
+        model.session.transport._send_lanes = send_lanes
         swarm_losses = train(model, swarm.RemoteOptimizer(model, **HPARAMS), [[batch]], accumulation=1)
         model.save_adapter(tmp_path / "final")
     finally:

@@ -238,7 +238,7 @@ def test_a_peer_survives_a_fuzz_of_malformed_requests_and_still_trains(tiny_mode
             model_dir, initial_peers=local.initial_peers, adapter="fuzzed", lora_config=LORA
         )
         try:
-            stub = PeerDoors.get_stub(model.transport.p2p, peer_id)
+            stub = PeerDoors.get_stub(model.session.transport.p2p, peer_id)
             process = psutil.Process(peer.pid)
             ids = torch.randint(0, 256, (2, 8))
             rss = []
@@ -259,7 +259,7 @@ def test_a_peer_survives_a_fuzz_of_malformed_requests_and_still_trains(tiny_mode
                 # Oversized payload on the stream door: refused, not buffered without bound.
                 big = Message({"method": "forward"}, [torch.zeros(5, 1024, 1024)])
                 with pytest.raises(RemoteError, match="too_large|limit"):
-                    model.transport.call(peer_id, big, 60)
+                    model.session.transport.call(peer_id, big, 60)
                 assert refused >= 300
                 rss.append(process.memory_info().rss)
             assert rss[1] < rss[0] * 1.25, f"peer memory grew from {rss[0] >> 20} to {rss[1] >> 20} MiB"

@@ -25,7 +25,7 @@ FAST = ["--balance-interval", "1"]
 
 
 def standby_steps(model, peer: Process, adapter: str) -> dict[int, int]:
-    reply = model.transport.call(PeerID.from_base58(peer.peer_id), Message({"method": "info"}, []), 10)
+    reply = model.session.transport.call(PeerID.from_base58(peer.peer_id), Message({"method": "info"}, []), 10)
     entry = reply.meta["adapters"].get(adapter, {})
     return {int(b): s for b, s in entry.get("standby", {}).items()}
 
@@ -112,7 +112,7 @@ def test_joining_peers_fill_uncovered_then_under_replicated_blocks(tiny_models, 
             late_id = PeerID.from_base58(late.peer_id)
             train(model, steps=3, check_replicas=False)  # the step during which it announced itself
             train(model, steps=4, check_replicas=False)
-            assert model.replicas.current.get(late_id) == model.step, "a joined peer is current within one step"
+            assert model.session.current.get(late_id) == model.step, "a joined peer is current within one step"
             digests = model.replica_digests()
             assert all(late_id in digests[b] for b in (2, 3)), "the new peer is not used"
             model.save_adapter(tmp_path / "final")

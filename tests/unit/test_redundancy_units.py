@@ -15,6 +15,7 @@ from peers.daemon import PeerConfig, blocks_that_fit
 from peers.state import BlockState, BlockUpdate, pack_states, unpack_states
 from swarm.blocks import lora_config_to_wire
 from swarm.client.commit import ReplicaSet, commit, take_back_abandoned
+from swarm.client.current import CurrentPeers
 from swarm.client.ledger import StepLedger
 from swarm.net.errors import (
     ErrorKind,
@@ -224,7 +225,8 @@ class _Stack:
     adapter = "a"
 
     def __init__(self, router: _Router):
-        self.router, self.on_peer_state, self.sent = router, [], []
+        self.router, self.sent = router, []
+        self.calls = self  # the fake is both the calls and the hops of a commit
 
     def call(self, peer: PeerID, meta: dict, tensors: list) -> _Reply:
         self.sent.append((peer, meta["source"], meta["start"], meta["end"]))
@@ -237,7 +239,7 @@ def test_a_takeover_holding_part_of_its_span_current_syncs_only_the_rest():
     the other copy's holder, and block 2 needs no source (it used to fail: "no current copy of block 2")."""
     mover, stayer = PeerID(b"m" * 8), PeerID(b"s" * 8)
     stack = _Stack(_Router({mover: range(2, 4), stayer: range(0, 2)}))
-    replicas = ReplicaSet(stack, open_on=lambda peer: ({}, {}))
+    replicas = ReplicaSet(stack, CurrentPeers(0, exact=True), open_on=lambda peer: ({}, {}))
     try:
         replicas.current[stayer] = 1
         replicas.note_standby(stayer, {3: 1})
@@ -280,7 +282,7 @@ def test_a_sync_whose_source_died_pulls_from_another_and_blames_the_source():
     mover, dead, alive = PeerID(b"m" * 8), PeerID(b"d" * 8), PeerID(b"a" * 8)
     router = _BanningRouter({mover: range(2, 4), dead: range(2, 4), alive: range(2, 4)})
     stack = _DeadSourceStack(router, dead)
-    replicas = ReplicaSet(stack, open_on=lambda peer: ({}, {}))
+    replicas = ReplicaSet(stack, CurrentPeers(0, exact=True), open_on=lambda peer: ({}, {}))
     try:
         replicas.current.update({dead: 1, alive: 1})
         steps = replicas._sync(mover, range(2, 4), {2: 0, 3: 0}, step=1)
@@ -308,7 +310,8 @@ class _CommitStack:
     def __init__(self, steps: dict[PeerID, dict[int, int]]):
         self.steps = steps
         self.router = _CommitRouter({p: range(min(held), max(held) + 1) for p, held in steps.items()})
-        self.on_peer_state, self.commits, self.fast_forwards = [], [], []
+        self.commits, self.fast_forwards = [], []
+        self.calls = self  # the fake is both the calls and the hops of a commit
 
     def open_on(self, peer: PeerID) -> tuple[dict[int, int], dict[int, int]]:
         return dict(self.steps[peer]), {}
@@ -335,7 +338,7 @@ class _CommitStack:
 
 def _commit_step(stack: _CommitStack, step: int, holders: dict[int, PeerID]) -> dict[PeerID, range]:
     """Commit ``step`` of one micro-batch whose gradients of each block are held by ``holders[block]``."""
-    replicas = ReplicaSet(stack, open_on=stack.open_on)
+    replicas = ReplicaSet(stack, CurrentPeers(0, exact=True), open_on=stack.open_on)
     ledger = StepLedger(step=step, session="s")
     for block, holder in holders.items():
         ledger.acknowledge(f"s:{step}:000000001", range(block, block + 1), holder)
@@ -381,7 +384,7 @@ def test_a_replica_past_the_step_is_not_counted_for_gradients_that_replaced_disc
     ahead, behind = PeerID(b"x" * 8), PeerID(b"w" * 8)
     stack = _CommitStack({ahead: {2: 46, 3: 46}, behind: {0: 45, 1: 45}})
     stack.patience = 1.0
-    replicas = ReplicaSet(stack, open_on=stack.open_on)
+    replicas = ReplicaSet(stack, CurrentPeers(0, exact=True), open_on=stack.open_on)
     ledger = StepLedger(step=45, session="s", committing=True).discarded()
     for block, holder in ((0, behind), (1, behind), (2, behind), (3, behind)):
         ledger.acknowledge("s:45:000000002", range(block, block + 1), holder)
@@ -391,7 +394,7 @@ def test_a_replica_past_the_step_is_not_counted_for_gradients_that_replaced_disc
     finally:
         replicas.close()
     assert stack.commits == []
-    replicas = ReplicaSet(stack, open_on=stack.open_on)
+    replicas = ReplicaSet(stack, CurrentPeers(0, exact=True), open_on=stack.open_on)
     replicas.current[ahead] = 46
     try:
         take_back_abandoned(stack, replicas, 45)  # what discard_step does first
@@ -407,7 +410,7 @@ def test_a_block_without_a_current_copy_waits_for_its_holders_before_declaring_a
     seconds without any holder of the step, or at once when the user asked for it (``resume="latest"``)."""
     current, survivor = PeerID(b"w" * 8), PeerID(b"x" * 8)
     stack = _CommitStack({current: {0: 5, 1: 5}, survivor: {2: 3, 3: 3}})
-    replicas = ReplicaSet(stack, open_on=stack.open_on, lost_grace=0.3)
+    replicas = ReplicaSet(stack, CurrentPeers(0, exact=True), open_on=stack.open_on, lost_grace=0.3)
     try:
         replicas.refresh(5)
         assert stack.fast_forwards == [] and replicas.lost == []
@@ -419,7 +422,7 @@ def test_a_block_without_a_current_copy_waits_for_its_holders_before_declaring_a
     finally:
         replicas.close()
     stack = _CommitStack({current: {0: 5, 1: 5}, survivor: {2: 3, 3: 3}})
-    replicas = ReplicaSet(stack, open_on=stack.open_on, lost_grace=60.0)
+    replicas = ReplicaSet(stack, CurrentPeers(0, exact=True), open_on=stack.open_on, lost_grace=60.0)
     try:
         replicas.refresh(5, accept_losses=True)
         assert stack.fast_forwards == [(survivor, 2), (survivor, 3)]

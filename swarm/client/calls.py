@@ -1,0 +1,131 @@
+"""Calling peers on behalf of one adapter: what counts as a peer's fault, its ban, and retries within patience."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+
+from swarm.client.current import CurrentPeers
+from swarm.client.routing import Hop, Router
+from swarm.net.compression import WireFormat
+from swarm.net.errors import TRANSPORT_ERRORS, LeaseLostError, RemoteError, SwarmUnavailableError
+from swarm.net.protocol import PEER_STATE_ERRORS, ErrorKind
+from swarm.net.transport import Transport
+from swarm.net.wire import Message
+
+logger = logging.getLogger(__name__)
+
+
+class PeerFailure(Exception):
+    """A peer failed or refused for its own reasons; the peer is banned and the work goes elsewhere."""
+
+    def __init__(self, peer: PeerID, reason: str):
+        super().__init__(f"{peer}: {reason}")
+        self.peer = peer
+
+
+@dataclass
+class Recovery:
+    """A failure the client routed around: who, during what, and how long the retry took."""
+
+    peer: PeerID
+    during: str
+    step: int
+    seconds: float
+
+
+class PeerCalls:
+    """Every request the client makes for its adapter goes through ``call``: the transport's errors and a peer's
+    refusals for its own state become ``PeerFailure`` after a ban (and the peer's step is forgotten); a refusal of
+    the request itself raises. Anything else is a bug on this side and surfaces."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        router: Router,
+        current: CurrentPeers,
+        adapter: str,
+        patience: float,
+        wire: WireFormat | None = None,
+    ):
+        self.transport, self.router, self.current = transport, router, current
+        self.adapter, self.patience = adapter, patience
+        self.wire = wire or WireFormat()
+        self.recoveries: list[Recovery] = []
+
+    def call(
+        self,
+        peer: PeerID,
+        meta: dict,
+        tensors: list[torch.Tensor],
+        units: float = 1.0,
+        floor: float = 0.0,
+        compression: int = runtime_pb2.CompressionType.NONE,
+    ) -> Message:
+        """One request; failures of the peer become PeerFailure (after a ban), refusals of the request raise."""
+        method = meta["method"]
+        started = time.monotonic()
+        timeout = floor + self.router.timeout(peer, method, units)
+        try:
+            reply = self.transport.call(peer, Message(meta, tensors, compression), timeout)
+        except RemoteError as e:
+            if e.kind == ErrorKind.FENCED:
+                raise LeaseLostError(str(e)) from None
+            if e.kind not in PEER_STATE_ERRORS:
+                raise
+            raise self.peer_failed(peer, str(e)) from e
+        except TRANSPORT_ERRORS as e:
+            reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            raise self.peer_failed(peer, f"{method}: {reason}") from e
+        self.router.succeeded(peer, method, units, time.monotonic() - started)
+        return reply
+
+    def peer_failed(self, peer: PeerID, reason: str) -> PeerFailure:
+        """Ban the peer for a while and forget its step; the work goes elsewhere."""
+        self.router.ban(peer, reason)
+        self.current.forget(peer)
+        return PeerFailure(peer, reason)
+
+    def attempts(self, during: str) -> Attempts:
+        """The retry of one piece of work (a hop, a segment, a token) over whichever replicas are live."""
+        return Attempts(self, during)
+
+    def recovered(self, failed: PeerID | None, during: str, step: int, since: float | None) -> None:
+        if failed is None or since is None:
+            return
+        seconds = time.monotonic() - since
+        self.recoveries.append(Recovery(failed, during, step, seconds))
+        logger.warning(
+            "recovered from the failure of peer %s during %s (step %d) in %.2fs", failed, during, step, seconds
+        )
+
+
+class Attempts:
+    """One piece of work tried on one replica after another. The first failure starts the patience clock; work
+    that keeps failing on every server (each one answering with an internal error, say) is given up after
+    ``patience`` rather than retried forever; success records the recovery. What counts as a peer's fault, and its
+    ban with backoff, is ``PeerCalls.call``'s to say."""
+
+    def __init__(self, calls: PeerCalls, during: str):
+        self.calls, self.during = calls, during
+        self.last_failed: PeerID | None = None
+        self.since: float | None = None
+
+    def failed(self, error: PeerFailure, hop: Hop) -> None:
+        """Note a failure on ``hop``; raise SwarmUnavailableError once the work has failed for ``patience``."""
+        self.last_failed, self.since = error.peer, self.since or time.monotonic()
+        if time.monotonic() - self.since > self.calls.patience:
+            raise SwarmUnavailableError(
+                f"blocks {hop.start}:{hop.end} have failed on every server tried for {self.calls.patience:.0f}s; "
+                f"the last error: {error}. See that peer's log, or raise the client's patience"
+            ) from error
+
+    def succeeded(self, step: int) -> None:
+        """The work went through: a recovery, if it had failed; the next piece starts with a clean slate."""
+        self.calls.recovered(self.last_failed, self.during, step, self.since)
+        self.last_failed = self.since = None

@@ -1,0 +1,385 @@
+"""An adapter open in the swarm: the connection, the peers holding the adapter, and (for its trainer) the lease, the
+step ledger, commits and durable copies, behind a small API. The model only computes. A reader is a model whose
+session is an ``AdapterSession`` without training: it claims nothing and changes nothing on any peer."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from hivemind import DHT
+from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+from hivemind.p2p import PeerID
+
+from swarm.blocks import spans_text
+from swarm.client.calls import PeerCalls, PeerFailure, Recovery
+from swarm.client.commit import ReplicaSet, StepsLost, commit, take_back_abandoned
+from swarm.client.copies import CopyKeeper
+from swarm.client.current import CurrentPeers
+from swarm.client.lease import AdapterLease
+from swarm.client.ledger import StepLedger
+from swarm.client.remote import RemoteStack
+from swarm.client.routing import Router
+from swarm.net.compression import WireFormat
+from swarm.net.errors import AdapterStateLostError, SwarmUnavailableError
+from swarm.net.network import check_access
+from swarm.net.protocol import Method, OpenReply, OpenRequest, OptimizerHParams
+from swarm.net.records import RECOVERIES_KEPT, CommittedRecord, announce_committed, read_committed
+from swarm.net.security import Identity, SwarmKey
+from swarm.net.transport import Transport
+from swarm.net.waiting import Deadline
+from swarm.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+RESUME_MODES = ("committed", "latest")
+
+
+@dataclass(frozen=True)
+class AdapterIdentity:
+    """What names an adapter's training in the swarm: its name, LoRA config (wire form) and init seed."""
+
+    name: str
+    lora: dict
+    seed: int
+
+
+@dataclass
+class SessionOptions:
+    """How a session waits, checks and copies (``SwarmModelForCausalLM.from_pretrained`` documents each)."""
+
+    patience: float = 60.0
+    spot_check: float = 0.0
+    min_copies: int = 2
+    resume: str = "committed"
+    unreachable_wait: float = 30.0
+    wire: WireFormat | None = None
+
+
+class TrainerTracking:
+    """Bring new peers in at the trainer's step: open them, sync the laggards (``ReplicaSet.refresh``)."""
+
+    def __init__(self, replicas: ReplicaSet, current: CurrentPeers):
+        self.replicas, self.current = replicas, current
+
+    def __call__(self) -> None:
+        self.replicas.refresh(self.current.step)
+
+
+class ReaderTracking:
+    """Follow the adapter's newest committed step and the peers holding it; opens without claiming, syncs nothing."""
+
+    def __init__(self, dht: DHT, model: str, adapter: str, replicas: ReplicaSet, current: CurrentPeers):
+        self.dht, self.model, self.adapter, self.replicas, self.current = dht, model, adapter, replicas, current
+
+    def __call__(self) -> None:
+        recorded = read_committed(self.dht, self.model, self.adapter)
+        if recorded is not None and recorded.step > self.current.step:
+            self.current.step = recorded.step
+        self.replicas.follow(self.current.step)
+
+
+class AdapterSession:
+    """The adapter's peers, trainer and reader alike: who is current, calls and hops through them, and the
+    adapter's state read back from them. On its own, a reader's session."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        dht: DHT,
+        transport: Transport,
+        router: Router,
+        current: CurrentPeers,
+        calls: PeerCalls,
+        replicas: ReplicaSet,
+        hops: RemoteStack,
+        adapter: AdapterIdentity,
+        catch_up: Callable[[], None],
+    ):
+        self.spec, self.dht, self.transport, self.router = spec, dht, transport, router
+        self.current, self.calls, self.replicas, self.hops, self.adapter = current, calls, replicas, hops, adapter
+        self.catch_up = catch_up  # brings peers in: while a hop waits for a server, and before reads
+
+    @property
+    def step(self) -> int:
+        """The step this client works at: the trainer's step in progress, or the committed step a reader reads."""
+        return self.current.step
+
+    @property
+    def recoveries(self) -> list[Recovery]:
+        return self.calls.recoveries
+
+    def start(self) -> None:
+        """A reader starts at the adapter's committed step, once the swarm can serve it."""
+        self.current.step = self._resume_step("committed")
+        self.catch_up()
+
+    def _resume_step(self, resume: str) -> int:
+        """The adapter's last committed step, and wait (up to ``patience``) until the swarm can serve it.
+
+        The trainer records the committed step in the DHT at every commit; peers hold their blocks' steps. The step
+        to resume at is the newest of both: a restarted client never starts over on an adapter that has committed
+        steps, and waits for peers that still load. It goes once every block has a live server and a live copy at
+        that step (laggards sync from it), or, with nothing recorded (a new swarm), once every block has a server.
+        """
+        name = self.adapter.name
+        recorded = read_committed(self.dht, self.spec.name, name)
+        if recorded is not None and (recorded.lora != self.adapter.lora or recorded.seed != self.adapter.seed):
+            raise ValueError(
+                f"adapter {name!r} was trained with another LoRA config or seed (by {recorded.trainer!r}); "
+                "pass the same lora_config and seed to resume it, or pick another adapter name"
+            )
+        deadline = Deadline(self.calls.patience)
+        while True:
+            self.router.refresh()
+            served = self.replicas.open_many(list(self.router.live_servers(eligible_only=False)))
+            held: dict[int, set[int]] = {}
+            for steps in [*served.values(), *self.replicas.standby.values()]:
+                for block, step in steps.items():
+                    held.setdefault(block, set()).add(step)
+            newest = max([recorded.step if recorded else 0, *(s for steps in held.values() for s in steps)])
+            covered = {block for steps in served.values() for block in steps}
+            uncovered = [b for b in range(self.spec.num_blocks) if b not in covered]
+            missing = [b for b in range(self.spec.num_blocks) if newest not in held.get(b, ())]
+            unanswered = {p for peers in self.router.announced().values() for p in peers} - set(served)
+            give_up = deadline.passed  # on peers that never answered, with resume="latest"
+            if not uncovered and (
+                not missing or recorded is None or (resume == "latest" and (give_up or not unanswered))
+            ):
+                if missing:
+                    logger.warning("resuming adapter %r without step %d on blocks %s", name, newest, missing)
+                return newest
+            if give_up:
+                if uncovered:
+                    raise SwarmUnavailableError(
+                        f"blocks {uncovered} have had no live server for {self.calls.patience:.0f}s; start peers "
+                        "serving them (swarm peer --model ...) or raise the client's patience"
+                    )
+                newest_held = {b: max(held[b]) for b in missing if b in held}
+                raise AdapterStateLostError(
+                    f"adapter {name!r} is at step {newest}, but no live peer holds blocks {missing} at that "
+                    f"step (the newest they hold: {newest_held or 'none'}). Restart the peers that held them with "
+                    'their --checkpoint-dir, or pass resume="latest" to continue from the newest state they hold '
+                    "(the steps in between are lost and listed in model.steps_lost)"
+                )
+            logger.info(
+                "waiting for peers holding adapter %r at step %d (blocks without a server yet: %s; not at that "
+                "step: %s)",
+                name,
+                newest,
+                spans_text(uncovered),
+                spans_text(missing),
+            )
+            deadline.pause(1.0)
+
+    def _each_block(self, method: str) -> list[tuple[PeerID, range, dict, list[torch.Tensor]]]:
+        """Ask every current replica (used for exports and checks), waiting up to ``patience`` for every block
+        to have answered at least once: a replica banned a moment ago may be back in seconds."""
+        deadline = Deadline(self.calls.patience)
+        answers: dict[PeerID, tuple[PeerID, range, dict, list[torch.Tensor]]] = {}
+        while True:
+            self.catch_up()
+            current = {p: span for p, span in self.router.live_servers().items() if self.current.eligible(p)}
+            for peer, span in current.items():
+                if peer in answers:
+                    continue
+                try:
+                    reply = self.calls.call(peer, {"method": method, "adapter": self.adapter.name}, [])
+                except PeerFailure:
+                    continue
+                answers[peer] = (peer, span, reply.meta, reply.tensors)
+            covered = {b for _, span, _, _ in answers.values() for b in span}
+            if len(covered) == self.spec.num_blocks or deadline.passed:
+                return list(answers.values())
+            deadline.pause(1.0)
+
+    def adapter_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """LoRA tensors of every block, from live replicas at the current step."""
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for _, span, meta, tensors in self._each_block(Method.STATE):
+            for (block, name), tensor in zip(meta["names"], tensors, strict=True):
+                if block in span:  # a peer handing blocks over may still hold them, not current any more
+                    state.setdefault(block, {})[name] = tensor
+        missing = [b for b in range(self.spec.num_blocks) if b not in state]
+        if missing:
+            raise SwarmUnavailableError(
+                f"no live replica holds blocks {spans_text(missing)} of adapter {self.adapter.name!r} at step "
+                f"{self.step} (waited {self.calls.patience:.0f}s); start or restart peers serving them, or raise "
+                "the client's patience"
+            )
+        return state
+
+    def replica_digests(self) -> dict[int, dict[PeerID, str]]:
+        """Per block, the state digest each live replica reports: equal digests mean identical replicas."""
+        digests: dict[int, dict[PeerID, str]] = {}
+        for peer, span, meta, _ in self._each_block(Method.DIGEST):
+            for block, digest in meta["digests"].items():
+                if int(block) in span:
+                    digests.setdefault(int(block), {})[peer] = digest
+        return digests
+
+    def close(self) -> None:
+        """Leave the swarm: stop routing, close this client's P2P connection and DHT node."""
+        self.router.stop()
+        self.replicas.close()
+        RemoteExpertWorker.run_coroutine(self.transport.shutdown())
+        self.dht.shutdown()
+
+
+class TrainingSession(AdapterSession):
+    """The adapter's one trainer: it holds the lease, keeps the step's ledger, commits it on every replica and
+    makes the new state durable before ``commit`` returns."""
+
+    def __init__(
+        self,
+        *parts,
+        lease: AdapterLease,
+        copies: CopyKeeper,
+        trainer: str,
+        owner: bytes,
+        session_id: str,
+        **named,
+    ):
+        super().__init__(*parts, **named)
+        self.lease, self.copies, self.trainer, self.owner = lease, copies, trainer, owner
+        self.ledger = StepLedger(step=self.current.step, session=session_id)
+
+    def start(self, resume: str = "committed") -> None:
+        """Take the lease and resume at the adapter's last committed step, with its copies in place."""
+        self.lease.acquire(self.calls.patience)
+        self._set_ledger(StepLedger(step=self._resume_step(resume), session=self.ledger.session))
+        self.replicas.refresh(self.step, accept_losses=resume == "latest")
+        self.copies.ensure(self.step, self.replicas.peers(self.step))
+
+    def _set_ledger(self, ledger: StepLedger) -> None:
+        self.ledger, self.current.step = ledger, ledger.step
+
+    @property
+    def steps_lost(self) -> list[StepsLost]:
+        return self.replicas.lost
+
+    def commit(self, hparams: OptimizerHParams) -> int:
+        """Commit the step in progress on every live replica of every block; returns the new step."""
+        if self.ledger.empty:
+            logger.warning("optimizer step with no backward since the last step: nothing to commit")
+            return self.step
+        self.router.wait_fresh(timeout=self.router.refresh_every)
+        applied = commit(self.hops, self.replicas, self.ledger, hparams)
+        self._set_ledger(self.ledger.next())
+        self.copies.ensure(self.step, applied)
+        recent = [
+            {"peer": r.peer.to_base58(), "during": r.during, "step": r.step, "seconds": round(r.seconds, 2)}
+            for r in self.recoveries[-RECOVERIES_KEPT:]
+        ]
+        lost = sum(e.steps for e in self.steps_lost)
+        record = CommittedRecord(self.step, self.adapter.lora, self.adapter.seed, self.trainer, recent, lost)
+        announce_committed(self.dht, self.spec.name, self.adapter.name, self.owner, record)
+        self.router.refresh_soon()  # peers that joined or moved meanwhile are brought in at the next step
+        return self.step
+
+    def discard_step(self) -> None:
+        """Forget the micro-batches of the step in progress (their gradients are never committed)."""
+        if self.ledger.committing:
+            take_back_abandoned(self.calls, self.replicas, self.ledger.step)
+        self._set_ledger(self.ledger.discarded())
+
+    def close(self) -> None:
+        """Stop the copies, release the lease, then leave."""
+        self.copies.close()
+        self.lease.release()
+        super().close()
+
+
+def committed_or_raise(dht: DHT, spec: ModelSpec, adapter: str) -> CommittedRecord:
+    """The adapter's committed record, which a reader needs: there is nothing to read without one."""
+    recorded = read_committed(dht, spec.name, adapter)
+    if recorded is None:
+        raise AdapterStateLostError(
+            f"adapter {adapter!r} has no committed step in this swarm: there is nothing to read yet. Train it first "
+            "(is_trainable=True), or check its name"
+        )
+    return recorded
+
+
+def _opener(
+    calls: PeerCalls, adapter: AdapterIdentity, session_id: str | None
+) -> Callable[[PeerID], tuple[dict[int, int], dict[int, int]]]:
+    """Open (or claim) the adapter on a peer: its committed step per served block and per standby copy. Without a
+    session id (a reader) it claims nothing."""
+
+    def open_on(peer_id: PeerID) -> tuple[dict[int, int], dict[int, int]]:
+        request = OpenRequest(adapter.name, adapter.lora, adapter.seed, session_id)
+        reply = OpenReply.from_meta(calls.call(peer_id, request.to_meta(), []).meta)
+        return reply.steps, reply.standby
+
+    return open_on
+
+
+def open_session(
+    spec: ModelSpec,
+    dht: DHT,
+    identity: Identity,
+    swarm_key: SwarmKey | None,
+    initial_peers: list[str],
+    adapter: AdapterIdentity,
+    options: SessionOptions,
+    trainer: str | None,
+) -> AdapterSession:
+    """Assemble a session over a joined DHT, each part given what it needs when it is made; ``trainer`` None opens a
+    reader. Everything started is stopped again if a later part fails (the DHT included)."""
+    with contextlib.ExitStack() as undo:
+        undo.callback(dht.shutdown)
+        transport = Transport.for_dht(dht, swarm_key)
+        undo.callback(lambda: RemoteExpertWorker.run_coroutine(transport.shutdown()))
+        RemoteExpertWorker.run_coroutine(check_access(transport, initial_peers))
+        reading = trainer is None
+        if reading:
+            committed_or_raise(dht, spec, adapter.name)
+        current = CurrentPeers(step=0, exact=not reading)
+        router = Router(
+            dht,
+            transport,
+            spec.name,
+            spec.num_blocks,
+            unreachable_wait=options.unreachable_wait,
+            eligible=current.eligible,
+        )
+        undo.callback(router.stop)
+        calls = PeerCalls(transport, router, current, adapter.name, options.patience, options.wire)
+        session_id = uuid.uuid4().hex[:16]
+        replicas = ReplicaSet(
+            calls, current, _opener(calls, adapter, None if reading else session_id), lost_grace=options.patience / 2
+        )
+        undo.callback(replicas.close)
+        if reading:
+            catch_up: Callable[[], None] = ReaderTracking(dht, spec.name, adapter.name, replicas, current)
+        else:
+            catch_up = TrainerTracking(replicas, current)
+        hops = RemoteStack(calls, catch_up, options.spot_check)
+        parts = (spec, dht, transport, router, current, calls, replicas, hops, adapter, catch_up)
+        session: AdapterSession
+        if reading:
+            session = AdapterSession(*parts)
+            session.start()
+        else:
+            copies = CopyKeeper(calls, replicas, options.min_copies, {"lora": adapter.lora, "seed": adapter.seed})
+            undo.callback(copies.close)
+            lease = AdapterLease(dht, spec.name, adapter.name, identity.owner, trainer, session_id)
+            undo.callback(lease.release)
+            session = TrainingSession(
+                *parts,
+                lease=lease,
+                copies=copies,
+                trainer=trainer,
+                owner=identity.owner,
+                session_id=session_id,
+            )
+            session.start(options.resume)
+        router.start()
+        undo.pop_all()
+    logger.info("adapter %r at step %d", adapter.name, session.step)
+    return session
