@@ -81,6 +81,12 @@ class FaultInjector:
             self.armed.append(fault)
         return fault
 
+    def release(self) -> None:
+        """Let every frozen handler go on (before the peer stops: a leave waits for in-flight work)."""
+        with self._lock:
+            for fault in self.armed:
+                fault.release()
+
     async def around(self, method: str, handler: Handler, message: Message) -> Message:
         with self._lock:
             self.calls[method] += 1

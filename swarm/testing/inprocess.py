@@ -105,6 +105,7 @@ class InProcessPeer:
 
     def leave(self) -> None:
         """Ask the daemon to leave, as SIGTERM does (announce it, finish in-flight work, go); returns at once."""
+        self.faults.release()
         if self._thread.is_alive() and not self.killed:
             self._loop.call_soon_threadsafe(self._stop.set)
 
