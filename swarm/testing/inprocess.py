@@ -67,9 +67,13 @@ class InProcessPeer:
         self._served.add_done_callback(lambda _: self._loop.call_soon_threadsafe(self._loop.stop))
 
     def _run(self) -> None:
-        """The peer's event loop; once its daemon is done (left, failed or killed), what is left of it is cancelled."""
+        """The peer's event loop; once its daemon is done (left, failed or killed), its P2P client is closed here,
+        in its loop (closed from another, at exit, it would complain), and what is left of it is cancelled."""
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
+        transport = getattr(self.daemon, "transport", None)  # set once the daemon joined
+        if transport is not None:
+            self._loop.run_until_complete(transport.shutdown())
         leftovers = asyncio.all_tasks(self._loop)
         for task in leftovers:
             task.cancel()
