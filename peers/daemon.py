@@ -26,6 +26,7 @@ from swarm.net.protocol import AdapterInfo, Method, PeerInfo
 from swarm.net.reachability import choose_relays, verify_relayed
 from swarm.net.records import RECORD_TTL, ServerRecord, ServerState, announce, announce_model
 from swarm.net.security import Identity
+from swarm.net.servicer import FaultHook
 from swarm.net.transport import Transport
 from swarm.net.view import SwarmView, observe
 from swarm.net.wire import Message
@@ -121,8 +122,8 @@ class PeerParts:
 class PeerDaemon:
     """One process serving a span of one model's blocks, moving it when the swarm needs it elsewhere."""
 
-    def __init__(self, config: PeerConfig):
-        self.config = config
+    def __init__(self, config: PeerConfig, faults: FaultHook | None = None):
+        self.config, self.faults = config, faults  # faults: failures a test injects around the handlers
         self.spec = load_spec(config.model)
         self.swarm_key = load_swarm_key(config.swarm_key)
         self.identity = Identity.load_or_create(config.identity)
@@ -273,7 +274,9 @@ class PeerDaemon:
     def _assemble(self, backend: SpanBackend) -> PeerParts:
         """The service and the replicator around a loaded backend, wired to each other and to this daemon."""
         config = self.config
-        service = PeerService(backend, self.info, self.transport, self.swarm_key, config.max_payload_mb << 20)
+        service = PeerService(
+            backend, self.info, self.transport, self.swarm_key, config.max_payload_mb << 20, faults=self.faults
+        )
         policy = StandbyPolicy(config.standby_blocks, config.standby_every)
         replicator = Replicator(backend, service.compute, self.transport, self.identity.peer_id, policy)
         replicator.on_refreshed = self._checkpoint
@@ -363,13 +366,16 @@ class PeerDaemon:
 
     # --- the life of a peer -----------------------------------------------------------------------------------
 
-    async def serve(self) -> None:
+    async def serve(self, stop: asyncio.Event | None = None) -> None:
         """Join, check access, choose and load blocks, serve until SIGINT/SIGTERM; then announce leaving,
-        finish in-flight work, go."""
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        finish in-flight work, go. Given ``stop``, serve until it is set instead: a peer embedded in another
+        program (``swarm.testing.inprocess``) takes none of its signals and never exits its process."""
+        embedded = stop is not None
+        if stop is None:
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
         config = self.config
         announce = list(config.announce_maddrs)
         relays = await choose_relays(
@@ -417,7 +423,7 @@ class PeerDaemon:
                     logger.warning("balancing round failed (will retry): %s", e)
                 except Exception:  # the boundary of a background loop: the peer serves on, and retries next round
                     logger.exception("balancing round failed (will retry)")
-        await self._leave(p2p)
+        await self._leave(p2p, exit_if_stuck=not embedded)
 
     async def _addresses(self, p2p, relays: list[str]) -> list[str]:
         """Where others dial this peer: its own addresses, or (behind NAT) its addresses through the relays that
@@ -442,13 +448,15 @@ class PeerDaemon:
         )
         return maddrs
 
-    async def _leave(self, p2p) -> None:
+    async def _leave(self, p2p, exit_if_stuck: bool) -> None:
         """Announce leaving, finish in-flight work, go. Bounded: a signal sent to the whole process group (systemd,
-        ``kill -- -PGID``) has stopped the P2P daemon and the DHT process too, and the peer must exit anyway."""
+        ``kill -- -PGID``) has stopped the P2P daemon and the DHT process too, and the peer must exit anyway
+        (``exit_if_stuck``: the whole process, if even the bounded wait hangs)."""
         logger.info("leaving: announcing it, then finishing in-flight requests")
-        watchdog = threading.Timer(self.config.leave_grace + LEAVE_TIMEOUT, _exit_now)
-        watchdog.daemon = True
-        watchdog.start()
+        if exit_if_stuck:
+            watchdog = threading.Timer(self.config.leave_grace + LEAVE_TIMEOUT, _exit_now)
+            watchdog.daemon = True
+            watchdog.start()
         self.state = ServerState.LEAVING
         try:
             await asyncio.wait_for(self._finish(p2p), timeout=self.config.leave_grace + LEAVE_TIMEOUT / 2)

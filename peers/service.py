@@ -33,7 +33,7 @@ from swarm.net.protocol import (
     read_str,
 )
 from swarm.net.security import SwarmKey
-from swarm.net.servicer import Doorkeeper
+from swarm.net.servicer import Doorkeeper, FaultHook
 from swarm.net.transport import Transport
 from swarm.net.wire import DEFAULT_MAX_PAYLOAD_BYTES, Message
 
@@ -50,8 +50,9 @@ class PeerService(Doorkeeper):
         transport: Transport,
         swarm_key: SwarmKey | None = None,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        faults: FaultHook | None = None,
     ):
-        super().__init__(swarm_key, max_payload_bytes)
+        super().__init__(swarm_key, max_payload_bytes, faults=faults)
         self.backend, self.info, self.transport = backend, info, transport
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.handlers.update(

@@ -263,8 +263,10 @@ class ReplicaSet:
     def ahead_of(self, step: int) -> dict[PeerID, range]:
         """Live peers that already applied ``step``: a commit whose reply was lost, or one taken back elsewhere
         while this peer restarted from its checkpoint. A replica applies only with every gradient of the ledger, and
-        a step taken back is redone to the same bits, so their state is the step's result: the commit counts them."""
-        return self.peers(step + 1)
+        a step taken back is redone to the same bits, so their state is the step's result: the commit counts them.
+        (Not ``peers(step + 1)``: a peer past the client's step is not eligible for routing, yet it is a replica.)"""
+        live = self.calls.router.live_servers(eligible_only=False)
+        return {p: s for p, s in live.items() if self.current.get(p) == step + 1}
 
 
 def commit(

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import AsyncIterator  # noqa: UP035 -- matches the doors' signatures
+from typing import AsyncIterator, Protocol  # noqa: UP035 -- matches the doors' signatures
 
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
@@ -39,6 +39,18 @@ MAX_ARRIVALS = 1024  # messages whose lanes are arriving at once, from all calle
 RELAY_CALL_TIMEOUT = 600.0  # the longest a relay waits for the peer it passes a request on to
 
 
+class DroppedReply(Exception):
+    """A fault hook handled the request (or not) and lost its reply: the door fails, the caller sees a broken
+    call rather than an answer."""
+
+
+class FaultHook(Protocol):
+    """Runs each request's handler, or fails around it: how tests inject failures into real peers
+    (``swarm.testing.faults``) without patching them."""
+
+    async def around(self, method: str, handler: Handler, message: Message) -> Message: ...
+
+
 class Doorkeeper:
     """Receives requests on the unary and stream doors and answers each one, whatever it holds. A request for
     another peer (``relay_to``: a peer behind NAT that keeps a connection here) is passed on to it."""
@@ -48,8 +60,10 @@ class Doorkeeper:
         swarm_key: SwarmKey | None = None,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         relays: bool = True,
+        faults: FaultHook | None = None,
     ):
         self.swarm_key, self.max_payload_bytes, self.relays = swarm_key, max_payload_bytes, relays
+        self.faults = faults
         self.probe = ReachabilityProbe()
         self.me, self.relay = "", None  # set by register()
         self.handlers: dict[str, Handler] = {Method.HELLO: self._hello, Method.REACHABLE: self._reachable}
@@ -119,7 +133,12 @@ class Doorkeeper:
         cancel the work the other lanes wait for)."""
 
         async def settle() -> None:
-            message = reply if isinstance(reply, Message) else await reply
+            try:
+                message = reply if isinstance(reply, Message) else await reply
+            except DroppedReply as e:
+                if not arrivals.reply.done():
+                    arrivals.reply.set_exception(e)  # every lane's call fails
+                return
             if not arrivals.reply.done():
                 size = lanes.chunk_bytes(payload_bytes(message.tensors))
                 arrivals.reply.set_result(encode(message, chunk_bytes=size))
@@ -159,10 +178,14 @@ class Doorkeeper:
             handler = self.handlers.get(method) if isinstance(method, str) else None
             if handler is None:
                 raise RequestError(f"unknown method {method!r}; known: {sorted(self.handlers)}")
+            if self.faults is not None:
+                return await self.faults.around(method, handler, message)
             return await handler(message)
         except (RequestError, WireError) as e:
             logger.info("refused a request from %s: %s", context.remote_id, e)
             return error_message(getattr(e, "kind", ErrorKind.BAD_REQUEST), str(e), **getattr(e, "details", {}))
+        except DroppedReply:
+            raise
         except Exception as e:  # the boundary: a bug here answers `internal` and the peer serves on
             logger.exception("request from %s failed", context.remote_id)
             return error_message(ErrorKind.INTERNAL, f"{type(e).__name__}: {e}")

@@ -10,10 +10,17 @@ import signal
 import socket
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 from swarm.blocks import DTYPES, QUANT_MODES
 from swarm.net.errors import MULTIADDR_ERRORS, SwarmError, UsageError
 from swarm.net.records import RECORD_TTL
+
+if TYPE_CHECKING:  # the heavy imports stay inside the commands
+    from hivemind import DHT
+    from hivemind.p2p import P2P
+
+    from swarm.net.security import Identity, SwarmKey
 
 
 def _parse_blocks(text: str) -> tuple[int, int]:
@@ -111,30 +118,38 @@ def cmd_monitor(args: argparse.Namespace) -> None:
     shutdown(server, watcher)
 
 
-def cmd_dht(args: argparse.Namespace) -> None:
+def start_bootstrap(
+    initial_peers: list[str],
+    identity: Identity,
+    swarm_key: SwarmKey | None,
+    host: str,
+    port: int,
+    announce: list[str] | None = None,
+    relays: bool = True,
+) -> tuple[DHT, P2P]:
+    """What ``swarm dht`` runs: a DHT node whose doors answer ``hello`` for newcomers (and relay, unless told
+    not to). Returns the DHT and the P2P replica its doors are registered on (to shut down with it)."""
     from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 
-    from swarm.net.network import join_dht, load_swarm_key
-    from swarm.net.security import Identity
+    from swarm.net.network import join_dht
     from swarm.net.servicer import Doorkeeper
+
+    dht = join_dht(initial_peers, identity, swarm_key, host=host, port=port, announce_maddrs=announce)
+    p2p = RemoteExpertWorker.run_coroutine(dht.replicate_p2p())
+    RemoteExpertWorker.run_coroutine(Doorkeeper(swarm_key, relays=relays).register(p2p))
+    return dht, p2p
+
+
+def cmd_dht(args: argparse.Namespace) -> None:
+    from swarm.net.network import load_swarm_key
+    from swarm.net.security import Identity
 
     peers = _initial_peers(args, required=False)
     announce = _announce(args)
     _check_port(args.host, args.port)
     swarm_key = load_swarm_key(args.swarm_key)
     identity = Identity.load_or_create(args.identity)
-    dht = join_dht(
-        peers,
-        identity,
-        swarm_key,
-        host=args.host,
-        port=args.port,
-        announce_maddrs=announce,
-    )
-    p2p = RemoteExpertWorker.run_coroutine(dht.replicate_p2p())
-    RemoteExpertWorker.run_coroutine(
-        Doorkeeper(swarm_key, relays=not args.no_relay).register(p2p)
-    )  # answers `hello` for newcomers
+    dht, _ = start_bootstrap(peers, identity, swarm_key, args.host, args.port, announce, relays=not args.no_relay)
     for maddr in dht.get_visible_maddrs():
         print(maddr, flush=True)
     stop = threading.Event()

@@ -1,0 +1,180 @@
+"""Committing over replicas when a replica fails, on real peers in this process with faults injected at chosen calls:
+whatever fails, each step is applied exactly once, and the adapter ends equal to local peft trained on the same data
+(or, when every copy of some blocks died, the steps lost are reported and training goes on from the survivor)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import peft
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from swarm.net.protocol import Method
+from swarm.testing.faults import Action, Fault
+from swarm.testing.inprocess import InProcessPeer, InProcessSwarm
+from swarm.testing.recipe import HPARAMS, MICRO_BATCHES, STEPS, assert_matches_local_peft, batches_for_step, connect
+from swarm.testing.recipe import train as train_steps
+
+FIRED = 60.0  # seconds a test waits to see its fault fire (it fires within a step or two)
+
+
+def train(swarm: InProcessSwarm, model_dir: Path, out: Path, adapter: str, steps: int = STEPS, **client) -> None:
+    """Train ``steps`` through the swarm (replicas checked identical after each), saving the adapter before and
+    after in ``out/initial`` and ``out/final``."""
+    model = connect(swarm, model_dir, adapter, **client)
+    try:
+        model.save_adapter(out / "initial")
+        train_steps(model, steps)
+        model.save_adapter(out / "final")
+    finally:
+        model.shutdown()
+
+
+def test_a_replica_whose_commit_reply_was_lost_counts_as_applied_and_is_not_asked_again(
+    inprocess_swarm, tiny_models, tmp_path
+):
+    """The only server of blocks 2:4 applies step 1 but its reply is lost: the client sees a failure, then finds
+    the peer one step ahead. A replica applies only with every gradient of the step, so it counts as applied; asked
+    again, it would have been fine too, but it must never apply the step twice."""
+    swarm = inprocess_swarm()
+    peers = swarm.start_peers({"a": "0:2", "b": "2:4"})
+    fault = peers["b"].faults.arm(Fault(Action.DROP, Method.COMMIT, nth=2))
+    train(swarm, tiny_models["llama"], tmp_path, "dropped-commit")
+    assert fault.wait_fired(0)
+    assert peers["b"].faults.calls[Method.COMMIT] == STEPS, "the peer that had applied the step was asked again"
+    assert_matches_local_peft(tiny_models["llama"], tmp_path)
+
+
+def test_a_partial_commit_is_taken_back_and_redone_once(inprocess_swarm, tiny_models, tmp_path):
+    """Peer c serves all 4 blocks and computes every micro-batch (the shortest route); a and b, the other replicas
+    of 0:2 and 2:4, fetch the gradients from it at commit. The second fetch of step 0 loses its reply: c and the
+    first fetcher applied the step, the second fetcher could not. Both appliers take the step back (REVERT), the
+    gradients are replayed, and the step is committed everywhere, to the same bits as once."""
+    swarm = inprocess_swarm()
+    peers = swarm.start_peers({"c": "0:4", "a": "0:2", "b": "2:4"})
+    fault = peers["c"].faults.arm(Fault(Action.DROP, Method.GRADS, nth=2))  # the second fetch of step 0
+    train(swarm, tiny_models["llama"], tmp_path, "taken-back")
+    assert fault.wait_fired(0)
+    reverts = {name: peer.faults.calls[Method.REVERT] for name, peer in peers.items()}
+    assert reverts["c"] == 1 and sorted([reverts["a"], reverts["b"]]) == [0, 1], reverts
+    assert_matches_local_peft(tiny_models["llama"], tmp_path)
+
+
+def test_a_replica_killed_after_applying_mid_commit_leaves_the_others_to_apply_once(
+    inprocess_swarm, tiny_models, tmp_path
+):
+    """Peer c (all 4 blocks, and every micro-batch's gradients) applies step 1 and dies before it replies, while a
+    and b fetch its gradients: whatever they got before it died, lost gradients are replayed on them and each applies
+    the step once. Training goes on without c."""
+    swarm = inprocess_swarm()
+    peers = swarm.start_peers({"c": "0:4", "a": "0:2", "b": "2:4"})
+    fault = peers["c"].faults.arm(Fault(Action.KILL, Method.COMMIT, nth=2, after=True))
+    train(swarm, tiny_models["llama"], tmp_path, "killed-mid-commit")
+    assert fault.wait_fired(0) and peers["c"].killed
+    assert peers["a"].backend.adapters["killed-mid-commit"].steps() == {0: STEPS, 1: STEPS}
+    assert_matches_local_peft(tiny_models["llama"], tmp_path)
+
+
+def test_a_frozen_replica_is_left_behind_then_synced_back(inprocess_swarm, tiny_models, tmp_path):
+    """Peer b freezes in its commit of step 1 (it stays connected, so it may still hold state): the client gives up
+    on it after the commit's timeout and commits on a alone; once b's ban is over, the client finds it behind and
+    has it pull the state from a (SYNC). The frozen commit, released at the end, changes nothing."""
+    swarm = inprocess_swarm()
+    peers = swarm.start_peers({"a": "0:4", "b": "0:4"})
+    fault = peers["b"].faults.arm(Fault(Action.FREEZE, Method.COMMIT, nth=2, freeze_for=120.0))
+    train_left_behind(swarm, tiny_models["llama"], tmp_path, "frozen", peers["b"])
+    assert fault.wait_fired(0)
+    assert peers["b"].faults.calls[Method.SYNC] == 1, "the replica left behind was not synced once"
+    assert peers["b"].backend.adapters["frozen"].steps() == {b: STEPS for b in range(4)}
+    assert_matches_local_peft(tiny_models["llama"], tmp_path)
+
+
+def test_a_sync_whose_source_dies_pulls_from_another_replica(inprocess_swarm, tiny_models, tmp_path):
+    """Replica c falls behind (frozen in a commit); the client has it sync from a current replica, which dies as it
+    is asked for the state. The source, not c, is to blame: c pulls from the other current replica at once."""
+    swarm = inprocess_swarm()
+    peers = swarm.start_peers({"a": "0:4", "b": "0:4", "c": "0:4"})
+    peers["c"].faults.arm(Fault(Action.FREEZE, Method.COMMIT, nth=2, freeze_for=120.0))
+    source_dies = Fault(Action.KILL, Method.EXPORT)  # the first export asked of a or b: c's sync
+    for name in ("a", "b"):
+        peers[name].faults.arm(source_dies)
+    train_left_behind(swarm, tiny_models["llama"], tmp_path, "source-dies", peers["c"])
+    assert source_dies.wait_fired(0)
+    assert [peers["a"].killed, peers["b"].killed].count(True) == 1
+    assert peers["c"].faults.calls[Method.SYNC] == 2, "c was not asked again, from another source"
+    assert peers["c"].backend.adapters["source-dies"].steps() == {b: STEPS for b in range(4)}
+    assert_matches_local_peft(tiny_models["llama"], tmp_path)
+
+
+def train_left_behind(swarm: InProcessSwarm, model_dir: Path, out: Path, adapter: str, laggard: InProcessPeer) -> None:
+    """``train``, with a pause after step 2 for the client's ban of ``laggard`` (which failed at step 1) to end:
+    steps of a tiny model take less than a ban, and only a peer that is not banned is brought back in."""
+    model = connect(swarm, model_dir, adapter)
+    try:
+        model.save_adapter(out / "initial")
+        train_steps(model, 2)
+        deadline = time.monotonic() + 30.0
+        health = model.session.router.health
+        while time.monotonic() < deadline and health[laggard.peer_id].banned_until > time.monotonic():
+            time.sleep(0.1)
+        train_steps(model, STEPS)
+        model.save_adapter(out / "final")
+    finally:
+        model.shutdown()
+
+
+def test_blocks_whose_every_copy_died_resume_from_the_survivor_and_report_the_loss(
+    inprocess_swarm, tiny_models, tmp_path
+):
+    """The only server of blocks 2:4 dies after step 2, with no copy anywhere (no standby copies, min_copies=1); a
+    fresh peer takes 2:4 over. After ``lost_grace`` the client declares its fresh state current (FAST_FORWARD, once
+    per block) and reports 2 steps lost on each block; training goes on, and the adapter equals local peft with
+    those blocks' LoRA and AdamW state started over at step 2."""
+    model_dir = tiny_models["llama"]
+    swarm = inprocess_swarm(standby_blocks=0)
+    peers = swarm.start_peers({"a": "0:2", "b": "2:4"})
+    model = connect(swarm, model_dir, "lost", min_copies=1, patience=16.0)  # lost_grace: 8 s
+    try:
+        model.save_adapter(tmp_path / "initial")
+        train_steps(model, 2)
+        peers["b"].kill()
+        fresh = swarm.add_peer("2:4", "fresh")
+        train_steps(model, STEPS)
+        model.save_adapter(tmp_path / "final")
+        lost = [(e.peer, e.blocks, e.steps, e.at_step) for e in model.steps_lost]
+    finally:
+        model.shutdown()
+    assert lost == [(fresh.peer_id, (2,), 2, 2), (fresh.peer_id, (3,), 2, 2)]
+    assert fresh.faults.calls[Method.FAST_FORWARD] == 2
+    reference = reference_with_blocks_reset(model_dir, tmp_path / "initial", blocks=(2, 3), at_step=2)
+    state = load_file(tmp_path / "final" / "adapter_model.safetensors")
+    assert state.keys() == reference.keys()
+    for key in state:
+        torch.testing.assert_close(state[key], reference[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def reference_with_blocks_reset(
+    model_dir: Path, initial: Path, blocks: tuple[int, ...], at_step: int
+) -> dict[str, torch.Tensor]:
+    """Local peft on the recipe's data, with ``blocks``' LoRA weights back to their initial values and their AdamW
+    state dropped before step ``at_step``: what a block that lost every copy and resumed from a fresh one trains."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = peft.PeftModel.from_pretrained(base, initial, is_trainable=True)
+    named = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    start = {name: p.detach().clone() for name, p in named.items()}
+    optimizer = torch.optim.AdamW(list(named.values()), **HPARAMS)
+    for step in range(STEPS):
+        if step == at_step:
+            for name, p in named.items():
+                if any(f".layers.{block}." in name for block in blocks):
+                    p.data.copy_(start[name])
+                    optimizer.state.pop(p, None)
+        for batch in batches_for_step(step):
+            (model(**batch).loss / MICRO_BATCHES).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(initial.parent / "reference")
+    return load_file(initial.parent / "reference" / "adapter_model.safetensors")

@@ -1,0 +1,163 @@
+"""peers.backend in one process: standby copies, hand-over and catch-up, fast-forward, taking a step back, cached
+forwards, and refusals the client routes around."""
+
+from __future__ import annotations
+
+import peft
+import pytest
+import torch
+
+from peers.backend import SpanBackend
+from peers.state import BlockState, BlockUpdate, pack_states, unpack_states
+from swarm.blocks import lora_config_to_wire
+from swarm.net.errors import ErrorKind, MissingForwardError, NotServedError, RequestError
+from swarm.net.protocol import PEER_STATE_ERRORS, OptimizerHParams
+from swarm.spec import load_spec
+
+HPARAMS = OptimizerHParams(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+
+
+def _backend(model_dir, blocks: range) -> SpanBackend:
+    return SpanBackend(load_spec(model_dir), blocks, torch.device("cpu"), torch.float32, "none")
+
+
+def _train_one_step(backend: SpanBackend, name: str, blocks: range, step: int) -> None:
+    hidden = torch.randn(1, 6, backend.spec.hidden_size, generator=torch.Generator().manual_seed(step))
+    mb = f"s:{step}:0"
+    backend.forward(name, blocks, step, hidden, None, mb)
+    backend.backward(name, blocks, step, mb, hidden, None, torch.ones_like(hidden))
+    backend.apply(name, step, {b: [mb] for b in blocks}, HPARAMS)
+
+
+def test_standby_copies_take_over_exactly_and_moves_keep_state(tiny_models):
+    import peft
+
+    wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    server, other = _backend(tiny_models["llama"], range(2, 4)), _backend(tiny_models["llama"], range(0, 2))
+    server.open_adapter("a", wire, seed=3, session="s")
+    for step in range(2):
+        _train_one_step(server, "a", range(2, 4), step)
+    exported, _ = server.export_state("a", range(2, 4))
+    other.keep_standby("a", {"lora": wire, "seed": 3}, exported, keep={2, 3})
+    assert other.adapters["a"].standby_steps() == {2: 2, 3: 2}
+    assert other.export_state("a", range(2, 4))[0][2].step == 2  # a standby copy can be passed on
+    other.install(other.load_layers(range(2, 4)))  # takeover: the served block starts from the copy
+    assert other.digests("a")[2] == server.digests("a")[2] and other.digests("a")[3] == server.digests("a")[3]
+    assert other.adapters["a"].standby_steps() == {}
+    other.remove([0, 1])  # handed over: the state stays as a standby copy
+    assert sorted(other.layers) == [2, 3] and set(other.adapters["a"].standby_steps()) == {0, 1}
+
+
+def test_a_copy_one_step_behind_catches_up_from_the_last_update_exactly(tiny_models):
+    import peft
+
+    wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    server, holder = _backend(tiny_models["llama"], range(2, 4)), _backend(tiny_models["llama"], range(0, 2))
+    server.open_adapter("a", wire, seed=3, session="s")
+    _train_one_step(server, "a", range(2, 4), 0)
+    states, updates = server.export_state("a", range(2, 4), held={})
+    assert updates == {}, "a peer holding no copy gets the whole state"
+    holder.keep_standby("a", {"lora": wire, "seed": 3}, states, keep={2, 3})
+    for step in (1, 2):
+        _train_one_step(server, "a", range(2, 4), step)
+        states, updates = server.export_state("a", range(2, 4), held=holder.adapters["a"].standby_steps())
+        assert states == {} and sorted(updates) == [2, 3]
+        index, flat = pack_states({block: update.as_state() for block, update in updates.items()})  # the wire form
+        back = {b: BlockUpdate.from_state(u, updates[b].hparams) for b, u in unpack_states(index, flat).items()}
+        assert holder.apply_updates("a", back) == [2, 3]
+    for block in (2, 3):  # the same AdamW on the same gradients: the copy equals the server's state bit for bit
+        copy, served = holder.adapters["a"].standby[block], BlockState.of(server.adapters["a"].blocks[block])
+        assert copy.step == served.step == 3 and copy.tensors.keys() == served.tensors.keys()
+        for name, entry in served.tensors.items():
+            assert entry.keys() == copy.tensors[name].keys()
+            assert all(torch.equal(copy.tensors[name][key], tensor) for key, tensor in entry.items()), name
+    states, updates = server.export_state("a", range(2, 4), held={2: 1, 3: 1})
+    assert sorted(states) == [2, 3] and updates == {}, "a copy two steps behind gets the whole state"
+
+
+def test_fast_forward_declares_an_older_state_current_and_reports_the_loss(tiny_models):
+    import peft
+
+    wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    backend = _backend(tiny_models["llama"], range(0, 2))
+    backend.open_adapter("a", wire, seed=0)
+    assert backend.fast_forward("a", range(0, 2), 3) == {0: 3, 1: 3}
+    assert backend.adapters["a"].steps() == {0: 3, 1: 3}
+    assert backend.fast_forward("a", range(0, 2), 3) == {}  # nothing lost twice
+
+
+def test_a_backward_without_its_input_uses_the_cached_forward_and_equals_one_with_it(tiny_models):
+    """Leaving the hidden states out of a backward (the peer kept the forward) changes no bit of the gradients;
+    without a cached forward it is refused with missing_forward, and the client sends the input after all."""
+    import peft
+
+    wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    hidden = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(0))
+    grad = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(1))
+    results = []
+    for send_hidden in (True, False):
+        backend = _backend(tiny_models["llama"], range(0, 2))
+        backend.open_adapter("a", wire, seed=3, session="s")
+        backend.forward("a", range(0, 2), 0, hidden, None, "s:0:0")
+        grad_in = backend.backward("a", range(0, 2), 0, "s:0:0", hidden if send_hidden else None, None, grad)
+        lora = [g for b in (0, 1) for g in backend.adapters["a"].blocks[b].grads["s:0:0"]]
+        results.append((grad_in, lora))
+        none = backend.backward("a", range(0, 2), 0, "s:0:1", hidden, None, grad, input_grad=False)
+        assert none is None and "s:0:1" in backend.adapters["a"].blocks[0].grads
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
+    with pytest.raises(MissingForwardError, match="send its input"):
+        backend.backward("a", range(0, 2), 0, "s:0:2", None, None, grad)
+
+
+def test_a_step_taken_back_is_redone_to_the_same_bits(tiny_models):
+    """A replica that applied a step while another could not (its gradients died with their holder) takes it back;
+    applied again it matches the first apply exactly, and its gradients are still there to be served."""
+    import peft
+
+    wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    backend = _backend(tiny_models["llama"], range(0, 2))
+    backend.open_adapter("a", wire, seed=3, session="s")
+    _train_one_step(backend, "a", range(0, 2), 0)
+    before = backend.digests("a")
+    _train_one_step(backend, "a", range(0, 2), 1)
+    applied = backend.digests("a")
+    assert backend.revert("a", 1) == {0: 1, 1: 1}
+    assert backend.digests("a") == before, "taking a step back restores the state before it exactly"
+    assert backend.micro_batch_grads("a", 1, {0: ["s:1:0"]})[0].keys() == {"s:1:0"}
+    assert backend.revert("a", 1) == {0: 1, 1: 1}, "nothing to take back twice"
+    backend.apply("a", 1, {b: ["s:1:0"] for b in range(2)}, HPARAMS)
+    assert backend.digests("a") == applied
+    exported, _ = backend.export_state("a", range(0, 2))
+    backend.import_state("a", exported)
+    assert backend.revert("a", 1) == {0: 2, 1: 2}, "a state replaced since (by a sync) keeps no undo"
+
+
+def test_a_request_for_blocks_a_peer_no_longer_serves_sends_the_client_elsewhere(tiny_models):
+    """Chaos found it: a peer restarted with its identity and chose other blocks; the client, whose records still
+    showed the old span, sent it a backward and got "bad request", which ended the training loop. Blocks a peer does
+    not serve are a stale view, not a wrong request: the refusal is one the client routes around."""
+    backend = _backend(tiny_models["llama"], range(2, 4))
+    backend.open_adapter("a", lora_config_to_wire(peft.LoraConfig(r=4, target_modules=["q_proj"])), 0)
+    hidden = torch.randn(1, 4, backend.spec.hidden_size)
+    with pytest.raises(NotServedError, match="blocks 0:2 are not all served here") as refused:
+        backend.forward("a", range(0, 2), 0, hidden, None, "s:0:0")
+    assert refused.value.kind in PEER_STATE_ERRORS
+    with pytest.raises(RequestError) as malformed:
+        backend.forward("a", range(3, 3), 0, hidden, None, "s:0:1")
+    assert malformed.value.kind == ErrorKind.BAD_REQUEST
+
+
+def test_a_cached_forward_is_counted_at_what_autograd_keeps(tiny_models):
+    """The activation cache's budget is spent on the bytes a forward's graph really holds, which grow with the span
+    (a fixed multiple of the output undercounted a 32-block span about 180 times)."""
+    backend = _backend(tiny_models["llama"], range(0, 4))
+    backend.open_adapter("a", lora_config_to_wire(peft.LoraConfig(r=4, target_modules=["q_proj"])), 0)
+    hidden = torch.randn(2, 8, backend.spec.hidden_size)
+    backend.forward("a", range(0, 1), 0, hidden, None, "s:0:0")
+    one = backend.cache.bytes
+    backend.forward("a", range(0, 4), 0, hidden, None, "s:0:1")
+    four = backend.cache.bytes - one
+    output = hidden.numel() * hidden.element_size()
+    assert one > 8 * output, (one, output)  # a block keeps many hidden-sized tensors, not the output alone
+    assert 3.5 * one <= four <= 4.5 * one, (one, four)

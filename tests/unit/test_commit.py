@@ -1,0 +1,161 @@
+"""swarm.client.commit's decisions over stub replicas (the commit and sync over real peers, with faults, are in
+tests/integration/test_redundancy.py): which blocks a takeover syncs, and when a commit takes a step back. The stubs
+stand in for peers only in what these decisions read."""
+
+from __future__ import annotations
+
+import pytest
+from hivemind.p2p import PeerID
+
+from swarm.client.commit import ReplicaSet, commit, take_back_abandoned
+from swarm.client.current import CurrentPeers
+from swarm.client.ledger import StepLedger
+from swarm.net.errors import SwarmUnavailableError
+from swarm.net.protocol import Method, OptimizerHParams
+
+HPARAMS = OptimizerHParams(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+
+
+class _Router:
+    """The routing facts ReplicaSet reads: who serves what, and who may still hold state."""
+
+    num_blocks = 4
+
+    def __init__(self, servers: dict[PeerID, range]):
+        self.servers = servers
+
+    def live_servers(self, eligible_only: bool = True) -> dict[PeerID, range]:
+        return dict(self.servers)
+
+    def may_hold_state(self, peer: PeerID) -> bool:
+        return True
+
+
+class _Reply:
+    def __init__(self, meta: dict):
+        self.meta = meta
+
+
+class _Stack:
+    """Records the SYNC requests a ReplicaSet sends; a synced peer reports every block at the requested step."""
+
+    adapter = "a"
+
+    def __init__(self, router: _Router):
+        self.router, self.sent = router, []
+        self.calls = self  # the fake is both the calls and the hops of a commit
+
+    def call(self, peer: PeerID, meta: dict, tensors: list) -> _Reply:
+        self.sent.append((peer, meta["source"], meta["start"], meta["end"]))
+        return _Reply({"steps": {str(b): 1 for b in self.router.servers[peer]}})
+
+
+def test_a_takeover_holding_part_of_its_span_current_syncs_only_the_rest():
+    """The only server of blocks 2:4 died after step 1; its copies were spread: one peer held block 2, the other block
+    3. The peer that took 2:4 over holds block 2 at step 1 from its own copy and block 3 at step 0: block 3 comes from
+    the other copy's holder, and block 2 needs no source (it used to fail: "no current copy of block 2")."""
+    mover, stayer = PeerID(b"m" * 8), PeerID(b"s" * 8)
+    stack = _Stack(_Router({mover: range(2, 4), stayer: range(0, 2)}))
+    replicas = ReplicaSet(stack, CurrentPeers(0, exact=True), open_on=lambda peer: ({}, {}))
+    try:
+        replicas.current[stayer] = 1
+        replicas.note_standby(stayer, {3: 1})
+        steps = replicas._sync(mover, range(2, 4), {2: 1, 3: 0}, step=1)
+    finally:
+        replicas.close()
+    assert stack.sent == [(mover, stayer.to_base58(), 3, 4)]
+    assert steps == {2: 1, 3: 1}
+
+
+class _CommitRouter(_Router):
+    def refresh(self) -> None:
+        pass
+
+    def announced(self) -> dict[int, list[PeerID]]:
+        return {b: [p for p, span in self.servers.items() if b in span] for b in range(self.num_blocks)}
+
+
+class _CommitStack:
+    """Peers holding steps per block; OPEN reports them, COMMIT applies the step on every block of the peer, REVERT
+    takes it back, SYNC copies a source's steps."""
+
+    adapter = "a"
+    patience = 3.0
+
+    def __init__(self, steps: dict[PeerID, dict[int, int]]):
+        self.steps = steps
+        self.router = _CommitRouter({p: range(min(held), max(held) + 1) for p, held in steps.items()})
+        self.commits = []
+        self.calls = self  # the fake is both the calls and the hops of a commit
+
+    def open_on(self, peer: PeerID) -> tuple[dict[int, int], dict[int, int]]:
+        return dict(self.steps[peer]), {}
+
+    def call(self, peer: PeerID, meta: dict, tensors: list, floor: float = 0.0) -> _Reply:
+        held = self.steps[peer]
+        if meta["method"] == Method.SYNC:
+            source = self.steps[PeerID.from_base58(meta["source"])]
+            held.update({b: source[b] for b in range(meta["start"], meta["end"])})
+        elif meta["method"] == Method.COMMIT:
+            self.commits.append(peer)
+            self.steps[peer] = {b: s + 1 if s == meta["step"] else s for b, s in held.items()}
+        else:
+            assert meta["method"] == Method.REVERT, meta
+            self.steps[peer] = {b: meta["step"] if s == meta["step"] + 1 else s for b, s in held.items()}
+        return _Reply({"steps": {str(b): s for b, s in self.steps[peer].items()}})
+
+    def recovered(self, *args) -> None:
+        pass
+
+
+def _commit_step(stack: _CommitStack, step: int, holders: dict[int, PeerID]) -> dict[PeerID, range]:
+    """Commit ``step`` of one micro-batch whose gradients of each block are held by ``holders[block]``."""
+    replicas = ReplicaSet(stack, CurrentPeers(0, exact=True), open_on=stack.open_on)
+    ledger = StepLedger(step=step, session="s")
+    for block, holder in holders.items():
+        ledger.acknowledge(f"s:{step}:000000001", range(block, block + 1), holder)
+    try:
+        return commit(stack, replicas, ledger, HPARAMS)
+    finally:
+        replicas.close()
+
+
+def test_a_peer_holding_blocks_on_both_sides_of_a_commit_is_brought_in_by_taking_the_step_back():
+    """Chaos found it (one event every 5 s): both servers of blocks 2:4 died in the middle of the commit of step 42,
+    after the servers of 0:2 had applied it. The peers that came back for 1:4 took block 1 over at 43 from an applied
+    replica and blocks 2:4 at 42 from their own copies: the client refused them ("holds steps [42, 43]"), waited for a
+    server of 2:4 at 42 and died of impatience with two of them alive. Taking the step back on the replicas that
+    applied it lets the split peer sync block 1 down to 42; then the step is committed everywhere, once."""
+    done, split = PeerID(b"d" * 8), PeerID(b"s" * 8)
+    stack = _CommitStack({done: {0: 43, 1: 43}, split: {1: 43, 2: 42, 3: 42}})
+    stack.patience = 5.0
+    applied = _commit_step(stack, 42, {0: done, 1: done, 2: split, 3: split})
+    assert applied == {done: range(0, 2), split: range(1, 4)}
+    assert sorted(stack.commits) == sorted([done, split])
+    assert stack.steps == {done: {0: 43, 1: 43}, split: {1: 43, 2: 43, 3: 43}}
+
+
+def test_a_replica_past_the_step_is_not_counted_for_gradients_that_replaced_discarded_ones():
+    """The other side of counting a replica past the step as applied: if the user discarded the gradients of a commit
+    that failed part-way (zero_grad without a step) and trains the step again, a replica that applied the discarded
+    gradients holds another state. It must never pass for having applied the new ones: exactly once."""
+    ahead, behind = PeerID(b"x" * 8), PeerID(b"w" * 8)
+    stack = _CommitStack({ahead: {2: 46, 3: 46}, behind: {0: 45, 1: 45}})
+    stack.patience = 1.0
+    replicas = ReplicaSet(stack, CurrentPeers(0, exact=True), open_on=stack.open_on)
+    ledger = StepLedger(step=45, session="s", committing=True).discarded()
+    for block, holder in ((0, behind), (1, behind), (2, behind), (3, behind)):
+        ledger.acknowledge("s:45:000000002", range(block, block + 1), holder)
+    try:
+        with pytest.raises(SwarmUnavailableError, match=r"blocks \[2, 3\] have had no live replica at step 45"):
+            commit(stack, replicas, ledger, HPARAMS)
+    finally:
+        replicas.close()
+    assert stack.commits == []
+    replicas = ReplicaSet(stack, CurrentPeers(0, exact=True), open_on=stack.open_on)
+    replicas.current[ahead] = 46
+    try:
+        take_back_abandoned(stack, replicas, 45)  # what discard_step does first
+    finally:
+        replicas.close()
+    assert stack.steps[ahead] == {2: 45, 3: 45} and replicas.current[ahead] == 45

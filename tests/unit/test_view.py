@@ -1,0 +1,45 @@
+"""swarm.net.view and swarm.net.records: who counts as serving, what records carry, and what the status table
+shows; with the daemon's default span sizing."""
+
+from __future__ import annotations
+
+from hivemind.p2p import PeerID
+
+from peers.daemon import PeerConfig, blocks_that_fit
+from swarm.net.protocol import AdapterInfo, PeerInfo
+from swarm.net.records import ServerRecord, ServerState
+from swarm.net.view import SwarmView
+from swarm.ops.status import render
+from swarm.spec import load_spec
+
+
+def test_view_counts_only_live_peers_and_settles_joiners_by_id():
+    alive_id, dead_id, joiner_small, joiner_big = (PeerID(bytes([i]) * 8) for i in (1, 2, 3, 4))
+    records = {
+        0: [ServerRecord(alive_id, ServerState.ONLINE, 0, 2, 10.0), ServerRecord(dead_id, ServerState.ONLINE, 0, 2, 9)],
+        1: [ServerRecord(alive_id, ServerState.ONLINE, 0, 2, 10.0)],
+        2: [
+            ServerRecord(joiner_small, ServerState.JOINING, 2, 3, 1.0),
+            ServerRecord(joiner_big, ServerState.JOINING, 2, 3, 1.0),
+        ],
+    }
+    info = PeerInfo("m", 0, 2, "online", 10.0, {"a": AdapterInfo({"lora": {}, "seed": 0}, {0: 5, 1: 5}, {2: 4})}, [2])
+    assert PeerInfo.from_meta(info.to_meta()) == info  # what `info` sends is what the view reads
+    empty = PeerInfo("m", 2, 3, "joining", 1.0, {}, [])
+    view = SwarmView(records, {alive_id: info, joiner_small: empty, joiner_big: empty})
+    assert view.coverage(exclude=joiner_big) == {0: 1, 1: 1, 2: 1}  # the dead peer does not count
+    assert view.coverage(exclude=joiner_big, joining_before=joiner_big) == {0: 1, 1: 1, 2: 1}
+    assert view.coverage(exclude=joiner_small, joining_before=joiner_small) == {0: 1, 1: 1, 2: 0}
+    assert view.newest("a", 2, exclude=joiner_big) == (4, alive_id)
+    assert view.trainer_step("a") == 5 and view.watchers([2, 3]) == [alive_id]
+    table = render("m", 4, view, replication=2)
+    assert "unreachable" in table and "UNCOVERED blocks [2, 3]" in table
+    assert "copies: a@5: 1  (one failure would lose it)" in table  # block 0: served at 5 by one live peer
+
+
+def test_records_carry_a_move_and_span_sizing_fits_the_model(tiny_models):
+    record = ServerRecord(PeerID(b"x" * 8), ServerState.ONLINE, 0, 2, 1.0, {"a": 3}, moving_to=range(2, 4))
+    back = ServerRecord.from_value(record.peer_id, record.to_value())
+    assert back == record
+    config = PeerConfig(model=str(tiny_models["llama"]), initial_peers=[])
+    assert blocks_that_fit(load_spec(tiny_models["llama"]), config) == 4  # a tiny model fits whole
