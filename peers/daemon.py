@@ -17,8 +17,9 @@ import torch
 from peers.backend import SpanBackend
 from peers.balancer import badness, choose_span, coverage_with, next_move, safe_to_drop
 from peers.checkpoints import CheckpointStore, CheckpointWriter
+from peers.compute import Compute
 from peers.replication import Replicator, StandbyPolicy
-from peers.service import PeerService
+from peers.service import PeerHooks, PeerService
 from swarm.blocks import spans_text
 from swarm.net.errors import PEER_ERRORS, SwarmAccessError
 from swarm.net.network import check_access, join_dht, load_swarm_key
@@ -272,18 +273,28 @@ class PeerDaemon:
         return backend
 
     def _assemble(self, backend: SpanBackend) -> PeerParts:
-        """The service and the replicator around a loaded backend, wired to each other and to this daemon."""
+        """The compute thread, the replicator and the service around a loaded backend, each made with what it
+        needs: nothing is wired in afterwards."""
         config = self.config
-        service = PeerService(
-            backend, self.info, self.transport, self.swarm_key, config.max_payload_mb << 20, faults=self.faults
-        )
+        compute = Compute()
         policy = StandbyPolicy(config.standby_blocks, config.standby_every)
-        replicator = Replicator(backend, service.compute, self.transport, self.identity.peer_id, policy)
-        replicator.on_refreshed = self._checkpoint
-        service.after_commit = self._after_commit
-        service.after_revert = self._checkpoint
-        service.on_committed = replicator.on_committed
-        service.on_replicate = replicator.hold
+        replicator = Replicator(backend, compute, self.transport, self.identity.peer_id, policy, self._checkpoint)
+        hooks = PeerHooks(
+            after_commit=self._after_commit,
+            after_revert=self._checkpoint,
+            on_committed=replicator.on_committed,
+            on_replicate=replicator.hold,
+        )
+        service = PeerService(
+            backend,
+            compute,
+            self.info,
+            self.transport,
+            hooks,
+            self.swarm_key,
+            config.max_payload_mb << 20,
+            faults=self.faults,
+        )
         return PeerParts(backend, service, replicator)
 
     async def _move(self, target: range) -> None:

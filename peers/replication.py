@@ -17,6 +17,7 @@ from hivemind.p2p import PeerID
 
 from peers.backend import SpanBackend
 from peers.balancer import choose_standby
+from peers.compute import Compute
 from peers.service import fetch_state_or_updates
 from peers.state import BlockState, BlockUpdate
 from swarm.blocks import spans_text
@@ -26,7 +27,6 @@ from swarm.net.view import SwarmView
 
 logger = logging.getLogger(__name__)
 
-Compute = Callable[..., Awaitable]
 
 
 @dataclass
@@ -40,11 +40,19 @@ class StandbyPolicy:
 class Replicator:
     """Moves adapter state between peers on behalf of one peer's backend (all backend access on its compute thread)."""
 
-    def __init__(self, backend: SpanBackend, compute: Compute, transport: Transport, me: PeerID, policy: StandbyPolicy):
+    def __init__(
+        self,
+        backend: SpanBackend,
+        compute: Compute,
+        transport: Transport,
+        me: PeerID,
+        policy: StandbyPolicy,
+        on_refreshed: Callable[[str], Awaitable[None]],
+    ):
         self.backend, self.compute, self.transport, self.me, self.policy = backend, compute, transport, me, policy
+        self.on_refreshed = on_refreshed  # a copy changed: checkpoint it
         self.standby: list[int] = []
         self.pinned: dict[str, set[int]] = {}  # adapter -> blocks its trainer asked this peer to hold copies of
-        self.on_refreshed: Callable[[str], Awaitable[None]] | None = None
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
 
@@ -83,7 +91,7 @@ class Replicator:
             if states or updates:
                 await self._store(name, meta, states, updates, keep=None)
                 held = await self.compute(self._held, name)
-        if (states or updates) and self.on_refreshed is not None:
+        if states or updates:
             task = asyncio.ensure_future(self.on_refreshed(name))  # checkpoint in the background
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -107,8 +115,7 @@ class Replicator:
             }
             if wanted:
                 await self._pull(name, meta, wanted, keep=None)
-                if self.on_refreshed is not None:
-                    await self.on_refreshed(name)
+                await self.on_refreshed(name)
 
     async def take_state(self, view: SwarmView, blocks: range) -> None:
         """Before serving ``blocks``: hold the newest state of each (adapter, block) the swarm still has."""

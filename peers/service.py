@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 from hivemind.p2p import PeerID
 
 from peers.backend import SpanBackend
+from peers.compute import Compute
 from peers.state import BlockState, BlockUpdate, GradsByBlock, pack_states, unpack_states
 from swarm.blocks import lora_config_from_wire
 from swarm.net.compression import COMPRESSIONS
@@ -40,21 +41,35 @@ from swarm.net.wire import DEFAULT_MAX_PAYLOAD_BYTES, Message
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class PeerHooks:
+    """What the daemon does around requests, given to the service when it is made: checkpoint after a commit (and
+    tell standby holders) or a revert (so that the checkpoint is not left ahead), pull a standby copy when its
+    server commits, hold the copies a trainer asks for."""
+
+    after_commit: Callable[[str], Awaitable[None]]
+    after_revert: Callable[[str], Awaitable[None]]
+    on_committed: Callable[[str, dict, dict[int, int], PeerID], Awaitable[None]]
+    on_replicate: Callable[[str, dict, int, list[tuple[range, PeerID]]], Awaitable[dict[int, int]]]
+
+
 class PeerService(Doorkeeper):
     """The doors of a peer. Every request is validated; a refused request never stops the peer."""
 
     def __init__(
         self,
         backend: SpanBackend,
+        compute: Compute,
         info: Callable[[], dict],
         transport: Transport,
+        hooks: PeerHooks,
         swarm_key: SwarmKey | None = None,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         faults: FaultHook | None = None,
     ):
         super().__init__(swarm_key, max_payload_bytes, faults=faults)
         self.backend, self.info, self.transport = backend, info, transport
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.compute, self.hooks = compute, hooks
         self.handlers.update(
             {
                 Method.INFO: self._info,
@@ -75,17 +90,7 @@ class PeerService(Doorkeeper):
                 Method.END_SESSION: self._end_session,
             }
         )
-        self.after_commit: Callable[[str], Awaitable[None]] | None = None
-        self.after_revert: Callable[[str], Awaitable[None]] | None = None  # so that the checkpoint is not left ahead
-        self.on_committed: Callable[[str, dict, dict[int, int], PeerID], Awaitable[None]] | None = None
-        self.on_replicate: Callable[[str, dict, int, list[tuple[range, PeerID]]], Awaitable[dict[int, int]]] | None = (
-            None
-        )
         self._background: set[asyncio.Task] = set()
-
-    async def compute(self, fn: Callable, *args):
-        """Run backend work on the single compute thread, so requests never interleave on the blocks."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     async def _info(self, message: Message) -> Message:
         return Message(meta=self.info(), tensors=[])
@@ -156,16 +161,14 @@ class PeerService(Doorkeeper):
         for grads in fetched:
             await self.compute(self.backend.add_grads, name, step, grads)
         steps = await self.compute(self.backend.apply, name, step, ledger, request.hparams)
-        if self.after_commit is not None:
-            self.in_background(self.after_commit(name))  # queued on the compute thread before the next
+        self.in_background(self.hooks.after_commit(name))  # queued on the compute thread before the next
         return Message(meta={"steps": by_block(steps)}, tensors=[])
 
     async def _revert(self, message: Message) -> Message:
         meta = message.meta
         name = read_str(meta, "adapter")
         steps = await self.compute(self.backend.revert, name, read_int(meta, "step"))
-        if self.after_revert is not None:
-            self.in_background(self.after_revert(name))
+        self.in_background(self.hooks.after_revert(name))
         return Message(meta={"steps": by_block(steps)}, tensors=[])
 
     async def _fetch(
@@ -235,22 +238,19 @@ class PeerService(Doorkeeper):
     async def _committed(self, message: Message) -> Message:
         """A server of blocks this peer keeps on standby committed a step: pull the new state, in the background."""
         meta = message.meta
-        if self.on_committed is not None:
-            meta_adapter = {"lora": read_dict(meta, "lora"), "seed": read_int(meta, "seed")}
-            try:
-                steps = {int(block): int(step) for block, step in read_dict(meta, "steps").items()}
-            except (TypeError, ValueError):
-                raise RequestError("'steps' must map block -> step") from None
-            notice = self.on_committed(read_str(meta, "adapter"), meta_adapter, steps, read_peer(meta, "source"))
-            self.in_background(notice)
+        meta_adapter = {"lora": read_dict(meta, "lora"), "seed": read_int(meta, "seed")}
+        try:
+            steps = {int(block): int(step) for block, step in read_dict(meta, "steps").items()}
+        except (TypeError, ValueError):
+            raise RequestError("'steps' must map block -> step") from None
+        notice = self.hooks.on_committed(read_str(meta, "adapter"), meta_adapter, steps, read_peer(meta, "source"))
+        self.in_background(notice)
         return Message(meta={}, tensors=[])
 
     async def _replicate(self, message: Message) -> Message:
         """The trainer asks this peer to hold a copy of some blocks' state at ``step`` (pulled from the named
         sources) before it acknowledges the step: what makes a committed step survive the loss of any one peer."""
         meta = message.meta
-        if self.on_replicate is None:
-            raise RequestError("this peer keeps no standby copies")
         adapter_meta = {"lora": read_dict(meta, "lora"), "seed": read_int(meta, "seed")}
         try:
             lora_config_from_wire(adapter_meta["lora"])
@@ -264,7 +264,7 @@ class PeerService(Doorkeeper):
         num_blocks = self.backend.spec.num_blocks
         if not sources or any(not 0 <= blocks.start < blocks.stop <= num_blocks for blocks, _ in sources):
             raise RequestError(f"'sources' must name non-empty block ranges within the model's 0:{num_blocks}")
-        held = await self.on_replicate(read_str(meta, "adapter"), adapter_meta, read_int(meta, "step"), sources)
+        held = await self.hooks.on_replicate(read_str(meta, "adapter"), adapter_meta, read_int(meta, "step"), sources)
         return Message(meta={"steps": by_block(held)}, tensors=[])
 
     def in_background(self, work: Awaitable[None]) -> None:

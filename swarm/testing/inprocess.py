@@ -122,7 +122,7 @@ class InProcessPeer:
             self.kill()
             self._thread.join(timeout)
         if self.daemon.parts is not None:
-            self.daemon.parts.service.executor.shutdown(wait=False, cancel_futures=True)
+            self.daemon.parts.service.compute.shutdown()
         dht = getattr(self.daemon, "dht", None)
         if dht is not None:
             dht.join(timeout)

@@ -1,0 +1,25 @@
+"""The peer's one compute thread: every access to the backend's blocks and adapter state, reads included, runs on
+it, one at a time, so requests never interleave on the blocks and no reader sees a change half made."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class Compute:
+    """``await compute(fn, *args)`` runs ``fn(*args)`` on the compute thread."""
+
+    def __init__(self) -> None:
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+
+    async def __call__(self, fn: Callable[..., T], *args) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def shutdown(self) -> None:
+        """Drop queued work and stop (a peer that is killed or left does not finish what it had not started)."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
