@@ -1,7 +1,8 @@
 """Failures injected into real peers at chosen calls, in torchft's manner: a peer is built with a ``FaultInjector``
 (``PeerDaemon(config, faults=...)``), a test arms ``Fault``s on it, and at the chosen call of a method the peer
-dies, loses the reply, or freezes in the handler. Nothing is patched: the peer's own doors run every handler through
-the injector (``swarm.net.servicer.FaultHook``), so what fails is the real code path a real failure takes."""
+dies, loses the reply, freezes in the handler, or the handler has a bug. Nothing is patched: the peer's own doors run
+every handler through the injector (``swarm.net.servicer.FaultHook``), so what fails is the real code path a real
+failure takes."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class Action(str, Enum):
     KILL = "kill"  # the peer dies like a crashed machine: its connections drop, the request dies with it
     DROP = "drop"  # the handler runs (its effect stays), the reply is lost: the caller sees a broken call
     FREEZE = "freeze"  # the handler waits until released (or ``freeze_for`` seconds), then runs, late
+    BUG = "bug"  # the handler raises TypeError, as a bug in the peer's own code would
 
 
 @dataclass
@@ -98,6 +100,8 @@ class FaultInjector:
         if fault.action is Action.FREEZE:
             await asyncio.to_thread(fault.released.wait, fault.freeze_for)
             return await handler(message)
+        if fault.action is Action.BUG:
+            raise TypeError(f"an injected bug in this peer's {method} handler")
         if fault.action is Action.DROP or fault.after:
             await handler(message)
         if fault.action is Action.KILL:

@@ -178,3 +178,35 @@ def reference_with_blocks_reset(
         optimizer.zero_grad()
     model.save_pretrained(initial.parent / "reference")
     return load_file(initial.parent / "reference" / "adapter_model.safetensors")
+
+
+def test_a_bug_in_a_peers_handler_answers_internal_and_blames_no_healthy_peer(inprocess_swarm, tiny_models, tmp_path):
+    """Replica b falls behind (frozen in a commit); asked to sync from a, b's own handler raises TypeError (a bug of
+    b's, not a failure of the source it pulls from). b answers ``internal`` and keeps serving; the client routes
+    around b for a while but never blames a, whose state b then pulls at the next try; training ends equal to local
+    peft."""
+    swarm = inprocess_swarm()
+    peers = swarm.start_peers({"a": "0:4", "b": "0:4"})
+    peers["b"].faults.arm(Fault(Action.FREEZE, Method.COMMIT, nth=2, freeze_for=120.0))
+    bug = peers["b"].faults.arm(Fault(Action.BUG, Method.SYNC))
+    model = connect(swarm, tiny_models["llama"], "buggy-sync")
+    try:
+        model.save_adapter(tmp_path / "initial")
+        health, deadline = model.session.router.health, time.monotonic() + FIRED
+        while time.monotonic() < deadline and not (
+            peers["b"].faults.calls[Method.SYNC] >= 2
+            and set(peers["b"].backend.adapters["buggy-sync"].steps().values()) == {model.step}
+        ):
+            train_steps(model, model.step + 1)
+            while time.monotonic() < deadline and health[peers["b"].peer_id].banned_until > time.monotonic():
+                time.sleep(0.1)
+        model.save_adapter(tmp_path / "final")
+        steps = model.step
+        assert bug.wait_fired(0)
+        assert health[peers["b"].peer_id].failures or health[peers["b"].peer_id].banned_until, "b's bug went unseen"
+        assert peers["a"].peer_id not in health or not health[peers["a"].peer_id].banned_until, "the source was blamed"
+    finally:
+        model.shutdown()
+    assert peers["b"].faults.calls[Method.SYNC] >= 2, "b was not asked again after its bug"
+    assert peers["b"].backend.adapters["buggy-sync"].steps() == {b: steps for b in range(4)}
+    assert_matches_local_peft(tiny_models["llama"], tmp_path, steps)
