@@ -69,7 +69,7 @@ class Replicator:
         return changed
 
     async def _refresh_adapter(self, view: SwarmView, name: str, meta: dict) -> bool:
-        held = self.backend.adapters[name].standby_steps() if name in self.backend.adapters else {}
+        held = await self.compute(self._standby_steps, name)
         wanted = {}
         for block in self.standby:
             newest = view.newest(name, block, self.me)
@@ -98,16 +98,20 @@ class Replicator:
         return {block: held[block] for block in blocks if block in held}
 
     def _held(self, name: str) -> dict[int, int]:
-        """Steps of every block of the adapter this peer holds, served or standby."""
+        """Steps of every block of the adapter this peer holds, served or standby (on the compute thread)."""
         adapter = self.backend.adapters.get(name)
         return {**adapter.standby_steps(), **adapter.steps()} if adapter is not None else {}
+
+    def _standby_steps(self, name: str) -> dict[int, int]:
+        """Steps of the standby copies this peer holds of the adapter (on the compute thread)."""
+        adapter = self.backend.adapters.get(name)
+        return adapter.standby_steps() if adapter is not None else {}
 
     async def on_committed(self, name: str, meta: dict, steps: dict[int, int], source: PeerID) -> None:
         """A server committed a step (``steps``: its blocks' new steps): pull the blocks kept here on standby,
         unless this peer's copy is fewer than ``every`` steps behind (or another replica's notice brought it)."""
         async with self._lock:
-            adapter = self.backend.adapters.get(name)
-            held = adapter.standby_steps() if adapter is not None else {}
+            held = await self.compute(self._standby_steps, name)
             wanted = {
                 block: (step, source)
                 for block, step in steps.items()
@@ -120,8 +124,7 @@ class Replicator:
     async def take_state(self, view: SwarmView, blocks: range) -> None:
         """Before serving ``blocks``: hold the newest state of each (adapter, block) the swarm still has."""
         for name, meta in view.adapters().items():
-            adapter = self.backend.adapters.get(name)
-            held = {**adapter.standby_steps(), **adapter.steps()} if adapter is not None else {}
+            held = await self.compute(self._held, name)
             wanted = {}
             for block in blocks:
                 newest = view.newest(name, block, self.me)
@@ -129,7 +132,7 @@ class Replicator:
                     wanted[block] = newest
             await self._pull(name, meta, wanted, keep=None)
             await self.compute(self.backend.ensure_adapter, name, meta["lora"], meta["seed"])
-            took = {**self.backend.adapters[name].standby_steps(), **self.backend.adapters[name].steps()}
+            took = await self.compute(self._held, name)
             trainer = view.trainer_step(name)
             for block in blocks:
                 step = took.get(block)
@@ -170,8 +173,7 @@ class Replicator:
     ) -> tuple[dict[int, BlockState], dict[int, BlockUpdate]]:
         """The state of ``span`` from ``peer``; for blocks this peer keeps a standby copy of one step behind, the
         peer's last update instead (a third of the bytes). Nothing, logged, if the peer does not answer."""
-        adapter = self.backend.adapters.get(name)
-        held = await self.compute(adapter.standby_steps) if adapter is not None else {}
+        held = await self.compute(self._standby_steps, name)
         try:
             return await fetch_state_or_updates(
                 self.transport, peer, name, span, {b: held[b] for b in span if b in held}
