@@ -27,8 +27,7 @@ from transformers.generation.logits_process import (
 
 from swarm.client.remote import PeerFailure, RemoteStack
 from swarm.client.routing import Hop
-from swarm.net.protocol import InferRequest, Method
-from swarm.net.wire import Message
+from swarm.net.protocol import EndSessionRequest, InferRequest
 
 logger = logging.getLogger(__name__)
 
@@ -101,15 +100,14 @@ class SessionChain:
             hop.end,
             session.length,
             self.max_length,
+            wire.cast(hidden),
+            mask,
             self.adapter,
             self.step(),
             wire.compression,
-            mask is not None,
         )
         units = hidden.shape[0] * hidden.shape[1] * (hop.end - hop.start)
-        tensors = [wire.cast(hidden)] + ([mask] if mask is not None else [])
-        reply = self.stack.call(hop.peer_id, request.to_meta(), tensors, units, compression=wire.compression_type)
-        return reply.tensors[0].to(hidden.dtype)
+        return self.stack.ask(hop.peer_id, request, units).outputs.to(hidden.dtype)
 
     def end(self, sessions: list[HopSession] | None = None) -> None:
         """Free the sessions' keys and values on their peers, all at once (best effort: an idle one expires
@@ -121,8 +119,7 @@ class SessionChain:
 
     def _end_one(self, session: HopSession) -> None:
         try:
-            meta = {"method": Method.END_SESSION, "session": session.key}
-            self.stack.transport.call(session.hop.peer_id, Message(meta, []), timeout=5.0)
+            self.stack.transport.ask(session.hop.peer_id, EndSessionRequest(session.key), timeout=5.0)
         except Exception as e:  # the peer is gone or busy: its timeout frees the session
             logger.debug("could not end generation session on %s: %s", session.hop.peer_id, e)
 

@@ -35,7 +35,15 @@ from swarm.client.routing import Router
 from swarm.net.compression import WireFormat
 from swarm.net.errors import AdapterConfigError, AdapterStateLostError, RequestError, SwarmUnavailableError
 from swarm.net.network import check_access, initial_peers_or_env, join_dht, load_swarm_key
-from swarm.net.protocol import Method, OpenReply, OpenRequest, OptimizerHParams, check_adapter_name
+from swarm.net.protocol import (
+    DigestRequest,
+    OpenRequest,
+    OptimizerHParams,
+    Reply,
+    Request,
+    StateRequest,
+    check_adapter_name,
+)
 from swarm.net.records import RECOVERIES_KEPT, CommittedRecord, announce_committed, read_committed
 from swarm.net.security import Identity, SwarmKey
 from swarm.net.transport import Transport
@@ -127,9 +135,7 @@ class SwarmModelForCausalLM(nn.Module):
             )
             self.stack = RemoteStack(self.transport, self.router, adapter, patience, spot_check, wire=wire)
             self.replicas = ReplicaSet(self.stack, self._open_on, lost_grace=patience / 2)
-            self.copies_keeper = CopyKeeper(
-                self.stack, self.replicas, min_copies, {"lora": self.lora_wire, "seed": seed}
-            )
+            self.copies_keeper = CopyKeeper(self.stack, self.replicas, min_copies, self.lora_wire, seed)
             if is_trainable:
                 self.lease = AdapterLease(dht, spec.name, adapter, identity.owner, trainer, self.session)
                 self.lease.acquire(patience)
@@ -283,7 +289,7 @@ class SwarmModelForCausalLM(nn.Module):
         """Open (or claim) the adapter on a peer; returns its committed step per served block and per standby copy.
         A reader opens without a session: it claims nothing."""
         request = OpenRequest(self.adapter, self.lora_wire, self.seed, self.session if self.is_trainable else None)
-        reply = OpenReply.from_meta(self.stack.call(peer_id, request.to_meta(), []).meta)
+        reply = self.stack.ask(peer_id, request)
         return reply.steps, reply.standby
 
     def _resume_step(self, resume: str) -> int:
@@ -535,22 +541,21 @@ class SwarmModelForCausalLM(nn.Module):
             take_back_abandoned(self.stack, self.replicas, self.ledger.step)
         self.ledger = self.ledger.discarded()
 
-    def _each_block(self, method: str) -> list[tuple[PeerID, range, dict, list[torch.Tensor]]]:
+    def _each_block(self, request: Request) -> list[tuple[PeerID, range, Reply]]:
         """Ask every current replica (used for exports and checks), waiting up to ``patience`` for every block
         to have answered at least once: a replica banned a moment ago may be back in seconds."""
         deadline = time.monotonic() + self.stack.patience
-        answers: dict[PeerID, tuple[PeerID, range, dict, list[torch.Tensor]]] = {}
+        answers: dict[PeerID, tuple[PeerID, range, Reply]] = {}
         while True:
             self._track()
             for peer, span in self._current_peers().items():
                 if peer in answers:
                     continue
                 try:
-                    reply = self.stack.call(peer, {"method": method, "adapter": self.adapter}, [])
+                    answers[peer] = (peer, span, self.stack.ask(peer, request))
                 except PeerFailure:
                     continue
-                answers[peer] = (peer, span, reply.meta, reply.tensors)
-            covered = {b for _, span, _, _ in answers.values() for b in span}
+            covered = {b for _, span, _ in answers.values() for b in span}
             if len(covered) == self.spec.num_blocks or time.monotonic() > deadline:
                 return list(answers.values())
             time.sleep(1.0)
@@ -558,10 +563,10 @@ class SwarmModelForCausalLM(nn.Module):
     def adapter_state(self) -> dict[int, dict[str, torch.Tensor]]:
         """LoRA tensors of every block, from live replicas at the current step."""
         state: dict[int, dict[str, torch.Tensor]] = {}
-        for _, span, meta, tensors in self._each_block(Method.STATE):
-            for (block, name), tensor in zip(meta["names"], tensors, strict=True):
+        for _, span, reply in self._each_block(StateRequest(self.adapter)):
+            for block, tensors in reply.state.items():
                 if block in span:  # a peer handing blocks over may still hold them, not current any more
-                    state.setdefault(block, {})[name] = tensor
+                    state.setdefault(block, {}).update(tensors)
         missing = [b for b in range(self.spec.num_blocks) if b not in state]
         if missing:
             raise RuntimeError(f"no live replica holds blocks {missing} of adapter {self.adapter!r}")
@@ -570,10 +575,10 @@ class SwarmModelForCausalLM(nn.Module):
     def replica_digests(self) -> dict[int, dict[PeerID, str]]:
         """Per block, the state digest each live replica reports: equal digests mean identical replicas."""
         digests: dict[int, dict[PeerID, str]] = {}
-        for peer, span, meta, _ in self._each_block(Method.DIGEST):
-            for block, digest in meta["digests"].items():
-                if int(block) in span:
-                    digests.setdefault(int(block), {})[peer] = digest
+        for peer, span, reply in self._each_block(DigestRequest(self.adapter)):
+            for block, digest in reply.digests.items():
+                if block in span:
+                    digests.setdefault(block, {})[peer] = digest
         return digests
 
     def save_adapter(self, out_dir: str | Path) -> Path:

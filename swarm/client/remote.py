@@ -19,9 +19,20 @@ from swarm.client.ledger import Segment, StepLedger
 from swarm.client.routing import Hop, Router
 from swarm.net.compression import WireFormat
 from swarm.net.errors import LeaseLostError, RemoteError, SwarmUnavailableError
-from swarm.net.protocol import PEER_STATE_ERRORS, ErrorKind, Method, SpanRequest
+from swarm.net.message import Message
+from swarm.net.protocol import (
+    PEER_STATE_ERRORS,
+    BackwardRequest,
+    ErrorKind,
+    ForwardRequest,
+    Reply,
+    ReplyError,
+    Request,
+    method_of,
+    read_reply,
+)
 from swarm.net.transport import Transport
-from swarm.net.wire import Message, WireError
+from swarm.net.wire import WireError
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +98,16 @@ class RemoteStack:
 
     # --- calls ----------------------------------------------------------------------------------------------
 
+    def ask(self, peer: PeerID, request: Request, units: float = 1.0, floor: float = 0.0) -> Reply:
+        """One typed request, its typed reply; failures of the peer (a reply that breaks its schema too) become
+        PeerFailure after a ban, refusals of the request raise."""
+        message = request.to_message()
+        reply = self.call(peer, message.meta, message.tensors, units, floor, message.compression)
+        try:
+            return read_reply(request, reply)
+        except ReplyError as e:
+            raise self._peer_failed(peer, str(e)) from e
+
     def call(
         self,
         peer: PeerID,
@@ -96,8 +117,9 @@ class RemoteStack:
         floor: float = 0.0,
         compression: int = runtime_pb2.CompressionType.NONE,
     ) -> Message:
-        """One request; failures of the peer become PeerFailure (after a ban), refusals of the request raise."""
-        method = meta["method"]
+        """One encoded request (what :meth:`ask` sends; tests and the chaos driver watch requests here); failures of
+        the peer become PeerFailure (after a ban), refusals of the request raise."""
+        method = str(method_of(meta))
         started = time.monotonic()
         timeout = floor + self.router.timeout(peer, method, units)
         try:
@@ -121,30 +143,19 @@ class RemoteStack:
             callback(peer)
         return PeerFailure(peer, reason)
 
-    def _tensors(self, hidden: torch.Tensor, mask: torch.Tensor | None, *extra: torch.Tensor) -> list[torch.Tensor]:
-        """A span request's tensors, floating ones in the wire's dtype."""
-        return [self.wire.cast(t) for t in (hidden, *extra)] + ([mask] if mask is not None else [])
-
-    def _span_call(self, hop: Hop, request: SpanRequest, tensors: list[torch.Tensor], dtype: torch.dtype) -> Message:
-        """A forward or backward request in the wire's format; the answer back in the client's ``dtype``."""
-        units = tensors[0].shape[0] * tensors[0].shape[1] * (hop.end - hop.start)
-        reply = self.call(hop.peer_id, request.to_meta(), tensors, units, compression=self.wire.compression_type)
-        return Message(reply.meta, [t.to(dtype) for t in reply.tensors])
+    def _span_ask(self, hop: Hop, request: ForwardRequest | BackwardRequest, tokens: torch.Tensor) -> Reply:
+        """A forward or backward request; ``tokens`` (batch x length) sizes its timeout."""
+        units = tokens.shape[0] * tokens.shape[1] * (hop.end - hop.start)
+        return self.ask(hop.peer_id, request, units)
 
     def _forward_hop(
         self, hop: Hop, hidden: torch.Tensor, mask: torch.Tensor | None, step: int, micro_batch: str | None
     ) -> torch.Tensor:
-        request = SpanRequest(
-            Method.FORWARD,
-            self.adapter,
-            hop.start,
-            hop.end,
-            step,
-            mask is not None,
-            micro_batch,
-            compression=self.wire.compression,
+        wire = self.wire
+        request = ForwardRequest(
+            self.adapter, hop.start, hop.end, step, wire.cast(hidden), mask, micro_batch, wire.compression
         )
-        return self._span_call(hop, request, self._tensors(hidden, mask), hidden.dtype).tensors[0]
+        return self._span_ask(hop, request, hidden).outputs.to(hidden.dtype)
 
     def _backward_hop(
         self,
@@ -159,27 +170,29 @@ class RemoteStack:
     ) -> torch.Tensor | None:
         """Backward through one hop. ``cached``: this peer ran the micro-batch's forward, so the hidden states are
         left out (sent after all if it no longer holds them). ``input_grad``: whether the input gradient is needed."""
-        request = SpanRequest(
-            Method.BACKWARD,
+        wire = self.wire
+        request = BackwardRequest(
             self.adapter,
             hop.start,
             hop.end,
             ledger.step,
-            mask is not None,
             micro_batch,
-            has_hidden=not cached,
-            input_grad=input_grad,
-            compression=self.wire.compression,
+            wire.cast(grad),
+            None if cached else wire.cast(hidden),
+            mask,
+            input_grad,
+            wire.compression,
         )
-        tensors = self._tensors(grad, mask) if cached else self._tensors(hidden, mask, grad)
         try:
-            reply = self._span_call(hop, request, tensors, grad.dtype)
+            reply = self._span_ask(hop, request, grad)
         except RemoteError as e:
             if not cached or e.kind != ErrorKind.MISSING_FORWARD:
                 raise
             return self._backward_hop(hop, hidden, grad, mask, ledger, micro_batch, False, input_grad)
+        if input_grad and reply.grad_inputs is None:
+            raise self._peer_failed(hop.peer_id, "backward: the reply lacks the input gradient asked for")
         ledger.acknowledge(micro_batch, hop.blocks, hop.peer_id)
-        return reply.tensors[0] if input_grad else None
+        return reply.grad_inputs.to(grad.dtype) if input_grad else None
 
     def recovered(self, failed: PeerID | None, during: str, step: int, since: float | None) -> None:
         if failed is None or since is None:

@@ -90,7 +90,6 @@ class RequestError(SwarmError, ValueError):
     """A request this peer refuses; the message says why. Travels back to the caller as ``kind`` + message."""
 
     kind = ErrorKind.BAD_REQUEST
-    details: dict = {}
 
 
 class StaleStepError(RequestError):
@@ -119,7 +118,6 @@ class MissingGradientsError(RequestError):
     def __init__(self, message: str, missing: dict[int, list[str]]):
         super().__init__(message)
         self.missing = missing
-        self.details = {"missing": {str(block): mbs for block, mbs in missing.items()}}
 
 
 class SessionLostError(RequestError):
@@ -147,7 +145,7 @@ class SourceUnavailableError(RequestError):
 
     def __init__(self, message: str, source: str):
         super().__init__(message)
-        self.details = {"source": source}
+        self.source = source
 
 
 class FencedError(RequestError):

@@ -13,26 +13,33 @@ from hivemind.proto import runtime_pb2
 
 from swarm.net import lanes
 from swarm.net.errors import RemoteError, RequestError
-from swarm.net.protocol import RELAY_TIMEOUT, RELAY_TO, ErrorKind, Method, read_peer
+from swarm.net.message import Message, payload_bytes
+from swarm.net.protocol import (
+    RELAY_TIMEOUT,
+    RELAY_TO,
+    ErrorKind,
+    HelloReply,
+    HelloRequest,
+    Method,
+    ReachableReply,
+    ReachableRequest,
+    Reply,
+    Request,
+    error_message,
+    method_of,
+    read_peer,
+    read_request,
+    refusal,
+)
 from swarm.net.reachability import ReachabilityProbe
 from swarm.net.security import SwarmKey
 from swarm.net.transport import Transport
-from swarm.net.wire import (
-    DEFAULT_MAX_PAYLOAD_BYTES,
-    Message,
-    PeerDoors,
-    WireError,
-    collect,
-    decode,
-    encode,
-    error_message,
-    payload_bytes,
-    verify,
-)
+from swarm.net.wire import DEFAULT_MAX_PAYLOAD_BYTES, PeerDoors, WireError, collect, decode, encode, verify
 
 logger = logging.getLogger(__name__)
 
-Handler = Callable[[Message], Awaitable[Message]]
+# A method's handler: its typed request in (decoded and checked against the registry), its typed reply out.
+Handler = Callable[[Request], Awaitable[Reply]]
 
 
 MAX_ARRIVALS = 1024  # messages whose lanes are arriving at once, from all callers
@@ -146,9 +153,11 @@ class Doorkeeper:
             yield part
 
     async def handle(self, parts: list[runtime_pb2.ExpertRequest], context: P2PContext) -> Message:
+        """Decode, check the swarm key, pass on what is for another peer; else read the request through the registry,
+        run its handler and encode the reply. A refusal is answered, never raised."""
         try:
             message = decode(parts)
-            method = message.meta.get("method")
+            method = method_of(message.meta)
             if self.swarm_key is not None and method != Method.HELLO:
                 try:
                     verify(self.swarm_key, message, parts)
@@ -159,10 +168,14 @@ class Doorkeeper:
             handler = self.handlers.get(method) if isinstance(method, str) else None
             if handler is None:
                 raise RequestError(f"unknown method {method!r}; known: {sorted(self.handlers)}")
-            return await handler(message)
-        except (RequestError, WireError) as e:
+            reply = await handler(read_request(message))
+            return reply.to_message()
+        except RequestError as e:
             logger.info("refused a request from %s: %s", context.remote_id, e)
-            return error_message(getattr(e, "kind", ErrorKind.BAD_REQUEST), str(e), **getattr(e, "details", {}))
+            return refusal(e)
+        except WireError as e:
+            logger.info("refused a request from %s: %s", context.remote_id, e)
+            return error_message(ErrorKind.BAD_REQUEST, str(e))
         except Exception as e:
             logger.exception("request from %s failed", context.remote_id)
             return error_message(ErrorKind.INTERNAL, f"{type(e).__name__}: {e}")
@@ -183,17 +196,15 @@ class Doorkeeper:
         except Exception as e:
             return error_message(ErrorKind.UNREACHABLE, f"this relay cannot reach {target}: {type(e).__name__} {e}")
 
-    async def _reachable(self, message: Message) -> Message:
+    async def _reachable(self, request: ReachableRequest) -> ReachableReply:
         """Dial the asking peer back (``maddrs``), or, for a peer behind NAT (``relayed``), say whether this node
         will pass requests on to it: it relays and holds the peer's connection."""
-        if not message.meta.get("relayed"):
-            return await self.probe.handle(message)
-        peer = read_peer(message.meta, "peer")
+        if not request.relayed:
+            return await self.probe.handle(request)
         if not self.relays:
-            return Message({"reachable": False, "why": "this node does not relay (started with --no-relay)"}, [])
-        return Message({"reachable": await self.relay.connected(peer)}, [])
+            return ReachableReply(False, "this node does not relay (started with --no-relay)")
+        return ReachableReply(await self.relay.connected(request.peer))
 
-    async def _hello(self, message: Message) -> Message:
+    async def _hello(self, request: HelloRequest) -> HelloReply:
         """Who we are, unauthenticated: lets a newcomer tell 'private swarm' or 'wrong key' from other failures."""
-        key_id = None if self.swarm_key is None else self.swarm_key.key_id
-        return Message(meta={"private": self.swarm_key is not None, "key_id": key_id}, tensors=[])
+        return HelloReply(self.swarm_key is not None, None if self.swarm_key is None else self.swarm_key.key_id)

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from hivemind import DHT
 from hivemind.p2p import PeerID
 
-from swarm.net.protocol import Method, PeerInfo
+from swarm.net.protocol import InfoRequest, PeerInfo
 from swarm.net.records import ServerRecord, ServerState, read_servers
 from swarm.net.transport import Transport
-from swarm.net.wire import Message
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +97,7 @@ async def observe(dht: DHT, transport: Transport, model: str, num_blocks: int, m
 
     async def ping(peer: PeerID) -> PeerInfo | None:
         try:
-            reply = await transport.acall(peer, Message({"method": Method.INFO}, []), timeout=PING_TIMEOUT)
-            return PeerInfo.from_meta(reply.meta)
+            return await transport.aask(peer, InfoRequest(), timeout=PING_TIMEOUT)
         except Exception as e:
             logger.debug("peer %s did not answer: %s", peer, e)
             return None

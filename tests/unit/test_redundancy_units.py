@@ -24,7 +24,18 @@ from swarm.net.errors import (
     RequestError,
     SwarmUnavailableError,
 )
-from swarm.net.protocol import PEER_STATE_ERRORS, AdapterInfo, Method, OptimizerHParams, PeerInfo
+from swarm.net.protocol import (
+    PEER_STATE_ERRORS,
+    AdapterInfo,
+    CommitRequest,
+    FastForwardRequest,
+    OptimizerHParams,
+    PeerInfo,
+    Request,
+    RevertRequest,
+    StepsReply,
+    SyncRequest,
+)
 from swarm.net.records import ServerRecord, ServerState
 from swarm.net.view import SwarmView
 from swarm.ops.status import render
@@ -213,11 +224,6 @@ class _Router:
         return True
 
 
-class _Reply:
-    def __init__(self, meta: dict):
-        self.meta = meta
-
-
 class _Stack:
     """Records the SYNC requests a ReplicaSet sends; a synced peer reports every block at the requested step."""
 
@@ -226,9 +232,9 @@ class _Stack:
     def __init__(self, router: _Router):
         self.router, self.on_peer_state, self.sent = router, [], []
 
-    def call(self, peer: PeerID, meta: dict, tensors: list) -> _Reply:
-        self.sent.append((peer, meta["source"], meta["start"], meta["end"]))
-        return _Reply({"steps": {str(b): 1 for b in self.router.servers[peer]}})
+    def ask(self, peer: PeerID, request: SyncRequest) -> StepsReply:
+        self.sent.append((peer, request.source.to_base58(), request.start, request.end))
+        return StepsReply({b: 1 for b in self.router.servers[peer]})
 
 
 def test_a_takeover_holding_part_of_its_span_current_syncs_only_the_rest():
@@ -266,11 +272,11 @@ class _DeadSourceStack(_Stack):
         super().__init__(router)
         self.dead = dead
 
-    def call(self, peer: PeerID, meta: dict, tensors: list) -> _Reply:
-        if meta["source"] == self.dead.to_base58():
-            self.sent.append((peer, meta["source"], meta["start"], meta["end"]))
-            raise RemoteError(ErrorKind.SOURCE_UNAVAILABLE, "could not pull blocks 2:4", {"source": meta["source"]})
-        return super().call(peer, meta, tensors)
+    def ask(self, peer: PeerID, request: SyncRequest) -> StepsReply:
+        if request.source == self.dead:
+            self.sent.append((peer, request.source.to_base58(), request.start, request.end))
+            raise RemoteError(ErrorKind.SOURCE_UNAVAILABLE, "could not pull blocks 2:4")
+        return super().ask(peer, request)
 
 
 def test_a_sync_whose_source_died_pulls_from_another_and_blames_the_source():
@@ -313,21 +319,21 @@ class _CommitStack:
     def open_on(self, peer: PeerID) -> tuple[dict[int, int], dict[int, int]]:
         return dict(self.steps[peer]), {}
 
-    def call(self, peer: PeerID, meta: dict, tensors: list, floor: float = 0.0) -> _Reply:
+    def ask(self, peer: PeerID, request: Request, floor: float = 0.0) -> StepsReply:
         held = self.steps[peer]
-        if meta["method"] == Method.SYNC:
-            source = self.steps[PeerID.from_base58(meta["source"])]
-            held.update({b: source[b] for b in range(meta["start"], meta["end"])})
-        elif meta["method"] == Method.COMMIT:
+        if isinstance(request, SyncRequest):
+            source = self.steps[request.source]
+            held.update({b: source[b] for b in request.blocks})
+        elif isinstance(request, CommitRequest):
             self.commits.append(peer)
-            self.steps[peer] = {b: s + 1 if s == meta["step"] else s for b, s in held.items()}
-        elif meta["method"] == Method.REVERT:
-            self.steps[peer] = {b: meta["step"] if s == meta["step"] + 1 else s for b, s in held.items()}
+            self.steps[peer] = {b: s + 1 if s == request.step else s for b, s in held.items()}
+        elif isinstance(request, RevertRequest):
+            self.steps[peer] = {b: request.step if s == request.step + 1 else s for b, s in held.items()}
         else:
-            assert meta["method"] == Method.FAST_FORWARD, meta
-            self.fast_forwards.append((peer, meta["start"]))
-            held[meta["start"]] = meta["step"]
-        return _Reply({"steps": {str(b): s for b, s in self.steps[peer].items()}})
+            assert isinstance(request, FastForwardRequest), request
+            self.fast_forwards.append((peer, request.start))
+            held[request.start] = request.step
+        return StepsReply(dict(self.steps[peer]))
 
     def recovered(self, *args) -> None:
         pass
