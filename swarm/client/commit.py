@@ -27,6 +27,7 @@ from swarm.net.protocol import (
     CommitRequest,
     ErrorKind,
     FastForwardRequest,
+    Method,
     OptimizerHParams,
     ReplyError,
     RevertRequest,
@@ -322,7 +323,7 @@ def commit(
             break
     logger.debug("step %d committed on %d peers in %.2fs", step, len(applied), time.monotonic() - started)
     if failed:
-        stack.recovered(failed[0], "commit", step, started)
+        stack.recovered(failed[0], Method.COMMIT, step, started)
     return applied
 
 

@@ -25,6 +25,7 @@ from swarm.net.protocol import (
     BackwardRequest,
     ErrorKind,
     ForwardRequest,
+    Method,
     Reply,
     ReplyError,
     Request,
@@ -283,7 +284,7 @@ class RemoteStack:
                 failed, since = e.peer, since or time.monotonic()
                 self.give_up_after_patience(since, hop, e)
                 continue
-            self.recovered(failed, "forward", step, since)
+            self.recovered(failed, Method.FORWARD, step, since)
             failed, since = None, None
             inputs.append(HopInput(hop, hidden))
             hidden, block = outputs, hop.end
@@ -350,7 +351,7 @@ class RemoteStack:
                 failed, since, prefer = e.peer, since or time.monotonic(), None
                 self.give_up_after_patience(since, Hop(e.peer, segment.start, segment.end), e)
                 continue
-            self.recovered(failed, "backward", ledger.step, since)
+            self.recovered(failed, Method.BACKWARD, ledger.step, since)
             return grad
 
 

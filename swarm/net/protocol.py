@@ -198,8 +198,9 @@ def by_blocks(read_value: Callable[[object], Any], what: str) -> Reader:
     """A map block -> value, each value read by ``read_value`` (which raises ValueError or TypeError)."""
 
     def read(meta: dict, key: str) -> dict[int, Any]:
+        values = read_dict(meta, key)
         try:
-            return {_block(block): read_value(value) for block, value in read_dict(meta, key).items()}
+            return {_block(block): read_value(value) for block, value in values.items()}
         except (TypeError, ValueError) as e:
             raise RequestError(f"{key!r} must map block -> {what}: {e}") from None
 
@@ -324,7 +325,7 @@ class HelloRequest(Request):
 @dataclass(frozen=True)
 class HelloReply(Reply):
     private: bool = wire(read_bool)
-    key_id: str | None = wire(optional(read_str))
+    key_id: str | None = wire(optional(read_str), default=None)  # of the swarm key, when private
 
 
 @dataclass(frozen=True)
@@ -360,8 +361,9 @@ def _adapters(value: object) -> AdapterInfo:
 
 
 def read_adapters(meta: dict, key: str) -> dict[str, AdapterInfo]:
+    entries = read_dict(meta, key)
     try:
-        return {check_adapter_name(name): _adapters(entry) for name, entry in read_dict(meta, key).items()}
+        return {check_adapter_name(name): _adapters(entry) for name, entry in entries.items()}
     except ValueError as e:  # RequestError is one
         raise RequestError(f"{key!r} must map adapter -> its lora, seed, steps and standby: {e}") from None
 
@@ -657,8 +659,9 @@ class GradsReply(Reply):
 
     @classmethod
     def from_message(cls, message: Message) -> GradsReply:
+        entries = read_list(message.meta, "index")
         try:
-            index = [_index_entry(entry) for entry in read_list(message.meta, "index")]
+            index = [_index_entry(entry) for entry in entries]
         except ValueError as e:
             raise RequestError(f"'index' must list [block, micro-batch, count]: {e}") from None
         _expect(message, (sum(count for *_, count in index),))
@@ -678,7 +681,9 @@ class ExportRequest(Request):
     adapter: str = wire(read_adapter)
     start: int = wire(read_int)
     end: int = wire(read_int)
-    held: dict[int, int] | None = wire(optional(read_steps), lambda held: None if held is None else by_block(held))
+    held: dict[int, int] | None = wire(
+        optional(read_steps), lambda held: None if held is None else by_block(held), default=None
+    )
 
     @property
     def blocks(self) -> range:
@@ -754,8 +759,9 @@ class StateReply(Reply):
 
     @classmethod
     def from_message(cls, message: Message) -> StateReply:
+        entries = read_list(message.meta, "names")
         try:
-            names = [_name_entry(entry) for entry in read_list(message.meta, "names")]
+            names = [_name_entry(entry) for entry in entries]
         except ValueError as e:
             raise RequestError(f"'names' must list [block, name]: {e}") from None
         state: dict[int, dict[str, torch.Tensor]] = {}
@@ -833,8 +839,9 @@ def _source(entry: object) -> tuple[range, PeerID]:
 
 
 def read_sources(meta: dict, key: str) -> list[tuple[range, PeerID]]:
+    entries = read_list(meta, key)
     try:
-        sources = [_source(entry) for entry in read_list(meta, key)]
+        sources = [_source(entry) for entry in entries]
     except ValueError as e:
         raise RequestError(f"{key!r} must be a list of [start, end, peer id]: {e}") from None
     if not sources:
