@@ -20,6 +20,7 @@ from peers.balancer import choose_standby
 from peers.service import fetch_state_or_updates
 from peers.state import BlockState, BlockUpdate
 from swarm.blocks import spans_text
+from swarm.net.protocol import lora_and_seed
 from swarm.net.transport import Transport
 from swarm.net.view import SwarmView
 
@@ -120,7 +121,7 @@ class Replicator:
                 if newest is not None and newest[0] > held.get(block, -1):
                     wanted[block] = newest
             await self._pull(name, meta, wanted, keep=None)
-            await self.compute(self.backend.ensure_adapter, name, meta["lora"], meta["seed"])
+            await self.compute(self.backend.ensure_adapter, name, *lora_and_seed(meta))
             took = {**self.backend.adapters[name].standby_steps(), **self.backend.adapters[name].steps()}
             trainer = view.trainer_step(name)
             for block in blocks:

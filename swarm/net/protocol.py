@@ -338,6 +338,11 @@ def adapter_meta(lora: dict, seed: int) -> dict:
     return {"lora": lora, "seed": seed}
 
 
+def lora_and_seed(meta: dict) -> tuple[dict, int]:
+    """The inverse of :func:`adapter_meta` (on a map it made, or ``info`` read and checked)."""
+    return meta["lora"], meta["seed"]
+
+
 @dataclass
 class AdapterInfo:
     """What a live peer holds of one adapter: its config, served steps and standby copies per block."""
@@ -444,8 +449,27 @@ class OpenReply(Reply):
     standby: dict[int, int] = wire(read_steps, by_block, default_factory=dict)
 
 
+class HiddenRequest(Request):
+    """A request whose tensors are hidden states and, when ``has_mask``, their mask: forward and infer. Subclasses
+    have the fields ``hidden``, ``mask`` and ``compression`` (which also encodes the tensors sent)."""
+
+    hidden: torch.Tensor
+    mask: torch.Tensor | None
+    compression: str
+
+    def to_message(self) -> Message:
+        tensors = [self.hidden] + ([] if self.mask is None else [self.mask])
+        return Message({**self.to_meta(), HAS_MASK: self.mask is not None}, tensors, COMPRESSIONS[self.compression])
+
+    @classmethod
+    def from_message(cls, message: Message) -> Any:
+        fields_ = cls.read_meta(message.meta)
+        (hidden,), mask = _span_tensors(message, 1)
+        return cls(**fields_, hidden=hidden, mask=mask)
+
+
 @dataclass(frozen=True)
-class ForwardRequest(Request):
+class ForwardRequest(HiddenRequest):
     """Through blocks [start, end) of an adapter at a step. Tensors: [hidden, mask?]. One with a micro-batch id keeps
     its graph for the backward; one without is an evaluation."""
 
@@ -463,15 +487,6 @@ class ForwardRequest(Request):
     def blocks(self) -> range:
         return range(self.start, self.end)
 
-    def to_message(self) -> Message:
-        tensors = [self.hidden] + ([] if self.mask is None else [self.mask])
-        return Message({**self.to_meta(), HAS_MASK: self.mask is not None}, tensors, COMPRESSIONS[self.compression])
-
-    @classmethod
-    def from_message(cls, message: Message) -> ForwardRequest:
-        fields_ = cls.read_meta(message.meta)
-        (hidden,), mask = _span_tensors(message, 1)
-        return cls(**fields_, hidden=hidden, mask=mask)
 
 
 @dataclass(frozen=True)
@@ -874,7 +889,7 @@ class ReplicateRequest(Request):
 
 
 @dataclass(frozen=True)
-class InferRequest(Request):
+class InferRequest(HiddenRequest):
     """Generation: the hidden states of new tokens through blocks [start, end) in ``session``, which holds the keys
     and values of ``position`` tokens already. The first request (position 0) opens the session with room for
     ``max_length`` tokens. ``adapter`` None runs the base model (LoRA off); else the adapter at ``step`` or later.
@@ -896,15 +911,6 @@ class InferRequest(Request):
     def blocks(self) -> range:
         return range(self.start, self.end)
 
-    def to_message(self) -> Message:
-        tensors = [self.hidden] + ([] if self.mask is None else [self.mask])
-        return Message({**self.to_meta(), HAS_MASK: self.mask is not None}, tensors, COMPRESSIONS[self.compression])
-
-    @classmethod
-    def from_message(cls, message: Message) -> InferRequest:
-        fields_ = cls.read_meta(message.meta)
-        (hidden,), mask = _span_tensors(message, 1)
-        return cls(**fields_, hidden=hidden, mask=mask)
 
 
 @dataclass(frozen=True)
