@@ -103,7 +103,8 @@ class RemoteStack:
         """One typed request, its typed reply; failures of the peer (a reply that breaks its schema too) become
         PeerFailure after a ban, refusals of the request raise."""
         message = request.to_message()
-        reply = self.call(peer, message.meta, message.tensors, units, floor, message.compression)
+        tensors, compression = message.tensors, message.compression
+        reply = self.call(peer, message.meta, tensors, units=units, floor=floor, compression=compression)
         try:
             return read_reply(request, reply)
         except ReplyError as e:
