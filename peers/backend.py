@@ -37,7 +37,7 @@ from swarm.net.errors import (
     StaleStepError,
     UnknownAdapterError,
 )
-from swarm.net.protocol import InferRequest, OptimizerHParams
+from swarm.net.protocol import InferRequest, OptimizerHParams, lora_and_seed
 from swarm.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -514,9 +514,10 @@ class SpanBackend:
         block behind its copy (fresh from a checkpoint or a takeover) starts from the copy."""
         adapter = self.adapters.get(name)
         created = adapter is None
+        lora, seed = lora_and_seed(meta)
         if adapter is None:
-            adapter = self.adapters[name] = Adapter(config_wire=meta["lora"], seed=meta["seed"])
-        elif adapter.config_wire != meta["lora"] or adapter.seed != meta["seed"]:
+            adapter = self.adapters[name] = Adapter(config_wire=lora, seed=seed)
+        elif adapter.config_wire != lora or adapter.seed != seed:
             raise RequestError(f"adapter {name!r} exists here with another LoRA config or seed")
         for block, state in states.items():
             served = adapter.blocks.get(block)

@@ -23,14 +23,13 @@ from peers.service import PeerHooks, PeerService
 from swarm.blocks import spans_text
 from swarm.net.errors import PEER_ERRORS, SwarmAccessError
 from swarm.net.network import check_access, join_dht, load_swarm_key
-from swarm.net.protocol import AdapterInfo, Method, PeerInfo
+from swarm.net.protocol import AdapterInfo, CommittedRequest, PeerInfo
 from swarm.net.reachability import choose_relays, verify_relayed
 from swarm.net.records import RECORD_TTL, ServerRecord, ServerState, announce, announce_model
 from swarm.net.security import Identity
 from swarm.net.servicer import FaultHook
 from swarm.net.transport import Transport
 from swarm.net.view import SwarmView, observe
-from swarm.net.wire import Message
 from swarm.spec import ModelSpec, load_spec
 
 logger = logging.getLogger(__name__)
@@ -186,13 +185,13 @@ class PeerDaemon:
             announce_model, self.dht, self.spec.name, self.spec.num_blocks, self.identity.owner, self.config.record_ttl
         )
 
-    def info(self) -> dict:
+    def info(self) -> PeerInfo:
         adapters = {}
         if self.parts is not None:
             for name, a in self.parts.backend.adapters.items():
                 adapters[name] = AdapterInfo(a.meta, a.steps(), a.standby_steps())
         standby = self.parts.replicator.standby if self.parts is not None else []
-        info = PeerInfo(
+        return PeerInfo(
             self.spec.name,
             self.serving.start,
             self.serving.stop,
@@ -202,7 +201,6 @@ class PeerDaemon:
             standby,
             f"{self.config.quant_mode}/{self.config.dtype}",
         )
-        return info.to_meta()
 
     # --- choosing, loading, moving ----------------------------------------------------------------------------
 
@@ -359,19 +357,13 @@ class PeerDaemon:
         await self._checkpoint(name)
         adapter = self.parts.backend.adapters[name]
         steps = {block: step for block, step in adapter.steps().items() if block in self.serving}
-        notice = {
-            "method": Method.COMMITTED,
-            "adapter": name,
-            **adapter.meta,
-            "steps": {str(block): step for block, step in steps.items()},
-            "source": self.identity.peer_id.to_base58(),
-        }
+        notice = CommittedRequest(name, adapter.config_wire, adapter.seed, steps, self.identity.peer_id)
         for peer in self.view.watchers(list(steps)) if self.view is not None else ():
             self.parts.service.in_background(self._notify(peer, notice))
 
-    async def _notify(self, peer, notice: dict) -> None:
+    async def _notify(self, peer, notice: CommittedRequest) -> None:
         try:
-            await self.transport.acall(peer, Message(notice, []), timeout=5.0)
+            await self.transport.aask(peer, notice, timeout=5.0)
         except PEER_ERRORS as e:
             logger.debug("could not notify %s of a commit: %s", peer, e)
 

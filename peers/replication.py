@@ -22,6 +22,7 @@ from peers.service import fetch_state_or_updates
 from peers.state import BlockState, BlockUpdate
 from swarm.blocks import spans_text
 from swarm.net.errors import PEER_ERRORS, RequestError
+from swarm.net.protocol import lora_and_seed
 from swarm.net.transport import Transport
 from swarm.net.view import SwarmView
 
@@ -131,7 +132,7 @@ class Replicator:
                 if newest is not None and newest[0] > held.get(block, -1):
                     wanted[block] = newest
             await self._pull(name, meta, wanted, keep=None)
-            await self.compute(self.backend.ensure_adapter, name, meta["lora"], meta["seed"])
+            await self.compute(self.backend.ensure_adapter, name, *lora_and_seed(meta))
             took = await self.compute(self._held, name)
             trainer = view.trainer_step(name)
             for block in blocks:

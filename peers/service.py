@@ -1,4 +1,5 @@
-"""RPC handlers of a peer: decode a request, validate it, run it on the backend (one at a time), encode the reply."""
+"""RPC handlers of a peer: each takes its method's typed request (decoded and checked by the doors), runs it on the
+backend (one at a time) and returns the typed reply."""
 
 from __future__ import annotations
 
@@ -7,36 +8,50 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import torch
 from hivemind.p2p import PeerID
 
 from peers.backend import SpanBackend
 from peers.compute import Compute
 from peers.state import BlockState, BlockUpdate, GradsByBlock, pack_states, unpack_states
 from swarm.blocks import lora_config_from_wire
-from swarm.net.compression import COMPRESSIONS
 from swarm.net.errors import PEER_ERRORS, RequestError, SourceUnavailableError
 from swarm.net.protocol import (
     SYNC_TIMEOUT,
+    Ack,
+    BackwardRequest,
     CommitRequest,
+    CommittedRequest,
+    DigestReply,
+    DigestRequest,
+    EndSessionReply,
+    EndSessionRequest,
+    ExportReply,
+    ExportRequest,
+    FastForwardReply,
+    FastForwardRequest,
+    ForwardRequest,
+    GradReply,
+    GradsReply,
+    GradsRequest,
+    HiddenReply,
     InferRequest,
+    InfoRequest,
     Method,
     OpenReply,
     OpenRequest,
-    OptimizerHParams,
-    SpanRequest,
-    by_block,
-    read_dict,
-    read_int,
-    read_peer,
-    read_session,
-    read_steps,
-    read_str,
+    PeerInfo,
+    ReplicateRequest,
+    ReplyError,
+    RevertRequest,
+    StateReply,
+    StateRequest,
+    StepsReply,
+    SyncRequest,
 )
 from swarm.net.security import SwarmKey
 from swarm.net.servicer import Doorkeeper, FaultHook
 from swarm.net.transport import Transport
-from swarm.net.wire import DEFAULT_MAX_PAYLOAD_BYTES, Message
+from swarm.net.wire import DEFAULT_MAX_PAYLOAD_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +75,7 @@ class PeerService(Doorkeeper):
         self,
         backend: SpanBackend,
         compute: Compute,
-        info: Callable[[], dict],
+        info: Callable[[], PeerInfo],
         transport: Transport,
         hooks: PeerHooks,
         swarm_key: SwarmKey | None = None,
@@ -92,63 +107,54 @@ class PeerService(Doorkeeper):
         )
         self._background: set[asyncio.Task] = set()
 
-    async def _info(self, message: Message) -> Message:
-        return Message(meta=self.info(), tensors=[])
+    async def _info(self, request: InfoRequest) -> PeerInfo:
+        return self.info()
 
-    async def _open(self, message: Message) -> Message:
-        request = OpenRequest.from_meta(message.meta)
-
+    async def _open(self, request: OpenRequest) -> OpenReply:
         def open_adapter() -> OpenReply:
             steps = self.backend.open_adapter(request.adapter, request.lora, request.seed, request.session)
             return OpenReply(steps, self.backend.adapter(request.adapter).standby_steps())
 
-        return Message(meta=(await self.compute(open_adapter)).to_meta(), tensors=[])
+        return await self.compute(open_adapter)
 
-    async def _forward(self, message: Message) -> Message:
-        request = SpanRequest.from_meta(message.meta)
-        hidden, mask = _hidden_and_mask(message, extra=0)
+    async def _forward(self, request: ForwardRequest) -> HiddenReply:
         outputs = await self.compute(
-            self.backend.forward, request.adapter, request.blocks, request.step, hidden, mask, request.micro_batch
+            self.backend.forward,
+            request.adapter,
+            request.blocks,
+            request.step,
+            request.hidden,
+            request.mask,
+            request.micro_batch,
         )
-        return Message(meta={}, tensors=[outputs], compression=COMPRESSIONS[request.compression])
+        return HiddenReply(outputs, request.compression)
 
-    async def _backward(self, message: Message) -> Message:
-        request = SpanRequest.from_meta(message.meta)
-        if request.has_hidden:
-            hidden, mask = _hidden_and_mask(message, extra=1)
-            grad = message.tensors[1]
-        else:
-            (grad, mask), hidden = _hidden_and_mask(message, extra=0), None
+    async def _backward(self, request: BackwardRequest) -> GradReply:
         grad_inputs = await self.compute(
             self.backend.backward,
             request.adapter,
             request.blocks,
             request.step,
             request.micro_batch,
-            hidden,
-            mask,
-            grad,
+            request.hidden,
+            request.mask,
+            request.grad,
             request.input_grad,
         )
-        tensors = [] if grad_inputs is None else [grad_inputs]
-        return Message(meta={}, tensors=tensors, compression=COMPRESSIONS[request.compression])
+        return GradReply(grad_inputs, request.compression)
 
-    async def _infer(self, message: Message) -> Message:
-        request = InferRequest.from_meta(message.meta)
-        hidden, mask = _hidden_and_mask(message, extra=0)
-        outputs = await self.compute(self.backend.infer, request, hidden, mask)
-        return Message(meta={}, tensors=[outputs], compression=COMPRESSIONS[request.compression])
+    async def _infer(self, request: InferRequest) -> HiddenReply:
+        outputs = await self.compute(self.backend.infer, request, request.hidden, request.mask)
+        return HiddenReply(outputs, request.compression)
 
-    async def _end_session(self, message: Message) -> Message:
-        session = read_session(message.meta)
-        return Message(meta={"ended": await self.compute(self.backend.sessions.end, session)}, tensors=[])
+    async def _end_session(self, request: EndSessionRequest) -> EndSessionReply:
+        return EndSessionReply(await self.compute(self.backend.sessions.end, request.session))
 
-    async def _commit(self, message: Message) -> Message:
+    async def _commit(self, request: CommitRequest) -> StepsReply:
         """Commit a step in one call: fetch the micro-batch gradients this peer lacks from the replicas holding them
         (peer to peer, all at once), then one AdamW update from the ledger's gradients, identical on every replica.
         Gradients nobody could provide are reported (``missing_gradients``) and nothing is applied: the client
         replays them and asks again. Idempotent: blocks already past the step are left alone."""
-        request = CommitRequest.from_meta(message.meta)
         name, step, ledger = request.adapter, request.step, request.micro_batches()
         missing = await self.compute(self.backend.missing, name, step, ledger)
         wanted_from: dict[str, dict[int, list[str]]] = {}
@@ -162,61 +168,40 @@ class PeerService(Doorkeeper):
             await self.compute(self.backend.add_grads, name, step, grads)
         steps = await self.compute(self.backend.apply, name, step, ledger, request.hparams)
         self.in_background(self.hooks.after_commit(name))  # queued on the compute thread before the next
-        return Message(meta={"steps": by_block(steps)}, tensors=[])
+        return StepsReply(steps)
 
-    async def _revert(self, message: Message) -> Message:
-        meta = message.meta
-        name = read_str(meta, "adapter")
-        steps = await self.compute(self.backend.revert, name, read_int(meta, "step"))
-        self.in_background(self.hooks.after_revert(name))
-        return Message(meta={"steps": by_block(steps)}, tensors=[])
+    async def _revert(self, request: RevertRequest) -> StepsReply:
+        steps = await self.compute(self.backend.revert, request.adapter, request.step)
+        self.in_background(self.hooks.after_revert(request.adapter))
+        return StepsReply(steps)
 
     async def _fetch(
         self, peer: str, name: str, step: int, wanted: dict[int, list[str]], timeout: float
     ) -> GradsByBlock:
         """Ask a replica for gradients; a dead or silent replica just yields nothing (the client replays)."""
-        meta = {"method": Method.GRADS, "adapter": name, "step": step, "wanted": by_block(wanted)}
         try:
-            reply = await self.transport.acall(PeerID.from_base58(peer), Message(meta, []), timeout=timeout)
+            reply = await self.transport.aask(PeerID.from_base58(peer), GradsRequest(name, step, wanted), timeout)
         except PEER_ERRORS as e:
             logger.warning("could not fetch gradients from %s: %s", peer, e)
             return {}
-        grads: GradsByBlock = {}
-        tensors = iter(reply.tensors)
-        for block, mb, count in reply.meta.get("index", []):
-            grads.setdefault(int(block), {})[str(mb)] = [next(tensors) for _ in range(int(count))]
-        return grads
+        return reply.grads
 
-    async def _grads(self, message: Message) -> Message:
-        meta = message.meta
-        wanted = {int(block): [str(mb) for mb in mbs] for block, mbs in read_dict(meta, "wanted").items()}
-        grads = await self.compute(
-            self.backend.micro_batch_grads, read_str(meta, "adapter"), read_int(meta, "step"), wanted
-        )
-        index, tensors = [], []
-        for block, by_mb in grads.items():
-            for mb, block_grads in by_mb.items():
-                index.append([block, mb, len(block_grads)])
-                tensors.extend(block_grads)
-        return Message(meta={"index": index}, tensors=tensors)
+    async def _grads(self, request: GradsRequest) -> GradsReply:
+        grads = await self.compute(self.backend.micro_batch_grads, request.adapter, request.step, request.wanted)
+        return GradsReply(grads)
 
-    async def _export(self, message: Message) -> Message:
+    async def _export(self, request: ExportRequest) -> ExportReply:
         """State of blocks; with ``held`` (block -> the step of the asker's copy), the last update of served blocks
         held one step behind instead of their whole state."""
-        meta = message.meta
-        held = read_steps(meta, "held") if meta.get("held") is not None else None
-        states, updates = await self.compute(self.backend.export_state, read_str(meta, "adapter"), _blocks(meta), held)
+        states, updates = await self.compute(self.backend.export_state, request.adapter, request.blocks, request.held)
         index, flat = pack_states(states)
         update_index, update_flat = pack_states({block: u.as_state() for block, u in updates.items()})
-        hparams = {str(block): u.hparams.to_meta() for block, u in updates.items()}
-        reply = {"index": index, "update_index": update_index, "hparams": hparams}
-        return Message(meta=reply, tensors=[flat, update_flat])
+        hparams = {block: u.hparams for block, u in updates.items()}
+        return ExportReply(index, update_index, hparams, flat, update_flat)
 
-    async def _sync(self, message: Message) -> Message:
+    async def _sync(self, request: SyncRequest) -> StepsReply:
         """Pull the adapter state of some blocks from a current replica, so this peer can serve them again."""
-        meta = message.meta
-        name, blocks = read_str(meta, "adapter"), _blocks(meta)
-        source = read_peer(meta, "source")
+        name, blocks, source = request.adapter, request.blocks, request.source
         try:
             states = await fetch_state(self.transport, source, name, blocks)
         except (*PEER_ERRORS, RequestError) as e:  # the source's failure (or bad reply): the client picks another
@@ -225,61 +210,43 @@ class PeerService(Doorkeeper):
             ) from None
         steps = await self.compute(self.backend.import_state, name, states)
         logger.info("synced adapter %r blocks %s from %s: steps %s", name, sorted(states), source, steps)
-        return Message(meta={"steps": by_block(steps)}, tensors=[])
+        return StepsReply(steps)
 
-    async def _fast_forward(self, message: Message) -> Message:
+    async def _fast_forward(self, request: FastForwardRequest) -> FastForwardReply:
         """No current copy of these blocks survived anywhere: the trainer declares the newest one current."""
-        meta = message.meta
-        name = read_str(meta, "adapter")
-        lost = await self.compute(self.backend.fast_forward, name, _blocks(meta), read_int(meta, "step"))
-        steps = self.backend.adapter(name).steps()
-        return Message(meta={"steps": by_block(steps), "lost": by_block(lost)}, tensors=[])
+        name = request.adapter
+        lost = await self.compute(self.backend.fast_forward, name, request.blocks, request.step)
+        return FastForwardReply(self.backend.adapter(name).steps(), lost)
 
-    async def _committed(self, message: Message) -> Message:
+    async def _committed(self, request: CommittedRequest) -> Ack:
         """A server of blocks this peer keeps on standby committed a step: pull the new state, in the background."""
-        meta = message.meta
-        meta_adapter = {"lora": read_dict(meta, "lora"), "seed": read_int(meta, "seed")}
-        try:
-            steps = {int(block): int(step) for block, step in read_dict(meta, "steps").items()}
-        except (TypeError, ValueError):
-            raise RequestError("'steps' must map block -> step") from None
-        notice = self.hooks.on_committed(read_str(meta, "adapter"), meta_adapter, steps, read_peer(meta, "source"))
+        notice = self.hooks.on_committed(request.adapter, request.adapter_meta, request.steps, request.source)
         self.in_background(notice)
-        return Message(meta={}, tensors=[])
+        return Ack()
 
-    async def _replicate(self, message: Message) -> Message:
+    async def _replicate(self, request: ReplicateRequest) -> StepsReply:
         """The trainer asks this peer to hold a copy of some blocks' state at ``step`` (pulled from the named
         sources) before it acknowledges the step: what makes a committed step survive the loss of any one peer."""
-        meta = message.meta
-        adapter_meta = {"lora": read_dict(meta, "lora"), "seed": read_int(meta, "seed")}
         try:
-            lora_config_from_wire(adapter_meta["lora"])
+            lora_config_from_wire(request.lora)
         except (ValueError, TypeError) as e:
             raise RequestError(f"'lora' is not a LoRA config this swarm can train: {e}") from None
-        raw = meta.get("sources")
-        try:
-            sources = [(range(int(start), int(end)), PeerID.from_base58(str(peer))) for start, end, peer in raw]
-        except (TypeError, ValueError):
-            raise RequestError("'sources' must be a list of [start, end, peer id]") from None
         num_blocks = self.backend.spec.num_blocks
-        if not sources or any(not 0 <= blocks.start < blocks.stop <= num_blocks for blocks, _ in sources):
+        if any(blocks.stop > num_blocks for blocks, _ in request.sources):
             raise RequestError(f"'sources' must name non-empty block ranges within the model's 0:{num_blocks}")
-        held = await self.hooks.on_replicate(read_str(meta, "adapter"), adapter_meta, read_int(meta, "step"), sources)
-        return Message(meta={"steps": by_block(held)}, tensors=[])
+        held = await self.hooks.on_replicate(request.adapter, request.adapter_meta, request.step, request.sources)
+        return StepsReply(held)
 
     def in_background(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _state(self, message: Message) -> Message:
-        state = await self.compute(self.backend.lora_state, read_str(message.meta, "adapter"))
-        names = [[block, name] for block, tensors in state.items() for name in tensors]
-        return Message(meta={"names": names}, tensors=[state[block][name] for block, name in names])
+    async def _state(self, request: StateRequest) -> StateReply:
+        return StateReply(await self.compute(self.backend.lora_state, request.adapter))
 
-    async def _digest(self, message: Message) -> Message:
-        digests = await self.compute(self.backend.digests, read_str(message.meta, "adapter"))
-        return Message(meta={"digests": by_block(digests)}, tensors=[])
+    async def _digest(self, request: DigestRequest) -> DigestReply:
+        return DigestReply(await self.compute(self.backend.digests, request.adapter))
 
 
 async def fetch_state(transport: Transport, peer: PeerID, name: str, blocks: range) -> dict[int, BlockState]:
@@ -293,33 +260,12 @@ async def fetch_state_or_updates(
 ) -> tuple[dict[int, BlockState], dict[int, BlockUpdate]]:
     """The state of ``blocks`` as another peer holds it, or, for blocks this peer ``held`` one step behind a server,
     that server's last update (to apply with ``BlockUpdate.apply_to``)."""
-    export = {"method": Method.EXPORT, "adapter": name, "start": blocks.start, "end": blocks.stop}
-    if held is not None:
-        export["held"] = by_block(held)
-    reply = await transport.acall(peer, Message(export, []), timeout=SYNC_TIMEOUT)
+    request = ExportRequest(name, blocks.start, blocks.stop, held)
+    reply = await transport.aask(peer, request, timeout=SYNC_TIMEOUT)
     try:
-        states = unpack_states(reply.meta["index"], reply.tensors[0])
-        if len(reply.tensors) < 2:
-            return states, {}
-        packed = unpack_states(reply.meta["update_index"], reply.tensors[1])
-        hparams = reply.meta["hparams"]
-        updates = {b: BlockUpdate.from_state(u, OptimizerHParams.from_meta(hparams[str(b)])) for b, u in packed.items()}
+        states = unpack_states(reply.index, reply.states)
+        packed = unpack_states(reply.update_index, reply.updates)
+        updates = {b: BlockUpdate.from_state(u, reply.hparams[b]) for b, u in packed.items()}
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
-        raise RequestError(f"malformed state export from {peer}: {e}") from None
+        raise ReplyError(f"malformed state export from {peer}: {e}") from None
     return states, updates
-
-
-def _blocks(meta: dict) -> range:
-    return range(read_int(meta, "start"), read_int(meta, "end"))
-
-
-def _hidden_and_mask(message: Message, extra: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Tensors are [hidden (or the output gradient), *extra, mask?]; the mask is present when meta says so."""
-    has_mask = bool(message.meta.get("has_mask"))
-    expected = 1 + extra + int(has_mask)
-    if len(message.tensors) != expected:
-        raise RequestError(f"expected {expected} tensors, got {len(message.tensors)}")
-    mask = message.tensors[-1] if has_mask else None
-    if mask is not None and (mask.is_floating_point() or mask.is_complex()):
-        raise RequestError(f"attention_mask must be integer or bool, got {mask.dtype}")
-    return message.tensors[0], mask

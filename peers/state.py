@@ -12,7 +12,7 @@ import torch
 
 from swarm.blocks import LoraParam
 from swarm.net.errors import RequestError
-from swarm.net.protocol import OptimizerHParams
+from swarm.net.protocol import OptimizerHParams, adapter_meta
 
 GradsByBlock = dict[int, dict[str, list[torch.Tensor]]]
 
@@ -191,7 +191,7 @@ class Adapter:
     @property
     def meta(self) -> dict:
         """What a checkpoint or another peer needs to rebuild this adapter: its LoRA config and seed."""
-        return {"lora": self.config_wire, "seed": self.seed}
+        return adapter_meta(self.config_wire, self.seed)
 
 
 class SavedBytes:

@@ -32,8 +32,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import swarm  # noqa: E402
-from swarm.net.protocol import Method  # noqa: E402
-from swarm.net.wire import Message  # noqa: E402
+from swarm.net.protocol import InfoRequest  # noqa: E402
 from swarm.testing.localswarm import LocalSwarm  # noqa: E402
 from swarm.testing.tiny import make_tiny_model  # noqa: E402
 
@@ -142,7 +141,7 @@ def ping(model: swarm.SwarmModelForCausalLM, count: int = 20) -> dict[str, float
         times = []
         for _ in range(count):
             started = time.perf_counter()
-            model.session.transport.call(hop.peer_id, Message({"method": Method.INFO}, []), 30.0)
+            model.session.transport.ask(hop.peer_id, InfoRequest(), 30.0)
             times.append(time.perf_counter() - started)
         result[f"{hop.start}:{hop.end}"] = statistics.median(times)
     return result

@@ -37,7 +37,8 @@ for path in (ROOT, ROOT / "scripts"):  # swarm, and bench_step.py's recipe (one 
 import bench_step  # noqa: E402
 
 import swarm  # noqa: E402
-from swarm.net.wire import payload_bytes  # noqa: E402
+from swarm.net.message import payload_bytes  # noqa: E402
+from swarm.net.protocol import method_of  # noqa: E402
 from swarm.testing.localswarm import LocalSwarm  # noqa: E402
 from swarm.testing.tiny import make_tiny_model  # noqa: E402
 
@@ -80,7 +81,7 @@ class Meter:
 
         def call(peer, message, timeout=None):
             reply = original(peer, message, timeout)
-            self.calls[message.meta.get("method")] += 1
+            self.calls[method_of(message.meta)] += 1
             self.bytes[peer.to_base58()] += payload_bytes(message.tensors) + payload_bytes(reply.tensors)
             return reply
 

@@ -13,10 +13,10 @@ from hivemind.proto import runtime_pb2
 from swarm.client.current import CurrentPeers
 from swarm.client.routing import Hop, Router
 from swarm.net.compression import WireFormat
-from swarm.net.errors import TRANSPORT_ERRORS, LeaseLostError, RemoteError, SwarmUnavailableError
-from swarm.net.protocol import PEER_STATE_ERRORS, ErrorKind
+from swarm.net.errors import TRANSPORT_ERRORS, LeaseLostError, RemoteError, ReplyError, SwarmUnavailableError
+from swarm.net.message import Message
+from swarm.net.protocol import PEER_STATE_ERRORS, ErrorKind, Reply, Request, method_of, read_reply
 from swarm.net.transport import Transport
-from swarm.net.wire import Message
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,17 @@ class PeerCalls:
         self.wire = wire or WireFormat()
         self.recoveries: list[Recovery] = []
 
+    def ask(self, peer: PeerID, request: Request, units: float = 1.0, floor: float = 0.0) -> Reply:
+        """One typed request, its typed reply; failures of the peer (a reply that breaks its schema too) become
+        PeerFailure after a ban, refusals of the request raise."""
+        message = request.to_message()
+        tensors, compression = message.tensors, message.compression
+        reply = self.call(peer, message.meta, tensors, units=units, floor=floor, compression=compression)
+        try:
+            return read_reply(request, reply)
+        except ReplyError as e:
+            raise self.peer_failed(peer, str(e)) from e
+
     def call(
         self,
         peer: PeerID,
@@ -67,8 +78,9 @@ class PeerCalls:
         floor: float = 0.0,
         compression: int = runtime_pb2.CompressionType.NONE,
     ) -> Message:
-        """One request; failures of the peer become PeerFailure (after a ban), refusals of the request raise."""
-        method = meta["method"]
+        """One encoded request (what :meth:`ask` sends; tests and the chaos driver watch requests here); failures of
+        the peer become PeerFailure (after a ban), refusals of the request raise."""
+        method = str(method_of(meta))
         started = time.monotonic()
         timeout = floor + self.router.timeout(peer, method, units)
         try:

@@ -24,7 +24,18 @@ from swarm.client.current import CurrentPeers
 from swarm.client.ledger import StepLedger
 from swarm.client.remote import RemoteStack
 from swarm.net.errors import CommitError, RemoteError, SwarmUnavailableError
-from swarm.net.protocol import FETCH_TIMEOUT, CommitRequest, ErrorKind, Method, OptimizerHParams
+from swarm.net.protocol import (
+    FETCH_TIMEOUT,
+    CommitRequest,
+    ErrorKind,
+    FastForwardRequest,
+    Method,
+    OptimizerHParams,
+    ReplyError,
+    RevertRequest,
+    SyncRequest,
+    missing_gradients,
+)
 from swarm.net.waiting import Deadline
 
 logger = logging.getLogger(__name__)
@@ -171,19 +182,12 @@ class ReplicaSet:
                     )
                 continue
             self.orphaned.pop(block, None)
-            meta = {
-                "method": Method.FAST_FORWARD,
-                "adapter": self.calls.adapter,
-                "step": step,
-                "start": block,
-                "end": block + 1,
-            }
             try:
-                reply = self.calls.call(peer, meta, [])
+                reply = self.calls.ask(peer, FastForwardRequest(self.calls.adapter, step, block, block + 1))
             except (PeerFailure, RemoteError) as e:
                 logger.warning("could not resume block %d on %s: %s", block, peer, e)
                 continue
-            behind[peer] = {int(b): s for b, s in reply.meta["steps"].items()}
+            behind[peer] = reply.steps
             lost = StepsLost(peer, (block,), step - newest, step)
             self.lost.append(lost)
             logger.error(
@@ -219,21 +223,14 @@ class ReplicaSet:
                 raise CommitError(f"no current copy of block {block} to sync peer {peer} from")
             source, source_end = max(sources, key=lambda item: item[1])
             end = min(source_end, span.stop)
-            meta = {
-                "method": Method.SYNC,
-                "adapter": self.calls.adapter,
-                "source": source.to_base58(),
-                "start": block,
-                "end": end,
-            }
             try:
-                reply = self.calls.call(peer, meta, [])
+                reply = self.calls.ask(peer, SyncRequest(self.calls.adapter, source, block, end))
             except RemoteError as e:
                 if e.kind != ErrorKind.SOURCE_UNAVAILABLE:
                     raise
                 self._drop_source(source, str(e))
                 continue  # the same blocks, from another source
-            steps = {int(b): s for b, s in reply.meta["steps"].items()}
+            steps = reply.steps
             logger.info("peer %s synced blocks %d:%d to step %d from %s", peer, block, end, step, source)
             block = end
         return steps
@@ -328,7 +325,7 @@ def commit(
             break
     logger.debug("step %d committed on %d peers in %.2fs", step, len(applied), time.monotonic() - started)
     if failed:
-        calls.recovered(failed[0], "commit", step, started)
+        calls.recovered(failed[0], Method.COMMIT, step, started)
     return applied
 
 
@@ -358,16 +355,21 @@ def _commit_all(
     gradients some replica could not fetch from anyone live."""
 
     def attempt(peer: PeerID) -> dict[int, list[str]] | None:
-        meta = CommitRequest(calls.adapter, ledger.step, ledger.wire_holders(peers[peer]), hparams).to_meta()
+        request = CommitRequest(calls.adapter, ledger.step, ledger.wire_holders(peers[peer]), hparams)
         try:
-            calls.call(peer, meta, [], floor=2 * FETCH_TIMEOUT)
+            calls.ask(peer, request, floor=2 * FETCH_TIMEOUT)
         except PeerFailure:
             failed.append(peer)
             return None
         except RemoteError as e:
             if e.kind != ErrorKind.MISSING_GRADIENTS:
                 raise
-            return {int(block): list(mbs) for block, mbs in e.meta.get("missing", {}).items()}
+            try:
+                return missing_gradients(e)
+            except ReplyError as bad:  # a garbled refusal: the peer failed, like one that does not answer
+                logger.warning("peer %s: %s", peer, bad)
+                failed.append(peer)
+                return None
         return {}
 
     applied, missing = [], {}
@@ -395,12 +397,12 @@ def _take_back(calls: PeerCalls, replicas: ReplicaSet, applied: dict[PeerID, ran
 
     def attempt(peer: PeerID) -> None:
         try:
-            reply = calls.call(peer, {"method": Method.REVERT, "adapter": calls.adapter, "step": step}, [])
+            reply = calls.ask(peer, RevertRequest(calls.adapter, step))
         except (PeerFailure, RemoteError) as e:
             logger.warning("peer %s could not take step %d back: %s", peer, step, e)
             replicas.current.forget(peer)
             return
-        if set(reply.meta["steps"].values()) == {step}:
+        if set(reply.steps.values()) == {step}:
             replicas.current[peer] = step
         else:
             replicas.current.forget(peer)

@@ -20,7 +20,7 @@ from hivemind.p2p import PeerID
 from swarm.client.calls import PeerCalls, PeerFailure
 from swarm.client.commit import ReplicaSet
 from swarm.net.errors import RemoteError
-from swarm.net.protocol import Method
+from swarm.net.protocol import ReplicateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +30,13 @@ MAX_ROUNDS = 3  # a holder that fails is replaced by the next candidate, this ma
 class CopyKeeper:
     """Chooses standby holders for under-replicated blocks and has them copy each committed state."""
 
-    def __init__(self, calls: PeerCalls, replicas: ReplicaSet, min_copies: int, adapter_meta: dict, workers: int = 8):
+    def __init__(
+        self, calls: PeerCalls, replicas: ReplicaSet, min_copies: int, lora: dict, seed: int, workers: int = 8
+    ):
         if min_copies < 1:
             raise ValueError(f"min_copies must be at least 1, got {min_copies}")
-        self.calls, self.replicas, self.min_copies, self.adapter_meta = calls, replicas, min_copies, adapter_meta
+        self.calls, self.replicas, self.min_copies = calls, replicas, min_copies
+        self.lora, self.seed = lora, seed  # the adapter's identity, sent so a new holder can create it
         self.holders: dict[int, list[PeerID]] = {}  # block -> standby holders, kept from step to step
         self.copies: dict[int, int] = {}  # block -> peers holding the last acknowledged state
         self._short: dict[int, int] | None = None  # the shortfall last warned about
@@ -82,22 +85,21 @@ class CopyKeeper:
 
     def _replicate(self, holder: PeerID, blocks: list[int], step: int, replicas: dict[PeerID, range]) -> dict[int, int]:
         """Ask ``holder`` to copy ``blocks`` at ``step`` from their replicas; returns the steps it holds."""
-        sources: list[list] = []
+        sources: list[tuple[range, PeerID]] = []
         for block in blocks:
             source = min((p for p, span in replicas.items() if block in span), key=lambda p: p.to_bytes())
-            if sources and sources[-1][1] == block and sources[-1][2] == source.to_base58():
-                sources[-1][1] = block + 1
+            if sources and sources[-1][0].stop == block and sources[-1][1] == source:
+                sources[-1] = (range(sources[-1][0].start, block + 1), source)
             else:
-                sources.append([block, block + 1, source.to_base58()])
-        meta = {"method": Method.REPLICATE, "adapter": self.calls.adapter, **self.adapter_meta, "step": step}
+                sources.append((range(block, block + 1), source))
+        request = ReplicateRequest(self.calls.adapter, self.lora, self.seed, step, sources)
         try:
-            reply = self.calls.call(holder, {**meta, "sources": sources}, [], units=len(blocks))
+            reply = self.calls.ask(holder, request, units=len(blocks))
         except (PeerFailure, RemoteError) as e:
             logger.warning("peer %s could not hold a copy of blocks %s at step %d: %s", holder, blocks, step, e)
             return {}
-        held = {int(block): int(s) for block, s in reply.meta.get("steps", {}).items()}
-        self.replicas.note_standby(holder, held)
-        return held
+        self.replicas.note_standby(holder, reply.steps)
+        return reply.steps
 
     def _warn_if_short(self, step: int) -> None:
         short = {b: c for b, c in self.copies.items() if c < self.min_copies}

@@ -28,7 +28,7 @@ from swarm.client.calls import PeerFailure
 from swarm.client.remote import RemoteStack
 from swarm.client.routing import Hop
 from swarm.net.errors import RemoteError
-from swarm.net.protocol import InferRequest, Method
+from swarm.net.protocol import EndSessionRequest, InferRequest
 
 logger = logging.getLogger(__name__)
 
@@ -100,15 +100,14 @@ class SessionChain:
             hop.end,
             session.length,
             self.max_length,
+            wire.cast(hidden),
+            mask,
             self.adapter,
             self.step(),
             wire.compression,
-            mask is not None,
         )
         units = hidden.shape[0] * hidden.shape[1] * (hop.end - hop.start)
-        tensors = [wire.cast(hidden)] + ([mask] if mask is not None else [])
-        reply = self.stack.calls.call(hop.peer_id, request.to_meta(), tensors, units, compression=wire.compression_type)
-        return reply.tensors[0].to(hidden.dtype)
+        return self.stack.calls.ask(hop.peer_id, request, units).outputs.to(hidden.dtype)
 
     def end(self, sessions: list[HopSession] | None = None) -> None:
         """Free the sessions' keys and values on their peers, all at once (best effort: an idle one expires
@@ -120,8 +119,7 @@ class SessionChain:
 
     def _end_one(self, session: HopSession) -> None:
         try:
-            meta = {"method": Method.END_SESSION, "session": session.key}
-            self.stack.calls.call(session.hop.peer_id, meta, [])
+            self.stack.calls.ask(session.hop.peer_id, EndSessionRequest(session.key))
         except (PeerFailure, RemoteError) as e:  # the peer is gone or busy: its timeout frees the session
             logger.debug("could not end generation session on %s: %s", session.hop.peer_id, e)
 

@@ -15,8 +15,7 @@ from swarm.client.calls import PeerCalls, PeerFailure
 from swarm.client.ledger import Segment, StepLedger
 from swarm.client.routing import Hop
 from swarm.net.errors import RemoteError
-from swarm.net.protocol import ErrorKind, Method, SpanRequest
-from swarm.net.wire import Message
+from swarm.net.protocol import BackwardRequest, ErrorKind, ForwardRequest, Method, Reply
 
 logger = logging.getLogger(__name__)
 
@@ -53,32 +52,19 @@ class RemoteStack:
         servers to (re)join."""
         return self.router.wait_route(start, end, prefer=prefer, patience=self.calls.patience, on_wait=self.catch_up)
 
-    def _tensors(self, hidden: torch.Tensor, mask: torch.Tensor | None, *extra: torch.Tensor) -> list[torch.Tensor]:
-        """A span request's tensors, floating ones in the wire's dtype."""
-        return [self.wire.cast(t) for t in (hidden, *extra)] + ([mask] if mask is not None else [])
-
-    def _span_call(self, hop: Hop, request: SpanRequest, tensors: list[torch.Tensor], dtype: torch.dtype) -> Message:
-        """A forward or backward request in the wire's format; the answer back in the client's ``dtype``."""
-        units = tensors[0].shape[0] * tensors[0].shape[1] * (hop.end - hop.start)
-        reply = self.calls.call(
-            hop.peer_id, request.to_meta(), tensors, units, compression=self.wire.compression_type
-        )
-        return Message(reply.meta, [t.to(dtype) for t in reply.tensors])
+    def _span_ask(self, hop: Hop, request: ForwardRequest | BackwardRequest, tokens: torch.Tensor) -> Reply:
+        """A forward or backward request; ``tokens`` (batch x length) sizes its timeout."""
+        units = tokens.shape[0] * tokens.shape[1] * (hop.end - hop.start)
+        return self.calls.ask(hop.peer_id, request, units)
 
     def _forward_hop(
         self, hop: Hop, hidden: torch.Tensor, mask: torch.Tensor | None, step: int, micro_batch: str | None
     ) -> torch.Tensor:
-        request = SpanRequest(
-            Method.FORWARD,
-            self.adapter,
-            hop.start,
-            hop.end,
-            step,
-            mask is not None,
-            micro_batch,
-            compression=self.wire.compression,
+        wire = self.wire
+        request = ForwardRequest(
+            self.adapter, hop.start, hop.end, step, wire.cast(hidden), mask, micro_batch, wire.compression
         )
-        return self._span_call(hop, request, self._tensors(hidden, mask), hidden.dtype).tensors[0]
+        return self._span_ask(hop, request, hidden).outputs.to(hidden.dtype)
 
     def _backward_hop(
         self,
@@ -93,27 +79,29 @@ class RemoteStack:
     ) -> torch.Tensor | None:
         """Backward through one hop. ``cached``: this peer ran the micro-batch's forward, so the hidden states are
         left out (sent after all if it no longer holds them). ``input_grad``: whether the input gradient is needed."""
-        request = SpanRequest(
-            Method.BACKWARD,
+        wire = self.wire
+        request = BackwardRequest(
             self.adapter,
             hop.start,
             hop.end,
             ledger.step,
-            mask is not None,
             micro_batch,
-            has_hidden=not cached,
-            input_grad=input_grad,
-            compression=self.wire.compression,
+            wire.cast(grad),
+            None if cached else wire.cast(hidden),
+            mask,
+            input_grad,
+            wire.compression,
         )
-        tensors = self._tensors(grad, mask) if cached else self._tensors(hidden, mask, grad)
         try:
-            reply = self._span_call(hop, request, tensors, grad.dtype)
+            reply = self._span_ask(hop, request, grad)
         except RemoteError as e:
             if not cached or e.kind != ErrorKind.MISSING_FORWARD:
                 raise
             return self._backward_hop(hop, hidden, grad, mask, ledger, micro_batch, False, input_grad)
+        if input_grad and reply.grad_inputs is None:
+            raise self.calls.peer_failed(hop.peer_id, "backward: the reply lacks the input gradient asked for")
         ledger.acknowledge(micro_batch, hop.blocks, hop.peer_id)
-        return reply.tensors[0] if input_grad else None
+        return reply.grad_inputs.to(grad.dtype) if input_grad else None
 
     # --- spot checks ------------------------------------------------------------------------------------------
 
@@ -170,7 +158,7 @@ class RemoteStack:
     ) -> tuple[torch.Tensor, list[HopInput]]:
         """Through blocks [0, n); a hop that fails is redone on another replica from the same input."""
         inputs: list[HopInput] = []
-        block, attempts = 0, self.calls.attempts("forward")
+        block, attempts = 0, self.calls.attempts(Method.FORWARD)
         while block < self.router.num_blocks:
             hop = self.wait_route(block)[0]
             try:
@@ -223,7 +211,7 @@ class RemoteStack:
 
         Backwards are idempotent per (micro-batch, block) on the peers, so redoing part of a segment is safe.
         """
-        attempts = self.calls.attempts("backward")
+        attempts = self.calls.attempts(Method.BACKWARD)
         prefer = None if cached_on is None else cached_on.peer_id
         while True:
             hops = self.wait_route(segment.start, segment.end, prefer)

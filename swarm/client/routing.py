@@ -13,6 +13,7 @@ from hivemind import DHT
 from hivemind.p2p import PeerID
 
 from swarm.net.errors import PEER_ERRORS, SwarmUnavailableError
+from swarm.net.protocol import Method
 from swarm.net.records import ServerRecord, ServerState, read_servers
 from swarm.net.transport import Transport
 from swarm.net.waiting import Deadline
@@ -49,7 +50,7 @@ class PeerHealth:
 
 # Small requests that never wait for compute beyond a moment: a peer that does not answer them within this time is
 # not worth waiting for (a dial to a dead address would otherwise take libp2p ~20 s to give up).
-CONTROL_METHODS = frozenset({"open", "info", "digest", "replicate", "fast_forward"})
+CONTROL_METHODS = frozenset({Method.OPEN, Method.INFO, Method.DIGEST, Method.REPLICATE, Method.FAST_FORWARD})
 FIRST_CONTROL_TIMEOUT = 10.0
 
 

@@ -27,7 +27,7 @@ from swarm.client.routing import Router
 from swarm.net.compression import WireFormat
 from swarm.net.errors import AdapterStateLostError, SwarmUnavailableError
 from swarm.net.network import check_access
-from swarm.net.protocol import Method, OpenReply, OpenRequest, OptimizerHParams
+from swarm.net.protocol import DigestRequest, OpenRequest, OptimizerHParams, Reply, Request, StateRequest
 from swarm.net.records import RECOVERIES_KEPT, CommittedRecord, announce_committed, read_committed
 from swarm.net.security import Identity, SwarmKey
 from swarm.net.transport import Transport
@@ -176,11 +176,11 @@ class AdapterSession:
             )
             deadline.pause(1.0)
 
-    def _each_block(self, method: str) -> list[tuple[PeerID, range, dict, list[torch.Tensor]]]:
+    def _each_block(self, request: Request) -> list[tuple[PeerID, range, Reply]]:
         """Ask every current replica (used for exports and checks), waiting up to ``patience`` for every block
         to have answered at least once: a replica banned a moment ago may be back in seconds."""
         deadline = Deadline(self.calls.patience)
-        answers: dict[PeerID, tuple[PeerID, range, dict, list[torch.Tensor]]] = {}
+        answers: dict[PeerID, tuple[PeerID, range, Reply]] = {}
         while True:
             self.catch_up()
             current = {p: span for p, span in self.router.live_servers().items() if self.current.eligible(p)}
@@ -188,11 +188,10 @@ class AdapterSession:
                 if peer in answers:
                     continue
                 try:
-                    reply = self.calls.call(peer, {"method": method, "adapter": self.adapter.name}, [])
+                    answers[peer] = (peer, span, self.calls.ask(peer, request))
                 except PeerFailure:
                     continue
-                answers[peer] = (peer, span, reply.meta, reply.tensors)
-            covered = {b for _, span, _, _ in answers.values() for b in span}
+            covered = {b for _, span, _ in answers.values() for b in span}
             if len(covered) == self.spec.num_blocks or deadline.passed:
                 return list(answers.values())
             deadline.pause(1.0)
@@ -200,10 +199,10 @@ class AdapterSession:
     def adapter_state(self) -> dict[int, dict[str, torch.Tensor]]:
         """LoRA tensors of every block, from live replicas at the current step."""
         state: dict[int, dict[str, torch.Tensor]] = {}
-        for _, span, meta, tensors in self._each_block(Method.STATE):
-            for (block, name), tensor in zip(meta["names"], tensors, strict=True):
+        for _, span, reply in self._each_block(StateRequest(self.adapter.name)):
+            for block, tensors in reply.state.items():
                 if block in span:  # a peer handing blocks over may still hold them, not current any more
-                    state.setdefault(block, {})[name] = tensor
+                    state.setdefault(block, {}).update(tensors)
         missing = [b for b in range(self.spec.num_blocks) if b not in state]
         if missing:
             raise SwarmUnavailableError(
@@ -216,10 +215,10 @@ class AdapterSession:
     def replica_digests(self) -> dict[int, dict[PeerID, str]]:
         """Per block, the state digest each live replica reports: equal digests mean identical replicas."""
         digests: dict[int, dict[PeerID, str]] = {}
-        for peer, span, meta, _ in self._each_block(Method.DIGEST):
-            for block, digest in meta["digests"].items():
-                if int(block) in span:
-                    digests.setdefault(int(block), {})[peer] = digest
+        for peer, span, reply in self._each_block(DigestRequest(self.adapter.name)):
+            for block, digest in reply.digests.items():
+                if block in span:
+                    digests.setdefault(block, {})[peer] = digest
         return digests
 
     def close(self) -> None:
@@ -312,8 +311,7 @@ def _opener(
     session id (a reader) it claims nothing."""
 
     def open_on(peer_id: PeerID) -> tuple[dict[int, int], dict[int, int]]:
-        request = OpenRequest(adapter.name, adapter.lora, adapter.seed, session_id)
-        reply = OpenReply.from_meta(calls.call(peer_id, request.to_meta(), []).meta)
+        reply = calls.ask(peer_id, OpenRequest(adapter.name, adapter.lora, adapter.seed, session_id))
         return reply.steps, reply.standby
 
     return open_on
@@ -366,7 +364,7 @@ def open_session(
             session = AdapterSession(*parts)
             session.start()
         else:
-            copies = CopyKeeper(calls, replicas, options.min_copies, {"lora": adapter.lora, "seed": adapter.seed})
+            copies = CopyKeeper(calls, replicas, options.min_copies, adapter.lora, adapter.seed)
             undo.callback(copies.close)
             lease = AdapterLease(dht, spec.name, adapter.name, identity.owner, trainer, session_id)
             undo.callback(lease.release)

@@ -11,8 +11,6 @@ import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
-from swarm.net.errors import RequestError
-
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 COMPRESSIONS = {"none": runtime_pb2.CompressionType.NONE, "blockwise8": runtime_pb2.CompressionType.BLOCKWISE_8BIT}
 BLOCKSIZE = 4096  # hivemind's blockwise quantization block
@@ -45,14 +43,6 @@ class WireFormat:
         if self.dtype is None or not tensor.is_floating_point():
             return tensor
         return tensor.to(WIRE_DTYPES[self.dtype])
-
-
-def read_compression(meta: dict) -> str:
-    """The reply compression a request asks for (the reply's dtype follows the request's tensors)."""
-    compression = meta.get("compression", "none")
-    if compression not in COMPRESSIONS:
-        raise RequestError(f"'compression' must be one of {sorted(COMPRESSIONS)}, got {compression!r}")
-    return compression
 
 
 def serialize(tensor: torch.Tensor, compression: int) -> runtime_pb2.Tensor:

@@ -22,6 +22,10 @@ class WireError(ValueError):
     """Bytes that are not a valid swarm message."""
 
 
+class ReplyError(ValueError):
+    """A reply that does not fit its method's schema: the answering peer's fault, like a garbled message."""
+
+
 class ModelFolderError(SwarmError, ValueError):
     """The model folder is missing, unsupported or incomplete."""
 
@@ -101,7 +105,6 @@ class RequestError(SwarmError, ValueError):
     """A request this peer refuses; the message says why. Travels back to the caller as ``kind`` + message."""
 
     kind = ErrorKind.BAD_REQUEST
-    details: dict = {}
 
 
 class StaleStepError(RequestError):
@@ -130,7 +133,6 @@ class MissingGradientsError(RequestError):
     def __init__(self, message: str, missing: dict[int, list[str]]):
         super().__init__(message)
         self.missing = missing
-        self.details = {"missing": {str(block): mbs for block, mbs in missing.items()}}
 
 
 class SessionLostError(RequestError):
@@ -158,7 +160,7 @@ class SourceUnavailableError(RequestError):
 
     def __init__(self, message: str, source: str):
         super().__init__(message)
-        self.details = {"source": source}
+        self.source = source
 
 
 class FencedError(RequestError):
@@ -179,6 +181,7 @@ TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
     P2PDaemonError,
     P2PHandlerError,
     WireError,
+    ReplyError,
 )
 # What a call to another peer raises for that peer's reasons: the way to it failed, or it refused.
 PEER_ERRORS: tuple[type[BaseException], ...] = (*TRANSPORT_ERRORS, RemoteError)

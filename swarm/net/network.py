@@ -12,11 +12,10 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from swarm.net.addresses import peer_of
 from swarm.net.errors import MULTIADDR_ERRORS, PEER_ERRORS, SwarmAccessError
-from swarm.net.protocol import Method
+from swarm.net.protocol import HelloRequest
 from swarm.net.records import record_validators
 from swarm.net.security import Identity, SwarmKey
 from swarm.net.transport import Transport
-from swarm.net.wire import Message
 
 logger = logging.getLogger(__name__)
 
@@ -82,18 +81,17 @@ async def check_access(transport: Transport, initial_peers: list[str], timeout: 
     for maddr in initial_peers:
         try:
             peer = peer_of(maddr)
-            reply = await transport.acall(peer, Message({"method": Method.HELLO}, []), timeout)
+            reply = await transport.aask(peer, HelloRequest(), timeout)
         except (*PEER_ERRORS, *MULTIADDR_ERRORS) as e:
             logger.debug("no hello from %s: %s", maddr, e)
             continue
-        theirs = reply.meta.get("key_id")
-        if reply.meta.get("private") and mine is None:
+        if reply.private and mine is None:
             raise SwarmAccessError(f"{maddr} belongs to a private swarm: pass its swarm key (--swarm-key FILE)")
-        if reply.meta.get("private") and theirs != mine:
+        if reply.private and reply.key_id != mine:
             raise SwarmAccessError(
-                f"wrong swarm key: {maddr} belongs to the private swarm with key id {theirs}, yours is {mine}"
+                f"wrong swarm key: {maddr} belongs to the private swarm with key id {reply.key_id}, yours is {mine}"
             )
-        if not reply.meta.get("private") and mine is not None:
+        if not reply.private and mine is not None:
             raise SwarmAccessError(f"{maddr} belongs to a public swarm; drop --swarm-key to join it")
         return
     logger.warning("none of the initial peers answered hello; continuing")

@@ -1,19 +1,34 @@
-"""The wire protocol between clients and peers, in one place: method names, refusal kinds, shared constants, and
-the schemas of the main requests and replies. Both sides build and read messages through these classes, so a
-field is named once; ``from_meta`` validates what arrives and refuses it with a ``RequestError`` that says why.
+"""The wire protocol between clients and peers, in one place: method names, the request and reply schema of every
+method (the registry ``METHODS``), the keys of refusals and relay envelopes, and shared constants. Both sides build
+and read messages only through these classes, so a method or a field is named once.
+
+A request that does not fit its schema is refused with a ``RequestError`` that says why; a reply that does not fit
+raises ``ReplyError``, which callers count as the answering peer's failure.
 
 The method table (who calls what) is in docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
 
+import torch
 from hivemind.p2p import PeerID
 
-from swarm.net.compression import read_compression
-from swarm.net.errors import ErrorKind, RequestError
+from swarm.net.compression import COMPRESSIONS
+from swarm.net.errors import (
+    ErrorKind,
+    MissingGradientsError,
+    RemoteError,
+    ReplyError,
+    RequestError,
+    SourceUnavailableError,
+)
+from swarm.net.message import Message
 
 
 class Method:
@@ -39,10 +54,19 @@ class Method:
     END_SESSION = "end_session"  # free a generation session's keys and values
 
 
-# Fields any request may carry: ask the peer that receives it to pass it on to RELAY_TO, a peer behind NAT that
-# keeps a connection to it (and give it RELAY_TIMEOUT seconds).
+# Keys every message may carry, whatever its method: the method itself; a refusal's text and kind; the HMAC of a
+# private swarm; and a relay envelope: ask the peer that receives it to pass it on to RELAY_TO, a peer behind NAT
+# that keeps a connection to it (and give it RELAY_TIMEOUT seconds).
+METHOD = "method"
+ERROR = "error"
+KIND = "kind"
+AUTH = "auth"
 RELAY_TO = "relay_to"
 RELAY_TIMEOUT = "relay_timeout"
+HAS_MASK = "has_mask"  # span requests: whether a mask follows the other tensors
+HAS_HIDDEN = "has_hidden"  # a backward: whether the hidden states come first (else the peer uses its forward's)
+MISSING = "missing"  # a missing_gradients refusal: block -> the micro-batches nobody could provide
+SOURCE = "source"  # a source_unavailable refusal: the peer a sync could not pull from
 
 # Refusals that mean "this peer cannot serve this now", not "the request is wrong": the client goes elsewhere.
 PEER_STATE_ERRORS = frozenset(
@@ -56,16 +80,19 @@ PEER_STATE_ERRORS = frozenset(
         ErrorKind.NOT_SERVED,
     }
 )
-# Methods whose replies can be large even when the request is small: they use the stream door.
-STREAMED_REPLIES = frozenset({Method.STATE, Method.GRADS, Method.EXPORT})
 FETCH_TIMEOUT = 3.0  # how long a replica waits for another's gradients before the client replays them
 SYNC_TIMEOUT = 60.0  # how long a state transfer between peers may take
+MAX_MADDRS = 16  # addresses a reachability question may name
 
 
-# --- reading fields ---------------------------------------------------------------------------------------------
 
+
+# --- reading fields: each reader takes (meta, key) and raises RequestError on a value of the wrong shape -------------
+
+Reader = Callable[[dict, str], Any]
 
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def check_adapter_name(name: object) -> str:
@@ -75,6 +102,17 @@ def check_adapter_name(name: object) -> str:
     return name
 
 
+def read_adapter(meta: dict, key: str) -> str:
+    return check_adapter_name(meta.get(key))
+
+
+def read_session(meta: dict, key: str) -> str:
+    session = meta.get(key)
+    if not isinstance(session, str) or not SESSION_ID.fullmatch(session):
+        raise RequestError(f"{key!r} must be 1 to 64 letters, digits, '-' or '_'")
+    return session
+
+
 def read_str(meta: dict, key: str) -> str:
     value = meta.get(key)
     if not isinstance(value, str) or not value:
@@ -82,17 +120,60 @@ def read_str(meta: dict, key: str) -> str:
     return value
 
 
+def read_text(meta: dict, key: str) -> str:
+    """A string that may be empty."""
+    value = meta.get(key)
+    if not isinstance(value, str):
+        raise RequestError(f"{key!r} must be a string")
+    return value
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def read_int(meta: dict, key: str) -> int:
     value = meta.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    if not _is_int(value) or value < 0:
         raise RequestError(f"{key!r} must be a non-negative integer")
     return value
+
+
+def read_float(meta: dict, key: str) -> float:
+    value = meta.get(key)
+    if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+        raise RequestError(f"{key!r} must be a finite number")
+    return float(value)
+
+
+def read_bool(meta: dict, key: str) -> bool:
+    value = meta.get(key)
+    if not isinstance(value, bool):
+        raise RequestError(f"{key!r} must be true or false")
+    return value
+
+
+def flag(default: bool) -> Reader:
+    """A boolean that may be left out (then ``default``)."""
+    return lambda meta, key: default if meta.get(key) is None else read_bool(meta, key)
+
+
+def optional(read: Reader) -> Reader:
+    """``read``, or None when the key is absent or null."""
+    return lambda meta, key: None if meta.get(key) is None else read(meta, key)
 
 
 def read_dict(meta: dict, key: str) -> dict:
     value = meta.get(key)
     if not isinstance(value, dict):
         raise RequestError(f"{key!r} must be a map")
+    return value
+
+
+def read_list(meta: dict, key: str) -> list:
+    value = meta.get(key)
+    if not isinstance(value, list):
+        raise RequestError(f"{key!r} must be a list")
     return value
 
 
@@ -103,178 +184,376 @@ def read_peer(meta: dict, key: str) -> PeerID:
         raise RequestError(f"{key!r} must be a base58 peer id") from None
 
 
-def read_steps(meta: dict, key: str) -> dict[int, int]:
-    """A map block -> step, as replies carry them (msgpack keys are strings)."""
-    try:
-        return {int(block): int(step) for block, step in dict(meta.get(key) or {}).items()}
-    except (TypeError, ValueError):
-        raise RequestError(f"{key!r} must map block -> step") from None
+def _block(key: object) -> int:
+    """A block number as a map key: msgpack maps carry them as strings."""
+    if _is_int(key) and key >= 0:
+        return key
+    if isinstance(key, str) and key.isdigit():
+        return int(key)
+    raise ValueError(f"{key!r} is not a block number")
+
+
+def by_blocks(read_value: Callable[[object], Any], what: str) -> Reader:
+    """A map block -> value, each value read by ``read_value`` (which raises ValueError or TypeError)."""
+
+    def read(meta: dict, key: str) -> dict[int, Any]:
+        values = read_dict(meta, key)
+        try:
+            return {_block(block): read_value(value) for block, value in values.items()}
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"{key!r} must map block -> {what}: {e}") from None
+
+    return read
+
+
+def _step(value: object) -> int:
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"{value!r} is not a step")
+    return value
+
+
+def _strings(value: object) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{value!r} is not a list of strings")
+    return value
+
+
+def _string(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not a string")
+    return value
+
+
+read_steps = by_blocks(_step, "step")
 
 
 def by_block(values: dict[int, object]) -> dict[str, object]:
     return {str(block): value for block, value in values.items()}
 
 
-# --- requests and replies ---------------------------------------------------------------------------------------
+def read_compression(meta: dict, key: str) -> str:
+    """The reply compression a request asks for (the reply's dtype follows the request's tensors)."""
+    compression = meta.get(key, "none")
+    if compression not in COMPRESSIONS:
+        raise RequestError(f"{key!r} must be one of {sorted(COMPRESSIONS)}, got {compression!r}")
+    return compression
 
 
-@dataclass(frozen=True)
-class SpanRequest:
-    """Forward or backward through blocks [start, end) of an adapter at a step. Tensors: [hidden, (grad), mask?].
-    A forward with a micro-batch id keeps its graph for the backward; one without is an evaluation.
-
-    A backward to the peer that ran the forward leaves the hidden states out (``has_hidden`` false: it has them);
-    one whose input gradient nobody needs (the first span: embeddings are frozen) asks for none (``input_grad``)."""
-
-    method: str
-    adapter: str
-    start: int
-    end: int
-    step: int
-    has_mask: bool
-    micro_batch: str | None = None
-    has_hidden: bool = True
-    input_grad: bool = True
-    compression: str = "none"  # how the peer encodes the tensors it answers with (swarm.net.compression)
-
-    @property
-    def blocks(self) -> range:
-        return range(self.start, self.end)
-
-    def to_meta(self) -> dict:
-        return {
-            "method": self.method,
-            "adapter": self.adapter,
-            "start": self.start,
-            "end": self.end,
-            "step": self.step,
-            "has_mask": self.has_mask,
-            "micro_batch": self.micro_batch,
-            "has_hidden": self.has_hidden,
-            "input_grad": self.input_grad,
-            "compression": self.compression,
-        }
-
-    @classmethod
-    def from_meta(cls, meta: dict) -> SpanRequest:
-        method = meta.get("method")
-        micro_batch = meta.get("micro_batch")
-        if method == Method.BACKWARD or micro_batch is not None:
-            micro_batch = read_str(meta, "micro_batch")
-        return cls(
-            method=method,
-            adapter=read_str(meta, "adapter"),
-            start=read_int(meta, "start"),
-            end=read_int(meta, "end"),
-            step=read_int(meta, "step"),
-            has_mask=bool(meta.get("has_mask")),
-            micro_batch=micro_batch,
-            has_hidden=method != Method.BACKWARD or bool(meta.get("has_hidden", True)),
-            input_grad=bool(meta.get("input_grad", True)),
-            compression=read_compression(meta),
-        )
+def _same(value: object) -> object:
+    return value
 
 
-SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+def wire(read: Reader, write: Callable[[Any], object] = _same, **kwargs: Any) -> Any:
+    """A dataclass field that travels as the meta key of its name: ``read`` checks it, ``write`` encodes it."""
+    return field(metadata={"read": read, "write": write}, **kwargs)
 
 
-@dataclass(frozen=True)
-class InferRequest:
-    """Generation: the hidden states of new tokens through blocks [start, end) in ``session``, which holds the keys
-    and values of ``position`` tokens already. The first request (position 0) opens the session with room for
-    ``max_length`` tokens. ``adapter`` None runs the base model (LoRA off); else the adapter at ``step`` or later.
-    Tensors: [hidden, mask?]; the mask (``has_mask``: padded prompts) covers every token of the session so far."""
+def tensor(**kwargs: Any) -> Any:
+    """A dataclass field that travels as one of the message's tensors (see the class's ``to_message``)."""
+    return field(compare=False, **kwargs)
 
-    session: str
-    start: int
-    end: int
-    position: int
-    max_length: int
-    adapter: str | None = None
-    step: int = 0
-    compression: str = "none"
-    has_mask: bool = False
 
-    @property
-    def blocks(self) -> range:
-        return range(self.start, self.end)
+# --- the schema machinery -----------------------------------------------------------------------------------------
+
+
+class Schema:
+    """A request or reply. Its ``wire`` fields are the meta keys of their names; its ``tensor`` fields are the
+    message's tensors, laid out by the class's ``to_message`` / ``from_message`` (a class without any sends none)."""
 
     def to_meta(self) -> dict:
-        return {
-            "method": Method.INFER,
-            "has_mask": self.has_mask,
-            "session": self.session,
-            "start": self.start,
-            "end": self.end,
-            "position": self.position,
-            "max_length": self.max_length,
-            "adapter": self.adapter,
-            "step": self.step,
-            "compression": self.compression,
-        }
+        return {f.name: f.metadata["write"](getattr(self, f.name)) for f in fields(self) if "read" in f.metadata}
 
     @classmethod
-    def from_meta(cls, meta: dict) -> InferRequest:
-        adapter = meta.get("adapter")
-        return cls(
-            session=read_session(meta),
-            start=read_int(meta, "start"),
-            end=read_int(meta, "end"),
-            position=read_int(meta, "position"),
-            max_length=read_int(meta, "max_length"),
-            adapter=None if adapter is None else check_adapter_name(adapter),
-            step=read_int(meta, "step"),
-            compression=read_compression(meta),
-            has_mask=bool(meta.get("has_mask")),
-        )
+    def read_meta(cls, meta: dict) -> dict[str, Any]:
+        """The ``wire`` fields, read and checked."""
+        if not isinstance(meta, dict):
+            raise RequestError("metadata must be a map")
+        return {f.name: f.metadata["read"](meta, f.name) for f in fields(cls) if "read" in f.metadata}
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> Any:
+        return cls(**cls.read_meta(meta))
+
+    def to_message(self) -> Message:
+        return Message(self.to_meta(), [])
+
+    @classmethod
+    def from_message(cls, message: Message) -> Any:
+        return cls.from_meta(message.meta)
 
 
-def read_session(meta: dict) -> str:
-    session = meta.get("session")
-    if not isinstance(session, str) or not SESSION_ID.fullmatch(session):
-        raise RequestError("'session' must be 1 to 64 letters, digits, '-' or '_'")
-    return session
+class Request(Schema):
+    """A request names its method in the metadata."""
+
+    method: ClassVar[str]
+
+    def to_meta(self) -> dict:
+        return {METHOD: self.method, **super().to_meta()}
+
+
+class Reply(Schema):
+    """What a peer answers to a request it served."""
+
+
+def _expect(message: Message, counts: tuple[int, ...]) -> list[torch.Tensor]:
+    if len(message.tensors) not in counts:
+        raise RequestError(f"expected {' or '.join(map(str, counts))} tensors, got {len(message.tensors)}")
+    return message.tensors
+
+
+def _span_tensors(message: Message, leading: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Tensors of a span request: ``leading`` ones (hidden states, gradients), then the mask when ``has_mask``."""
+    has_mask = flag(False)(message.meta, HAS_MASK)
+    tensors = _expect(message, (leading + int(has_mask),))
+    mask = tensors[-1] if has_mask else None
+    if mask is not None and (mask.is_floating_point() or mask.is_complex()):
+        raise RequestError(f"attention_mask must be integer or bool, got {mask.dtype}")
+    return tensors[:leading], mask
+
+
+# --- hello, info, reachable: any node ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class OpenRequest:
+class HelloRequest(Request):
+    """Who are you? Unauthenticated, so a newcomer tells 'private swarm' or 'wrong key' from other failures."""
+
+    method: ClassVar[str] = Method.HELLO
+
+
+@dataclass(frozen=True)
+class HelloReply(Reply):
+    private: bool = wire(read_bool)
+    key_id: str | None = wire(optional(read_str), default=None)  # of the swarm key, when private
+
+
+@dataclass(frozen=True)
+class InfoRequest(Request):
+    method: ClassVar[str] = Method.INFO
+
+
+def adapter_meta(lora: dict, seed: int) -> dict:
+    """An adapter's identity as peers hold it, announce it in ``info`` and checkpoint it: LoRA config and init seed."""
+    return {"lora": lora, "seed": seed}
+
+
+def lora_and_seed(meta: dict) -> tuple[dict, int]:
+    """The inverse of :func:`adapter_meta` (on a map it made, or ``info`` read and checked)."""
+    return meta["lora"], meta["seed"]
+
+
+@dataclass
+class AdapterInfo:
+    """What a live peer holds of one adapter: its config, served steps and standby copies per block."""
+
+    meta: dict
+    steps: dict[int, int]
+    standby: dict[int, int]
+
+    def step_of(self, block: int) -> int | None:
+        return self.steps.get(block, self.standby.get(block))
+
+
+def _adapters(value: object) -> AdapterInfo:
+    if not isinstance(value, dict):
+        raise ValueError(f"{value!r} is not a map")
+    return AdapterInfo(
+        meta=adapter_meta(read_dict(value, "lora"), read_int(value, "seed")),
+        steps=read_steps(value, "steps"),
+        standby=read_steps(value, "standby"),
+    )
+
+
+def read_adapters(meta: dict, key: str) -> dict[str, AdapterInfo]:
+    entries = read_dict(meta, key)
+    try:
+        return {check_adapter_name(name): _adapters(entry) for name, entry in entries.items()}
+    except ValueError as e:  # RequestError is one
+        raise RequestError(f"{key!r} must map adapter -> its lora, seed, steps and standby: {e}") from None
+
+
+def write_adapters(adapters: dict[str, AdapterInfo]) -> dict:
+    return {n: {**a.meta, "steps": by_block(a.steps), "standby": by_block(a.standby)} for n, a in adapters.items()}
+
+
+def read_blocks(meta: dict, key: str) -> list[int]:
+    try:
+        return [_block(b) for b in read_list(meta, key)]
+    except ValueError:
+        raise RequestError(f"{key!r} must be a list of block numbers") from None
+
+
+@dataclass
+class PeerInfo(Reply):
+    """A peer's answer to ``info``: what it serves, the adapters it holds, the blocks it keeps on standby."""
+
+    model: str = wire(read_text)
+    start: int = wire(read_int)
+    end: int = wire(read_int)
+    state: str = wire(read_text)
+    throughput: float = wire(read_float)
+    adapters: dict[str, AdapterInfo] = wire(read_adapters, write_adapters)
+    standby_blocks: list[int] = wire(read_blocks, list)
+    weights: str = wire(read_text, default="")  # how the base weights are held, e.g. "nf4/bfloat16"
+
+
+def read_maddrs(meta: dict, key: str) -> list[str]:
+    maddrs = meta.get(key)
+    if not isinstance(maddrs, list) or not 0 < len(maddrs) <= MAX_MADDRS or not all(isinstance(m, str) for m in maddrs):
+        raise RequestError(f"{key!r} must be a list of 1 to {MAX_MADDRS} multiaddrs")
+    return maddrs
+
+
+@dataclass(frozen=True)
+class ReachableRequest(Request):
+    """Can you dial ``peer`` back at ``maddrs``? Or, for a peer behind NAT (``relayed``): will you pass requests
+    on to it?"""
+
+    method: ClassVar[str] = Method.REACHABLE
+    peer: PeerID = wire(read_peer, PeerID.to_base58)
+    maddrs: list[str] | None = wire(optional(read_list), default=None)
+    relayed: bool = wire(flag(False), default=False)
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> ReachableRequest:
+        request = cls(**cls.read_meta(meta))
+        return request if request.relayed else cls(request.peer, read_maddrs(meta, "maddrs"))
+
+
+@dataclass(frozen=True)
+class ReachableReply(Reply):
+    reachable: bool = wire(read_bool)
+    why: str | None = wire(optional(read_text), default=None)
+
+
+# --- training: open, forward, backward, commit, revert -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpenRequest(Request):
     """Open an adapter (created with the deterministic init if new, else checked to match); a session claims it."""
 
-    adapter: str
-    lora: dict
-    seed: int
-    session: str | None = None
-
-    def to_meta(self) -> dict:
-        return {
-            "method": Method.OPEN,
-            "adapter": self.adapter,
-            "lora": self.lora,
-            "seed": self.seed,
-            "session": self.session,
-        }
-
-    @classmethod
-    def from_meta(cls, meta: dict) -> OpenRequest:
-        session = meta.get("session")
-        if session is not None and not isinstance(session, str):
-            raise RequestError("'session' must be a string")
-        return cls(check_adapter_name(meta.get("adapter")), read_dict(meta, "lora"), read_int(meta, "seed"), session)
+    method: ClassVar[str] = Method.OPEN
+    adapter: str = wire(read_adapter)
+    lora: dict = wire(read_dict)
+    seed: int = wire(read_int)
+    session: str | None = wire(optional(read_str), default=None)
 
 
 @dataclass(frozen=True)
-class OpenReply:
+class OpenReply(Reply):
     """The adapter's committed step per served block, and per standby copy this peer holds."""
 
-    steps: dict[int, int]
-    standby: dict[int, int] = field(default_factory=dict)
+    steps: dict[int, int] = wire(read_steps, by_block)
+    standby: dict[int, int] = wire(read_steps, by_block, default_factory=dict)
 
-    def to_meta(self) -> dict:
-        return {"steps": by_block(self.steps), "standby": by_block(self.standby)}
+
+class HiddenRequest(Request):
+    """A request whose tensors are hidden states and, when ``has_mask``, their mask: forward and infer. Subclasses
+    have the fields ``hidden``, ``mask`` and ``compression`` (which also encodes the tensors sent)."""
+
+    hidden: torch.Tensor
+    mask: torch.Tensor | None
+    compression: str
+
+    def to_message(self) -> Message:
+        tensors = [self.hidden] + ([] if self.mask is None else [self.mask])
+        return Message({**self.to_meta(), HAS_MASK: self.mask is not None}, tensors, COMPRESSIONS[self.compression])
 
     @classmethod
-    def from_meta(cls, meta: dict) -> OpenReply:
-        return cls(read_steps(meta, "steps"), read_steps(meta, "standby"))
+    def from_message(cls, message: Message) -> Any:
+        fields_ = cls.read_meta(message.meta)
+        (hidden,), mask = _span_tensors(message, 1)
+        return cls(**fields_, hidden=hidden, mask=mask)
+
+
+@dataclass(frozen=True)
+class ForwardRequest(HiddenRequest):
+    """Through blocks [start, end) of an adapter at a step. Tensors: [hidden, mask?]. One with a micro-batch id keeps
+    its graph for the backward; one without is an evaluation."""
+
+    method: ClassVar[str] = Method.FORWARD
+    adapter: str = wire(read_adapter)
+    start: int = wire(read_int)
+    end: int = wire(read_int)
+    step: int = wire(read_int)
+    hidden: torch.Tensor = tensor()
+    mask: torch.Tensor | None = tensor(default=None)
+    micro_batch: str | None = wire(optional(read_str), default=None)
+    compression: str = wire(read_compression, default="none")  # how the peer encodes the tensors it answers with
+
+    @property
+    def blocks(self) -> range:
+        return range(self.start, self.end)
+
+
+
+@dataclass(frozen=True)
+class BackwardRequest(Request):
+    """Self-contained, so any replica can serve it. Tensors: [hidden?, grad, mask?]. One to the peer that ran the
+    forward leaves the hidden states out (it has them); one whose input gradient nobody needs (the first span: the
+    embeddings are frozen) asks for none (``input_grad``)."""
+
+    method: ClassVar[str] = Method.BACKWARD
+    adapter: str = wire(read_adapter)
+    start: int = wire(read_int)
+    end: int = wire(read_int)
+    step: int = wire(read_int)
+    micro_batch: str = wire(read_str)
+    grad: torch.Tensor = tensor()
+    hidden: torch.Tensor | None = tensor(default=None)
+    mask: torch.Tensor | None = tensor(default=None)
+    input_grad: bool = wire(flag(True), default=True)
+    compression: str = wire(read_compression, default="none")
+
+    @property
+    def blocks(self) -> range:
+        return range(self.start, self.end)
+
+    def to_message(self) -> Message:
+        tensors = [t for t in (self.hidden, self.grad, self.mask) if t is not None]
+        meta = {**self.to_meta(), HAS_MASK: self.mask is not None, HAS_HIDDEN: self.hidden is not None}
+        return Message(meta, tensors, COMPRESSIONS[self.compression])
+
+    @classmethod
+    def from_message(cls, message: Message) -> BackwardRequest:
+        fields_ = cls.read_meta(message.meta)
+        has_hidden = flag(True)(message.meta, HAS_HIDDEN)
+        tensors, mask = _span_tensors(message, 2 if has_hidden else 1)
+        hidden = tensors[0] if has_hidden else None
+        return cls(**fields_, grad=tensors[-1], hidden=hidden, mask=mask)
+
+
+@dataclass(frozen=True)
+class HiddenReply(Reply):
+    """The hidden states out of a span (a forward, or new tokens of a generation). Tensors: [outputs]."""
+
+    outputs: torch.Tensor = tensor()
+    compression: str = field(default="none", compare=False)  # how they travel; not sent
+
+    def to_message(self) -> Message:
+        return Message({}, [self.outputs], COMPRESSIONS[self.compression])
+
+    @classmethod
+    def from_message(cls, message: Message) -> HiddenReply:
+        return cls(_expect(message, (1,))[0])
+
+
+@dataclass(frozen=True)
+class GradReply(Reply):
+    """A backward's gradient of the span's input, when asked for. Tensors: [grad_inputs] or none."""
+
+    grad_inputs: torch.Tensor | None = tensor(default=None)
+    compression: str = field(default="none", compare=False)
+
+    def to_message(self) -> Message:
+        tensors = [] if self.grad_inputs is None else [self.grad_inputs]
+        return Message({}, tensors, COMPRESSIONS[self.compression])
+
+    @classmethod
+    def from_message(cls, message: Message) -> GradReply:
+        tensors = _expect(message, (0, 1))
+        return cls(tensors[0] if tensors else None)
 
 
 @dataclass(frozen=True)
@@ -302,104 +581,434 @@ class OptimizerHParams:
             raise RequestError("'hparams' needs lr, betas (two numbers), eps and weight_decay") from None
 
 
+def read_hparams(meta: dict, key: str) -> OptimizerHParams:
+    return OptimizerHParams.from_meta(read_dict(meta, key))
+
+
+def _holders(value: object) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise ValueError(f"{value!r} is not a map micro-batch id -> peer id")
+    return value
+
+
+def read_ledger(meta: dict, key: str) -> dict[int, dict[str, str]]:
+    ledger = by_blocks(_holders, "{micro-batch id: peer id}")(meta, key)
+    if not ledger:
+        raise RequestError(f"{key!r} must name at least one block")
+    return ledger
+
+
+def read_fetch_timeout(meta: dict, key: str) -> float:
+    timeout = meta.get(key, FETCH_TIMEOUT)
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 600:
+        raise RequestError(f"{key!r} must be a number of seconds in (0, 600]")
+    return float(timeout)
+
+
 @dataclass(frozen=True)
-class CommitRequest:
+class CommitRequest(Request):
     """Commit a step on the blocks of ``ledger`` (block -> {micro-batch id: the peer holding its gradients}) with
     the optimizer's hyper-parameters in effect."""
 
-    adapter: str
-    step: int
-    ledger: dict[int, dict[str, str]]
-    hparams: OptimizerHParams
-    fetch_timeout: float = FETCH_TIMEOUT
+    method: ClassVar[str] = Method.COMMIT
+    adapter: str = wire(read_adapter)
+    step: int = wire(read_int)
+    ledger: dict[int, dict[str, str]] = wire(read_ledger, by_block)
+    hparams: OptimizerHParams = wire(read_hparams, OptimizerHParams.to_meta)
+    fetch_timeout: float = wire(read_fetch_timeout, default=FETCH_TIMEOUT)
 
     def micro_batches(self) -> dict[int, list[str]]:
         """Per block, the micro-batches to sum, in the canonical (sorted) order."""
         return {block: sorted(by_mb) for block, by_mb in self.ledger.items()}
 
-    def to_meta(self) -> dict:
-        return {
-            "method": Method.COMMIT,
-            "adapter": self.adapter,
-            "step": self.step,
-            "ledger": by_block(self.ledger),
-            "hparams": self.hparams.to_meta(),
-            "fetch_timeout": self.fetch_timeout,
-        }
+
+@dataclass(frozen=True)
+class StepsReply(Reply):
+    """The adapter's step per block after a commit, revert, sync, or replicate (then: the standby copies held)."""
+
+    steps: dict[int, int] = wire(read_steps, by_block)
+
+
+@dataclass(frozen=True)
+class RevertRequest(Request):
+    """Take ``step`` back: state, moments and gradients as before it was applied."""
+
+    method: ClassVar[str] = Method.REVERT
+    adapter: str = wire(read_adapter)
+    step: int = wire(read_int)
+
+
+# --- peer to peer: gradients, state, copies ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GradsRequest(Request):
+    """The gradients of these micro-batches (block -> micro-batch ids) at a step, for a replica that lacks them."""
+
+    method: ClassVar[str] = Method.GRADS
+    adapter: str = wire(read_adapter)
+    step: int = wire(read_int)
+    wanted: dict[int, list[str]] = wire(by_blocks(_strings, "micro-batch ids"), by_block)
+
+
+def _index_entry(entry: object) -> tuple[int, str, int]:
+    if not isinstance(entry, list) or len(entry) != 3 or not isinstance(entry[1], str):
+        raise ValueError(f"{entry!r} is not [block, micro-batch, count]")
+    return _block(entry[0]), entry[1], _step(entry[2])
+
+
+@dataclass(frozen=True)
+class GradsReply(Reply):
+    """Block -> micro-batch -> its LoRA gradients. Travels as the tensors in order, indexed by [block, mb, count]."""
+
+    grads: dict[int, dict[str, list[torch.Tensor]]] = tensor()
+
+    def to_message(self) -> Message:
+        index, tensors = [], []
+        for block, by_mb in self.grads.items():
+            for mb, block_grads in by_mb.items():
+                index.append([block, mb, len(block_grads)])
+                tensors.extend(block_grads)
+        return Message({"index": index}, tensors)
 
     @classmethod
-    def from_meta(cls, meta: dict) -> CommitRequest:
-        raw = meta.get("ledger")
+    def from_message(cls, message: Message) -> GradsReply:
+        entries = read_list(message.meta, "index")
         try:
-            ledger = {int(block): {str(mb): str(peer) for mb, peer in by_mb.items()} for block, by_mb in raw.items()}
-        except (AttributeError, TypeError, ValueError):
-            raise RequestError("'ledger' must map block -> {micro-batch id: peer id}") from None
-        if not ledger:
-            raise RequestError("'ledger' must name at least one block")
-        timeout = meta.get("fetch_timeout", FETCH_TIMEOUT)
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 600:
-            raise RequestError("'fetch_timeout' must be a number of seconds in (0, 600]")
-        hparams = OptimizerHParams.from_meta(read_dict(meta, "hparams"))
-        return cls(read_str(meta, "adapter"), read_int(meta, "step"), ledger, hparams, float(timeout))
+            index = [_index_entry(entry) for entry in entries]
+        except ValueError as e:
+            raise RequestError(f"'index' must list [block, micro-batch, count]: {e}") from None
+        _expect(message, (sum(count for *_, count in index),))
+        grads: dict[int, dict[str, list[torch.Tensor]]] = {}
+        tensors = iter(message.tensors)
+        for block, mb, count in index:
+            grads.setdefault(block, {})[mb] = [next(tensors) for _ in range(count)]
+        return cls(grads)
 
 
-@dataclass
-class AdapterInfo:
-    """What a live peer holds of one adapter: its config, served steps and standby copies per block."""
+@dataclass(frozen=True)
+class ExportRequest(Request):
+    """The state of blocks [start, end) (served or standby). With ``held`` (block -> the step of the asker's copy),
+    the last update of served blocks held one step behind instead of their whole state."""
 
-    meta: dict
-    steps: dict[int, int]
-    standby: dict[int, int]
+    method: ClassVar[str] = Method.EXPORT
+    adapter: str = wire(read_adapter)
+    start: int = wire(read_int)
+    end: int = wire(read_int)
+    held: dict[int, int] | None = wire(
+        optional(read_steps), lambda held: None if held is None else by_block(held), default=None
+    )
 
-    def step_of(self, block: int) -> int | None:
-        return self.steps.get(block, self.standby.get(block))
+    @property
+    def blocks(self) -> range:
+        return range(self.start, self.end)
 
 
-@dataclass
-class PeerInfo:
-    """A peer's answer to ``info``: what it serves, the adapters it holds, the blocks it keeps on standby."""
+def _hparams(value: object) -> OptimizerHParams:
+    if not isinstance(value, dict):
+        raise ValueError(f"{value!r} is not a map")
+    return OptimizerHParams.from_meta(value)
 
-    model: str
-    start: int
-    end: int
-    state: str
-    throughput: float
-    adapters: dict[str, AdapterInfo]
-    standby_blocks: list[int]
-    weights: str = ""  # how the base weights are held: quantization / compute dtype, e.g. "nf4/bfloat16"
 
-    def to_meta(self) -> dict:
-        adapters = {
-            name: {**a.meta, "steps": by_block(a.steps), "standby": by_block(a.standby)}
-            for name, a in self.adapters.items()
-        }
-        return {
-            "model": self.model,
-            "start": self.start,
-            "end": self.end,
-            "state": self.state,
-            "throughput": self.throughput,
-            "adapters": adapters,
-            "standby_blocks": list(self.standby_blocks),
-            "weights": self.weights,
-        }
+@dataclass(frozen=True)
+class ExportReply(Reply):
+    """Packed block states (``index`` over the flat tensor ``states``) and packed last updates (``update_index`` over
+    ``updates``) with their AdamW settings per block. Tensors: [states, updates]. (Packing: peers.state.)"""
+
+    index: list = wire(read_list)
+    update_index: list = wire(read_list)
+    hparams: dict[int, OptimizerHParams] = wire(
+        by_blocks(_hparams, "AdamW settings"), lambda hp: {str(b): h.to_meta() for b, h in hp.items()}
+    )
+    states: torch.Tensor = tensor()
+    updates: torch.Tensor = tensor()
+
+    def to_message(self) -> Message:
+        return Message(self.to_meta(), [self.states, self.updates])
 
     @classmethod
-    def from_meta(cls, meta: dict) -> PeerInfo:
-        adapters = {}
-        for name, entry in dict(meta.get("adapters", {})).items():
-            adapters[str(name)] = AdapterInfo(
-                meta={"lora": entry["lora"], "seed": int(entry["seed"])},
-                steps=read_steps(entry, "steps"),
-                standby=read_steps(entry, "standby"),
-            )
-        return cls(
-            model=str(meta.get("model", "")),
-            start=int(meta.get("start", 0)),
-            end=int(meta.get("end", 0)),
-            state=str(meta.get("state", "")),
-            throughput=float(meta.get("throughput", 0.0)),
-            adapters=adapters,
-            standby_blocks=[int(b) for b in meta.get("standby_blocks", [])],
-            weights=str(meta.get("weights", "")),
-        )
+    def from_message(cls, message: Message) -> ExportReply:
+        states, updates = _expect(message, (2,))
+        return cls(**cls.read_meta(message.meta), states=states, updates=updates)
+
+
+@dataclass(frozen=True)
+class SyncRequest(Request):
+    """Pull the state of blocks [start, end) from ``source``, a current copy, so this peer can serve them again."""
+
+    method: ClassVar[str] = Method.SYNC
+    adapter: str = wire(read_adapter)
+    source: PeerID = wire(read_peer, PeerID.to_base58)
+    start: int = wire(read_int)
+    end: int = wire(read_int)
+
+    @property
+    def blocks(self) -> range:
+        return range(self.start, self.end)
+
+
+@dataclass(frozen=True)
+class StateRequest(Request):
+    """Every LoRA tensor of the adapter's blocks here, for the client's adapter export."""
+
+    method: ClassVar[str] = Method.STATE
+    adapter: str = wire(read_adapter)
+
+
+def _name_entry(entry: object) -> tuple[int, str]:
+    if not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[1], str):
+        raise ValueError(f"{entry!r} is not [block, name]")
+    return _block(entry[0]), entry[1]
+
+
+@dataclass(frozen=True)
+class StateReply(Reply):
+    """Block -> LoRA tensor name -> tensor. Travels as the tensors in order, named by [block, name]."""
+
+    state: dict[int, dict[str, torch.Tensor]] = tensor()
+
+    def to_message(self) -> Message:
+        names = [[block, name] for block, tensors in self.state.items() for name in tensors]
+        return Message({"names": names}, [self.state[block][name] for block, name in names])
+
+    @classmethod
+    def from_message(cls, message: Message) -> StateReply:
+        entries = read_list(message.meta, "names")
+        try:
+            names = [_name_entry(entry) for entry in entries]
+        except ValueError as e:
+            raise RequestError(f"'names' must list [block, name]: {e}") from None
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for (block, name), value in zip(names, _expect(message, (len(names),)), strict=True):
+            state.setdefault(block, {})[name] = value
+        return cls(state)
+
+
+@dataclass(frozen=True)
+class DigestRequest(Request):
+    """A hash of each block's state, to check that replicas are identical."""
+
+    method: ClassVar[str] = Method.DIGEST
+    adapter: str = wire(read_adapter)
+
+
+@dataclass(frozen=True)
+class DigestReply(Reply):
+    digests: dict[int, str] = wire(by_blocks(_string, "digest"), by_block)
+
+
+@dataclass(frozen=True)
+class FastForwardRequest(Request):
+    """No current copy of blocks [start, end) survived anywhere: declare the one held here current at ``step``."""
+
+    method: ClassVar[str] = Method.FAST_FORWARD
+    adapter: str = wire(read_adapter)
+    step: int = wire(read_int)
+    start: int = wire(read_int)
+    end: int = wire(read_int)
+
+    @property
+    def blocks(self) -> range:
+        return range(self.start, self.end)
+
+
+@dataclass(frozen=True)
+class FastForwardReply(Reply):
+    """The adapter's steps per block now, and the steps lost per block fast-forwarded."""
+
+    steps: dict[int, int] = wire(read_steps, by_block)
+    lost: dict[int, int] = wire(read_steps, by_block)
+
+
+@dataclass(frozen=True)
+class CommittedRequest(Request):
+    """A notice to a standby holder: ``source``, a server of these blocks, applied ``steps`` (block -> step)."""
+
+    method: ClassVar[str] = Method.COMMITTED
+    adapter: str = wire(read_adapter)
+    lora: dict = wire(read_dict)
+    seed: int = wire(read_int)
+    steps: dict[int, int] = wire(read_steps, by_block)
+    source: PeerID = wire(read_peer, PeerID.to_base58)
+
+    @property
+    def adapter_meta(self) -> dict:
+        return adapter_meta(self.lora, self.seed)
+
+
+@dataclass(frozen=True)
+class Ack(Reply):
+    """A reply that says only 'received'."""
+
+
+def _source(entry: object) -> tuple[range, PeerID]:
+    if not isinstance(entry, list) or len(entry) != 3 or not _is_int(entry[0]) or not _is_int(entry[1]):
+        raise ValueError(f"{entry!r} is not [start, end, peer id]")
+    start, end, peer = entry
+    if not 0 <= start < end:
+        raise ValueError(f"{entry!r} is not a non-empty block range")
+    if not isinstance(peer, str):
+        raise ValueError(f"{peer!r} is not a peer id")
+    return range(start, end), PeerID.from_base58(peer)
+
+
+def read_sources(meta: dict, key: str) -> list[tuple[range, PeerID]]:
+    entries = read_list(meta, key)
+    try:
+        sources = [_source(entry) for entry in entries]
+    except ValueError as e:
+        raise RequestError(f"{key!r} must be a list of [start, end, peer id]: {e}") from None
+    if not sources:
+        raise RequestError(f"{key!r} must name at least one block range")
+    return sources
+
+
+def write_sources(sources: list[tuple[range, PeerID]]) -> list[list]:
+    return [[blocks.start, blocks.stop, peer.to_base58()] for blocks, peer in sources]
+
+
+@dataclass(frozen=True)
+class ReplicateRequest(Request):
+    """Hold a copy of blocks' state at ``step``, pulled from the named sources (block range, replica), before the
+    trainer acknowledges the step. The reply's steps are the standby copies held."""
+
+    method: ClassVar[str] = Method.REPLICATE
+    adapter: str = wire(read_adapter)
+    lora: dict = wire(read_dict)
+    seed: int = wire(read_int)
+    step: int = wire(read_int)
+    sources: list[tuple[range, PeerID]] = wire(read_sources, write_sources)
+
+    @property
+    def adapter_meta(self) -> dict:
+        return adapter_meta(self.lora, self.seed)
+
+
+# --- generation ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InferRequest(HiddenRequest):
+    """Generation: the hidden states of new tokens through blocks [start, end) in ``session``, which holds the keys
+    and values of ``position`` tokens already. The first request (position 0) opens the session with room for
+    ``max_length`` tokens. ``adapter`` None runs the base model (LoRA off); else the adapter at ``step`` or later.
+    Tensors: [hidden, mask?]; the mask (padded prompts) covers every token of the session so far."""
+
+    method: ClassVar[str] = Method.INFER
+    session: str = wire(read_session)
+    start: int = wire(read_int)
+    end: int = wire(read_int)
+    position: int = wire(read_int)
+    max_length: int = wire(read_int)
+    hidden: torch.Tensor = tensor()
+    mask: torch.Tensor | None = tensor(default=None)
+    adapter: str | None = wire(optional(read_adapter), default=None)
+    step: int = wire(read_int, default=0)
+    compression: str = wire(read_compression, default="none")
+
+    @property
+    def blocks(self) -> range:
+        return range(self.start, self.end)
+
+
+
+@dataclass(frozen=True)
+class EndSessionRequest(Request):
+    """Free a generation session's keys and values now (an idle one expires anyway)."""
+
+    method: ClassVar[str] = Method.END_SESSION
+    session: str = wire(read_session)
+
+
+@dataclass(frozen=True)
+class EndSessionReply(Reply):
+    ended: bool = wire(read_bool)  # whether this peer still held the session
+
+
+# --- the registry -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method's request and reply schemas; ``streamed``: its replies can be large even when the request is small,
+    so they use the stream door."""
+
+    request: type[Request]
+    reply: type[Reply]
+    streamed: bool = False
+
+
+METHODS: dict[str, MethodSpec] = {
+    Method.HELLO: MethodSpec(HelloRequest, HelloReply),
+    Method.INFO: MethodSpec(InfoRequest, PeerInfo),
+    Method.OPEN: MethodSpec(OpenRequest, OpenReply),
+    Method.FORWARD: MethodSpec(ForwardRequest, HiddenReply),
+    Method.BACKWARD: MethodSpec(BackwardRequest, GradReply),
+    Method.COMMIT: MethodSpec(CommitRequest, StepsReply),
+    Method.REVERT: MethodSpec(RevertRequest, StepsReply),
+    Method.GRADS: MethodSpec(GradsRequest, GradsReply, streamed=True),
+    Method.EXPORT: MethodSpec(ExportRequest, ExportReply, streamed=True),
+    Method.SYNC: MethodSpec(SyncRequest, StepsReply),
+    Method.STATE: MethodSpec(StateRequest, StateReply, streamed=True),
+    Method.DIGEST: MethodSpec(DigestRequest, DigestReply),
+    Method.FAST_FORWARD: MethodSpec(FastForwardRequest, FastForwardReply),
+    Method.COMMITTED: MethodSpec(CommittedRequest, Ack),
+    Method.REPLICATE: MethodSpec(ReplicateRequest, StepsReply),
+    Method.REACHABLE: MethodSpec(ReachableRequest, ReachableReply),
+    Method.INFER: MethodSpec(InferRequest, HiddenReply),
+    Method.END_SESSION: MethodSpec(EndSessionRequest, EndSessionReply),
+}
+STREAMED_REPLIES = frozenset(name for name, spec in METHODS.items() if spec.streamed)
+
+
+def method_of(meta: dict) -> object:
+    """The method a message's metadata names (anything: it is checked by :func:`read_request`)."""
+    return meta.get(METHOD)
+
+
+def read_request(message: Message) -> Request:
+    """The typed request a message carries; RequestError if its method is unknown or it does not fit the schema."""
+    method = method_of(message.meta)
+    spec = METHODS.get(method) if isinstance(method, str) else None
+    if spec is None:
+        raise RequestError(f"unknown method {method!r}; known: {sorted(METHODS)}")
+    return spec.request.from_message(message)
+
+
+def read_reply(request: Request, message: Message) -> Reply:
+    """The typed reply to ``request``; ReplyError (the answering peer's fault) if it does not fit the schema."""
+    try:
+        return METHODS[request.method].reply.from_message(message)
+    except RequestError as e:
+        raise ReplyError(f"malformed {request.method} reply: {e}") from None
+
+
+# --- refusals -----------------------------------------------------------------------------------------------------
+
+
+def error_message(kind: str, text: str, **details: object) -> Message:
+    return Message(meta={ERROR: text, KIND: kind, **details}, tensors=[])
+
+
+def refusal(error: RequestError) -> Message:
+    """A refused request's answer: its kind, its message, and what the caller needs to act on it."""
+    details: dict[str, object] = {}
+    if isinstance(error, MissingGradientsError):
+        details[MISSING] = by_block(error.missing)
+    if isinstance(error, SourceUnavailableError):
+        details[SOURCE] = error.source
+    return error_message(error.kind, str(error), **details)
+
+
+def raise_if_error(message: Message) -> Message:
+    if ERROR in message.meta:
+        raise RemoteError(str(message.meta.get(KIND, ERROR)), str(message.meta[ERROR]), message.meta)
+    return message
+
+
+def missing_gradients(error: RemoteError) -> dict[int, list[str]]:
+    """What a ``missing_gradients`` refusal says nobody could provide: block -> micro-batch ids."""
+    try:
+        return by_blocks(_strings, "micro-batch ids")(error.meta, MISSING)
+    except RequestError as e:
+        raise ReplyError(f"malformed missing_gradients refusal: {e}") from None

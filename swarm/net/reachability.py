@@ -17,18 +17,16 @@ import time
 from hivemind.p2p import P2P, PeerID
 
 from swarm.net.addresses import dial, hang_up, is_loopback, peer_of, relayed_maddr
-from swarm.net.errors import MULTIADDR_ERRORS, PEER_ERRORS, TRANSPORT_ERRORS, RequestError
-from swarm.net.protocol import Method, read_peer
+from swarm.net.errors import MULTIADDR_ERRORS, PEER_ERRORS, TRANSPORT_ERRORS
+from swarm.net.protocol import ReachableReply, ReachableRequest
 from swarm.net.security import SwarmKey
 from swarm.net.transport import Transport
-from swarm.net.wire import Message
 
 logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT = 8.0  # how long a bootstrap tries to dial a peer back
 ASK_TIMEOUT = PROBE_TIMEOUT + 5.0
 RELAY_TIMEOUT = 30.0  # how long a relayed peer waits for its reservation to work end to end
-MAX_MADDRS = 16
 
 
 class ReachabilityProbe:
@@ -39,23 +37,16 @@ class ReachabilityProbe:
         self._p2p: P2P | None = None
         self._lock = asyncio.Lock()
 
-    async def handle(self, message: Message) -> Message:
-        peer = read_peer(message.meta, "peer")
-        maddrs = message.meta.get("maddrs")
-        if (
-            not isinstance(maddrs, list)
-            or not 0 < len(maddrs) <= MAX_MADDRS
-            or not all(isinstance(m, str) for m in maddrs)
-        ):
-            raise RequestError(f"'maddrs' must be a list of 1 to {MAX_MADDRS} multiaddrs")
+    async def handle(self, request: ReachableRequest) -> ReachableReply:
+        """Dial ``request.peer`` at the addresses it named (the schema checked them: 1 to MAX_MADDRS)."""
         p2p = await self._probe()
         try:
-            await dial(p2p, peer, maddrs, PROBE_TIMEOUT)
-            return Message({"reachable": True}, [])
+            await dial(p2p, request.peer, request.maddrs, PROBE_TIMEOUT)
+            return ReachableReply(True)
         except (*TRANSPORT_ERRORS, *MULTIADDR_ERRORS) as e:
-            return Message({"reachable": False, "why": str(e) or type(e).__name__}, [])
+            return ReachableReply(False, str(e) or type(e).__name__)
         finally:
-            await hang_up(p2p, peer)
+            await hang_up(p2p, request.peer)
 
     async def _probe(self) -> P2P:
         async with self._lock:
@@ -68,18 +59,17 @@ class ReachabilityProbe:
             await self._p2p.shutdown()
 
 
-async def _ask(transport: Transport, checker: str, peer: PeerID, **question) -> bool | None:
-    """Ask ``checker`` (``reachable``) about ``peer``: whether it can dial it at ``maddrs``, or will pass requests
-    on to it (``relayed``); None if it did not answer."""
+async def _ask(transport: Transport, checker: str, question: ReachableRequest) -> bool | None:
+    """Ask ``checker`` (``reachable``) about a peer: whether it can dial it at ``maddrs``, or will pass requests on
+    to it (``relayed``); None if it did not answer."""
     try:
-        message = Message({"method": Method.REACHABLE, "peer": peer.to_base58(), **question}, [])
-        reply = await transport.acall(peer_of(checker), message, ASK_TIMEOUT, direct=True)
+        reply = await transport.aask(peer_of(checker), question, ASK_TIMEOUT, direct=True)
     except (*PEER_ERRORS, *MULTIADDR_ERRORS) as e:
         logger.debug("%s did not answer a reachability check: %s", checker, e)
         return None
-    if not reply.meta.get("reachable"):
-        logger.debug("%s says %s is not reachable %s: %s", checker, peer, question, reply.meta.get("why"))
-    return bool(reply.meta.get("reachable"))
+    if not reply.reachable:
+        logger.debug("%s says it cannot reach %s: %s", checker, question, reply.why)
+    return reply.reachable
 
 
 async def check_direct(
@@ -98,7 +88,8 @@ async def check_direct(
         mine = [str(m) for m in await temp.get_visible_maddrs(latest=True)]
         mine = [m for m in mine if not is_loopback(m)] or mine
         transport = Transport(temp, swarm_key)
-        answers = [await _ask(transport, checker, temp.peer_id, maddrs=mine) for checker in initial_peers]
+        question = ReachableRequest(temp.peer_id, maddrs=mine)
+        answers = [await _ask(transport, checker, question) for checker in initial_peers]
     finally:
         await temp.shutdown()
     if any(answers):
@@ -114,7 +105,8 @@ async def verify_relayed(
     may still be coming up, or the relay may refuse (``swarm dht --no-relay``)."""
     deadline = time.monotonic() + timeout
     while True:
-        working = [relayed_maddr(relay, me) for relay in relays if await _ask(transport, relay, me, relayed=True)]
+        question = ReachableRequest(me, relayed=True)
+        working = [relayed_maddr(relay, me) for relay in relays if await _ask(transport, relay, question)]
         if working or time.monotonic() > deadline:
             return working
         await asyncio.sleep(1.0)

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import AsyncIterator, Protocol  # noqa: UP035 -- matches the doors' signatures
 
 from hivemind.p2p import P2P, P2PContext
@@ -13,26 +14,35 @@ from hivemind.proto import runtime_pb2
 
 from swarm.net import lanes
 from swarm.net.errors import TRANSPORT_ERRORS, RemoteError, RequestError
-from swarm.net.protocol import RELAY_TIMEOUT, RELAY_TO, ErrorKind, Method, read_peer
+from swarm.net.message import Message, payload_bytes
+from swarm.net.protocol import (
+    RELAY_TIMEOUT,
+    RELAY_TO,
+    ErrorKind,
+    HelloReply,
+    HelloRequest,
+    Method,
+    ReachableReply,
+    ReachableRequest,
+    Reply,
+    Request,
+    error_message,
+    method_of,
+    read_peer,
+    read_request,
+    refusal,
+)
 from swarm.net.reachability import ReachabilityProbe
 from swarm.net.security import SwarmKey
 from swarm.net.transport import Transport
-from swarm.net.wire import (
-    DEFAULT_MAX_PAYLOAD_BYTES,
-    Message,
-    PeerDoors,
-    WireError,
-    collect,
-    decode,
-    encode,
-    error_message,
-    payload_bytes,
-    verify,
-)
+from swarm.net.wire import DEFAULT_MAX_PAYLOAD_BYTES, PeerDoors, WireError, collect, decode, encode, verify
 
 logger = logging.getLogger(__name__)
 
-Handler = Callable[[Message], Awaitable[Message]]
+# A method's handler: its typed request in (decoded and checked against the registry), its typed reply out.
+Handler = Callable[[Request], Awaitable[Reply]]
+# A message in, a message out: what a fault hook wraps (the request as it arrived, before it is read).
+MessageHandler = Callable[[Message], Awaitable[Message]]
 
 
 MAX_ARRIVALS = 1024  # messages whose lanes are arriving at once, from all callers
@@ -48,7 +58,7 @@ class FaultHook(Protocol):
     """Runs each request's handler, or fails around it: how tests inject failures into real peers
     (``swarm.testing.faults``) without patching them."""
 
-    async def around(self, method: str, handler: Handler, message: Message) -> Message: ...
+    async def around(self, method: str, handler: MessageHandler, message: Message) -> Message: ...
 
 
 class Doorkeeper:
@@ -165,9 +175,11 @@ class Doorkeeper:
             yield part
 
     async def handle(self, parts: list[runtime_pb2.ExpertRequest], context: P2PContext) -> Message:
+        """Decode, check the swarm key, pass on what is for another peer; else read the request through the registry,
+        run its handler and encode the reply. A refusal is answered, never raised."""
         try:
             message = decode(parts)
-            method = message.meta.get("method")
+            method = method_of(message.meta)
             if self.swarm_key is not None and method != Method.HELLO:
                 try:
                     verify(self.swarm_key, message, parts)
@@ -179,11 +191,14 @@ class Doorkeeper:
             if handler is None:
                 raise RequestError(f"unknown method {method!r}; known: {sorted(self.handlers)}")
             if self.faults is not None:
-                return await self.faults.around(method, handler, message)
-            return await handler(message)
-        except (RequestError, WireError) as e:
+                return await self.faults.around(method, partial(_typed, handler), message)
+            return await _typed(handler, message)
+        except RequestError as e:
             logger.info("refused a request from %s: %s", context.remote_id, e)
-            return error_message(getattr(e, "kind", ErrorKind.BAD_REQUEST), str(e), **getattr(e, "details", {}))
+            return refusal(e)
+        except WireError as e:
+            logger.info("refused a request from %s: %s", context.remote_id, e)
+            return error_message(ErrorKind.BAD_REQUEST, str(e))
         except DroppedReply:
             raise
         except Exception as e:  # the boundary: a bug here answers `internal` and the peer serves on
@@ -206,17 +221,21 @@ class Doorkeeper:
         except TRANSPORT_ERRORS as e:
             return error_message(ErrorKind.UNREACHABLE, f"this relay cannot reach {target}: {type(e).__name__} {e}")
 
-    async def _reachable(self, message: Message) -> Message:
+    async def _reachable(self, request: ReachableRequest) -> ReachableReply:
         """Dial the asking peer back (``maddrs``), or, for a peer behind NAT (``relayed``), say whether this node
         will pass requests on to it: it relays and holds the peer's connection."""
-        if not message.meta.get("relayed"):
-            return await self.probe.handle(message)
-        peer = read_peer(message.meta, "peer")
+        if not request.relayed:
+            return await self.probe.handle(request)
         if not self.relays:
-            return Message({"reachable": False, "why": "this node does not relay (started with --no-relay)"}, [])
-        return Message({"reachable": await self.relay.connected(peer)}, [])
+            return ReachableReply(False, "this node does not relay (started with --no-relay)")
+        return ReachableReply(await self.relay.connected(request.peer))
 
-    async def _hello(self, message: Message) -> Message:
+    async def _hello(self, request: HelloRequest) -> HelloReply:
         """Who we are, unauthenticated: lets a newcomer tell 'private swarm' or 'wrong key' from other failures."""
-        key_id = None if self.swarm_key is None else self.swarm_key.key_id
-        return Message(meta={"private": self.swarm_key is not None, "key_id": key_id}, tensors=[])
+        return HelloReply(self.swarm_key is not None, None if self.swarm_key is None else self.swarm_key.key_id)
+
+
+async def _typed(handler: Handler, message: Message) -> Message:
+    """Read the request through the registry, run its handler, and encode the typed reply."""
+    reply = await handler(read_request(message))
+    return reply.to_message()

@@ -17,20 +17,20 @@ from hivemind.utils import as_aiter
 from swarm.net import lanes
 from swarm.net.addresses import dial, only_relayed, relay_of
 from swarm.net.errors import TRANSPORT_ERRORS, ErrorKind, RemoteError
-from swarm.net.protocol import RELAY_TIMEOUT, RELAY_TO, STREAMED_REPLIES
+from swarm.net.message import Message, payload_bytes
+from swarm.net.protocol import (
+    RELAY_TIMEOUT,
+    RELAY_TO,
+    STREAMED_REPLIES,
+    Reply,
+    Request,
+    method_of,
+    raise_if_error,
+    read_reply,
+)
 from swarm.net.records import ServerRecord
 from swarm.net.security import SwarmKey
-from swarm.net.wire import (
-    DEFAULT_MAX_PAYLOAD_BYTES,
-    Message,
-    PeerDoors,
-    WireError,
-    collect,
-    decode,
-    encode,
-    payload_bytes,
-    raise_if_error,
-)
+from swarm.net.wire import DEFAULT_MAX_PAYLOAD_BYTES, PeerDoors, WireError, collect, decode, encode
 
 STREAM_ATTEMPTS = 3
 
@@ -68,6 +68,15 @@ class Transport:
     def call(self, peer: PeerID, message: Message, timeout: float | None = None) -> Message:
         """Send ``message`` and wait for the reply; a refusal becomes a RemoteError."""
         return RemoteExpertWorker.run_coroutine(self.acall(peer, message, timeout))
+
+    def ask(self, peer: PeerID, request: Request, timeout: float | None = None) -> Reply:
+        """:meth:`aask`, from synchronous code."""
+        return RemoteExpertWorker.run_coroutine(self.aask(peer, request, timeout))
+
+    async def aask(self, peer: PeerID, request: Request, timeout: float | None = None, direct: bool = False) -> Reply:
+        """Send a typed request and read the typed reply: a refusal raises RemoteError, a reply that does not fit
+        the method's schema ReplyError."""
+        return read_reply(request, await self.acall(peer, request.to_message(), timeout, direct))
 
     async def acall(
         self, peer: PeerID, message: Message, timeout: float | None = None, direct: bool = False
@@ -117,10 +126,11 @@ class Transport:
     async def _send(self, peer: PeerID, message: Message, timeout: float | None) -> Message:
         stub = PeerDoors.get_stub(self.p2p, peer)
         payload = payload_bytes(message.tensors)
-        if payload > lanes.LANE_BYTES and message.meta.get("method") not in STREAMED_REPLIES:
+        streamed = method_of(message.meta) in STREAMED_REPLIES
+        if payload > lanes.LANE_BYTES and not streamed:
             return await asyncio.wait_for(self._send_lanes(stub, message, payload), timeout=timeout)
         parts = encode(message, self.swarm_key)
-        if len(parts) == 1 and message.meta.get("method") not in STREAMED_REPLIES:
+        if len(parts) == 1 and not streamed:
             reply = await stub.rpc_call(parts[0], timeout=timeout)
             return raise_if_error(decode([reply]))
         return raise_if_error(await asyncio.wait_for(self._stream(stub, parts), timeout=timeout))

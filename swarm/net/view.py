@@ -14,10 +14,9 @@ from hivemind import DHT
 from hivemind.p2p import PeerID
 
 from swarm.net.errors import PEER_ERRORS, RequestError
-from swarm.net.protocol import Method, PeerInfo
+from swarm.net.protocol import InfoRequest, PeerInfo
 from swarm.net.records import ServerRecord, ServerState, read_servers
 from swarm.net.transport import Transport
-from swarm.net.wire import Message
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +98,7 @@ async def observe(dht: DHT, transport: Transport, model: str, num_blocks: int, m
 
     async def ping(peer: PeerID) -> PeerInfo | None:
         try:
-            reply = await transport.acall(peer, Message({"method": Method.INFO}, []), timeout=PING_TIMEOUT)
-            return PeerInfo.from_meta(reply.meta)
+            return await transport.aask(peer, InfoRequest(), timeout=PING_TIMEOUT)
         except (*PEER_ERRORS, RequestError) as e:  # gone, refused, or a reply that is not a PeerInfo
             logger.debug("peer %s did not answer: %s", peer, e)
             return None

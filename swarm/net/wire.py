@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import AsyncIterator  # noqa: UP035 -- hivemind's servicer reads typing's alias to spot streams
 
 import torch
@@ -15,23 +13,14 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from swarm.net.compression import deserialize, serialize
-from swarm.net.errors import DECODE_ERRORS, RemoteError, WireError
+from swarm.net.errors import DECODE_ERRORS, WireError
+from swarm.net.message import Message, payload_bytes
+from swarm.net.protocol import AUTH
 from swarm.net.security import SwarmKey
 
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
 
 
-@dataclass
-class Message:
-    """What travels in one call: a method name or error in ``meta``, and tensors."""
-
-    meta: dict
-    tensors: list[torch.Tensor]
-    compression: int = runtime_pb2.CompressionType.NONE  # for floating tensors (swarm.net.compression)
-
-
-def payload_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def is_unary(message: Message) -> bool:
@@ -44,7 +33,7 @@ def encode(
     """One protobuf for small messages; for large ones (or with ``chunk_bytes``), a header and the tensors in
     chunks of at most ``chunk_bytes`` (default: half the P2P message limit), meta on the header.
 
-    With a swarm key, the metadata carries ``auth``: an HMAC over the metadata and every tensor buffer.
+    With a swarm key, the metadata carries ``AUTH``: an HMAC over the metadata and every tensor buffer.
     """
     serialized = [serialize(t, message.compression) for t in message.tensors]
     if chunk_bytes is None and is_unary(message):
@@ -56,20 +45,20 @@ def encode(
                 parts.append(runtime_pb2.ExpertRequest(uid=str(index), tensors=[chunk]))
     meta = dict(message.meta)
     if key is not None:
-        meta["auth"] = _mac(key, meta, parts)
+        meta[AUTH] = _mac(key, meta, parts)
     parts[0].metadata = MSGPackSerializer.dumps(meta)
     return parts
 
 
 def _mac(key: SwarmKey, meta: dict, parts: list[runtime_pb2.ExpertRequest]) -> bytes:
-    unsigned = {k: v for k, v in meta.items() if k != "auth"}
+    unsigned = {k: v for k, v in meta.items() if k != AUTH}
     buffers = [t.buffer for part in parts for t in part.tensors]
     return key.mac(MSGPackSerializer.dumps(unsigned), *buffers)
 
 
 def verify(key: SwarmKey, message: Message, parts: list[runtime_pb2.ExpertRequest]) -> None:
     """Raise unless the message was made by a holder of ``key``."""
-    auth = message.meta.get("auth")
+    auth = message.meta.get(AUTH)
     if not isinstance(auth, bytes) or not hmac.compare_digest(auth, _mac(key, message.meta, parts)):
         raise WireError("unauthorized: this peer belongs to a private swarm; pass its swarm key (--swarm-key)")
 
@@ -126,16 +115,6 @@ async def collect(stream: AsyncIterator, max_bytes: int) -> list:
     if size > max_bytes:
         raise WireError(f"message exceeds the {max_bytes}-byte limit; send smaller micro-batches")
     return parts
-
-
-def error_message(kind: str, text: str, **details) -> Message:
-    return Message(meta={"error": text, "kind": kind, **details}, tensors=[])
-
-
-def raise_if_error(message: Message) -> Message:
-    if "error" in message.meta:
-        raise RemoteError(str(message.meta.get("kind", "error")), str(message.meta["error"]), message.meta)
-    return message
 
 
 class PeerDoors(ServicerBase):

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from swarm.net.protocol import Method
 from swarm.testing.localswarm import LocalSwarm, Process
 
 logger = logging.getLogger(__name__)
@@ -30,9 +31,10 @@ KINDS = {"kill": 0.3, "freeze": 0.2, "term": 0.2, "double-kill": 0.15, "join": 0
 # a moment (the event's ``lag``) after the request, while the peer works on it: "replicate" while the peer pulls the
 # standby copy the trainer asked for before acknowledging a step, "checkpoint" while the peer a commit was sent to
 # applies the step and writes its checkpoint.
-PHASES = ("forward", "backward", "commit", "replicate", "checkpoint")
-REQUEST_OF = {"checkpoint": "commit"}
-LAGGED = ("replicate", "checkpoint")
+CHECKPOINT = "checkpoint"
+PHASES = (Method.FORWARD, Method.BACKWARD, Method.COMMIT, Method.REPLICATE, CHECKPOINT)
+REQUEST_OF = {CHECKPOINT: Method.COMMIT}
+LAGGED = (Method.REPLICATE, CHECKPOINT)
 # A peer-side phase: the strike waits (at most MOVE_WAIT s) for a peer to start moving to other blocks, and hits it.
 MOVE, MOVE_WAIT = "move", 30.0
 SPAN_LINE = re.compile(r"(?:now )?serving blocks (\d+):(\d+)")

@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 import swarm
+from swarm.net.protocol import method_of
 from swarm.testing.chaos import ChaosDriver, ChaosPeers, ChurnStats, chaos_schedule, count_moves
 from swarm.testing.localswarm import LocalSwarm
 
@@ -173,7 +174,7 @@ def _hook(model: swarm.SwarmModelForCausalLM, driver: ChaosDriver) -> None:
     original = model.session.calls.call
 
     def call(peer, meta, tensors, *args, **kwargs):
-        driver.on_request(meta["method"], peer.to_base58())
+        driver.on_request(str(method_of(meta)), peer.to_base58())
         return original(peer, meta, tensors, *args, **kwargs)
 
     model.session.calls.call = call

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from swarm.net.servicer import DroppedReply, Handler
+from swarm.net.servicer import DroppedReply, MessageHandler
 from swarm.net.wire import Message
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class FaultInjector:
             for fault in self.armed:
                 fault.release()
 
-    async def around(self, method: str, handler: Handler, message: Message) -> Message:
+    async def around(self, method: str, handler: MessageHandler, message: Message) -> Message:
         with self._lock:
             self.calls[method] += 1
             armed = list(self.armed)

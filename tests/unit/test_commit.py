@@ -11,7 +11,7 @@ from swarm.client.commit import ReplicaSet, commit, take_back_abandoned
 from swarm.client.current import CurrentPeers
 from swarm.client.ledger import StepLedger
 from swarm.net.errors import SwarmUnavailableError
-from swarm.net.protocol import Method, OptimizerHParams
+from swarm.net.protocol import CommitRequest, OptimizerHParams, Request, RevertRequest, StepsReply, SyncRequest
 
 HPARAMS = OptimizerHParams(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
 
@@ -31,11 +31,6 @@ class _Router:
         return True
 
 
-class _Reply:
-    def __init__(self, meta: dict):
-        self.meta = meta
-
-
 class _Stack:
     """Records the SYNC requests a ReplicaSet sends; a synced peer reports every block at the requested step."""
 
@@ -45,9 +40,9 @@ class _Stack:
         self.router, self.sent = router, []
         self.calls = self  # the fake is both the calls and the hops of a commit
 
-    def call(self, peer: PeerID, meta: dict, tensors: list) -> _Reply:
-        self.sent.append((peer, meta["source"], meta["start"], meta["end"]))
-        return _Reply({"steps": {str(b): 1 for b in self.router.servers[peer]}})
+    def ask(self, peer: PeerID, request: SyncRequest) -> StepsReply:
+        self.sent.append((peer, request.source.to_base58(), request.start, request.end))
+        return StepsReply({b: 1 for b in self.router.servers[peer]})
 
 
 def test_a_takeover_holding_part_of_its_span_current_syncs_only_the_rest():
@@ -91,18 +86,18 @@ class _CommitStack:
     def open_on(self, peer: PeerID) -> tuple[dict[int, int], dict[int, int]]:
         return dict(self.steps[peer]), {}
 
-    def call(self, peer: PeerID, meta: dict, tensors: list, floor: float = 0.0) -> _Reply:
+    def ask(self, peer: PeerID, request: Request, floor: float = 0.0) -> StepsReply:
         held = self.steps[peer]
-        if meta["method"] == Method.SYNC:
-            source = self.steps[PeerID.from_base58(meta["source"])]
-            held.update({b: source[b] for b in range(meta["start"], meta["end"])})
-        elif meta["method"] == Method.COMMIT:
+        if isinstance(request, SyncRequest):
+            source = self.steps[request.source]
+            held.update({b: source[b] for b in request.blocks})
+        elif isinstance(request, CommitRequest):
             self.commits.append(peer)
-            self.steps[peer] = {b: s + 1 if s == meta["step"] else s for b, s in held.items()}
+            self.steps[peer] = {b: s + 1 if s == request.step else s for b, s in held.items()}
         else:
-            assert meta["method"] == Method.REVERT, meta
-            self.steps[peer] = {b: meta["step"] if s == meta["step"] + 1 else s for b, s in held.items()}
-        return _Reply({"steps": {str(b): s for b, s in self.steps[peer].items()}})
+            assert isinstance(request, RevertRequest), request
+            self.steps[peer] = {b: request.step if s == request.step + 1 else s for b, s in held.items()}
+        return StepsReply(dict(self.steps[peer]))
 
     def recovered(self, *args) -> None:
         pass

@@ -115,7 +115,7 @@ def test_gone_peers_are_skipped_at_once_and_unreachable_ones_waited_for_a_bound(
 
 
 def test_copy_plan_spreads_holders_keeps_previous_ones_and_skips_servers():
-    keeper = CopyKeeper(calls=None, replicas=None, min_copies=2, adapter_meta={})
+    keeper = CopyKeeper(calls=None, replicas=None, min_copies=2, lora={}, seed=0)
     a, b, c = (PeerID(bytes([i]) * 34) for i in (1, 2, 3))
     servers = {0: [a], 1: [a], 2: [b], 3: [b, c]}
     confirmed = {block: [] for block in servers}
@@ -125,7 +125,7 @@ def test_copy_plan_spreads_holders_keeps_previous_ones_and_skips_servers():
     assert keeper._plan(servers, confirmed, [a, b, c]) == {c: [0, 1], a: [2]}
     assert keeper._plan(servers, confirmed, [a]) == {a: [2]}, "a server of a block never holds its standby copy"
     with pytest.raises(ValueError, match="min_copies"):
-        CopyKeeper(calls=None, replicas=None, min_copies=0, adapter_meta={})
+        CopyKeeper(calls=None, replicas=None, min_copies=0, lora={}, seed=0)
 
 
 def test_committed_records_are_schema_checked():

@@ -1,0 +1,252 @@
+"""The protocol's registry: every method has a request and a reply schema that survive the wire, refuse what does
+not fit, and match the handlers, the docs' method table and the code (no method name spelled outside protocol.py)."""
+
+from __future__ import annotations
+
+import ast
+import re
+import typing
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+from hivemind.p2p import PeerID
+
+from peers.compute import Compute
+from peers.service import PeerService
+from swarm.net import protocol
+from swarm.net.errors import ErrorKind, MissingGradientsError, RemoteError, RequestError, SourceUnavailableError
+from swarm.net.message import Message
+from swarm.net.protocol import METHODS, Method, ReplyError, read_reply, read_request
+from swarm.net.servicer import Doorkeeper
+from swarm.net.wire import decode, encode
+
+ROOT = Path(__file__).resolve().parents[2]
+PEER, OTHER = PeerID(b"p" * 8), PeerID(b"q" * 8)
+HPARAMS = protocol.OptimizerHParams(1e-3, (0.9, 0.999), 1e-8, 0.01)
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+HIDDEN, GRAD, MASK = torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.ones(2, 3, dtype=torch.int64)
+ADAPTER = protocol.AdapterInfo(protocol.adapter_meta(LORA, 7), {0: 3, 1: 3}, {2: 2})
+
+EXAMPLES: dict[str, tuple[protocol.Request, protocol.Reply]] = {
+    Method.HELLO: (protocol.HelloRequest(), protocol.HelloReply(True, "key-id")),
+    Method.INFO: (
+        protocol.InfoRequest(),
+        protocol.PeerInfo("tiny", 0, 2, "online", 12.5, {"run": ADAPTER}, [2, 3], "none/float32"),
+    ),
+    Method.OPEN: (protocol.OpenRequest("run", LORA, 7, "s1"), protocol.OpenReply({0: 3}, {2: 2})),
+    Method.FORWARD: (
+        protocol.ForwardRequest("run", 0, 2, 3, HIDDEN, MASK, "mb-0"),
+        protocol.HiddenReply(HIDDEN),
+    ),
+    Method.BACKWARD: (
+        protocol.BackwardRequest("run", 0, 2, 3, "mb-0", GRAD, HIDDEN, MASK, False, "none"),
+        protocol.GradReply(GRAD),
+    ),
+    Method.COMMIT: (
+        protocol.CommitRequest("run", 3, {0: {"mb-0": PEER.to_base58()}}, HPARAMS, 2.5),
+        protocol.StepsReply({0: 4}),
+    ),
+    Method.REVERT: (protocol.RevertRequest("run", 3), protocol.StepsReply({0: 3})),
+    Method.GRADS: (
+        protocol.GradsRequest("run", 3, {0: ["mb-0", "mb-1"]}),
+        protocol.GradsReply({0: {"mb-0": [GRAD, HIDDEN], "mb-1": [GRAD]}}),
+    ),
+    Method.EXPORT: (
+        protocol.ExportRequest("run", 0, 2, {0: 2}),
+        protocol.ExportReply([[1, 3, "q", "a", [2], "float32"]], [], {0: HPARAMS}, torch.randn(2), torch.zeros(0)),
+    ),
+    Method.SYNC: (protocol.SyncRequest("run", OTHER, 0, 2), protocol.StepsReply({0: 3, 1: 3})),
+    Method.STATE: (protocol.StateRequest("run"), protocol.StateReply({0: {"q.lora_A": GRAD}, 1: {"q.lora_B": HIDDEN}})),
+    Method.DIGEST: (protocol.DigestRequest("run"), protocol.DigestReply({0: "ab12", 1: "cd34"})),
+    Method.FAST_FORWARD: (
+        protocol.FastForwardRequest("run", 5, 1, 2),
+        protocol.FastForwardReply({1: 5}, {1: 2}),
+    ),
+    Method.COMMITTED: (protocol.CommittedRequest("run", LORA, 7, {0: 4}, OTHER), protocol.Ack()),
+    Method.REPLICATE: (
+        protocol.ReplicateRequest("run", LORA, 7, 4, [(range(0, 2), PEER), (range(2, 3), OTHER)]),
+        protocol.StepsReply({0: 4, 1: 4, 2: 4}),
+    ),
+    Method.REACHABLE: (
+        protocol.ReachableRequest(PEER, ["/ip4/1.2.3.4/tcp/5"]),
+        protocol.ReachableReply(False, "timed out"),
+    ),
+    Method.INFER: (
+        protocol.InferRequest("s1", 0, 2, 4, 16, HIDDEN, MASK, "run", 3, "none"),
+        protocol.HiddenReply(HIDDEN),
+    ),
+    Method.END_SESSION: (protocol.EndSessionRequest("s1"), protocol.EndSessionReply(True)),
+}
+
+
+def through_the_wire(message: Message) -> Message:
+    """What the other side reads: msgpack turns block keys into strings, tuples into lists."""
+    return decode(encode(message))
+
+
+def same(a: object, b: object) -> bool:
+    """Equal, tensors compared by value (dataclass equality skips tensor fields)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same, a, b))
+    if hasattr(a, "__dataclass_fields__"):
+        return type(a) is type(b) and all(same(getattr(a, f.name), getattr(b, f.name)) for f in fields(a))
+    return a == b
+
+
+def test_every_method_has_an_example():
+    assert set(EXAMPLES) == set(METHODS)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_requests_and_replies_survive_the_wire(method):
+    request, reply = EXAMPLES[method]
+    spec = METHODS[method]
+    assert type(request) is spec.request and type(reply) is spec.reply and request.method == method
+    received = read_request(through_the_wire(request.to_message()))
+    assert same(received, request), (received, request)
+    answered = read_reply(request, through_the_wire(reply.to_message()))
+    assert same(answered, reply), (answered, reply)
+
+
+def _wire_fields(cls: type) -> list:
+    return [f for f in fields(cls) if "read" in f.metadata]
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_a_field_of_the_wrong_type_is_refused(method):
+    """Bytes fit no field of any schema: each field in turn is refused by name."""
+    request, reply = EXAMPLES[method]
+    for f in _wire_fields(type(request)):
+        message = request.to_message()
+        with pytest.raises(RequestError, match=f.name):
+            read_request(Message({**message.meta, f.name: b"\x00"}, message.tensors))
+    for f in _wire_fields(type(reply)):
+        message = reply.to_message()
+        with pytest.raises(ReplyError, match=f"malformed {method} reply"):
+            read_reply(request, Message({**message.meta, f.name: b"\x00"}, message.tensors))
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_a_missing_field_is_refused(method):
+    request, reply = EXAMPLES[method]
+    for f in _wire_fields(type(request)):
+        message = request.to_message()
+        if f.default is None or f.name in ("fetch_timeout", "compression", "input_grad", "relayed"):
+            continue  # may be left out: null, or a default the schema documents
+        meta = {k: v for k, v in message.meta.items() if k != f.name}
+        with pytest.raises(RequestError, match=f.name):
+            read_request(Message(meta, message.tensors))
+    for f in _wire_fields(type(reply)):
+        message = reply.to_message()
+        if f.default is None:
+            continue
+        meta = {k: v for k, v in message.meta.items() if k != f.name}
+        with pytest.raises(ReplyError):
+            read_reply(request, Message(meta, message.tensors))
+
+
+def test_tensors_must_match_what_the_metadata_announces():
+    forward, _ = EXAMPLES[Method.FORWARD]
+    message = forward.to_message()
+    with pytest.raises(RequestError, match="expected 2 tensors, got 1"):
+        read_request(Message(message.meta, message.tensors[:1]))
+    with pytest.raises(RequestError, match="attention_mask must be integer or bool"):
+        read_request(Message(message.meta, [HIDDEN, MASK.float()]))
+    lossy = protocol.ForwardRequest("run", 0, 2, 3, HIDDEN, compression="blockwise8")  # the reply's encoding
+    assert read_request(through_the_wire(lossy.to_message())).compression == "blockwise8"
+    cached = protocol.BackwardRequest("run", 0, 2, 3, "mb-0", GRAD)  # no hidden states: the peer has them
+    assert read_request(cached.to_message()).hidden is None
+    with pytest.raises(ReplyError, match="expected 1 tensors, got 0"):
+        read_reply(forward, Message({}, []))
+    grads, reply = EXAMPLES[Method.GRADS]
+    with pytest.raises(ReplyError, match="expected 3 tensors"):
+        read_reply(grads, Message(reply.to_message().meta, [GRAD]))
+
+
+def test_unknown_methods_and_odd_values_are_refused():
+    for method in ("x", 7, None):
+        with pytest.raises(RequestError, match="unknown method"):
+            read_request(Message({protocol.METHOD: method}, []))
+    replicate, _ = EXAMPLES[Method.REPLICATE]
+    meta = replicate.to_meta()
+    for sources in ([], [[0, 2]], [[2, 2, PEER.to_base58()]], [[0, 2, "0"]], [[True, 2, PEER.to_base58()]]):
+        with pytest.raises(RequestError, match="sources"):
+            read_request(Message({**meta, "sources": sources}, []))
+    with pytest.raises(RequestError, match="maddrs"):  # a direct question must name where to dial
+        read_request(protocol.ReachableRequest(PEER).to_message())
+    assert read_request(protocol.ReachableRequest(PEER, relayed=True).to_message()).relayed
+    with pytest.raises(RequestError, match="adapter name"):
+        read_request(protocol.StateRequest("../etc").to_message())
+    with pytest.raises(RequestError, match="ledger"):
+        read_request(protocol.CommitRequest("run", 3, {}, HPARAMS).to_message())
+
+
+def test_refusals_carry_what_the_caller_acts_on():
+    missing = protocol.refusal(MissingGradientsError("lost", {3: ["mb-1"]}))
+    error = pytest.raises(RemoteError, protocol.raise_if_error, through_the_wire(missing)).value
+    assert error.kind == ErrorKind.MISSING_GRADIENTS and protocol.missing_gradients(error) == {3: ["mb-1"]}
+    source = protocol.refusal(SourceUnavailableError("gone", PEER.to_base58()))
+    assert source.meta[protocol.SOURCE] == PEER.to_base58()
+    with pytest.raises(ReplyError):
+        protocol.missing_gradients(RemoteError(ErrorKind.MISSING_GRADIENTS, "lost", {protocol.MISSING: "x"}))
+
+
+def _handlers() -> dict:
+    door, compute = Doorkeeper(), Compute()
+    service = PeerService(backend=None, compute=compute, info=lambda: None, transport=None, hooks=None)
+    try:
+        return {"doorkeeper": door.handlers, "peer": service.handlers}
+    finally:
+        compute.shutdown()
+
+
+def test_the_registry_covers_every_method_and_every_handler_takes_and_returns_its_schemas():
+    names = {value for key, value in vars(Method).items() if key.isupper()}
+    assert names == set(METHODS)
+    handlers = _handlers()
+    assert set(handlers["peer"]) == set(METHODS)  # a peer answers every method
+    for handler_set in handlers.values():
+        for method, handler in handler_set.items():
+            hints = typing.get_type_hints(handler)
+            assert hints["request"] is METHODS[method].request, method
+            assert hints["return"] is METHODS[method].reply, method
+
+
+def documented_methods() -> list[str]:
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    section = text.split("\n## Protocol", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1].strip() for line in section.splitlines() if line.startswith("|")]
+    return [m.group(1) for cell in rows if (m := re.fullmatch(r"`(\w+)`", cell))]
+
+
+def test_the_docs_method_table_lists_exactly_the_registry():
+    documented = documented_methods()
+    assert len(documented) == len(set(documented)), documented
+    assert set(documented) == set(METHODS)
+
+
+# Literals that happen to equal a method name and mean something else: a DHT record's field and kind, a resume mode.
+NOT_METHODS = {
+    "swarm/net/records.py": {Method.STATE, Method.COMMITTED},
+    "swarm/client/model.py": {Method.COMMITTED},  # resume="committed", a mode of from_pretrained
+    "swarm/client/session.py": {Method.COMMITTED},  # the same mode, and the committed record
+}
+
+
+def test_no_method_name_is_spelled_outside_the_protocol_module():
+    names = {value for key, value in vars(Method).items() if key.isupper()}
+    found = []
+    for path in sorted([*(ROOT / "swarm").rglob("*.py"), *(ROOT / "peers").rglob("*.py")]):
+        if path == ROOT / "swarm" / "net" / "protocol.py":
+            continue
+        spelled = names - NOT_METHODS.get(str(path.relative_to(ROOT)), set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in spelled:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
+    assert not found, "use swarm.net.protocol.Method (or a request class) instead:\n" + "\n".join(found)
