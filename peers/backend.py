@@ -37,7 +37,7 @@ from swarm.net.errors import (
     StaleStepError,
     UnknownAdapterError,
 )
-from swarm.net.protocol import InferRequest, OptimizerHParams, lora_and_seed
+from swarm.net.protocol import AdapterInfo, InferRequest, OptimizerHParams, lora_and_seed
 from swarm.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -140,6 +140,10 @@ class SpanBackend:
                 state.grads = {mb: g for mb, g in state.grads.items() if session_of(mb) == session}
             self.cache.drop_adapter(name)
         return adapter.steps()
+
+    def adapter_infos(self) -> dict[str, AdapterInfo]:
+        """What this peer holds of each adapter (its meta, served and standby steps): what it tells the swarm."""
+        return {name: AdapterInfo(a.meta, a.steps(), a.standby_steps()) for name, a in self.adapters.items()}
 
     def adapter(self, name: str) -> Adapter:
         try:

@@ -115,6 +115,7 @@ class PeerParts:
     """What a peer runs once its blocks are loaded, made together so that nothing is half-built."""
 
     backend: SpanBackend
+    compute: Compute
     service: PeerService
     replicator: Replicator
 
@@ -143,13 +144,16 @@ class PeerDaemon:
 
     # --- what this peer tells others ------------------------------------------------------------------------
 
-    def _records(self) -> list[tuple[ServerRecord, range]]:
+    async def _adapter_infos(self) -> dict[str, AdapterInfo]:
+        """What this peer holds of each adapter, read on the compute thread (never while it changes)."""
+        return {} if self.parts is None else await self.parts.compute(self.parts.backend.adapter_infos)
+
+    async def _records(self) -> list[tuple[ServerRecord, range]]:
         adapters = {}
-        if self.parts is not None:
-            for name, adapter in self.parts.backend.adapters.items():
-                steps = [step for block, step in adapter.steps().items() if block in self.serving]
-                if steps:
-                    adapters[name] = min(steps)
+        for name, adapter in (await self._adapter_infos()).items():
+            steps = [step for block, step in adapter.steps.items() if block in self.serving]
+            if steps:
+                adapters[name] = min(steps)
         records = []
         if self.serving:
             record = ServerRecord(
@@ -177,7 +181,7 @@ class PeerDaemon:
         return [(record, blocks) for record, blocks in records if len(blocks)]
 
     async def _announce(self, records: list[tuple[ServerRecord, range]] | None = None) -> None:
-        for record, blocks in records if records is not None else self._records():
+        for record, blocks in records if records is not None else await self._records():
             await asyncio.to_thread(
                 announce, self.dht, self.spec.name, self.identity.owner, record, blocks, self.config.record_ttl, True
             )
@@ -185,11 +189,8 @@ class PeerDaemon:
             announce_model, self.dht, self.spec.name, self.spec.num_blocks, self.identity.owner, self.config.record_ttl
         )
 
-    def info(self) -> PeerInfo:
-        adapters = {}
-        if self.parts is not None:
-            for name, a in self.parts.backend.adapters.items():
-                adapters[name] = AdapterInfo(a.meta, a.steps(), a.standby_steps())
+    async def info(self) -> PeerInfo:
+        adapters = await self._adapter_infos()
         standby = self.parts.replicator.standby if self.parts is not None else []
         return PeerInfo(
             self.spec.name,
@@ -293,7 +294,7 @@ class PeerDaemon:
             config.max_payload_mb << 20,
             faults=self.faults,
         )
-        return PeerParts(backend, service, replicator)
+        return PeerParts(backend, compute, service, replicator)
 
     async def _move(self, target: range) -> None:
         """Serve ``target`` instead of the current span without a gap: load it and take its state while still
@@ -304,7 +305,7 @@ class PeerDaemon:
         await self._announce()
         layers = await asyncio.to_thread(self.parts.backend.load_layers, target)
         await self.parts.replicator.take_state(await self._observe(), target)
-        await self.parts.service.compute(self.parts.backend.install, layers)
+        await self.parts.compute(self.parts.backend.install, layers)
         handed_over = [b for b in old if b not in target]
         if handed_over:
             self.moving_to = target
@@ -315,22 +316,22 @@ class PeerDaemon:
             if unsafe:
                 logger.info("not moving: blocks %s would be left without a server; keeping them", unsafe)
                 self.moving_to, self.joining = None, None
-                await self.parts.service.compute(self.parts.backend.remove, [b for b in target if b not in old])
+                await self.parts.compute(self.parts.backend.remove, [b for b in target if b not in old])
                 await self._announce()
                 await self._withdraw([b for b in target if b not in old])
                 return
         self.serving, self.joining, self.moving_to = target, None, None
         leaving = ServerRecord(me, ServerState.LEAVING, old.start, old.stop, self.throughput)
-        await self._announce([(leaving, range(b, b + 1)) for b in handed_over] + self._records())
+        await self._announce([(leaving, range(b, b + 1)) for b in handed_over] + await self._records())
         await asyncio.sleep(self.config.leave_grace)
-        await self.parts.service.compute(self.parts.backend.remove, handed_over)
-        self.throughput = await self.parts.service.compute(measure_throughput, self.parts.backend)
+        await self.parts.compute(self.parts.backend.remove, handed_over)
+        self.throughput = await self.parts.compute(measure_throughput, self.parts.backend)
         logger.info("now serving blocks %d:%d, %.0f tokens/s", target.start, target.stop, self.throughput)
 
     async def _balance_round(self) -> None:
         """Free idle generation sessions, refresh standby copies, then move if that strictly helps the swarm or is this
         peer's step of a plan that brings a block without a server back."""
-        await self.parts.service.compute(self.parts.backend.sessions.expire)
+        await self.parts.compute(self.parts.backend.sessions.expire)
         view = await self._observe()
         changed = await self.parts.replicator.refresh_standby(view, self.serving)
         for name in changed:
@@ -348,16 +349,20 @@ class PeerDaemon:
 
     async def _checkpoint(self, name: str) -> None:
         if self.writer is not None:
-            states = await self.parts.service.compute(self.parts.backend.snapshot, name)
-            self.writer.submit(name, self.parts.backend.adapters[name].meta, states)
+            backend = self.parts.backend
+            meta, states = await self.parts.compute(lambda: (backend.adapter(name).meta, backend.snapshot(name)))
+            self.writer.submit(name, meta, states)
 
     async def _after_commit(self, name: str) -> None:
         """A step was applied here: checkpoint it (in the background) and tell the peers keeping standby copies
         of these blocks, so they pull the new state now rather than at their next round."""
         await self._checkpoint(name)
-        adapter = self.parts.backend.adapters[name]
-        steps = {block: step for block, step in adapter.steps().items() if block in self.serving}
-        notice = CommittedRequest(name, adapter.config_wire, adapter.seed, steps, self.identity.peer_id)
+        backend = self.parts.backend
+        config, seed, steps = await self.parts.compute(
+            lambda: (backend.adapter(name).config_wire, backend.adapter(name).seed, backend.adapter(name).steps())
+        )
+        steps = {block: step for block, step in steps.items() if block in self.serving}
+        notice = CommittedRequest(name, config, seed, steps, self.identity.peer_id)
         for peer in self.view.watchers(list(steps)) if self.view is not None else ():
             self.parts.service.in_background(self._notify(peer, notice))
 
@@ -473,7 +478,7 @@ class PeerDaemon:
         if self.dht.is_alive():
             await self._announce()
         await asyncio.sleep(self.config.leave_grace)
-        await self.parts.service.compute(lambda: None)
+        await self.parts.compute(lambda: None)
         if self.writer is not None:
             self.writer.close()
         await self.parts.service.unregister(p2p)

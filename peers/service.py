@@ -75,7 +75,7 @@ class PeerService(Doorkeeper):
         self,
         backend: SpanBackend,
         compute: Compute,
-        info: Callable[[], PeerInfo],
+        info: Callable[[], Awaitable[PeerInfo]],
         transport: Transport,
         hooks: PeerHooks,
         swarm_key: SwarmKey | None = None,
@@ -108,7 +108,7 @@ class PeerService(Doorkeeper):
         self._background: set[asyncio.Task] = set()
 
     async def _info(self, request: InfoRequest) -> PeerInfo:
-        return self.info()
+        return await self.info()
 
     async def _open(self, request: OpenRequest) -> OpenReply:
         def open_adapter() -> OpenReply:
