@@ -1,16 +1,6 @@
 """Churn, measured: a loopback swarm trains for a fixed time while a seeded chaos driver crashes, freezes, stops,
-restarts and adds peers, side by side with a run of the same length without churn.
-
-Each run starts its own bootstrap node and ``--peers`` peers (replication 2, each with a checkpoint dir and an
-identity, choosing their spans as users' peers do); a client connects at once and trains a tiny Llama (or
-``--model DIR``) with LoRA. Chaos events come at exponential intervals of mean ``--interval`` seconds: SIGKILL,
-SIGSTOP then SIGCONT or SIGKILL, SIGTERM, two SIGKILLs at once, a new peer joining. Most strikes are aimed at a
-phase: the peer the client calls with a forward, backward or commit, a peer pulling the standby copy the client
-asked for, a peer applying a commit and writing its checkpoint, or a peer starting a move. Stricken peers restart
-2 s later from their checkpoint dir. Printed per run: committed steps per minute (and the ratio to the run without
-churn), steps lost (and whether a loss had an excuse: two holders of a block down at once), the longest pauses
-between commits, moves and takeovers, checkpoint writes the strikes tore, and whether the final adapter equals
-local peft trained on the same batches.
+restarts and adds peers, side by side with a run of the same length without churn. What a run does and prints:
+swarm/testing/churn.py.
 
 Usage::
 

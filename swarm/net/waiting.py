@@ -29,12 +29,12 @@ class Deadline:
         time.sleep(max(0.0, min(interval, self.seconds - self.elapsed)))
 
 
-def wait_until(probe: Callable[[], T | None], timeout: float, interval: float = 1.0) -> T | None:
-    """``probe()`` until it returns something other than None (returned), or ``timeout`` seconds (None: the caller
-    says what it waited for). The first look is immediate, the last one is at the deadline."""
+def poll(read: Callable[[], T], done: Callable[[T], bool], timeout: float, interval: float = 1.0) -> T:
+    """``read()`` until ``done`` says yes or ``timeout`` seconds have passed; the last value read either way (the
+    caller says what it waited for: an assertion on it shows what was seen). The first look is immediate."""
     deadline = Deadline(timeout)
-    while True:
-        found = probe()
-        if found is not None or deadline.passed:
-            return found
+    value = read()
+    while not done(value) and not deadline.passed:
         deadline.pause(interval)
+        value = read()
+    return value

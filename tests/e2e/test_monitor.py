@@ -14,13 +14,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from swarm.net.security import Identity, keygen
+from swarm.net.waiting import poll
 from swarm.ops.health import DEGRADED, GONE, HEALTHY, short
 from swarm.ops.monitor import API
 from swarm.testing.localswarm import LocalSwarm
@@ -29,16 +30,6 @@ from swarm.testing.localswarm import LocalSwarm
 def _get(url: str) -> tuple[str, bytes]:
     with urllib.request.urlopen(url, timeout=10) as reply:
         return reply.headers["Content-Type"], reply.read()
-
-
-def _wait(read: Callable[[], object], done: Callable[[object], bool], timeout: float):
-    """Poll ``read`` until ``done``; return the last value (a failing assertion on it then shows what was seen)."""
-    deadline = time.monotonic() + timeout
-    value = read()
-    while not done(value) and time.monotonic() < deadline:
-        time.sleep(0.5)
-        value = read()
-    return value
 
 
 @contextmanager
@@ -79,7 +70,7 @@ def test_the_monitor_sees_a_peer_fail_within_two_refreshes(tiny_models, tmp_path
         local.start_dht()
         peers = local.start_peers(tiny_models["llama"], {"a0": "0:2", "a1": "0:2", "b0": "2:4", "b1": "2:4"})
         monitor_process, url = local.start_monitor(refresh=1)  # as the demo starts it
-        state = _wait(lambda: _state(url), lambda s: _model(s)["status"] == HEALTHY, 30)
+        state = poll(lambda: _state(url), lambda s: _model(s)["status"] == HEALTHY, 30, interval=0.5)
         model = _model(state)
         assert state["error"] is None and model["status"] == HEALTHY, state
         assert {p["peer"] for p in model["peers"]} == {p.peer_id for p in peers.values()}
@@ -87,7 +78,7 @@ def test_the_monitor_sees_a_peer_fail_within_two_refreshes(tiny_models, tmp_path
         assert {p["weights"] for p in model["peers"]} == {"none/float32"}, "quantization / dtype as served"
         peers["b1"].signal(signal.SIGKILL)
         killed = time.monotonic()
-        state = _wait(lambda: _state(url), lambda s: _model(s)["status"] == DEGRADED, 30)
+        state = poll(lambda: _state(url), lambda s: _model(s)["status"] == DEGRADED, 30, interval=0.5)
         model = _model(state)
         assert model["status"] == DEGRADED, state
         assert time.monotonic() - killed < 10, "noticed within a couple of refreshes"
@@ -133,11 +124,11 @@ def test_without_the_key_the_page_says_the_swarm_is_private(private_swarm, tmp_p
         monitor(tmp_path, peers, "wrong-key", "--swarm-key", str(wrong)) as wrong_key,
         monitor(tmp_path, peers, "elsewhere", "--swarm-key", str(key), "--model", "llama-9000") as elsewhere,
     ):
-        state = _wait(lambda: _state(url), lambda s: "private swarm" in (s["error"] or ""), 30)
+        state = poll(lambda: _state(url), lambda s: "private swarm" in (s["error"] or ""), 30, interval=0.5)
         assert "pass its swarm key (--swarm-key FILE)" in state["error"] and state["models"] == [], state
-        state = _wait(lambda: _state(wrong_key), lambda s: "wrong swarm key" in (s["error"] or ""), 30)
+        state = poll(lambda: _state(wrong_key), lambda s: "wrong swarm key" in (s["error"] or ""), 30, interval=0.5)
         assert state["models"] == [], state
-        state = _wait(lambda: _state(elsewhere), lambda s: "nobody serves" in (s["error"] or ""), 30)
+        state = poll(lambda: _state(elsewhere), lambda s: "nobody serves" in (s["error"] or ""), 30, interval=0.5)
         assert "nobody serves model 'llama-9000' in this swarm; served: " in state["error"], state
         if shutil.which("chromium") or shutil.which("chromium-browser"):
             assert "--swarm-key" in _dom(_chromium(), url, tmp_path / "outsider.png")
@@ -149,13 +140,16 @@ def test_a_browser_shows_every_peer_and_block_healthy_then_degraded(private_swar
     browser = _chromium()
     local, key, peers = private_swarm
     with monitor(tmp_path, local.initial_peers, "member", "--swarm-key", str(key)) as url:
-        assert _model(_wait(lambda: _state(url), lambda s: _model(s)["status"] == HEALTHY, 30))["status"] == HEALTHY
+        assert (
+            _model(poll(lambda: _state(url), lambda s: _model(s)["status"] == HEALTHY, 30, interval=0.5))["status"]
+            == HEALTHY
+        )
         dom = _dom(browser, url, tmp_path / "healthy.png")
         assert ">healthy<" in dom, dom[-3000:]
         assert all(short(peer.peer_id) in dom for peer in peers.values()), dom[-3000:]
         assert all(f">{b}<" in dom for b in range(4)), dom[-3000:]
         peers["p1"].signal(signal.SIGKILL)
-        _wait(lambda: _state(url), lambda s: _model(s)["status"] == DEGRADED, 30)
+        poll(lambda: _state(url), lambda s: _model(s)["status"] == DEGRADED, 30, interval=0.5)
         dom = _dom(browser, url, tmp_path / "degraded.png")
         assert ">degraded<" in dom and "blocks 0-3 have one server" in dom, dom[-3000:]
 
@@ -186,6 +180,7 @@ def test_malformed_input_exits_2_and_unreachable_peers_are_said_on_the_page(tmp_
         with monitor(tmp_path, [nobody], "unreachable") as url:
             for needle, process in runs.items():
                 _one_line(process, needle)
-            state = _wait(lambda: _state(url), lambda s: "none of the initial peers" in (s["error"] or ""), 60)
+            state = poll(
+                lambda: _state(url), lambda s: "none of the initial peers" in (s["error"] or ""), 60, interval=0.5
+            )
             assert "none of the initial peers answered" in state["error"] and "swarm dht" in state["error"], state
-

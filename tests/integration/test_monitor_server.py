@@ -5,14 +5,13 @@ without its key, and the page as a headless browser draws it (skipped without ch
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 
 import pytest
 
 from swarm.net.errors import SwarmAccessError
+from swarm.net.waiting import poll
 from swarm.ops.monitor import API, MonitorConfig, serve, shutdown
 
 
@@ -32,7 +31,7 @@ def test_an_observation_that_fails_is_an_error_on_the_page_not_a_crash(monkeypat
     server, watcher = serve(MonitorConfig(["/ip4/1.2.3.4/tcp/1/p2p/Qm"], None, refresh=0.1), "127.0.0.1", 0)
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        state = _wait(lambda: json.loads(_get(url + API)[1]), lambda s: "private swarm" in (s["error"] or ""), 10)
+        state = poll(lambda: json.loads(_get(url + API)[1]), lambda s: "private swarm" in (s["error"] or ""), 10)
         assert "pass its swarm key" in state["error"] and state["models"] == []
         for path, kind in (("/", "text/html"), ("/app.js", "text/javascript"), ("/style.css", "text/css")):
             got, body = _get(url + path)
@@ -42,14 +41,3 @@ def test_an_observation_that_fails_is_an_error_on_the_page_not_a_crash(monkeypat
         assert watcher.thread.is_alive()
     finally:
         shutdown(server, watcher)
-
-
-def _wait(read: Callable[[], object], done: Callable[[object], bool], timeout: float):
-    """Poll ``read`` until ``done``; return the last value (a failing assertion on it then shows what was seen)."""
-    deadline = time.monotonic() + timeout
-    value = read()
-    while not done(value) and time.monotonic() < deadline:
-        time.sleep(0.5)
-        value = read()
-    return value
-
