@@ -13,6 +13,7 @@ import logging
 import random
 import re
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -219,7 +220,7 @@ class ChaosDriver:
                 continue
             try:
                 action()
-            except Exception:
+            except Exception:  # the boundary of the driver's loop: log it, and strike on
                 logger.exception("chaos action failed")
         self.released.wait()
 
@@ -299,7 +300,7 @@ class ChaosDriver:
             return
         try:
             process.popen.wait(30)  # a clean leave takes its grace period
-        except Exception:
+        except subprocess.TimeoutExpired:
             process.signal(signal.SIGKILL)
             process.popen.wait(10)
         if sum(self.peers.alive(n) for n in self.peers.processes) >= self.target_size:

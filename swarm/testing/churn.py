@@ -131,7 +131,7 @@ def run_churn(
                 run.lost_reports = [str(e) for e in model.steps_lost]
                 run.recoveries = len(model.recoveries)
             model.save_adapter(workdir / "final")
-        except Exception:
+        except Exception:  # the boundary of a measured run: whatever ended the training loop is what it reports
             run.error = traceback.format_exc()
         finally:
             model.shutdown()

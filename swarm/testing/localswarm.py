@@ -192,7 +192,7 @@ class LocalSwarm:
         for process in reversed(self.processes):
             try:
                 process.stop()
-            except Exception:
+            except (OSError, subprocess.TimeoutExpired):  # already gone, or deaf to SIGKILL's wait: stop the rest
                 logger.exception("could not stop %s (pid %d)", process.name, process.pid)
 
     def __enter__(self) -> LocalSwarm:
