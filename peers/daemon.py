@@ -18,6 +18,7 @@ from peers.backend import SpanBackend
 from peers.balancer import badness, choose_span, coverage_with, next_move, safe_to_drop
 from peers.checkpoints import CheckpointStore, CheckpointWriter
 from peers.compute import Compute
+from peers.peer_client import PeerClient
 from peers.replication import Replicator, StandbyPolicy
 from peers.service import PeerHooks, PeerService
 from swarm.blocks import spans_text
@@ -116,6 +117,7 @@ class PeerParts:
 
     backend: SpanBackend
     compute: Compute
+    peers: PeerClient
     service: PeerService
     replicator: Replicator
 
@@ -277,7 +279,8 @@ class PeerDaemon:
         config = self.config
         compute = Compute()
         policy = StandbyPolicy(config.standby_blocks, config.standby_every)
-        replicator = Replicator(backend, compute, self.transport, self.identity.peer_id, policy, self._checkpoint)
+        peers = PeerClient(self.transport)
+        replicator = Replicator(backend, compute, peers, self.identity.peer_id, policy, self._checkpoint)
         hooks = PeerHooks(
             after_commit=self._after_commit,
             after_revert=self._checkpoint,
@@ -288,13 +291,13 @@ class PeerDaemon:
             backend,
             compute,
             self.info,
-            self.transport,
+            peers,
             hooks,
             self.swarm_key,
             config.max_payload_mb << 20,
             faults=self.faults,
         )
-        return PeerParts(backend, compute, service, replicator)
+        return PeerParts(backend, compute, peers, service, replicator)
 
     async def _move(self, target: range) -> None:
         """Serve ``target`` instead of the current span without a gap: load it and take its state while still
@@ -364,13 +367,7 @@ class PeerDaemon:
         steps = {block: step for block, step in steps.items() if block in self.serving}
         notice = CommittedRequest(name, config, seed, steps, self.identity.peer_id)
         for peer in self.view.watchers(list(steps)) if self.view is not None else ():
-            self.parts.service.in_background(self._notify(peer, notice))
-
-    async def _notify(self, peer, notice: CommittedRequest) -> None:
-        try:
-            await self.transport.aask(peer, notice, timeout=5.0)
-        except PEER_ERRORS as e:
-            logger.debug("could not notify %s of a commit: %s", peer, e)
+            self.parts.service.in_background(self.parts.peers.notify_committed(peer, notice))
 
     # --- the life of a peer -----------------------------------------------------------------------------------
 

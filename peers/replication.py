@@ -18,12 +18,11 @@ from hivemind.p2p import PeerID
 from peers.backend import SpanBackend
 from peers.balancer import choose_standby
 from peers.compute import Compute
-from peers.service import fetch_state_or_updates
+from peers.peer_client import PeerClient
 from peers.state import BlockState, BlockUpdate
 from swarm.blocks import spans_text
 from swarm.net.errors import PEER_ERRORS, RequestError
 from swarm.net.protocol import lora_and_seed
-from swarm.net.transport import Transport
 from swarm.net.view import SwarmView
 
 logger = logging.getLogger(__name__)
@@ -45,12 +44,12 @@ class Replicator:
         self,
         backend: SpanBackend,
         compute: Compute,
-        transport: Transport,
+        peers: PeerClient,
         me: PeerID,
         policy: StandbyPolicy,
         on_refreshed: Callable[[str], Awaitable[None]],
     ):
-        self.backend, self.compute, self.transport, self.me, self.policy = backend, compute, transport, me, policy
+        self.backend, self.compute, self.peers, self.me, self.policy = backend, compute, peers, me, policy
         self.on_refreshed = on_refreshed  # a copy changed: checkpoint it
         self.standby: list[int] = []
         self.pinned: dict[str, set[int]] = {}  # adapter -> blocks its trainer asked this peer to hold copies of
@@ -176,9 +175,7 @@ class Replicator:
         peer's last update instead (a third of the bytes). Nothing, logged, if the peer does not answer."""
         held = await self.compute(self._standby_steps, name)
         try:
-            return await fetch_state_or_updates(
-                self.transport, peer, name, span, {b: held[b] for b in span if b in held}
-            )
+            return await self.peers.fetch_state_or_updates(peer, name, span, {b: held[b] for b in span if b in held})
         except (*PEER_ERRORS, RequestError) as e:  # gone, refused, or a malformed export
             logger.warning("could not copy adapter %r blocks %s from %s: %s", name, spans_text(span), peer, e)
             return {}, {}

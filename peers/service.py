@@ -12,11 +12,11 @@ from hivemind.p2p import PeerID
 
 from peers.backend import SpanBackend
 from peers.compute import Compute
-from peers.state import BlockState, BlockUpdate, GradsByBlock, pack_states, unpack_states
+from peers.peer_client import PeerClient
+from peers.state import pack_states
 from swarm.blocks import lora_config_from_wire
 from swarm.net.errors import PEER_ERRORS, RequestError, SourceUnavailableError
 from swarm.net.protocol import (
-    SYNC_TIMEOUT,
     Ack,
     BackwardRequest,
     CommitRequest,
@@ -41,7 +41,6 @@ from swarm.net.protocol import (
     OpenRequest,
     PeerInfo,
     ReplicateRequest,
-    ReplyError,
     RevertRequest,
     StateReply,
     StateRequest,
@@ -50,7 +49,6 @@ from swarm.net.protocol import (
 )
 from swarm.net.security import SwarmKey
 from swarm.net.servicer import Doorkeeper, FaultHook
-from swarm.net.transport import Transport
 from swarm.net.wire import DEFAULT_MAX_PAYLOAD_BYTES
 
 logger = logging.getLogger(__name__)
@@ -76,14 +74,14 @@ class PeerService(Doorkeeper):
         backend: SpanBackend,
         compute: Compute,
         info: Callable[[], Awaitable[PeerInfo]],
-        transport: Transport,
+        peers: PeerClient,
         hooks: PeerHooks,
         swarm_key: SwarmKey | None = None,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         faults: FaultHook | None = None,
     ):
         super().__init__(swarm_key, max_payload_bytes, faults=faults)
-        self.backend, self.info, self.transport = backend, info, transport
+        self.backend, self.info, self.peers = backend, info, peers
         self.compute, self.hooks = compute, hooks
         self.handlers.update(
             {
@@ -161,8 +159,9 @@ class PeerService(Doorkeeper):
         for block, mbs in missing.items():
             for mb in mbs:
                 wanted_from.setdefault(request.ledger[block][mb], {}).setdefault(block, []).append(mb)
+        timeout = request.fetch_timeout
         fetched = await asyncio.gather(
-            *(self._fetch(peer, name, step, wanted, request.fetch_timeout) for peer, wanted in wanted_from.items())
+            *(self.peers.fetch_grads(peer, name, step, wanted, timeout) for peer, wanted in wanted_from.items())
         )
         for grads in fetched:
             await self.compute(self.backend.add_grads, name, step, grads)
@@ -174,17 +173,6 @@ class PeerService(Doorkeeper):
         steps = await self.compute(self.backend.revert, request.adapter, request.step)
         self.in_background(self.hooks.after_revert(request.adapter))
         return StepsReply(steps)
-
-    async def _fetch(
-        self, peer: str, name: str, step: int, wanted: dict[int, list[str]], timeout: float
-    ) -> GradsByBlock:
-        """Ask a replica for gradients; a dead or silent replica just yields nothing (the client replays)."""
-        try:
-            reply = await self.transport.aask(PeerID.from_base58(peer), GradsRequest(name, step, wanted), timeout)
-        except PEER_ERRORS as e:
-            logger.warning("could not fetch gradients from %s: %s", peer, e)
-            return {}
-        return reply.grads
 
     async def _grads(self, request: GradsRequest) -> GradsReply:
         grads = await self.compute(self.backend.micro_batch_grads, request.adapter, request.step, request.wanted)
@@ -203,7 +191,7 @@ class PeerService(Doorkeeper):
         """Pull the adapter state of some blocks from a current replica, so this peer can serve them again."""
         name, blocks, source = request.adapter, request.blocks, request.source
         try:
-            states = await fetch_state(self.transport, source, name, blocks)
+            states = await self.peers.fetch_state(source, name, blocks)
         except (*PEER_ERRORS, RequestError) as e:  # the source's failure (or bad reply): the client picks another
             raise SourceUnavailableError(
                 f"could not pull blocks {blocks.start}:{blocks.stop} from {source}: {e}", source.to_base58()
@@ -247,25 +235,3 @@ class PeerService(Doorkeeper):
 
     async def _digest(self, request: DigestRequest) -> DigestReply:
         return DigestReply(await self.compute(self.backend.digests, request.adapter))
-
-
-async def fetch_state(transport: Transport, peer: PeerID, name: str, blocks: range) -> dict[int, BlockState]:
-    """The state of ``blocks`` (served or standby) as another peer holds it."""
-    states, _ = await fetch_state_or_updates(transport, peer, name, blocks, held=None)
-    return states
-
-
-async def fetch_state_or_updates(
-    transport: Transport, peer: PeerID, name: str, blocks: range, held: dict[int, int] | None
-) -> tuple[dict[int, BlockState], dict[int, BlockUpdate]]:
-    """The state of ``blocks`` as another peer holds it, or, for blocks this peer ``held`` one step behind a server,
-    that server's last update (to apply with ``BlockUpdate.apply_to``)."""
-    request = ExportRequest(name, blocks.start, blocks.stop, held)
-    reply = await transport.aask(peer, request, timeout=SYNC_TIMEOUT)
-    try:
-        states = unpack_states(reply.index, reply.states)
-        packed = unpack_states(reply.update_index, reply.updates)
-        updates = {b: BlockUpdate.from_state(u, reply.hparams[b]) for b, u in packed.items()}
-    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
-        raise ReplyError(f"malformed state export from {peer}: {e}") from None
-    return states, updates

@@ -199,7 +199,7 @@ def test_refusals_carry_what_the_caller_acts_on():
 
 def _handlers() -> dict:
     door, compute = Doorkeeper(), Compute()
-    service = PeerService(backend=None, compute=compute, info=lambda: None, transport=None, hooks=None)
+    service = PeerService(backend=None, compute=compute, info=lambda: None, peers=None, hooks=None)
     try:
         return {"doorkeeper": door.handlers, "peer": service.handlers}
     finally:

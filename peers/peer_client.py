@@ -1,0 +1,60 @@
+"""The calls a peer makes to other peers: a replica's gradients at commit, a span's state (or last updates) for a
+sync, a standby copy or a takeover, and the notice of a commit to the peers keeping copies."""
+
+from __future__ import annotations
+
+import logging
+
+from hivemind.p2p import PeerID
+
+from peers.state import BlockState, BlockUpdate, GradsByBlock, unpack_states
+from swarm.net.errors import PEER_ERRORS, ReplyError
+from swarm.net.protocol import SYNC_TIMEOUT, CommittedRequest, ExportRequest, GradsRequest
+from swarm.net.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+
+class PeerClient:
+    """One peer's calls to the others, over its transport."""
+
+    def __init__(self, transport: Transport):
+        self.transport = transport
+
+    async def fetch_grads(
+        self, peer: str, name: str, step: int, wanted: dict[int, list[str]], timeout: float
+    ) -> GradsByBlock:
+        """A replica's gradients of the step; a dead or silent replica just yields nothing (the client replays)."""
+        try:
+            reply = await self.transport.aask(PeerID.from_base58(peer), GradsRequest(name, step, wanted), timeout)
+        except PEER_ERRORS as e:
+            logger.warning("could not fetch gradients from %s: %s", peer, e)
+            return {}
+        return reply.grads
+
+    async def fetch_state(self, peer: PeerID, name: str, blocks: range) -> dict[int, BlockState]:
+        """The state of ``blocks`` (served or standby) as another peer holds it."""
+        states, _ = await self.fetch_state_or_updates(peer, name, blocks, held=None)
+        return states
+
+    async def fetch_state_or_updates(
+        self, peer: PeerID, name: str, blocks: range, held: dict[int, int] | None
+    ) -> tuple[dict[int, BlockState], dict[int, BlockUpdate]]:
+        """The state of ``blocks`` as another peer holds it, or, for blocks this peer ``held`` one step behind a
+        server, that server's last update (to apply with ``BlockUpdate.apply_to``)."""
+        request = ExportRequest(name, blocks.start, blocks.stop, held)
+        reply = await self.transport.aask(peer, request, timeout=SYNC_TIMEOUT)
+        try:
+            states = unpack_states(reply.index, reply.states)
+            packed = unpack_states(reply.update_index, reply.updates)
+            updates = {b: BlockUpdate.from_state(u, reply.hparams[b]) for b, u in packed.items()}
+        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+            raise ReplyError(f"malformed state export from {peer}: {e}") from None
+        return states, updates
+
+    async def notify_committed(self, peer: PeerID, notice: CommittedRequest) -> None:
+        """Tell a peer keeping standby copies that a step was committed here (best effort: it also looks itself)."""
+        try:
+            await self.transport.aask(peer, notice, timeout=5.0)
+        except PEER_ERRORS as e:
+            logger.debug("could not notify %s of a commit: %s", peer, e)
