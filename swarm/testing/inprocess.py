@@ -61,6 +61,11 @@ class InProcessPeer:
         """The peer's backend (its adapter state), once it serves."""
         return self.daemon.parts.backend
 
+    @property
+    def alive(self) -> bool:
+        """Whether its daemon still runs: started, and neither killed nor stopped nor failed."""
+        return not self.killed and self._served is not None and not self._served.done()
+
     def start(self) -> None:
         self._thread.start()
         self._served = asyncio.run_coroutine_threadsafe(self.daemon.serve(self._stop), self._loop)
