@@ -23,7 +23,7 @@ from hivemind.p2p import PeerID
 from peers.backend import SpanBackend
 from peers.daemon import PeerConfig, PeerDaemon
 from swarm.net.records import ServerState
-from swarm.net.security import Identity
+from swarm.net.security import Identity, SwarmKey
 from swarm.ops.cli import start_bootstrap
 from swarm.testing.faults import FaultInjector
 
@@ -60,6 +60,11 @@ class InProcessPeer:
     def backend(self) -> SpanBackend:
         """The peer's backend (its adapter state), once it serves."""
         return self.daemon.parts.backend
+
+    @property
+    def alive(self) -> bool:
+        """Whether its daemon still runs: started, and neither killed nor stopped nor failed."""
+        return not self.killed and self._served is not None and not self._served.done()
 
     def start(self) -> None:
         self._thread.start()
@@ -130,7 +135,8 @@ class InProcessPeer:
 
 class InProcessSwarm:
     """A bootstrap node and the peers a test adds, all in this process; ``close()`` (or leaving the ``with``)
-    stops every one of them. ``defaults``: ``PeerConfig`` fields for every peer (each ``add_peer`` may override)."""
+    stops every one of them. ``defaults``: ``PeerConfig`` fields for every peer (each ``add_peer`` may override);
+    with ``swarm_key`` (a key file's path) the bootstrap node is private too."""
 
     def __init__(self, model_dir: str | Path, workdir: Path, **defaults):
         self.model_dir, self.workdir = str(model_dir), Path(workdir)
@@ -153,7 +159,8 @@ class InProcessSwarm:
     def start_bootstrap(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         identity = Identity.load_or_create(self.workdir / "bootstrap.key")
-        self._bootstrap = start_bootstrap([], identity, None, "127.0.0.1", 0)
+        key = SwarmKey.load(self.template.swarm_key) if self.template.swarm_key else None  # a private swarm
+        self._bootstrap = start_bootstrap([], identity, key, "127.0.0.1", 0)
         dht, _ = self._bootstrap
         self.initial_peers = [str(m) for m in dht.get_visible_maddrs() if "/ip4/127.0.0.1/" in str(m)]
 

@@ -1,4 +1,6 @@
-"""Promise 1: training through the swarm equals local transformers + peft training, within float tolerance."""
+"""Promise 1 on real peers in this process: training through the swarm equals local transformers + peft training,
+within float tolerance; with the plain loop, pipelined, over a compressed wire, over parallel lanes, through peers
+that keep no forwards, and for a client that connects while the peers are still starting."""
 
 from __future__ import annotations
 
@@ -7,56 +9,23 @@ import threading
 import peft
 import pytest
 import torch
-import transformers
 from safetensors.torch import load_file
 
 import swarm
-
-LORA = dict(
-    r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-)
-HPARAMS = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
-STEPS, MICRO_BATCHES = 5, 2
-
-
-def make_batches(vocab: int, seed: int = 0) -> list[list[dict[str, torch.Tensor]]]:
-    """The same MICRO_BATCHES batches at each of STEPS steps (so the loss must fall), with right padding in one row."""
-    g = torch.Generator().manual_seed(seed)
-    micro = []
-    for _ in range(MICRO_BATCHES):
-        ids = torch.randint(0, vocab, (2, 12), generator=g)
-        mask = torch.ones_like(ids)
-        mask[1, 9:] = 0
-        labels = ids.masked_fill(mask == 0, -100)
-        micro.append(dict(input_ids=ids, attention_mask=mask, labels=labels))
-    return [micro] * STEPS
-
-
-def train(model, optimizer, batches, accumulation: int = MICRO_BATCHES) -> list[float]:
-    losses = []
-    for micro in batches:
-        for batch in micro:
-            out = model(**batch)
-            (out.loss / accumulation).backward()
-            losses.append(out.loss.item())
-        optimizer.step()
-        optimizer.zero_grad()
-    return losses
-
-
-def local_peft(model_dir, adapter_dir):
-    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    return peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
+from swarm.net.records import ServerState
+from swarm.testing.parity import HPARAMS, LORA, MICRO_BATCHES, STEPS, local_peft, make_batches, record_backwards, train
+from swarm.testing.recipe import assert_matches_local_peft, connect
+from swarm.testing.recipe import train as train_recipe
 
 
 @pytest.fixture(scope="module")
-def parity_run(llama_swarm, tiny_models, tmp_path_factory):
+def parity_run(llama_pair, tiny_models, tmp_path_factory):
     """Train 5 steps through the swarm and locally from the same initial adapter."""
     model_dir = tiny_models["llama"]
     out = tmp_path_factory.mktemp("parity")
     model = swarm.SwarmModelForCausalLM.from_pretrained(
         model_dir,
-        initial_peers=llama_swarm.initial_peers,
+        initial_peers=llama_pair.initial_peers,
         adapter="parity",
         lora_config=peft.LoraConfig(**LORA),
         dtype=torch.float32,
@@ -87,20 +56,6 @@ def parity_run(llama_swarm, tiny_models, tmp_path_factory):
         probe=probe,
         backwards=backwards,
     )
-
-
-def record_backwards(model: swarm.SwarmModelForCausalLM) -> list[dict]:
-    """What each backward request carried and got back."""
-    calls, original = [], model.session.calls.call
-
-    def call(peer, meta, tensors, *args, **kwargs):
-        reply = original(peer, meta, tensors, *args, **kwargs)
-        if meta["method"] == "backward":
-            calls.append(dict(meta=meta, sent=len(tensors), returned=len(reply.tensors)))
-        return reply
-
-    model.session.calls.call = call
-    return calls
 
 
 def test_backwards_carry_no_bytes_that_nobody_needs(parity_run):
@@ -142,29 +97,26 @@ def test_exported_adapter_reproduces_swarm_logits(parity_run):
     torch.testing.assert_close(logits, parity_run["swarm_logits"], rtol=1e-4, atol=1e-4)
 
 
-def test_parity_holds_when_peers_keep_no_forwards(tiny_models, tmp_path):
-    """A peer without room for forward graphs (--activation-cache-mb 0) answers every backward sent without its
+def test_parity_holds_when_peers_keep_no_forwards(inprocess_swarm, tiny_models, tmp_path):
+    """A peer without room for forward graphs (activation_cache_mb=0) answers every backward sent without its
     input with missing_forward; the client sends the input after all, and training still equals local peft."""
-    from swarm.testing.localswarm import LocalSwarm
-
     model_dir = tiny_models["llama"]
-    with LocalSwarm(tmp_path / "logs") as local:
-        local.start_dht()
-        local.start_peer(model_dir, "0:4", name="forgetful", extra=["--activation-cache-mb", "0"])
-        model = swarm.SwarmModelForCausalLM.from_pretrained(
-            model_dir,
-            initial_peers=local.initial_peers,
-            adapter="forgetful",
-            lora_config=peft.LoraConfig(**LORA),
-            seed=7,
-        )
-        backwards = record_backwards(model)
-        try:
-            model.save_adapter(tmp_path / "initial")
-            batches = make_batches(model.spec.config.vocab_size)[:2]
-            swarm_losses = train(model, swarm.RemoteOptimizer(model, **HPARAMS), batches)
-        finally:
-            model.shutdown()
+    local = inprocess_swarm()
+    local.add_peer("0:4", "forgetful", activation_cache_mb=0)
+    model = swarm.SwarmModelForCausalLM.from_pretrained(
+        model_dir,
+        initial_peers=local.initial_peers,
+        adapter="forgetful",
+        lora_config=peft.LoraConfig(**LORA),
+        seed=7,
+    )
+    backwards = record_backwards(model)
+    try:
+        model.save_adapter(tmp_path / "initial")
+        batches = make_batches(model.spec.config.vocab_size)[:2]
+        swarm_losses = train(model, swarm.RemoteOptimizer(model, **HPARAMS), batches)
+    finally:
+        model.shutdown()
     assert [call["meta"]["has_hidden"] for call in backwards] == [True] * len(batches) * MICRO_BATCHES  # resent
     reference = local_peft(model_dir, tmp_path / "initial")
     trainable = [p for p in reference.parameters() if p.requires_grad]
@@ -172,13 +124,13 @@ def test_parity_holds_when_peers_keep_no_forwards(tiny_models, tmp_path):
     torch.testing.assert_close(torch.tensor(swarm_losses), torch.tensor(local_losses), rtol=1e-4, atol=1e-5)
 
 
-def test_pipelined_steps_equal_local_peft(llama_swarm, tiny_models, tmp_path):
+def test_pipelined_steps_equal_local_peft(llama_pair, tiny_models, tmp_path):
     """model.train_step keeps several micro-batches in the swarm at once (fed from a generator here) and still
     gives the gradients of the plain loop: the adapter equals local peft's, and requests really overlapped."""
     model_dir, count = tiny_models["llama"], 4
     model = swarm.SwarmModelForCausalLM.from_pretrained(
         model_dir,
-        initial_peers=llama_swarm.initial_peers,
+        initial_peers=llama_pair.initial_peers,
         adapter="pipelined",
         lora_config=peft.LoraConfig(**LORA),
         seed=11,
@@ -225,7 +177,7 @@ def test_pipelined_steps_equal_local_peft(llama_swarm, tiny_models, tmp_path):
         torch.testing.assert_close(swarm_state[key], local_state[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
-def test_compressed_wire_trains_close_to_exact_and_is_off_by_default(llama_swarm, tiny_models):
+def test_compressed_wire_trains_close_to_exact_and_is_off_by_default(llama_pair, tiny_models):
     """wire_dtype="bfloat16" + compression="blockwise8": the logits stay close to the exact ones, a step trains;
     without them the requests carry full-precision tensors (the exact parity above)."""
     model_dir = tiny_models["llama"]
@@ -235,7 +187,7 @@ def test_compressed_wire_trains_close_to_exact_and_is_off_by_default(llama_swarm
     for name, options in {"exact": {}, "compressed": dict(wire_dtype="bfloat16", compression="blockwise8")}.items():
         model = swarm.SwarmModelForCausalLM.from_pretrained(
             model_dir,
-            initial_peers=llama_swarm.initial_peers,
+            initial_peers=llama_pair.initial_peers,
             adapter=f"wire-{name}",
             lora_config=peft.LoraConfig(**LORA),
             seed=7,
@@ -265,12 +217,12 @@ def test_compressed_wire_trains_close_to_exact_and_is_off_by_default(llama_swarm
     assert not torch.equal(logits["compressed"], logits["exact"]), "the compressed wire changed nothing"
 
 
-def test_large_micro_batches_travel_over_parallel_lanes_exactly(llama_swarm, tiny_models, tmp_path):
+def test_large_micro_batches_travel_over_parallel_lanes_exactly(llama_pair, tiny_models, tmp_path):
     """A micro-batch whose hidden states exceed a stream window (here 16x128 tokens x 64 x fp32 = 512 KiB) goes
     out as several calls at once and comes back the same way; the step still equals local peft's."""
     model_dir = tiny_models["llama"]
     model = swarm.SwarmModelForCausalLM.from_pretrained(
-        model_dir, initial_peers=llama_swarm.initial_peers, adapter="lanes", lora_config=peft.LoraConfig(**LORA), seed=5
+        model_dir, initial_peers=llama_pair.initial_peers, adapter="lanes", lora_config=peft.LoraConfig(**LORA), seed=5
     )
     ids = torch.randint(0, 256, (16, 128), generator=torch.Generator().manual_seed(9))
     batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
@@ -297,3 +249,37 @@ def test_large_micro_batches_travel_over_parallel_lanes_exactly(llama_swarm, tin
     local_state = load_file(tmp_path / "local" / "adapter_model.safetensors")
     for key in swarm_state:
         torch.testing.assert_close(swarm_state[key], local_state[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_the_failure_recipe_through_two_peers_equals_local_peft(llama_pair, tiny_models, tmp_path):
+    """The recipe the fault tests train (``swarm.testing.recipe``) ends equal to local peft when nothing fails."""
+    model_dir = tiny_models["llama"]
+    model = connect(llama_pair, model_dir, "recipe", patience=30.0)
+    try:
+        model.save_adapter(tmp_path / "initial")
+        losses = train_recipe(model)
+        model.save_adapter(tmp_path / "final")
+    finally:
+        model.shutdown()
+    assert losses[-1] < losses[0], "the loss did not fall"
+    assert_matches_local_peft(model_dir, tmp_path)
+
+
+def test_a_client_that_connects_while_peers_start_waits_for_them_and_trains_equal(
+    inprocess_swarm, tiny_models, tmp_path
+):
+    """Impatient: the client joins as soon as the bootstrap node is up; it waits (within its patience) for every
+    block to have a server and trains as if they had been there all along."""
+    model_dir = tiny_models["llama"]
+    local = inprocess_swarm()
+    peers = [local.add_peer("0:2", "a", wait=False), local.add_peer("2:4", "b", wait=False)]
+    assert not any(peer.daemon.state is ServerState.ONLINE for peer in peers)
+    model = connect(local, model_dir, "impatient", patience=60.0)
+    try:
+        assert all(peer.daemon.state is ServerState.ONLINE for peer in peers)
+        model.save_adapter(tmp_path / "initial")
+        train_recipe(model, steps=2)
+        model.save_adapter(tmp_path / "final")
+    finally:
+        model.shutdown()
+    assert_matches_local_peft(model_dir, tmp_path, steps=2)

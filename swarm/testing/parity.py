@@ -1,0 +1,65 @@
+"""The recipe of the parity tests (promise 1): LoRA on every projection, AdamW with weight decay, padded batches, the
+plain accumulation loop, local transformers + peft as the reference, and a record of what backwards carried."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import peft
+import torch
+import transformers
+
+import swarm
+from swarm.net.protocol import Method, method_of
+
+LORA = dict(
+    r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+)
+HPARAMS = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+STEPS, MICRO_BATCHES = 5, 2
+
+
+def make_batches(vocab: int, seed: int = 0) -> list[list[dict[str, torch.Tensor]]]:
+    """The same MICRO_BATCHES batches at each of STEPS steps (so the loss must fall), with right padding in one row."""
+    g = torch.Generator().manual_seed(seed)
+    micro = []
+    for _ in range(MICRO_BATCHES):
+        ids = torch.randint(0, vocab, (2, 12), generator=g)
+        mask = torch.ones_like(ids)
+        mask[1, 9:] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        micro.append(dict(input_ids=ids, attention_mask=mask, labels=labels))
+    return [micro] * STEPS
+
+
+def train(model, optimizer, batches: list[list[dict]], accumulation: int = MICRO_BATCHES) -> list[float]:
+    """Accumulate each step's micro-batches (loss / ``accumulation``), then step; a swarm model or a local one."""
+    losses = []
+    for micro in batches:
+        for batch in micro:
+            out = model(**batch)
+            (out.loss / accumulation).backward()
+            losses.append(out.loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def local_peft(model_dir: str | Path, adapter_dir: str | Path) -> peft.PeftModel:
+    """The reference: the base model in fp32 (sdpa) with the adapter in ``adapter_dir``, trainable."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    return peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
+
+
+def record_backwards(model: swarm.SwarmModelForCausalLM) -> list[dict]:
+    """What each backward request carried and got back (its meta, tensors sent, tensors returned)."""
+    calls, original = [], model.session.calls.call
+
+    def call(peer, meta, tensors, *args, **kwargs):
+        reply = original(peer, meta, tensors, *args, **kwargs)
+        if method_of(meta) == Method.BACKWARD:
+            calls.append(dict(meta=meta, sent=len(tensors), returned=len(reply.tensors)))
+        return reply
+
+    model.session.calls.call = call
+    return calls
