@@ -78,7 +78,8 @@ class RemoteStack:
         input_grad: bool = True,
     ) -> torch.Tensor | None:
         """Backward through one hop. ``cached``: this peer ran the micro-batch's forward, so the hidden states are
-        left out (sent after all if it no longer holds them). ``input_grad``: whether the input gradient is needed."""
+        left out (sent after all if it no longer holds them). ``input_grad``: whether the input gradient is needed.
+        The ledger learns who holds the gradients from the caller, once the hop's result is chosen."""
         wire = self.wire
         request = BackwardRequest(
             self.adapter,
@@ -100,7 +101,6 @@ class RemoteStack:
             return self._backward_hop(hop, hidden, grad, mask, ledger, micro_batch, False, input_grad)
         if input_grad and reply.grad_inputs is None:
             raise self.calls.peer_failed(hop.peer_id, "backward: the reply lacks the input gradient asked for")
-        ledger.acknowledge(micro_batch, hop.blocks, hop.peer_id)
         return reply.grad_inputs.to(grad.dtype) if input_grad else None
 
     # --- spot checks ------------------------------------------------------------------------------------------
