@@ -114,6 +114,7 @@ class SwarmModelForCausalLM(nn.Module):
         wire_dtype: str | None = None,
         compression: str = "none",
         is_trainable: bool = True,
+        chain: bool = True,
     ) -> SwarmModelForCausalLM:
         """Join the swarm as a client and open (or resume) ``adapter`` on the peers serving ``model_dir``.
 
@@ -132,11 +133,15 @@ class SwarmModelForCausalLM(nn.Module):
         ``spot_check``: fraction of hops also computed on other replicas; a peer outvoted by two agreeing
         replicas is banned for good and listed in ``model.dishonest``.
         ``wire_dtype`` (``"bfloat16"``, ``"float16"``) and ``compression`` (``"blockwise8"``): how hidden states and
-        their gradients travel; both off by default (exact parity with local training). They cut the bytes per step
+        their gradients travel; both off by default (exact parity with local training), but a bf16 model's hidden states
+        travel in bf16 (they are bf16 already). They cut the bytes per step
         by 2x / ~4x at the cost of rounding the activations (see BENCHMARKS.md for what that does to the loss).
         ``is_trainable=False`` (as in ``peft.PeftModel.from_pretrained``): a reader of an adapter that has committed
         steps, to ``generate`` or evaluate with its newest committed step while its trainer goes on training; it
         takes no lease and changes nothing on any peer. ``lora_config`` and ``seed`` then default to the adapter's.
+        ``chain`` (default): hidden states pass from peer to peer, so the client sends a micro-batch in and gets the
+        last span's output back, and its own link carries the same bytes whatever the number of spans; ``False``:
+        every hop is a round trip from the client (client-driven hops).
         """
         if lora_config is None and is_trainable:
             raise ValueError("pass lora_config=peft.LoraConfig(r=..., lora_alpha=..., target_modules=[...])")
@@ -148,6 +153,8 @@ class SwarmModelForCausalLM(nn.Module):
             raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
         if min_copies < 1:
             raise ValueError(f"min_copies must be at least 1, got {min_copies}")
+        if wire_dtype is None and dtype == torch.bfloat16:
+            wire_dtype = "bfloat16"  # the hidden states are bf16 already: no rounding is added, half the bytes
         wire = WireFormat(wire_dtype, compression)
         spec = load_spec(model_dir)
         peers = initial_peers_or_env(initial_peers)
@@ -163,7 +170,7 @@ class SwarmModelForCausalLM(nn.Module):
                 dht.shutdown()
                 raise
             lora_config, seed = lora_config_from_wire(recorded.lora), recorded.seed
-        options = SessionOptions(patience, spot_check, min_copies, resume, unreachable_wait, wire)
+        options = SessionOptions(patience, spot_check, min_copies, resume, unreachable_wait, wire, chain)
         trainer = (trainer or f"{getpass.getuser()}@{socket.gethostname()}") if is_trainable else None
         identity_of_adapter = AdapterIdentity(adapter, lora_config_to_wire(lora_config), seed)
         session = open_session(spec, dht, identity, key, peers, identity_of_adapter, options, trainer)

@@ -40,10 +40,12 @@ class RemoteStack:
         catch_up: Callable[[], None],
         spot_check: float = 0.0,
         spot_check_tolerance: float = 1e-3,
+        chain: bool = True,
     ):
         self.calls, self.catch_up = calls, catch_up
         self.router, self.adapter, self.wire = calls.router, calls.adapter, calls.wire
         self.spot_check, self.spot_check_tolerance = spot_check, spot_check_tolerance
+        self.chain = chain
         self.dishonest: list[PeerID] = []
         self.random = random.Random()
 

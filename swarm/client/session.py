@@ -58,6 +58,7 @@ class SessionOptions:
     resume: str = "committed"
     unreachable_wait: float = 30.0
     wire: WireFormat | None = None
+    chain: bool = True
 
 
 class TrainerTracking:
@@ -357,7 +358,7 @@ def open_session(
             catch_up: Callable[[], None] = ReaderTracking(dht, spec.name, adapter.name, replicas, current)
         else:
             catch_up = TrainerTracking(replicas, current)
-        hops = RemoteStack(calls, catch_up, options.spot_check)
+        hops = RemoteStack(calls, catch_up, options.spot_check, chain=options.chain)
         parts = (spec, dht, transport, router, current, calls, replicas, hops, adapter, catch_up)
         session: AdapterSession
         if reading:
