@@ -22,6 +22,7 @@ from peers.state import (
     BlockState,
     BlockUpdate,
     GradsByBlock,
+    KeptInputs,
     SavedBytes,
     Undo,
     session_of,
@@ -55,6 +56,7 @@ class SpanBackend:
         dtype: torch.dtype,
         quant: str,
         activation_cache_bytes: int = 1 << 30,
+        kept_inputs_bytes: int = 4 << 30,
         max_tokens: int = 1 << 16,
         inference_bytes: int = 1 << 30,
         inference_timeout: float = 300.0,
@@ -64,6 +66,7 @@ class SpanBackend:
         self.rotary = spec.family_class("RotaryEmbedding")(config=spec.config).to(device)
         self.adapters: dict[str, Adapter] = {}
         self.cache = ActivationCache(activation_cache_bytes)
+        self.kept = KeptInputs(kept_inputs_bytes)
         self.sessions = InferenceSessions(inference_bytes, inference_timeout)
         self.install(self.load_layers(blocks))
 
@@ -100,7 +103,13 @@ class SpanBackend:
                 if state is not None:
                     adapter.standby[block] = BlockState.of(state)
         for name in self.adapters:
-            self.cache.drop_adapter(name)
+            self._forget_forwards(name)
+
+    def _forget_forwards(self, name: str) -> None:
+        """Drop the adapter's forward graphs and kept inputs: its step was applied, taken back or replaced, so no
+        backward of them can count any more."""
+        self.cache.drop_adapter(name)
+        self.kept.drop_adapter(name)
 
     def _fill(self, name: str, adapter: Adapter) -> None:
         """Give every served block this adapter's LoRA: from the standby copy if any, else the deterministic init."""
@@ -138,7 +147,7 @@ class SpanBackend:
             adapter.session = session
             for state in adapter.blocks.values():
                 state.grads = {mb: g for mb, g in state.grads.items() if session_of(mb) == session}
-            self.cache.drop_adapter(name)
+            self._forget_forwards(name)
         return adapter.steps()
 
     def adapter_infos(self) -> dict[str, AdapterInfo]:
@@ -326,7 +335,8 @@ class SpanBackend:
         attention_mask: torch.Tensor | None,
         micro_batch: str | None = None,
     ) -> torch.Tensor:
-        """Run the span at ``step``. For a training micro-batch, keep the graph so its backward skips a recompute."""
+        """Run the span at ``step``. For a training micro-batch, keep its input until the step commits (a chained
+        backward brings none) and its graph, so that the backward skips a recompute."""
         blocks = self._check_range(blocks.start, blocks.stop)
         self._check_hidden(hidden, attention_mask)
         adapter = self.adapter(name) if micro_batch is None else self._trained(name, micro_batch)
@@ -337,6 +347,8 @@ class SpanBackend:
         if micro_batch is None:
             with torch.no_grad():
                 return self.run(inputs, mask, blocks).to(hidden.dtype).cpu()
+        key = (name, micro_batch, blocks.start, blocks.stop)
+        self.kept.put(key, hidden, attention_mask)
         inputs.requires_grad_(True)
         weights = {
             t.untyped_storage().data_ptr()
@@ -345,7 +357,7 @@ class SpanBackend:
         }
         with torch.enable_grad(), SavedBytes(weights) as saved:
             outputs = self.run(inputs, mask, blocks)
-        self.cache.put((name, micro_batch, blocks.start, blocks.stop), inputs, outputs, saved.bytes)
+        self.cache.put(key, inputs, outputs, saved.bytes)
         return outputs.detach().to(hidden.dtype).cpu()
 
     def backward(
@@ -360,7 +372,8 @@ class SpanBackend:
         input_grad: bool = True,
     ) -> torch.Tensor | None:
         """Gradient w.r.t. the span input (None unless ``input_grad``); LoRA gradients are kept per (micro-batch,
-        block), counted once. Without ``hidden`` the forward this peer cached for the micro-batch is used."""
+        block), counted once. Without ``hidden`` the forward this peer ran for the micro-batch is used: its graph if
+        still cached, else its kept input, recomputed."""
         blocks = self._check_range(blocks.start, blocks.stop)
         self._check_hidden(grad_outputs if hidden is None else hidden, attention_mask)
         if hidden is not None and grad_outputs.shape != hidden.shape:
@@ -369,10 +382,14 @@ class SpanBackend:
             raise RequestError("output gradients contain NaN or Inf")
         states = self._states(self._trained(name, micro_batch), blocks, step)
         self._activate(name)
-        cached = self.cache.pop((name, micro_batch, blocks.start, blocks.stop))
+        key = (name, micro_batch, blocks.start, blocks.stop)
+        cached = self.cache.pop(key)
+        kept = self.kept.get(key)
         if cached is None:
-            if hidden is None:
+            if hidden is None and kept is None:
                 raise MissingForwardError(f"no forward of micro-batch {micro_batch} kept here; send its input")
+            if hidden is None:
+                hidden, attention_mask = kept
             inputs = hidden.to(self.device, self.dtype).requires_grad_(True)
             mask = None if attention_mask is None else attention_mask.to(self.device)
             with torch.enable_grad():
@@ -472,7 +489,7 @@ class SpanBackend:
             state.last_update = BlockUpdate(step, grads, hparams)
             state.grads = {}
             state.step += 1
-        self.cache.drop_adapter(name)
+        self._forget_forwards(name)
         return adapter.steps()
 
     def revert(self, name: str, step: int) -> dict[int, int]:
@@ -481,7 +498,7 @@ class SpanBackend:
         for block, state in adapter.blocks.items():
             if state.step == step + 1 and state.take_back():
                 logger.info("adapter %r block %d: step %d taken back, to be redone", name, block, step)
-        self.cache.drop_adapter(name)
+        self._forget_forwards(name)
         return adapter.steps()
 
     # --- state ----------------------------------------------------------------------------------------------
@@ -510,7 +527,7 @@ class SpanBackend:
         for block, incoming in states.items():
             if block in adapter.blocks:
                 incoming.load_into(adapter.blocks[block])
-        self.cache.drop_adapter(name)
+        self._forget_forwards(name)
         return adapter.steps()
 
     def keep_standby(self, name: str, meta: dict, states: dict[int, BlockState], keep: set[int] | None) -> None:
@@ -531,7 +548,7 @@ class SpanBackend:
                     adapter.standby[block] = state
             elif served.step < state.step:
                 state.load_into(served)
-                self.cache.drop_adapter(name)  # only then: a plain refresh must not drop graphs kept for backward
+                self._forget_forwards(name)  # only then: a plain refresh must not drop graphs kept for backward
         if keep is not None:
             for block in [b for b in adapter.standby if b not in keep]:
                 del adapter.standby[block]
@@ -570,7 +587,7 @@ class SpanBackend:
                 state.step = step
                 state.grads.clear()
                 state.last_update = state.undo = None
-        self.cache.drop_adapter(name)
+        self._forget_forwards(name)
         return lost
 
     def snapshot(self, name: str) -> dict[int, BlockState]:

@@ -67,6 +67,7 @@ class PeerConfig:
     record_ttl: float = RECORD_TTL
     leave_grace: float = 2.0
     activation_cache_mb: int = 1024
+    kept_inputs_mb: int = 4096
     max_payload_mb: int = 1024
     max_tokens: int = 1 << 16
     max_inference_mb: int = 1024
@@ -261,6 +262,7 @@ class PeerDaemon:
             DTYPES[config.dtype],
             config.quant_mode,
             activation_cache_bytes=config.activation_cache_mb << 20,
+            kept_inputs_bytes=config.kept_inputs_mb << 20,
             max_tokens=config.max_tokens,
             inference_bytes=config.max_inference_mb << 20,
             inference_timeout=config.inference_timeout,

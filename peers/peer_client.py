@@ -1,16 +1,35 @@
-"""The calls a peer makes to other peers: a replica's gradients at commit, a span's state (or last updates) for a
-sync, a standby copy or a takeover, and the notice of a commit to the peers keeping copies."""
+"""The calls a peer makes to other peers: the next hop of a chain, a replica's gradients at commit, a span's state (or
+last updates) for a sync, a standby copy or a takeover, and the notice of a commit to the peers keeping copies."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from hivemind.p2p import PeerID
 
 from peers.state import BlockState, BlockUpdate, GradsByBlock, unpack_states
-from swarm.net.errors import PEER_ERRORS, ReplyError
-from swarm.net.protocol import SYNC_TIMEOUT, CommittedRequest, ExportRequest, GradsRequest
+from swarm.net.chain import ChainFailure, ChainHop, FailureKind, route_timeout
+from swarm.net.errors import PEER_ERRORS, TRANSPORT_ERRORS, RemoteError, ReplyError
+from swarm.net.protocol import (
+    SYNC_TIMEOUT,
+    BackwardRequest,
+    CommittedRequest,
+    ExportRequest,
+    ForwardRequest,
+    GradsRequest,
+    InferRequest,
+    Reply,
+)
 from swarm.net.transport import Transport
+
+
+class ChainBroken(Exception):
+    """The next hop of a chain did not answer, or refused: the caller answers with its own result and this."""
+
+    def __init__(self, failure: ChainFailure):
+        super().__init__(f"{failure.peer}: {failure.kind}: {failure.error}")
+        self.failure = failure
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +39,25 @@ class PeerClient:
 
     def __init__(self, transport: Transport):
         self.transport = transport
+
+    async def pass_on(self, hop: ChainHop, request: ForwardRequest | BackwardRequest | InferRequest) -> Reply:
+        """Hand a chained request to its next hop (which passes it on along the request's route) and wait for the
+        chain's answer; a hop that refuses, does not answer in time, or cannot be reached raises ChainBroken. The
+        client's addresses for the hop are used when this peer has none (a peer behind NAT is then reached through
+        its relay)."""
+        peer = PeerID.from_base58(hop.peer)
+        if hop.maddrs and peer not in self.transport.addresses:
+            self.transport.addresses[peer] = list(hop.maddrs)
+        timeout = route_timeout([hop, *request.route])
+        try:
+            return await self.transport.aask(peer, request, timeout)
+        except RemoteError as e:
+            raise ChainBroken(ChainFailure(hop.peer, e.kind, str(e))) from None
+        except (asyncio.TimeoutError, TimeoutError) as e:
+            raise ChainBroken(ChainFailure(hop.peer, FailureKind.TIMEOUT, f"no answer in {timeout:.1f}s")) from e
+        except TRANSPORT_ERRORS as e:
+            reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            raise ChainBroken(ChainFailure(hop.peer, FailureKind.UNREACHABLE, reason)) from None
 
     async def fetch_grads(
         self, peer: str, name: str, step: int, wanted: dict[int, list[str]], timeout: float

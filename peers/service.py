@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import torch
 from hivemind.p2p import PeerID
 
 from peers.backend import SpanBackend
 from peers.compute import Compute
-from peers.peer_client import PeerClient
+from peers.peer_client import ChainBroken, PeerClient
 from peers.state import pack_states
 from swarm.blocks import lora_config_from_wire
+from swarm.net.chain import ChainFailure, HopAck
 from swarm.net.errors import PEER_ERRORS, RequestError, SourceUnavailableError
 from swarm.net.protocol import (
     Ack,
@@ -116,6 +119,8 @@ class PeerService(Doorkeeper):
         return await self.compute(open_adapter)
 
     async def _forward(self, request: ForwardRequest) -> HiddenReply:
+        """The span, then (in a chain) the rest of the route, passed on from here: the answer is the last hop's."""
+        arrived = time.monotonic()
         outputs = await self.compute(
             self.backend.forward,
             request.adapter,
@@ -125,9 +130,12 @@ class PeerService(Doorkeeper):
             request.mask,
             request.micro_batch,
         )
-        return HiddenReply(outputs, request.compression)
+        carried, acks, failure = await self._chain_on(request, arrived, outputs, hidden=outputs)
+        return HiddenReply(carried, request.compression, acks, failure)
 
     async def _backward(self, request: BackwardRequest) -> GradReply:
+        """The span's backward, then (in a chain) the spans before it, handed the gradient of this span's input."""
+        arrived = time.monotonic()
         grad_inputs = await self.compute(
             self.backend.backward,
             request.adapter,
@@ -137,13 +145,36 @@ class PeerService(Doorkeeper):
             request.hidden,
             request.mask,
             request.grad,
-            request.input_grad,
+            request.input_grad or bool(request.route),
         )
-        return GradReply(grad_inputs, request.compression)
+        carried, acks, failure = await self._chain_on(request, arrived, grad_inputs, grad=grad_inputs, hidden=None)
+        return GradReply(carried, request.compression, acks, failure)
 
     async def _infer(self, request: InferRequest) -> HiddenReply:
+        arrived = time.monotonic()
         outputs = await self.compute(self.backend.infer, request, request.hidden, request.mask)
-        return HiddenReply(outputs, request.compression)
+        carried, acks, failure = await self._chain_on(request, arrived, outputs, hidden=outputs)
+        return HiddenReply(carried, request.compression, acks, failure)
+
+    async def _chain_on(
+        self, request: ForwardRequest | BackwardRequest | InferRequest, arrived: float, result, **onward
+    ) -> tuple[torch.Tensor | None, list[HopAck], ChainFailure | None]:
+        """In a chain, hand the request on to the route's next hop with this hop's ``result`` (``onward``: the fields
+        that change). Returns what goes back: the tensor of the chain's end (or this hop's, where the chain broke),
+        the hops that ran, and where it broke."""
+        if not request.route:
+            return result, [self._ack(request.blocks, arrived)], None
+        hop, rest = request.route[0], request.route[1:]
+        try:
+            reply = await self.peers.pass_on(hop, replace(request, start=hop.start, end=hop.end, route=rest, **onward))
+        except ChainBroken as e:  # the client goes on from this hop's result
+            return result, [self._ack(request.blocks, arrived)], e.failure
+        carried = reply.grad_inputs if isinstance(reply, GradReply) else reply.outputs
+        return carried, [self._ack(request.blocks, arrived), *reply.acks], reply.failure
+
+    def _ack(self, blocks: range, arrived: float) -> HopAck:
+        """This hop ran ``blocks``, in the seconds since the request arrived (the chain after it included)."""
+        return HopAck(self.me, blocks.start, blocks.stop, time.monotonic() - arrived)
 
     async def _end_session(self, request: EndSessionRequest) -> EndSessionReply:
         return EndSessionReply(await self.compute(self.backend.sessions.end, request.session))

@@ -1,5 +1,6 @@
 """A peer's adapter state, apart from compute: per-block LoRA + AdamW + step, its transferable form and packing,
-the adapters a peer holds (served and standby), and the activation cache kept between forward and backward."""
+the adapters a peer holds (served and standby), the activation cache kept between forward and backward, and the span
+inputs kept until the step commits."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm.blocks import LoraParam
-from swarm.net.errors import RequestError
+from swarm.net.errors import KeptInputsFullError, RequestError
 from swarm.net.protocol import OptimizerHParams, adapter_meta
 
 GradsByBlock = dict[int, dict[str, list[torch.Tensor]]]
@@ -244,6 +245,49 @@ class ActivationCache:
             return None
         self.bytes -= entry[2]
         return entry[0], entry[1]
+
+    def drop_adapter(self, adapter: str) -> None:
+        for key in [k for k in self.entries if k[0] == adapter]:
+            self.pop(key)
+
+
+class KeptInputs:
+    """The span inputs (and masks) of the step's training micro-batches, in host memory until the step commits: a
+    chained backward brings no hidden states, and a forward graph may have been dropped from the activation cache.
+    Bounded in bytes; past the bound a forward is refused with what to do (a silent drop would lose a backward)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.entries: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.bytes = 0
+        self.peak = 0
+
+    @staticmethod
+    def _size(hidden: torch.Tensor, mask: torch.Tensor | None) -> int:
+        sizes = [t.numel() * t.element_size() for t in (hidden, mask) if t is not None]
+        return sum(sizes)
+
+    def put(self, key: tuple, hidden: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Keep a micro-batch's span input (a copy on the host); KeptInputsFullError past the bound."""
+        self.pop(key)
+        size = self._size(hidden, mask)
+        if self.bytes + size > self.max_bytes:
+            raise KeptInputsFullError(
+                f"this peer keeps {self.bytes >> 20} MiB of span inputs for the step in progress and a micro-batch "
+                f"needs {max(1, size >> 20)} MiB more, past its --kept-inputs-mb of {self.max_bytes >> 20}; commit "
+                "more often (fewer micro-batches per optimizer step) or restart the peer with a larger --kept-inputs-mb"
+            )
+        self.entries[key] = (hidden.detach().to("cpu", copy=True), None if mask is None else mask.to("cpu", copy=True))
+        self.bytes += size
+        self.peak = max(self.peak, self.bytes)
+
+    def get(self, key: tuple) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        return self.entries.get(key)
+
+    def pop(self, key: tuple) -> None:
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self.bytes -= self._size(*entry)
 
     def drop_adapter(self, adapter: str) -> None:
         for key in [k for k in self.entries if k[0] == adapter]:

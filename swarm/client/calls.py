@@ -58,12 +58,17 @@ class PeerCalls:
         self.wire = wire or WireFormat()
         self.recoveries: list[Recovery] = []
 
-    def ask(self, peer: PeerID, request: Request, units: float = 1.0, floor: float = 0.0) -> Reply:
+    def ask(
+        self, peer: PeerID, request: Request, units: float = 1.0, floor: float = 0.0, measured: bool = True
+    ) -> Reply:
         """One typed request, its typed reply; failures of the peer (a reply that breaks its schema too) become
-        PeerFailure after a ban, refusals of the request raise."""
+        PeerFailure after a ban, refusals of the request raise. ``measured``: the time it takes is the peer's own
+        (not that of a chain behind it)."""
         message = request.to_message()
         tensors, compression = message.tensors, message.compression
-        reply = self.call(peer, message.meta, tensors, units=units, floor=floor, compression=compression)
+        reply = self.call(
+            peer, message.meta, tensors, units=units, floor=floor, compression=compression, measured=measured
+        )
         try:
             return read_reply(request, reply)
         except ReplyError as e:
@@ -77,6 +82,7 @@ class PeerCalls:
         units: float = 1.0,
         floor: float = 0.0,
         compression: int = runtime_pb2.CompressionType.NONE,
+        measured: bool = True,
     ) -> Message:
         """One encoded request (what :meth:`ask` sends; tests and the chaos driver watch requests here); failures of
         the peer become PeerFailure (after a ban), refusals of the request raise."""
@@ -94,7 +100,7 @@ class PeerCalls:
         except TRANSPORT_ERRORS as e:
             reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             raise self.peer_failed(peer, f"{method}: {reason}") from e
-        self.router.succeeded(peer, method, units, time.monotonic() - started)
+        self.router.succeeded(peer, method, units, time.monotonic() - started if measured else None)
         return reply
 
     def peer_failed(self, peer: PeerID, reason: str) -> PeerFailure:

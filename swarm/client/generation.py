@@ -28,7 +28,7 @@ from swarm.client.calls import PeerFailure
 from swarm.client.remote import RemoteStack
 from swarm.client.routing import Hop
 from swarm.net.errors import RemoteError
-from swarm.net.protocol import EndSessionRequest, InferRequest
+from swarm.net.protocol import EndSessionRequest, InferRequest, Method
 
 logger = logging.getLogger(__name__)
 
@@ -49,27 +49,29 @@ SUPPORTED = {
 
 @dataclass
 class HopSession:
-    """One span's session: where it runs and every input it has been sent (to replay it elsewhere)."""
+    """One span's session: where it runs, how many tokens it holds, and (hop by hop) every input it has been sent, to
+    replay it elsewhere."""
 
     hop: Hop
     key: str
     inputs: torch.Tensor | None = None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.inputs is None else self.inputs.shape[1]
+    length: int = 0
 
 
 class SessionChain:
-    """Sessions through every block for one ``generate`` call."""
+    """Sessions through every block for one ``generate`` call: a chain of peers passing each token's hidden states
+    on (the stack's default: one client round trip per token), or one request per span from the client."""
 
     def __init__(self, stack: RemoteStack, max_length: int, adapter: str | None, step: Callable[[], int]):
         self.stack, self.max_length, self.adapter, self.step = stack, max_length, adapter, step
         self.hops: list[HopSession] = []
+        self.tokens: torch.Tensor | None = None  # a chain's: the first block's inputs of every token so far
 
     def __call__(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """The output of the last block for the new tokens ``hidden`` (after everything sent before); ``mask``
         (padded prompts) covers every token so far."""
+        if self.stack.chain:
+            return self._chained(hidden, mask)
         new, index, block = hidden.shape[1], 0, 0
         attempts = self.stack.calls.attempts("generation")
         while block < self.stack.router.num_blocks:
@@ -88,9 +90,53 @@ class SessionChain:
                 del self.hops[index:]
                 continue
             session.inputs = hidden if session.inputs is None else torch.cat([session.inputs, hidden], dim=1)
+            session.length = session.inputs.shape[1]
             hidden, block, index = outputs, session.hop.end, index + 1
         attempts.succeeded(self.step())
         return hidden[:, -new:]
+
+    def _chained(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The new tokens through one chain of sessions. Where it breaks, its sessions end and a new chain replays
+        every token so far from the first block (the client holds the first block's inputs only)."""
+        new = hidden.shape[1]
+        attempts = self.stack.calls.attempts("generation")
+        while True:
+            if not self.hops:
+                key = uuid.uuid4().hex
+                self.hops = [HopSession(hop, key) for hop in self.stack.wait_route(0)]
+            fresh = self.hops[0].length == 0 and self.tokens is not None
+            sent = torch.cat([self.tokens, hidden], dim=1) if fresh else hidden
+            first, wire = self.hops[0], self.stack.wire
+            request = InferRequest(
+                first.key,
+                first.hop.start,
+                first.hop.end,
+                first.length,
+                self.max_length,
+                wire.cast(sent),
+                mask,
+                self.adapter,
+                self.step(),
+                wire.compression,
+                self.stack.route_of([h.hop for h in self.hops[1:]], Method.INFER, sent),
+            )
+            try:
+                reply, ran = self.stack.chain_ask([h.hop for h in self.hops], request, sent)
+                if reply.failure is not None:
+                    self.stack.chain_failed(reply.failure, attempts, self.hops[len(ran)].hop)
+            except PeerFailure as e:
+                attempts.failed(e, first.hop)
+                reply = None
+            if reply is None or reply.failure is not None:
+                logger.warning("generation: the chain broke; replaying %d tokens on a new one", sent.shape[1])
+                self.end(self.hops)
+                self.hops = []
+                continue
+            for session in self.hops:
+                session.length += sent.shape[1]
+            self.tokens = hidden if self.tokens is None else torch.cat([self.tokens, hidden], dim=1)
+            attempts.succeeded(self.step())
+            return reply.outputs.to(hidden.dtype)[:, -new:]
 
     def _send(self, session: HopSession, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         hop, wire = session.hop, self.stack.wire
@@ -112,7 +158,7 @@ class SessionChain:
     def end(self, sessions: list[HopSession] | None = None) -> None:
         """Free the sessions' keys and values on their peers, all at once (best effort: an idle one expires
         anyway)."""
-        opened = [s for s in (self.hops if sessions is None else sessions) if s.inputs is not None]
+        opened = [s for s in (self.hops if sessions is None else sessions) if s.length > 0]
         if opened:
             with ThreadPoolExecutor(max_workers=len(opened), thread_name_prefix="swarm-end-session") as pool:
                 list(pool.map(self._end_one, opened))

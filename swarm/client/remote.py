@@ -1,5 +1,6 @@
-"""The remote decoder stack as one autograd op: forward through a chain of peers, backward in reverse,
-re-routing around peers that fail, from what the client keeps."""
+"""The remote decoder stack as one autograd op: forward through a chain of peers, backward in reverse, re-routing
+around peers that fail, from what the client and the peers keep. By default the peers pass the hidden states on
+themselves (a chain: swarm/net/chain.py); ``chain=False`` makes every hop a round trip from the client."""
 
 from __future__ import annotations
 
@@ -11,21 +12,43 @@ from dataclasses import dataclass
 import torch
 from hivemind.p2p import PeerID
 
-from swarm.client.calls import PeerCalls, PeerFailure
+from swarm.client.calls import Attempts, PeerCalls, PeerFailure
 from swarm.client.ledger import Segment, StepLedger
 from swarm.client.routing import Hop
-from swarm.net.errors import RemoteError
-from swarm.net.protocol import BackwardRequest, ErrorKind, ForwardRequest, Method, Reply
+from swarm.net.chain import MAX_ROUTE_MADDRS, ChainFailure, ChainHop, FailureKind, route_timeout
+from swarm.net.errors import LeaseLostError, RemoteError
+from swarm.net.protocol import (
+    PEER_STATE_ERRORS,
+    BackwardRequest,
+    ErrorKind,
+    ForwardRequest,
+    InferRequest,
+    Method,
+    Reply,
+)
+
+ChainRequest = ForwardRequest | BackwardRequest | InferRequest
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class HopInput:
-    """A hop of a forward pass and its input, kept for the backward."""
+    """A hop of a forward pass and, when the client holds it, its input: every hop's for client-driven hops; for a
+    chain, the first hop's and that of each hop the client re-entered the chain at (the other peers keep theirs)."""
 
     hop: Hop
-    hidden: torch.Tensor
+    hidden: torch.Tensor | None
+
+
+@dataclass
+class Forwarded:
+    """What a training forward leaves for its backward: the hops that ran it, in order, whether their peers passed
+    the hidden states on themselves (``chained``), and the rate at which its hops are spot-checked."""
+
+    hops: list[HopInput]
+    chained: bool
+    check: float
 
 
 class RemoteStack:
@@ -112,11 +135,11 @@ class RemoteStack:
         return a.shape == b.shape and (a - b).abs().max().item() <= self.spot_check_tolerance * scale
 
     def _spot_check(
-        self, hop: Hop, result: torch.Tensor, redo: Callable[[PeerID], torch.Tensor]
+        self, hop: Hop, result: torch.Tensor, redo: Callable[[PeerID], torch.Tensor], rate: float
     ) -> tuple[torch.Tensor, PeerID]:
-        """With probability ``spot_check``, redo the hop on other replicas; a peer outvoted by two that agree
-        is banned for good. Returns the result to use and the peer that produced it."""
-        if self.spot_check <= 0 or self.random.random() >= self.spot_check:
+        """With probability ``rate``, redo the hop on other replicas; a peer outvoted by two that agree is banned for
+        good. Returns the result to use and the peer that produced it."""
+        if rate <= 0 or self.random.random() >= rate:
             return result, hop.peer_id
         opinions: dict[PeerID, torch.Tensor] = {hop.peer_id: result}
         others = [
@@ -157,8 +180,39 @@ class RemoteStack:
 
     def forward(
         self, hidden: torch.Tensor, mask: torch.Tensor | None, step: int, micro_batch: str | None
+    ) -> tuple[torch.Tensor, Forwarded]:
+        """Through blocks [0, n): along a chain of peers, or hop by hop from the client (``chain=False``, and the
+        micro-batches drawn for a spot check, whose every hop is then checked: the same share of hops as
+        client-driven checks)."""
+        checked = self.spot_check > 0 and self.random.random() < self.spot_check
+        if self.chain and not checked:
+            return self._forward_chain(hidden, mask, step, micro_batch)
+        rate = 1.0 if self.chain else self.spot_check
+        outputs, inputs = self._forward_hops(hidden, mask, step, micro_batch, rate)
+        return outputs, Forwarded(inputs, chained=False, check=rate)
+
+    def backward(
+        self,
+        forwarded: Forwarded,
+        grad: torch.Tensor,
+        mask: torch.Tensor | None,
+        ledger: StepLedger,
+        micro_batch: str,
+        input_grad: bool = True,
+    ) -> torch.Tensor | None:
+        """Backward through every hop of a forward, last first; the gradient of the stack's input only if
+        ``input_grad``. The client keeps what a replay needs until the step commits: each hop's input and output
+        gradient, or for a chain the stack's input and output gradient."""
+        if not forwarded.chained:
+            return self._backward_hops(forwarded, grad, mask, ledger, micro_batch, input_grad)
+        first = forwarded.hops[0]
+        ledger.keep(micro_batch, Segment(first.hop.start, forwarded.hops[-1].hop.end, first.hidden, grad), mask)
+        return self._backward_chain(forwarded, grad, mask, ledger, micro_batch, input_grad)
+
+    def _forward_hops(
+        self, hidden: torch.Tensor, mask: torch.Tensor | None, step: int, micro_batch: str | None, rate: float
     ) -> tuple[torch.Tensor, list[HopInput]]:
-        """Through blocks [0, n); a hop that fails is redone on another replica from the same input."""
+        """Client-driven: a hop that fails is redone on another replica from the same input."""
         inputs: list[HopInput] = []
         block, attempts = 0, self.calls.attempts(Method.FORWARD)
         while block < self.router.num_blocks:
@@ -169,6 +223,7 @@ class RemoteStack:
                     hop,
                     outputs,
                     lambda peer, h=hop, x=hidden: self._forward_hop(Hop(peer, h.start, h.end), x, mask, step, None),
+                    rate,
                 )
                 hop = Hop(chosen, hop.start, hop.end)
             except PeerFailure as e:
@@ -179,22 +234,27 @@ class RemoteStack:
             hidden, block = outputs, hop.end
         return hidden, inputs
 
-    def backward(
+    def _backward_hops(
         self,
-        inputs: list[HopInput],
+        forwarded: Forwarded,
         grad: torch.Tensor,
         mask: torch.Tensor | None,
         ledger: StepLedger,
         micro_batch: str,
-        input_grad: bool = True,
+        input_grad: bool,
     ) -> torch.Tensor | None:
-        """Backward through every hop of a forward, last first; the gradient of the stack's input only if
-        ``input_grad``."""
+        inputs = forwarded.hops
         for index in reversed(range(len(inputs))):
             item = inputs[index]
             segment = Segment(item.hop.start, item.hop.end, item.hidden, grad)
             grad = self.backward_segment(
-                segment, mask, ledger, micro_batch, cached_on=item.hop, input_grad=input_grad or index > 0
+                segment,
+                mask,
+                ledger,
+                micro_batch,
+                cached_on=item.hop,
+                input_grad=input_grad or index > 0,
+                rate=forwarded.check,
             )
             ledger.keep(micro_batch, segment, mask)
         return grad
@@ -207,12 +267,15 @@ class RemoteStack:
         micro_batch: str,
         cached_on: Hop | None = None,
         input_grad: bool = True,
+        rate: float | None = None,
     ) -> torch.Tensor | None:
-        """Backward through blocks [start, end) from their input and output gradient, on whichever peers are live.
-        ``cached_on``: the hop that ran this segment's forward (it is tried first, without resending the input).
+        """Backward through blocks [start, end) from their input and output gradient, on whichever peers are live,
+        hop by hop from the client. ``cached_on``: the hop that ran this segment's forward (it is tried first,
+        without resending the input). ``rate``: of spot checks (default: the stack's).
 
         Backwards are idempotent per (micro-batch, block) on the peers, so redoing part of a segment is safe.
         """
+        rate = self.spot_check if rate is None else rate
         attempts = self.calls.attempts(Method.BACKWARD)
         prefer = None if cached_on is None else cached_on.peer_id
         while True:
@@ -224,7 +287,7 @@ class RemoteStack:
                 grad = segment.grad_outputs
                 for index in reversed(range(len(hops))):
                     hop, hidden, grad_out = hops[index], hiddens[index], grad
-                    wanted = input_grad or index > 0 or self.spot_check > 0  # spot checks compare input gradients
+                    wanted = input_grad or index > 0 or rate > 0  # spot checks compare input gradients
                     grad = self._backward_hop(
                         hop, hidden, grad_out, mask, ledger, micro_batch, hop == cached_on, wanted
                     )
@@ -234,6 +297,7 @@ class RemoteStack:
                         lambda peer, h=hop, x=hidden, g=grad_out: self._backward_hop(
                             Hop(peer, h.start, h.end), x, g, mask, ledger, micro_batch
                         ),
+                        rate,
                     )
                     ledger.acknowledge(micro_batch, hop.blocks, chosen)
             except PeerFailure as e:
@@ -243,20 +307,182 @@ class RemoteStack:
             attempts.succeeded(ledger.step)
             return grad
 
+    # --- chains -----------------------------------------------------------------------------------------------
+
+    def route_of(self, hops: list[Hop], method: str, tokens: torch.Tensor) -> list[ChainHop]:
+        """Hops as a chained request names them: each with its own timeout and the addresses the client knows."""
+        addresses = self.calls.transport.addresses
+        return [
+            ChainHop(
+                hop.peer_id.to_base58(),
+                hop.start,
+                hop.end,
+                self.router.timeout(hop.peer_id, method, self._units(hop, tokens)),
+                tuple(addresses.get(hop.peer_id, ())[:MAX_ROUTE_MADDRS]),
+            )
+            for hop in hops
+        ]
+
+    @staticmethod
+    def _units(hop: Hop, tokens: torch.Tensor) -> float:
+        return tokens.shape[0] * tokens.shape[1] * (hop.end - hop.start)
+
+    def chain_ask(self, hops: list[Hop], request: ChainRequest, tokens: torch.Tensor) -> tuple[Reply, list[Hop]]:
+        """Send a chained request (``hops``: the hop it goes to, then its route) and check the reply: the hops that
+        ran must be the route's first ones, in order, and the chain must have run to its end unless it says where
+        it broke. Returns the reply and the hops that ran; each hop's own time is learned from the acks."""
+        first = hops[0]
+        units = self._units(first, tokens)
+        reply = self.calls.ask(first.peer_id, request, units, floor=route_timeout(request.route), measured=False)
+        acks = reply.acks
+        expected = hops if reply.failure is None else hops[: len(acks)]
+        ran = [Hop(PeerID.from_base58(a.peer), a.start, a.end) for a in acks]
+        if not acks or ran != expected or (reply.failure is not None and len(acks) >= len(hops)):
+            raise self.calls.peer_failed(first.peer_id, f"{request.method}: the chain's acks do not match its route")
+        if reply.failure is not None and reply.failure.peer != hops[len(acks)].peer_id.to_base58():
+            raise self.calls.peer_failed(first.peer_id, f"{request.method}: the chain names the wrong hop as failed")
+        for index, ack in enumerate(acks):
+            after = acks[index + 1].seconds if index + 1 < len(acks) else 0.0
+            own = max(ack.seconds - after, 0.0)
+            self.router.succeeded(ran[index].peer_id, request.method, self._units(ran[index], tokens), own)
+        return reply, ran
+
+    def chain_failed(self, failure: ChainFailure, attempts: Attempts, at: Hop) -> PeerID | None:
+        """Where a chain broke: ban a hop that failed for its own reasons (the work goes elsewhere); a hop the one
+        before could not connect to may be out of its reach only, so the client calls it itself next (returned:
+        the peer to prefer). A refusal of the request itself raises, as it would from the client's own call."""
+        peer = PeerID.from_base58(failure.peer)
+        reason = f"{failure.kind}: {failure.error}"
+        if failure.kind == ErrorKind.FENCED:
+            raise LeaseLostError(failure.error)
+        if failure.kind == FailureKind.UNREACHABLE:
+            attempts.failed(PeerFailure(peer, f"unreachable from the hop before it: {failure.error}"), at)
+            return peer
+        if failure.kind == FailureKind.TIMEOUT or failure.kind in PEER_STATE_ERRORS:
+            attempts.failed(self.calls.peer_failed(peer, reason), at)
+            return None
+        raise RemoteError(failure.kind, f"{failure.peer}: {failure.error}", {})
+
+    def _forward_chain(
+        self, hidden: torch.Tensor, mask: torch.Tensor | None, step: int, micro_batch: str | None
+    ) -> tuple[torch.Tensor, Forwarded]:
+        """The hidden states go to the first span with the route after it; each peer passes its output on, the last
+        answers. Where the chain breaks, the client goes on from the output of the last hop that ran, on a new
+        route (through the failed peer itself when the hop before could only not reach it)."""
+        wire, inputs = self.wire, []
+        block, prefer, attempts = 0, None, self.calls.attempts(Method.FORWARD)
+        while block < self.router.num_blocks:
+            hops = self.wait_route(block, prefer=prefer)
+            prefer, first = None, hops[0]
+            route = self.route_of(hops[1:], Method.FORWARD, hidden)
+            cast = wire.cast(hidden)
+            request = ForwardRequest(
+                self.adapter, first.start, first.end, step, cast, mask, micro_batch, wire.compression, route
+            )
+            try:
+                reply, ran = self.chain_ask(hops, request, hidden)
+            except PeerFailure as e:
+                attempts.failed(e, first)
+                continue
+            inputs.append(HopInput(ran[0], hidden))
+            inputs.extend(HopInput(hop, None) for hop in ran[1:])
+            hidden, block = reply.outputs.to(hidden.dtype), ran[-1].end
+            if reply.failure is not None:
+                prefer = self.chain_failed(reply.failure, attempts, hops[len(ran)])
+        attempts.succeeded(step)
+        return hidden, Forwarded(inputs, chained=True, check=0.0)
+
+    def _backward_chain(
+        self,
+        forwarded: Forwarded,
+        grad: torch.Tensor,
+        mask: torch.Tensor | None,
+        ledger: StepLedger,
+        micro_batch: str,
+        input_grad: bool,
+    ) -> torch.Tensor | None:
+        """The gradient goes to the last span with the spans before it as the route; each peer runs its backward
+        from the input it kept and hands the gradient of that input on; the acks say who holds which gradients.
+        Where the chain breaks at a peer that died (with the inputs it kept), the rest runs hop by hop from the
+        nearest input the client holds."""
+        pending = list(forwarded.hops)  # hops whose backward has not run, in the forward's order
+        attempts = self.calls.attempts(Method.BACKWARD)
+        while pending:
+            hops = [item.hop for item in reversed(pending)]
+            route = self.route_of(hops[1:], Method.BACKWARD, grad)
+            last = hops[0]
+            request = BackwardRequest(
+                self.adapter,
+                last.start,
+                last.end,
+                ledger.step,
+                micro_batch,
+                self.wire.cast(grad),
+                None,
+                mask,
+                input_grad,
+                self.wire.compression,
+                route,
+            )
+            try:
+                reply, ran = self.chain_ask(hops, request, grad)
+            except PeerFailure as e:
+                attempts.failed(e, last)
+                return self._backward_rest(pending, grad, mask, ledger, micro_batch, input_grad)
+            except RemoteError as e:
+                if e.kind != ErrorKind.MISSING_FORWARD:
+                    raise
+                return self._backward_rest(pending, grad, mask, ledger, micro_batch, input_grad)
+            for hop in ran:
+                ledger.acknowledge(micro_batch, hop.blocks, hop.peer_id)
+            del pending[len(pending) - len(ran) :]
+            if reply.failure is None:
+                attempts.succeeded(ledger.step)
+                if input_grad and reply.grad_inputs is None:
+                    raise self.calls.peer_failed(ran[-1].peer_id, "backward: the reply lacks the input gradient")
+                return reply.grad_inputs.to(grad.dtype) if input_grad else None
+            if reply.grad_inputs is None:
+                raise self.calls.peer_failed(ran[-1].peer_id, "backward: a broken chain's reply lacks its gradient")
+            grad = reply.grad_inputs.to(grad.dtype)
+            lost_input = reply.failure.kind == ErrorKind.MISSING_FORWARD  # that peer no longer holds the forward
+            if lost_input or self.chain_failed(reply.failure, attempts, hops[len(ran)]) is None:
+                return self._backward_rest(pending, grad, mask, ledger, micro_batch, input_grad)
+        return None
+
+    def _backward_rest(
+        self,
+        pending: list[HopInput],
+        grad: torch.Tensor,
+        mask: torch.Tensor | None,
+        ledger: StepLedger,
+        micro_batch: str,
+        input_grad: bool,
+    ) -> torch.Tensor | None:
+        """The backward of the hops a broken chain left, hop by hop: from the input the client holds nearest before
+        them (the stack's, or where it re-entered the forward chain), forward again to where the gradient stands."""
+        held = max(index for index, item in enumerate(pending) if item.hidden is not None)
+        segment = Segment(pending[held].hop.start, pending[-1].hop.end, pending[held].hidden, grad)
+        grad = self.backward_segment(segment, mask, ledger, micro_batch, input_grad=input_grad or held > 0)
+        if held == 0:
+            return grad
+        return self._backward_chain(
+            Forwarded(pending[:held], chained=True, check=0.0), grad, mask, ledger, micro_batch, input_grad
+        )
+
 
 class RemoteStackFunction(torch.autograd.Function):
     """Autograd glue: the peers compute, this op only moves hidden states and their gradients."""
 
     @staticmethod
     def forward(ctx, hidden, mask, stack: RemoteStack, ledger: StepLedger, micro_batch: str, input_grad: bool):
-        outputs, inputs = stack.forward(hidden.detach(), mask, ledger.step, micro_batch)
-        ctx.stack, ctx.ledger, ctx.micro_batch, ctx.mask, ctx.inputs = stack, ledger, micro_batch, mask, inputs
+        outputs, forwarded = stack.forward(hidden.detach(), mask, ledger.step, micro_batch)
+        ctx.stack, ctx.ledger, ctx.micro_batch, ctx.mask, ctx.forwarded = stack, ledger, micro_batch, mask, forwarded
         ctx.input_grad = input_grad
         return outputs
 
     @staticmethod
     def backward(ctx, grad_outputs):
         grad_inputs = ctx.stack.backward(
-            ctx.inputs, grad_outputs.contiguous(), ctx.mask, ctx.ledger, ctx.micro_batch, ctx.input_grad
+            ctx.forwarded, grad_outputs.contiguous(), ctx.mask, ctx.ledger, ctx.micro_batch, ctx.input_grad
         )
         return grad_inputs, None, None, None, None, None

@@ -159,9 +159,12 @@ class Router:
         self._health(peer).banned_until = float("inf")
         logger.error("peer %s is banned for good: %s", peer, reason)
 
-    def succeeded(self, peer: PeerID, method: str, units: float, seconds: float) -> None:
+    def succeeded(self, peer: PeerID, method: str, units: float, seconds: float | None) -> None:
+        """The peer answered; ``seconds`` (None: not known, the answer of a whole chain) it took for ``units``."""
         health = self._health(peer)
         health.failures, health.failing_since = 0, None
+        if seconds is None:
+            return
         rate = seconds / max(units, 1.0)
         old = health.seconds_per_unit.get(method)
         health.seconds_per_unit[method] = rate if old is None else 0.7 * old + 0.3 * rate

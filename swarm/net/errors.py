@@ -99,6 +99,7 @@ class ErrorKind:
     INFERENCE_MEMORY = "inference_memory"  # no room for another generation session (--max-inference-mb)
     SOURCE_UNAVAILABLE = "source_unavailable"  # the peer a sync was to pull from did not answer: pick another
     NOT_SERVED = "not_served"  # blocks this peer does not serve (any more: it moved, or restarted on other blocks)
+    KEPT_INPUTS_FULL = "kept_inputs_full"  # the step's span inputs fill this peer's --kept-inputs-mb
 
 
 class RequestError(SwarmError, ValueError):
@@ -151,6 +152,13 @@ class NotServedError(RequestError):
     """Blocks this peer does not serve now; the client's view of it is stale, so it routes elsewhere."""
 
     kind = ErrorKind.NOT_SERVED
+
+
+class KeptInputsFullError(RequestError):
+    """The span inputs kept for the step in progress fill the peer's bound: the trainer commits more often or the
+    peer gets more room."""
+
+    kind = ErrorKind.KEPT_INPUTS_FULL
 
 
 class SourceUnavailableError(RequestError):

@@ -19,6 +19,17 @@ from typing import Any, ClassVar
 import torch
 from hivemind.p2p import PeerID
 
+from swarm.net.chain import (
+    ChainFailure,
+    ChainHop,
+    HopAck,
+    read_acks,
+    read_failure,
+    read_route,
+    write_acks,
+    write_failure,
+    write_route,
+)
 from swarm.net.compression import COMPRESSIONS
 from swarm.net.errors import (
     ErrorKind,
@@ -470,7 +481,8 @@ class HiddenRequest(Request):
 @dataclass(frozen=True)
 class ForwardRequest(HiddenRequest):
     """Through blocks [start, end) of an adapter at a step. Tensors: [hidden, mask?]. One with a micro-batch id keeps
-    its graph for the backward; one without is an evaluation."""
+    its graph and its input for the backward; one without is an evaluation. With a ``route``, the peer passes its
+    output on to the route's first hop (swarm/net/chain.py)."""
 
     method: ClassVar[str] = Method.FORWARD
     adapter: str = wire(read_adapter)
@@ -481,6 +493,7 @@ class ForwardRequest(HiddenRequest):
     mask: torch.Tensor | None = tensor(default=None)
     micro_batch: str | None = wire(optional(read_str), default=None)
     compression: str = wire(read_compression, default="none")  # how the peer encodes the tensors it answers with
+    route: list[ChainHop] = wire(read_route, write_route, default_factory=list)  # the hops after this one
 
     @property
     def blocks(self) -> range:
@@ -491,8 +504,9 @@ class ForwardRequest(HiddenRequest):
 @dataclass(frozen=True)
 class BackwardRequest(Request):
     """Self-contained, so any replica can serve it. Tensors: [hidden?, grad, mask?]. One to the peer that ran the
-    forward leaves the hidden states out (it has them); one whose input gradient nobody needs (the first span: the
-    embeddings are frozen) asks for none (``input_grad``)."""
+    forward leaves the hidden states out (it kept them); one whose input gradient nobody needs (the first span: the
+    embeddings are frozen) asks for none (``input_grad``). With a ``route``, the peer passes the gradient of its
+    input on to the span before it (``input_grad`` is then the last hop's)."""
 
     method: ClassVar[str] = Method.BACKWARD
     adapter: str = wire(read_adapter)
@@ -505,6 +519,7 @@ class BackwardRequest(Request):
     mask: torch.Tensor | None = tensor(default=None)
     input_grad: bool = wire(flag(True), default=True)
     compression: str = wire(read_compression, default="none")
+    route: list[ChainHop] = wire(read_route, write_route, default_factory=list)  # the spans before, nearest first
 
     @property
     def blocks(self) -> range:
@@ -526,34 +541,42 @@ class BackwardRequest(Request):
 
 @dataclass(frozen=True)
 class HiddenReply(Reply):
-    """The hidden states out of a span (a forward, or new tokens of a generation). Tensors: [outputs]."""
+    """The hidden states out of a span (a forward, or new tokens of a generation). Tensors: [outputs]. Of a chain:
+    the hops that ran (``acks``, in the route's order), and where it broke (``failure``), the outputs then being
+    those of the last hop that ran."""
 
     outputs: torch.Tensor = tensor()
     compression: str = field(default="none", compare=False)  # how they travel; not sent
+    acks: list[HopAck] = wire(read_acks, write_acks, default_factory=list)
+    failure: ChainFailure | None = wire(read_failure, write_failure, default=None)
 
     def to_message(self) -> Message:
-        return Message({}, [self.outputs], COMPRESSIONS[self.compression])
+        return Message(self.to_meta(), [self.outputs], COMPRESSIONS[self.compression])
 
     @classmethod
     def from_message(cls, message: Message) -> HiddenReply:
-        return cls(_expect(message, (1,))[0])
+        return cls(_expect(message, (1,))[0], **cls.read_meta(message.meta))
 
 
 @dataclass(frozen=True)
 class GradReply(Reply):
-    """A backward's gradient of the span's input, when asked for. Tensors: [grad_inputs] or none."""
+    """A backward's gradient of the span's input, when asked for. Tensors: [grad_inputs] or none. ``acks``: the hops
+    that ran and now hold their gradients, in the order the chain ran (last span first); where it broke
+    (``failure``), the gradient of the input of the last hop that ran."""
 
     grad_inputs: torch.Tensor | None = tensor(default=None)
     compression: str = field(default="none", compare=False)
+    acks: list[HopAck] = wire(read_acks, write_acks, default_factory=list)
+    failure: ChainFailure | None = wire(read_failure, write_failure, default=None)
 
     def to_message(self) -> Message:
         tensors = [] if self.grad_inputs is None else [self.grad_inputs]
-        return Message({}, tensors, COMPRESSIONS[self.compression])
+        return Message(self.to_meta(), tensors, COMPRESSIONS[self.compression])
 
     @classmethod
     def from_message(cls, message: Message) -> GradReply:
         tensors = _expect(message, (0, 1))
-        return cls(tensors[0] if tensors else None)
+        return cls(tensors[0] if tensors else None, **cls.read_meta(message.meta))
 
 
 @dataclass(frozen=True)
@@ -892,7 +915,8 @@ class InferRequest(HiddenRequest):
     """Generation: the hidden states of new tokens through blocks [start, end) in ``session``, which holds the keys
     and values of ``position`` tokens already. The first request (position 0) opens the session with room for
     ``max_length`` tokens. ``adapter`` None runs the base model (LoRA off); else the adapter at ``step`` or later.
-    Tensors: [hidden, mask?]; the mask (padded prompts) covers every token of the session so far."""
+    Tensors: [hidden, mask?]; the mask (padded prompts) covers every token of the session so far. With a ``route``,
+    the same session goes on through the route's hops, each passing its output on."""
 
     method: ClassVar[str] = Method.INFER
     session: str = wire(read_session)
@@ -905,11 +929,11 @@ class InferRequest(HiddenRequest):
     adapter: str | None = wire(optional(read_adapter), default=None)
     step: int = wire(read_int, default=0)
     compression: str = wire(read_compression, default="none")
+    route: list[ChainHop] = wire(read_route, write_route, default_factory=list)  # the hops after this one
 
     @property
     def blocks(self) -> range:
         return range(self.start, self.end)
-
 
 
 @dataclass(frozen=True)

@@ -209,6 +209,7 @@ def cmd_peer(args: argparse.Namespace) -> None:
             identity=args.identity,
             swarm_key=args.swarm_key,
             activation_cache_mb=args.activation_cache_mb,
+            kept_inputs_mb=args.kept_inputs_mb,
             max_payload_mb=args.max_payload_mb,
             max_tokens=args.max_tokens,
             max_inference_mb=args.max_inference_mb,
@@ -276,6 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     peer.add_argument(
         "--activation-cache-mb", type=int, default=1024, help="memory for forward graphs kept for backward"
+    )
+    peer.add_argument(
+        "--kept-inputs-mb",
+        type=int,
+        default=4096,
+        help="host memory for the span inputs of the step in progress (kept until it commits), in MiB",
     )
     peer.add_argument("--max-payload-mb", type=int, default=1024, help="largest request accepted, in MiB")
     peer.add_argument("--max-tokens", type=int, default=1 << 16, help="largest batch x sequence accepted per request")

@@ -18,18 +18,20 @@ from swarm.testing.recipe import assert_matches_local_peft, connect
 from swarm.testing.recipe import train as train_recipe
 
 
-@pytest.fixture(scope="module")
-def parity_run(llama_pair, tiny_models, tmp_path_factory):
-    """Train 5 steps through the swarm and locally from the same initial adapter."""
+@pytest.fixture(scope="module", params=[True, False], ids=["chained", "client-driven"])
+def parity_run(request, llama_pair, tiny_models, tmp_path_factory):
+    """Train 5 steps through the swarm and locally from the same initial adapter: along chains of peers (the
+    default), and hop by hop from the client."""
     model_dir = tiny_models["llama"]
     out = tmp_path_factory.mktemp("parity")
     model = swarm.SwarmModelForCausalLM.from_pretrained(
         model_dir,
         initial_peers=llama_pair.initial_peers,
-        adapter="parity",
+        adapter=f"parity-{'chained' if request.param else 'hops'}",
         lora_config=peft.LoraConfig(**LORA),
         dtype=torch.float32,
         seed=7,
+        chain=request.param,
     )
     backwards = record_backwards(model)
     try:
@@ -55,13 +57,23 @@ def parity_run(llama_pair, tiny_models, tmp_path_factory):
         swarm_logits=swarm_logits,
         probe=probe,
         backwards=backwards,
+        chained=request.param,
     )
 
 
 def test_backwards_carry_no_bytes_that_nobody_needs(parity_run):
     """The peer that ran a forward keeps it: its backward carries only the output gradient and the mask, not the
-    hidden states again; the first span returns no input gradient (the embeddings are frozen)."""
+    hidden states again; the first span returns no input gradient (the embeddings are frozen). Along a chain the
+    client sends one backward per micro-batch, to the last span, which hands the rest on: nothing comes back."""
     backwards = parity_run["backwards"]
+    if parity_run["chained"]:
+        assert len(backwards) == STEPS * MICRO_BATCHES, backwards
+        for call in backwards:
+            meta = call["meta"]
+            assert meta["start"] == 2 and [hop[1:3] for hop in meta["route"]] == [[0, 2]], call
+            assert meta["has_hidden"] is False and meta["input_grad"] is False, call
+            assert call["sent"] == 2 and call["returned"] == 0, call  # output gradient + mask; nothing back
+        return
     assert len(backwards) == STEPS * MICRO_BATCHES * 2, backwards  # two spans per micro-batch
     for call in backwards:
         assert call["meta"]["has_hidden"] is False and call["sent"] == 2, call  # output gradient + mask
@@ -97,9 +109,10 @@ def test_exported_adapter_reproduces_swarm_logits(parity_run):
     torch.testing.assert_close(logits, parity_run["swarm_logits"], rtol=1e-4, atol=1e-4)
 
 
-def test_parity_holds_when_peers_keep_no_forwards(inprocess_swarm, tiny_models, tmp_path):
-    """A peer without room for forward graphs (activation_cache_mb=0) answers every backward sent without its
-    input with missing_forward; the client sends the input after all, and training still equals local peft."""
+@pytest.mark.parametrize("chain", [True, False], ids=["chained", "client-driven"])
+def test_parity_holds_when_peers_keep_no_forwards(inprocess_swarm, tiny_models, tmp_path, chain):
+    """A peer without room for forward graphs (activation_cache_mb=0) recomputes every backward from the span input
+    it kept in host memory: no backward resends the hidden states, and training still equals local peft."""
     model_dir = tiny_models["llama"]
     local = inprocess_swarm()
     local.add_peer("0:4", "forgetful", activation_cache_mb=0)
@@ -109,6 +122,7 @@ def test_parity_holds_when_peers_keep_no_forwards(inprocess_swarm, tiny_models, 
         adapter="forgetful",
         lora_config=peft.LoraConfig(**LORA),
         seed=7,
+        chain=chain,
     )
     backwards = record_backwards(model)
     try:
@@ -117,7 +131,7 @@ def test_parity_holds_when_peers_keep_no_forwards(inprocess_swarm, tiny_models, 
         swarm_losses = train(model, swarm.RemoteOptimizer(model, **HPARAMS), batches)
     finally:
         model.shutdown()
-    assert [call["meta"]["has_hidden"] for call in backwards] == [True] * len(batches) * MICRO_BATCHES  # resent
+    assert [call["meta"]["has_hidden"] for call in backwards] == [False] * len(batches) * MICRO_BATCHES
     reference = local_peft(model_dir, tmp_path / "initial")
     trainable = [p for p in reference.parameters() if p.requires_grad]
     local_losses = train(reference, torch.optim.AdamW(trainable, **HPARAMS), batches)
@@ -239,7 +253,8 @@ def test_large_micro_batches_travel_over_parallel_lanes_exactly(llama_pair, tiny
         model.save_adapter(tmp_path / "final")
     finally:
         model.shutdown()
-    assert laned.count("forward") == 2 and laned.count("backward") == 2, laned
+    # one forward and one backward from the client: the chain's peers pass the hidden states on between them
+    assert laned.count("forward") == 1 and laned.count("backward") == 1, laned
     reference = local_peft(model_dir, tmp_path / "initial")
     trainable = [p for p in reference.parameters() if p.requires_grad]
     local_losses = train(reference, torch.optim.AdamW(trainable, **HPARAMS), [[batch]], accumulation=1)

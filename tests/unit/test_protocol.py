@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import re
 import typing
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 import pytest
@@ -16,6 +16,7 @@ from hivemind.p2p import PeerID
 from peers.compute import Compute
 from peers.service import PeerService
 from swarm.net import protocol
+from swarm.net.chain import ChainFailure, ChainHop, HopAck
 from swarm.net.errors import ErrorKind, MissingGradientsError, RemoteError, RequestError, SourceUnavailableError
 from swarm.net.message import Message
 from swarm.net.protocol import METHODS, Method, ReplyError, read_reply, read_request
@@ -28,6 +29,9 @@ HPARAMS = protocol.OptimizerHParams(1e-3, (0.9, 0.999), 1e-8, 0.01)
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
 HIDDEN, GRAD, MASK = torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.ones(2, 3, dtype=torch.int64)
 ADAPTER = protocol.AdapterInfo(protocol.adapter_meta(LORA, 7), {0: 3, 1: 3}, {2: 2})
+ROUTE = [ChainHop(OTHER.to_base58(), 2, 4, 3.5, ("/ip4/1.2.3.4/tcp/5",)), ChainHop(PEER.to_base58(), 4, 6, 2.0)]
+ACKS = [HopAck(PEER.to_base58(), 0, 2, 0.25), HopAck(OTHER.to_base58(), 2, 4, 0.5)]
+BROKEN = ChainFailure(PEER.to_base58(), "timeout", "no answer in 3.5 s")
 
 EXAMPLES: dict[str, tuple[protocol.Request, protocol.Reply]] = {
     Method.HELLO: (protocol.HelloRequest(), protocol.HelloReply(True, "key-id")),
@@ -37,12 +41,12 @@ EXAMPLES: dict[str, tuple[protocol.Request, protocol.Reply]] = {
     ),
     Method.OPEN: (protocol.OpenRequest("run", LORA, 7, "s1"), protocol.OpenReply({0: 3}, {2: 2})),
     Method.FORWARD: (
-        protocol.ForwardRequest("run", 0, 2, 3, HIDDEN, MASK, "mb-0"),
-        protocol.HiddenReply(HIDDEN),
+        protocol.ForwardRequest("run", 0, 2, 3, HIDDEN, MASK, "mb-0", route=ROUTE),
+        protocol.HiddenReply(HIDDEN, acks=ACKS, failure=BROKEN),
     ),
     Method.BACKWARD: (
-        protocol.BackwardRequest("run", 0, 2, 3, "mb-0", GRAD, HIDDEN, MASK, False, "none"),
-        protocol.GradReply(GRAD),
+        protocol.BackwardRequest("run", 0, 2, 3, "mb-0", GRAD, HIDDEN, MASK, False, "none", ROUTE),
+        protocol.GradReply(GRAD, acks=ACKS[::-1], failure=BROKEN),
     ),
     Method.COMMIT: (
         protocol.CommitRequest("run", 3, {0: {"mb-0": PEER.to_base58()}}, HPARAMS, 2.5),
@@ -74,7 +78,7 @@ EXAMPLES: dict[str, tuple[protocol.Request, protocol.Reply]] = {
         protocol.ReachableReply(False, "timed out"),
     ),
     Method.INFER: (
-        protocol.InferRequest("s1", 0, 2, 4, 16, HIDDEN, MASK, "run", 3, "none"),
+        protocol.InferRequest("s1", 0, 2, 4, 16, HIDDEN, MASK, "run", 3, "none", ROUTE),
         protocol.HiddenReply(HIDDEN),
     ),
     Method.END_SESSION: (protocol.EndSessionRequest("s1"), protocol.EndSessionReply(True)),
@@ -137,14 +141,15 @@ def test_a_missing_field_is_refused(method):
     request, reply = EXAMPLES[method]
     for f in _wire_fields(type(request)):
         message = request.to_message()
-        if f.default is None or f.name in ("fetch_timeout", "compression", "input_grad", "relayed"):
-            continue  # may be left out: null, or a default the schema documents
+        optional_field = f.default is None or f.default_factory is not MISSING  # null, or empty (a route)
+        if optional_field or f.name in ("fetch_timeout", "compression", "input_grad", "relayed"):
+            continue  # may be left out: null, empty, or a default the schema documents
         meta = {k: v for k, v in message.meta.items() if k != f.name}
         with pytest.raises(RequestError, match=f.name):
             read_request(Message(meta, message.tensors))
     for f in _wire_fields(type(reply)):
         message = reply.to_message()
-        if f.default is None:
+        if f.default is None or f.default_factory is not MISSING:
             continue
         meta = {k: v for k, v in message.meta.items() if k != f.name}
         with pytest.raises(ReplyError):

@@ -1,0 +1,148 @@
+"""Chains on the wire: the route a span request carries (the peers after the one it is sent to), what the hops that
+ran report back (how long each took, who holds which gradients), and where a chain broke.
+
+A chained request runs on the peer it is sent to, which passes its output on to the first hop of the route itself;
+the last hop's answer comes back along the chain. A hop that cannot reach the next one answers with its own output
+and the failure, so that the client goes on from there (``reached``) without recomputing the spans before.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from swarm.net.errors import RequestError
+
+MAX_ROUTE = 256  # hops a route may name (a model has fewer blocks than that)
+MAX_ROUTE_MADDRS = 8  # addresses a route may give for one hop
+HOP_SLACK = 2.0  # seconds each hop adds to the wait for a chain (its transfers, its queue)
+
+
+@dataclass(frozen=True)
+class ChainHop:
+    """A hop of a route: who, which blocks, how long the caller may wait for it alone (seconds), and the addresses
+    the client knows it at (so that the previous peer can dial it, or reach it through its relay)."""
+
+    peer: str
+    start: int
+    end: int
+    timeout: float
+    maddrs: tuple[str, ...] = ()
+
+    @property
+    def blocks(self) -> range:
+        return range(self.start, self.end)
+
+    def to_wire(self) -> list:
+        return [self.peer, self.start, self.end, self.timeout, list(self.maddrs)]
+
+
+def route_timeout(route: list[ChainHop]) -> float:
+    """How long a caller waits for a chain: each hop's own time and some slack, summed."""
+    return sum(hop.timeout + HOP_SLACK for hop in route)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _hop(entry: object) -> ChainHop:
+    if not isinstance(entry, list) or len(entry) != 5:
+        raise ValueError(f"{entry!r} is not [peer, start, end, timeout, maddrs]")
+    peer, start, end, timeout, maddrs = entry
+    if not isinstance(peer, str) or not peer:
+        raise ValueError(f"{peer!r} is not a peer id")
+    if not (_is_int(start) and _is_int(end) and 0 <= start < end):
+        raise ValueError(f"{start!r}:{end!r} is not a block range")
+    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
+        raise ValueError(f"{timeout!r} is not a timeout in seconds")
+    if not isinstance(maddrs, list) or len(maddrs) > MAX_ROUTE_MADDRS or not all(isinstance(m, str) for m in maddrs):
+        raise ValueError(f"{maddrs!r} is not a list of at most {MAX_ROUTE_MADDRS} multiaddrs")
+    return ChainHop(peer, start, end, float(timeout), tuple(maddrs))
+
+
+def read_route(meta: dict, key: str) -> list[ChainHop]:
+    """The hops after this one, in the order the request travels; each starts where the one before ends."""
+    value = meta.get(key, [])
+    if not isinstance(value, list) or len(value) > MAX_ROUTE:
+        raise RequestError(f"{key!r} must be a list of at most {MAX_ROUTE} hops")
+    try:
+        return [_hop(entry) for entry in value]
+    except ValueError as e:
+        raise RequestError(f"{key!r}: {e}") from None
+
+
+def write_route(route: list[ChainHop]) -> list:
+    return [hop.to_wire() for hop in route]
+
+
+@dataclass(frozen=True)
+class HopAck:
+    """A hop that ran: which peer, which blocks, and the seconds it spent from the request's arrival to its answer
+    (the chain after it included)."""
+
+    peer: str
+    start: int
+    end: int
+    seconds: float
+
+    @property
+    def blocks(self) -> range:
+        return range(self.start, self.end)
+
+
+def _ack(entry: object) -> HopAck:
+    if not isinstance(entry, list) or len(entry) != 4:
+        raise ValueError(f"{entry!r} is not [peer, start, end, seconds]")
+    peer, start, end, seconds = entry
+    if not isinstance(peer, str) or not (_is_int(start) and _is_int(end) and 0 <= start < end):
+        raise ValueError(f"{entry!r} is not [peer, start, end, seconds]")
+    if not isinstance(seconds, int | float) or isinstance(seconds, bool) or not 0 <= seconds < math.inf:
+        raise ValueError(f"{seconds!r} is not a duration")
+    return HopAck(peer, start, end, float(seconds))
+
+
+def read_acks(meta: dict, key: str) -> list[HopAck]:
+    value = meta.get(key, [])
+    if not isinstance(value, list) or len(value) > MAX_ROUTE + 1:
+        raise RequestError(f"{key!r} must be a list of at most {MAX_ROUTE + 1} hops")
+    try:
+        return [_ack(entry) for entry in value]
+    except ValueError as e:
+        raise RequestError(f"{key!r}: {e}") from None
+
+
+def write_acks(acks: list[HopAck]) -> list:
+    return [[a.peer, a.start, a.end, a.seconds] for a in acks]
+
+
+class FailureKind:
+    """How a hop failed to reach the next one: a refusal (its error kind), no answer in time, or no connection."""
+
+    TIMEOUT = "timeout"
+    UNREACHABLE = "unreachable"  # the caller could not connect: the peer may be dead, or only out of its reach
+
+
+@dataclass(frozen=True)
+class ChainFailure:
+    """Where a chain broke: the peer that did not answer (or refused), how, and why."""
+
+    peer: str
+    kind: str
+    error: str
+
+    def to_wire(self) -> list:
+        return [self.peer, self.kind, self.error]
+
+
+def read_failure(meta: dict, key: str) -> ChainFailure | None:
+    value = meta.get(key)
+    if value is None:
+        return None
+    if not (isinstance(value, list) and len(value) == 3 and all(isinstance(v, str) for v in value)):
+        raise RequestError(f"{key!r} must be [peer, kind, error]")
+    return ChainFailure(*value)
+
+
+def write_failure(failure: ChainFailure | None) -> list | None:
+    return None if failure is None else failure.to_wire()
