@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
@@ -102,6 +103,10 @@ class PeerCalls:
             raise self.peer_failed(peer, f"{method}: {reason}") from e
         self.router.succeeded(peer, method, units, time.monotonic() - started if measured else None)
         return reply
+
+    def likely_reachable(self, peer: PeerID) -> bool:
+        """Whether this client may reach ``peer`` itself (see ``Transport.likely_reachable``)."""
+        return RemoteExpertWorker.run_coroutine(self.transport.likely_reachable(peer))
 
     def peer_failed(self, peer: PeerID, reason: str) -> PeerFailure:
         """Ban the peer for a while and forget its step; the work goes elsewhere."""

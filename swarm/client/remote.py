@@ -349,16 +349,17 @@ class RemoteStack:
 
     def chain_failed(self, failure: ChainFailure, attempts: Attempts, at: Hop) -> PeerID | None:
         """Where a chain broke: ban a hop that failed for its own reasons (the work goes elsewhere); a hop the one
-        before could not connect to may be out of its reach only, so the client calls it itself next (returned:
-        the peer to prefer). A refusal of the request itself raises, as it would from the client's own call."""
+        before could not connect to, but the client still can, may be out of that peer's reach only: the client
+        calls it itself next (returned: the peer to prefer). A refusal of the request itself raises, as it would
+        from the client's own call."""
         peer = PeerID.from_base58(failure.peer)
         reason = f"{failure.kind}: {failure.error}"
         if failure.kind == ErrorKind.FENCED:
             raise LeaseLostError(failure.error)
-        if failure.kind == FailureKind.UNREACHABLE:
+        if failure.kind == FailureKind.UNREACHABLE and self.calls.likely_reachable(peer):
             attempts.failed(PeerFailure(peer, f"unreachable from the hop before it: {failure.error}"), at)
             return peer
-        if failure.kind == FailureKind.TIMEOUT or failure.kind in PEER_STATE_ERRORS:
+        if failure.kind in (FailureKind.TIMEOUT, FailureKind.UNREACHABLE) or failure.kind in PEER_STATE_ERRORS:
             attempts.failed(self.calls.peer_failed(peer, reason), at)
             return None
         raise RemoteError(failure.kind, f"{failure.peer}: {failure.error}", {})

@@ -142,6 +142,13 @@ class Transport:
         replies = await asyncio.gather(*(stub.rpc_lane(lane) for lane in packed))
         return raise_if_error(decode(lanes.unpack(list(replies))))
 
+    async def likely_reachable(self, peer: PeerID) -> bool:
+        """Whether a call to ``peer`` may get through: not found gone, and connected here now or reached through a
+        relay. (Another peer that could not connect to it may be out of its reach only.)"""
+        if peer in self.gone:
+            return False
+        return bool(self._relays(peer)) or await self.connected(peer)
+
     async def connected(self, peer: PeerID) -> bool:
         """Whether the P2P daemon holds an open connection to ``peer`` right now."""
         try:
