@@ -416,4 +416,4 @@ def _replay(hops: RemoteStack, ledger: StepLedger, missing: dict[int, list[str]]
     plan = ledger.replay_plan(missing)
     logger.warning("replaying %d segment(s) whose gradients died with a peer (step %d)", len(plan), ledger.step)
     for micro_batch, segment in plan:
-        hops.backward_segment(segment, ledger.masks.get(micro_batch), ledger, micro_batch, input_grad=False)
+        hops.replay(micro_batch, segment, ledger.masks.get(micro_batch), ledger)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -307,6 +308,16 @@ class RemoteStack:
             attempts.succeeded(ledger.step)
             return grad
 
+    def replay(self, micro_batch: str, segment: Segment, mask: torch.Tensor | None, ledger: StepLedger) -> None:
+        """Recompute a micro-batch's gradients on a segment the client kept, because some of them died with a peer:
+        along a chain when it is the whole stack (the client's link carries its input, output and gradient once),
+        else hop by hop. Peers that still hold their gradients keep them: a backward counts once per block."""
+        if not self.chain or segment.start != 0 or segment.end != self.router.num_blocks:
+            self.backward_segment(segment, mask, ledger, micro_batch, input_grad=False)
+            return
+        _, forwarded = self._forward_chain(segment.hidden, mask, ledger.step, micro_batch)
+        self._backward_chain(forwarded, segment.grad_outputs, mask, ledger, micro_batch, input_grad=False)
+
     # --- chains -----------------------------------------------------------------------------------------------
 
     def route_of(self, hops: list[Hop], method: str, tokens: torch.Tensor) -> list[ChainHop]:
@@ -331,7 +342,7 @@ class RemoteStack:
         """Send a chained request (``hops``: the hop it goes to, then its route) and check the reply: the hops that
         ran must be the route's first ones, in order, and the chain must have run to its end unless it says where
         it broke. Returns the reply and the hops that ran; each hop's own time is learned from the acks."""
-        first = hops[0]
+        first, started = hops[0], time.monotonic()
         units = self._units(first, tokens)
         reply = self.calls.ask(first.peer_id, request, units, floor=route_timeout(request.route), measured=False)
         acks = reply.acks
@@ -341,9 +352,10 @@ class RemoteStack:
             raise self.calls.peer_failed(first.peer_id, f"{request.method}: the chain's acks do not match its route")
         if reply.failure is not None and reply.failure.peer != hops[len(acks)].peer_id.to_base58():
             raise self.calls.peer_failed(first.peer_id, f"{request.method}: the chain names the wrong hop as failed")
-        for index, ack in enumerate(acks):
+        for index, ack in enumerate(acks):  # a hop's own time: its answer's, less the chain's after it
+            spent = time.monotonic() - started if index == 0 else ack.seconds  # the first's: the client's link too
             after = acks[index + 1].seconds if index + 1 < len(acks) else 0.0
-            own = max(ack.seconds - after, 0.0)
+            own = max(spent - after, 0.0)
             self.router.succeeded(ran[index].peer_id, request.method, self._units(ran[index], tokens), own)
         return reply, ran
 
@@ -408,7 +420,7 @@ class RemoteStack:
         nearest input the client holds."""
         pending = list(forwarded.hops)  # hops whose backward has not run, in the forward's order
         attempts = self.calls.attempts(Method.BACKWARD)
-        while pending:
+        while True:
             hops = [item.hop for item in reversed(pending)]
             route = self.route_of(hops[1:], Method.BACKWARD, grad)
             last = hops[0]
@@ -429,11 +441,11 @@ class RemoteStack:
                 reply, ran = self.chain_ask(hops, request, grad)
             except PeerFailure as e:
                 attempts.failed(e, last)
-                return self._backward_rest(pending, grad, mask, ledger, micro_batch, input_grad)
+                break
             except RemoteError as e:
                 if e.kind != ErrorKind.MISSING_FORWARD:
                     raise
-                return self._backward_rest(pending, grad, mask, ledger, micro_batch, input_grad)
+                break  # that peer no longer holds the forward (it restarted): the client sends the input
             for hop in ran:
                 ledger.acknowledge(micro_batch, hop.blocks, hop.peer_id)
             del pending[len(pending) - len(ran) :]
@@ -445,10 +457,12 @@ class RemoteStack:
             if reply.grad_inputs is None:
                 raise self.calls.peer_failed(ran[-1].peer_id, "backward: a broken chain's reply lacks its gradient")
             grad = reply.grad_inputs.to(grad.dtype)
-            lost_input = reply.failure.kind == ErrorKind.MISSING_FORWARD  # that peer no longer holds the forward
+            lost_input = reply.failure.kind == ErrorKind.MISSING_FORWARD
             if lost_input or self.chain_failed(reply.failure, attempts, hops[len(ran)]) is None:
-                return self._backward_rest(pending, grad, mask, ledger, micro_batch, input_grad)
-        return None
+                break
+        grad = self._backward_rest(pending, grad, mask, ledger, micro_batch, input_grad)
+        attempts.succeeded(ledger.step)
+        return grad
 
     def _backward_rest(
         self,
