@@ -255,3 +255,38 @@ def test_no_method_name_is_spelled_outside_the_protocol_module():
             if isinstance(node, ast.Constant) and node.value in spelled:
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
     assert not found, "use swarm.net.protocol.Method (or a request class) instead:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "hop",
+    [
+        ["peer", 2, 2, 1.0, []],  # an empty block range
+        ["peer", -1, 2, 1.0, []],
+        ["peer", 0, 2, 0, []],  # no time at all
+        ["peer", 0, 2, float("inf"), []],
+        ["peer", 0, 2, 1.0, ["/ip4/1.2.3.4/tcp/5"] * 9],  # more addresses than a hop may name
+        ["", 0, 2, 1.0, []],
+        ["peer", 0, 2, 1.0],  # a field short
+    ],
+)
+def test_a_route_with_a_bad_hop_is_refused(hop):
+    forward, _ = EXAMPLES[Method.FORWARD]
+    message = forward.to_message()
+    with pytest.raises(RequestError, match="route"):
+        read_request(Message({**message.meta, "route": [hop]}, message.tensors))
+
+
+def test_a_route_longer_than_any_model_is_refused():
+    forward, _ = EXAMPLES[Method.FORWARD]
+    message = forward.to_message()
+    hops = [[PEER.to_base58(), b, b + 1, 1.0, []] for b in range(300)]
+    with pytest.raises(RequestError, match="at most"):
+        read_request(Message({**message.meta, "route": hops}, message.tensors))
+
+
+def test_a_chain_reply_with_a_garbled_failure_or_ack_is_the_peers_fault():
+    forward, reply = EXAMPLES[Method.FORWARD]
+    message = reply.to_message()
+    for key, value in (("failure", ["peer", "timeout"]), ("acks", [["peer", 0, 2, -1.0]])):
+        with pytest.raises(ReplyError, match="malformed forward reply"):
+            read_reply(forward, Message({**message.meta, key: value}, message.tensors))
