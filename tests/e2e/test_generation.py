@@ -68,15 +68,20 @@ def test_greedy_generation_equals_local_peft_and_survives_a_replica_kill(tiny_mo
 
             killed: list[str] = []
             calls: list[str] = []
+            original = model.session.calls.call
 
-            def kill_mid_generation(method: str, peer_id: str, step: int) -> None:
-                if method == "infer":
-                    calls.append(peer_id)
-                    if len(calls) == 9 and not killed:  # a few tokens in: both spans hold sessions
-                        killed.append(peer_id)
-                        by_id[peer_id].signal(signal.SIGKILL)
+            def kill_mid_chain(peer, meta, tensors, *args, **kwargs):
+                # a few tokens in (both spans hold sessions), the second span's peer dies: the chain breaks after
+                # the first span, whose peer answers with the failure
+                if meta["method"] == "infer":
+                    calls.append(peer.to_base58())
+                    if len(calls) == 5 and not killed:
+                        victim = meta["route"][0][0] if meta["route"] else peer.to_base58()
+                        killed.append(victim)
+                        by_id[victim].signal(signal.SIGKILL)
+                return original(peer, meta, tensors, *args, **kwargs)
 
-            instrument(model, kill_mid_generation)
+            model.session.calls.call = kill_mid_chain
             after_kill = model.generate(PROMPTS, max_new_tokens=NEW_TOKENS, do_sample=False)
             assert killed, "the fault was never injected"
             assert any(r.during == "generation" for r in model.recoveries), model.recoveries
@@ -122,10 +127,9 @@ def test_a_dropped_session_is_replayed_and_bad_input_is_refused_clearly(tiny_mod
             model.session.calls.call = record
             expected = model.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
             prompt = PROMPTS.shape[1]
-            # the prompt once per span, then one token per span per round: the keys and values stay on the peers
-            assert sent == [(b, 0, prompt) for b in (0, 2)] + [
-                (b, prompt + i, 1) for i in range(NEW_TOKENS - 1) for b in (0, 2)
-            ], sent
+            # the prompt once, then one token per round, each one request to the first span, which passes it on:
+            # the keys and values stay on the peers
+            assert sent == [(0, 0, prompt)] + [(0, prompt + i, 1) for i in range(NEW_TOKENS - 1)], sent
             instrument(model, pause_once)
             replayed = model.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
             assert any(r.during == "generation" for r in model.recoveries), "the expired session was not replayed"
