@@ -9,10 +9,16 @@ the project's own ``SpanBackend`` (nf4 through bitsandbytes, or plain bf16), cou
 tensor by tensor (the packed 4-bit data and its quantization state included), times forward / backward / AdamW
 commit of one micro-batch, and derives blocks per peer and peers for 80 blocks at replication 2.
 
+With ``--device cuda`` the blocks live on the GPU and the allocator's own figures (bytes per loaded block, the peak
+of a training step) are set against the per-block budget ``--num-blocks`` assumes. ``--tiny`` swaps the 70B shape
+for a small one of the same structure, so that the script runs in seconds on a CPU (scripts/bench_gpu.sh does, in
+its ``--cpu`` mode and in its test); ``--json`` writes a summary row per mode for that driver.
+
 Usage::
 
     python scripts/bench_70b_block.py [--modes nf4 bf16] [--seq 128] [--work-dir /tmp/swarm-70b-block] [--keep]
         [--steps 1] [--warmup 1] [--threads N] [--gpu-gib 24] [--reserve-gib 1.5] [--in-flight 4]
+        [--device cpu|cuda|cuda:N] [--tiny] [--json PATH]
 """
 
 from __future__ import annotations
@@ -20,13 +26,14 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import json
 import logging
 import math
 import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import peft
@@ -57,6 +64,12 @@ SHAPE = dict(
     max_position_embeddings=4096,
     tie_word_embeddings=False,
 )
+# The same structure (GQA 8:1, SwiGLU, untied head) small enough for a CPU run of seconds; dimensions stay multiples
+# of bitsandbytes' 64-value nf4 blocks.
+TINY_SHAPE = {
+    **SHAPE,
+    **dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=1, intermediate_size=896, vocab_size=1024),
+}
 MODES = {"nf4": (torch.bfloat16, "nf4"), "bf16": (torch.bfloat16, "none")}
 DAEMON_DTYPE = {"nf4": "bfloat16", "bf16": "bfloat16"}  # the --dtype a peer would be given for each mode
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -85,6 +98,14 @@ class ModeResult:
     forward_s: float = 0.0
     backward_s: float = 0.0
     commit_s: float = 0.0
+    # CUDA only (the caching allocator's figures, bytes): per block at load, per block of adapter state (LoRA +
+    # AdamW moments) after training, per block at the peak of a training step (all of it: weights, state, the
+    # micro-batch's activations and gradients, transient dequantized weights), and the device's free memory before
+    # loading (what ``blocks_that_fit`` would have seen)
+    cuda_weights_per_block: int = 0
+    cuda_state_per_block: int = 0
+    cuda_peak_per_block: int = 0
+    cuda_free_before: int = 0
     error: str | None = None
 
     @property
@@ -99,21 +120,25 @@ class ModeResult:
 # --- the model folder -----------------------------------------------------------------------------------------
 
 
-def build_model(folder: Path) -> Path:
-    """Write the 2-layer 70B-shaped random model in bf16 (reused when the folder is already complete)."""
+def build_model(folder: Path, shape: dict) -> Path:
+    """Write the 2-layer random model of ``shape`` in bf16 (reused when the folder is already complete)."""
     if (folder / "config.json").is_file() and (folder / "model.safetensors.index.json").is_file():
         logger.info("reusing %s", folder)
         return folder
     import transformers
 
-    config = transformers.LlamaConfig(**SHAPE)
-    logger.info("building a %d-layer 70B-shaped model in bfloat16 (random init) ...", SHAPE["num_hidden_layers"])
+    config = transformers.LlamaConfig(**shape)
+    logger.info(
+        "building a %d-layer model of hidden size %d in bfloat16 (random init) ...",
+        shape["num_hidden_layers"],
+        shape["hidden_size"],
+    )
     started = time.perf_counter()
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
     logger.info("built in %.1f s; saving to %s", time.perf_counter() - started, folder)
     folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder, max_shard_size="2GB")
+    model.save_pretrained(folder, max_shard_size="2GB" if shape is SHAPE else "1MB")  # sharded either way
     del model
     release_memory()
     return folder
@@ -123,12 +148,21 @@ def build_model(folder: Path) -> Path:
 
 
 def release_memory() -> None:
-    """Collect garbage and hand freed heap back to the OS, so that RSS reflects live tensors."""
+    """Collect garbage and hand freed heap back to the OS (and cached blocks back to CUDA), so that RSS and the
+    allocator's figures reflect live tensors."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:
         pass
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued kernels, so that a timer read after it measures the work, not its launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def rss() -> dict[str, int]:
@@ -189,18 +223,6 @@ def layer_bytes(layer: nn.Module) -> dict[str, int]:
     return {kind: size for kind, size in kinds.items() if size}
 
 
-def layer_storages(layer: nn.Module) -> set[tuple[int, int]]:
-    """Storage keys of a block's own tensors (weights, LoRA, quant state), to leave out of activation counts."""
-    keys = set()
-    for module in layer.modules():
-        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-            keys.add(_storage_key(tensor.data))
-            state = getattr(tensor, "quant_state", None)
-            if state is not None:
-                keys.update(_storage_key(t) for t in quant_state_tensors(state))
-    return keys
-
-
 # --- the estimate ---------------------------------------------------------------------------------------------
 
 
@@ -232,23 +254,6 @@ def lora_formula(spec: ModelSpec) -> int:
 # --- one mode -------------------------------------------------------------------------------------------------
 
 
-class SavedTensors:
-    """Counts the bytes autograd saves for backward (each storage once), leaving out the block's own tensors."""
-
-    def __init__(self, exclude: set[tuple[int, int]]):
-        self.exclude, self.seen, self.bytes = exclude, set(), 0
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
-        if key not in self.exclude and key not in self.seen:
-            self.seen.add(key)
-            self.bytes += key[1]
-        return tensor
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
-
-
 def train_step(
     backend: SpanBackend, blocks: range, step: int, seq: int, result: ModeResult, measure: bool
 ) -> tuple[float, float, float]:
@@ -258,21 +263,25 @@ def train_step(
     hidden = torch.randn(1, seq, backend.spec.hidden_size, generator=generator)
     grad_out = torch.randn(1, seq, backend.spec.hidden_size, generator=generator) * 1e-3
     mb = f"bench:{step}:0"
-    exclude = set().union(*(layer_storages(backend.layers[b]) for b in blocks))
-    saved = SavedTensors(exclude)
+    synchronize(backend.device)
     started = time.perf_counter()
-    with saved.hooks():
-        backend.forward("bench", blocks, step, hidden, None, mb)
+    backend.forward("bench", blocks, step, hidden, None, mb)
+    synchronize(backend.device)
     forward_s = time.perf_counter() - started
+    # the backend counts what autograd keeps of the forward it caches for the backward (peers/state.py SavedBytes:
+    # each storage once, the blocks' weights left out); this forward is the only entry in its cache
+    cached = backend.cache.bytes
     started = time.perf_counter()
     backend.backward("bench", blocks, step, mb, None, None, grad_out, input_grad=True)
+    synchronize(backend.device)
     backward_s = time.perf_counter() - started
     if measure:
-        result.activations_per_block = saved.bytes // len(blocks)
+        result.activations_per_block = cached // len(blocks)
         grads = backend.adapters["bench"].blocks[blocks.start].grads[mb]
         result.lora_grads_per_mb = sum(g.nbytes for g in grads)
     started = time.perf_counter()
     backend.apply("bench", step, {b: [mb] for b in blocks}, HPARAMS)
+    synchronize(backend.device)
     commit_s = time.perf_counter() - started
     return forward_s, backward_s, commit_s
 
@@ -284,7 +293,9 @@ def _mb(parts: dict[str, int]) -> dict[str, int]:
 def touch(backend: SpanBackend, blocks: range) -> None:
     """One token through the span without grad, so that every weight has been read once (pages mapped in)."""
     with torch.no_grad():
-        backend.run(torch.zeros(1, 1, backend.spec.hidden_size, dtype=backend.dtype), None, blocks)
+        backend.run(
+            torch.zeros(1, 1, backend.spec.hidden_size, dtype=backend.dtype, device=backend.device), None, blocks
+        )
     release_memory()
 
 
@@ -293,13 +304,22 @@ def run_mode(spec: ModelSpec, mode: str, args: argparse.Namespace) -> ModeResult
     dtype, quant = MODES[mode]
     result = ModeResult(mode, estimate=estimate_bytes(spec, mode))
     blocks = range(0, spec.num_blocks)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
     release_memory()
     before = rss()
+    if cuda:
+        result.cuda_free_before = torch.cuda.mem_get_info(device)[0]
+        allocated_before = torch.cuda.memory_allocated(device)
     started = time.perf_counter()
-    backend = SpanBackend(spec, blocks, torch.device("cpu"), dtype, quant)
+    backend = SpanBackend(spec, blocks, device, dtype, quant)
+    synchronize(device)
     result.load_s = time.perf_counter() - started
     release_memory()
     loaded = rss()
+    if cuda:
+        allocated_loaded = torch.cuda.memory_allocated(device)
+        result.cuda_weights_per_block = (allocated_loaded - allocated_before) // len(blocks)
     touch(backend, blocks)
     touched = rss()
     result.rss_anon_per_block = (loaded["anon"] - before["anon"]) // len(blocks)
@@ -315,12 +335,17 @@ def run_mode(spec: ModelSpec, mode: str, args: argparse.Namespace) -> ModeResult
     backend.open_adapter("bench", lora_config_to_wire(config), seed=0, session="bench")
     timings = []
     for step in range(args.warmup + args.steps):
+        if cuda and step == args.warmup:  # the peak of measured steps: AdamW moments exist by then
+            torch.cuda.reset_peak_memory_stats(device)
         times = train_step(backend, blocks, step, args.seq, result, measure=step == 0)
         kind = "warm-up" if step < args.warmup else "measured"
         logger.info("%s: %s step %d: forward %.2f s, backward %.2f s, commit %.2f s", mode, kind, step, *times)
         if step >= args.warmup:
             timings.append(times)
     result.forward_s, result.backward_s, result.commit_s = min(timings, key=sum)  # the fastest measured step
+    if cuda:
+        result.cuda_peak_per_block = (torch.cuda.max_memory_allocated(device) - allocated_before) // len(blocks)
+        result.cuda_state_per_block = (torch.cuda.memory_allocated(device) - allocated_loaded) // len(blocks)
 
     state = backend.adapters["bench"].blocks[0]
     result.lora_params = sum(lp.param.nbytes for lp in state.params)
@@ -415,7 +440,69 @@ def report(spec: ModelSpec, results: list[ModeResult], args: argparse.Namespace,
         lines.append(
             f"| {r.mode} | {per_block_on_gpu(r, args.in_flight) / GIB:.3f} GiB | {fit} | {peers_needed(fit, args)} |"
         )
+    measured = [r for r in results if not r.error and r.cuda_peak_per_block]
+    if measured:
+        lines += [
+            "",
+            f"On {args.device} (the CUDA caching allocator; peak: one micro-batch of 1 x {args.seq} in flight, "
+            f"everything counted): `--num-blocks` budgets {MARGIN} x the estimate per block and fits "
+            "0.8 x free memory / that.",
+            "",
+            "| mode | allocated/block at load | adapter state/block | peak/block in a step | estimate x1.25 "
+            "| peak / (estimate x1.25) | free before load | blocks `--num-blocks` would take "
+            "| blocks the peak allows |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in measured:
+            budget = MARGIN * r.estimate
+            lines.append(
+                f"| {r.mode} | {r.cuda_weights_per_block / MB:,.1f} MB | {r.cuda_state_per_block / MB:,.1f} MB "
+                f"| {r.cuda_peak_per_block / MB:,.1f} MB | {budget / MB:,.1f} MB "
+                f"| {r.cuda_peak_per_block / budget:.3f} "
+                f"| {r.cuda_free_before / GIB:,.1f} GiB | {estimated_fit(r)} | {peak_fit(r)} |"
+            )
     return "\n".join(lines)
+
+
+def estimated_fit(result: ModeResult) -> int:
+    """Blocks ``blocks_that_fit`` (peers/daemon.py) picks on the free memory seen before loading, without its cap at
+    the model's block count: 0.8 x free / (1.25 x estimate)."""
+    return int(0.8 * result.cuda_free_before / (MARGIN * result.estimate))
+
+
+def peak_fit(result: ModeResult) -> int:
+    """Blocks that 0.8 x the same free memory holds at the measured peak per block (one micro-batch in flight)."""
+    return int(0.8 * result.cuda_free_before / result.cuda_peak_per_block)
+
+
+def summary_rows(results: list[ModeResult], args: argparse.Namespace) -> list[dict]:
+    """One row per mode for scripts/bench_gpu.py's table: the step's times and the bytes against the estimate."""
+    rows = []
+    for r in results:
+        if r.error:
+            rows.append(dict(mode=r.mode, ok=False, error=r.error, figures={}))
+            continue
+        figures = {
+            "forward s": r.forward_s,
+            "backward s": r.backward_s,
+            "commit s": r.commit_s,
+            "weights/block MB": r.weight_bytes / MB,
+            "estimate x1.25 MB": MARGIN * r.estimate / MB,
+        }
+        if r.cuda_peak_per_block:
+            figures |= {
+                "peak/block MB": r.cuda_peak_per_block / MB,
+                "peak/estimate x1.25": r.cuda_peak_per_block / (MARGIN * r.estimate),
+                "--num-blocks fit": estimated_fit(r),
+                "peak fit": peak_fit(r),
+            }
+        else:  # no allocator on CPU: the counted bytes of a block on a GPU, and what a --gpu-gib GPU holds
+            figures |= {
+                "per block on GPU MB": per_block_on_gpu(r, args.in_flight) / MB,
+                f"blocks on {args.gpu_gib:g} GiB": blocks_per_peer(r, args),
+            }
+        rows.append(dict(mode=r.mode, ok=True, figures=figures, detail=asdict(r)))
+    return rows
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -432,9 +519,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--total-blocks", type=int, default=80)
     parser.add_argument("--replication", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where the blocks live")
+    parser.add_argument("--tiny", action="store_true", help="a small shape of the same structure (seconds on a CPU)")
+    parser.add_argument("--json", type=Path, default=None, help="also write a summary row per mode here")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA device")
     return args
 
 
@@ -445,7 +537,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     command = " ".join(["python", "scripts/bench_70b_block.py", *(sys.argv[1:] if argv is None else argv)])
-    folder = build_model(args.work_dir / "llama-70b-shape-2-layers")
+    shape = TINY_SHAPE if args.tiny else SHAPE
+    folder = build_model(args.work_dir / f"llama-{'tiny' if args.tiny else '70b'}-shape-2-layers", shape)
     try:
         spec = load_spec(folder)
         results = []
@@ -458,10 +551,13 @@ def main(argv: list[str] | None = None) -> None:
                 release_memory()
         load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
         print(report(spec, results, args, command))
+        gpu = f", {torch.cuda.get_device_name(args.device)}" if args.device.startswith("cuda") else ""
         print(
-            f"\nMachine: {os.cpu_count()} CPUs, torch {torch.__version__} on {torch.get_num_threads()} threads; load "
-            f"average at the end {load}."
+            f"\nMachine: {os.cpu_count()} CPUs{gpu}, torch {torch.__version__} on {torch.get_num_threads()} threads; "
+            f"load average at the end {load}."
         )
+        if args.json:
+            args.json.write_text(json.dumps(summary_rows(results, args), indent=1))
     finally:
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
