@@ -18,6 +18,7 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import peft
 import torch
@@ -25,6 +26,9 @@ import torch
 from swarm.testing.localswarm import LocalSwarm, Process
 from swarm.testing.netlab import Host
 from swarm.testing.recipe import HPARAMS, LORA
+
+if TYPE_CHECKING:
+    from swarm.client.model import SwarmModelForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +56,13 @@ class Counters:
 
 def read_counters(pid: int | None = None) -> Counters:
     """The counters of the network namespace of ``pid`` (default: this process's), from /proc/PID/net/dev."""
-    lines = Path(f"/proc/{pid or 'self'}/net/dev").read_text().splitlines()[2:]  # two header lines
+    return parse_net_dev(Path(f"/proc/{pid or 'self'}/net/dev").read_text())
+
+
+def parse_net_dev(text: str) -> Counters:
+    """/proc/net/dev: two header lines, then ``NAME: rx_bytes ... (8 receive fields) tx_bytes ...`` per interface."""
     rx = tx = 0
-    for line in lines:
+    for line in text.splitlines()[2:]:
         name, _, fields = line.partition(":")
         if name.strip() != "lo":
             values = fields.split()
@@ -135,7 +143,7 @@ def make_batches(vocab: int, config: MeterConfig, seed: int = 0) -> list[dict[st
     return out
 
 
-def measure(model, config: MeterConfig, watch: dict[str, int]) -> LinkReport:
+def measure(model: SwarmModelForCausalLM, config: MeterConfig, watch: dict[str, int]) -> LinkReport:
     """Train ``config.warmup`` + ``config.steps`` steps; read the counters right before and after each measured one
     (the setup, the lease, the first opens and the warm-up are not counted)."""
     import swarm
@@ -175,7 +183,7 @@ def start_client(
     latest); ``watch``: name -> a PID in each other namespace to count as well."""
     args = ["--model", str(model_dir), "--initial-peers", *local.initial_peers, *config.to_args()]
     args += [f"--watch={key}={pid}" for key, pid in (watch or {}).items()]
-    return local.start_module(name, __name__, args, prefix=host.command())
+    return local.start_module(name, "swarm.testing.linkmeter", args, prefix=host.command())
 
 
 def collect(process: Process, timeout: float = 300.0) -> LinkReport:
