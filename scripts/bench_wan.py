@@ -8,8 +8,12 @@ the step at 0 ms without a bandwidth cap (compute and loopback costs) and the by
 bandwidth (at best they overlap), + the round trips no schedule avoids (a forward and a backward through every
 span, the commit, and a copy round when blocks have fewer servers than the client's min_copies).
 
+``--home``: a client on a home link and peers on links of their own, chained vs client-driven hops, in network
+namespaces (scripts/bench_wan_home.py; its options follow ``--home``).
+
 Usage::
 
+    sudo python scripts/bench_wan.py --home [--spans 2 4 8] [...]
     python scripts/bench_wan.py [--rtt-ms 0 50 100] [--mbit 100] [--peers 4 ...] [--layers 8] [--hidden 256]
         [--batch 4] [--seq 64] [--micro-batches 4] [--steps 5] [--warmup 1] [--modes loop pipelined]
         [--workdir DIR]
@@ -35,6 +39,7 @@ for path in (ROOT, ROOT / "scripts"):  # swarm, and bench_step.py's recipe (one 
         sys.path.insert(0, str(path))
 
 import bench_step  # noqa: E402
+import bench_wan_home  # noqa: E402
 
 import swarm  # noqa: E402
 from swarm.net.message import payload_bytes  # noqa: E402
@@ -248,6 +253,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--modes", nargs="+", default=["loop", "pipelined"], choices=["loop", "pipelined"])
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--home", action="store_true", help="the home-link scenario (see --home --help)")
     args = parser.parse_args(argv)
     if not all(1 <= peers <= args.layers for peers in args.peers) or args.steps < 1:
         parser.error("need 1 <= --peers <= --layers and --steps >= 1")
@@ -255,6 +261,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--home" in argv:
+        return bench_wan_home.main([arg for arg in argv if arg != "--home"])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench_wan_") as tmp:

@@ -135,6 +135,11 @@ class LocalSwarm:
         self.initial_peers = [ln for ln in dht.log.read_text().splitlines() if ln.startswith(wanted)]
         return dht
 
+    def start_module(self, name: str, module: str, args: list[str], prefix: list[str] | None = None) -> Process:
+        """``python -m MODULE ARGS`` as one of this swarm's processes (killed with it by ``close()``): a client, a
+        link emulator; after ``prefix`` if given (``ip netns exec NS``)."""
+        return self._spawn(name, args, [sys.executable, "-m", module], prefix)
+
     def start_monitor(self, port: int = 0, refresh: float = 2.0, timeout: float = 60.0) -> tuple[Process, str]:
         """``swarm monitor`` on 127.0.0.1 (``port`` 0: any free one); returns it and the page's URL (no trailing
         slash)."""

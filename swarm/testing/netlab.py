@@ -3,8 +3,10 @@
 Public hosts sit on one switch (a bridge in a namespace of its own) with addresses 10.231.0.x. A home host sits
 behind its own router namespace that does NAT (nftables masquerade) and drops every connection that starts on the
 internet side, like a home router without port forwards: it can dial out, nobody can dial in. Links can be capped
-with ``tc ... tbf``. Everything is made by this object and removed by ``close()``: no traffic leaves the
-namespaces, and nothing here touches the machine's own interfaces. Needs root, ``ip`` and ``nft``.
+with ``tc ... tbf``, each way, and a home host's connections can take a detour through a relay on its router (to
+add a delay: netem does not exist on every kernel). Everything is made by this object and removed by ``close()``:
+no traffic leaves the namespaces, and nothing here touches the machine's own interfaces. Needs root, ``ip`` and
+``nft``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,14 @@ table ip filter {
     iifname "eth1" accept
   }
 }
+"""
+DETOUR_RULES = """
+table ip detour {{
+  chain prerouting {{
+    type nat hook prerouting priority dstnat; policy accept;
+    iifname "eth1" meta l4proto tcp redirect to :{port}
+  }}
+}}
 """
 
 
@@ -73,6 +83,7 @@ class Host:
     netns: str
     ip: str
     behind_nat: bool = False
+    switch_port: str = ""  # a public host's end of its link on the switch (where what it receives is sent from)
 
     def command(self, *args: str) -> list[str]:
         """``args`` run inside this host's namespace (the process keeps its PID: ``ip netns exec`` execs)."""
@@ -88,6 +99,7 @@ class NetLab:
     namespaces: list[str] = field(default_factory=list)
     _next_ip: int = 2
     _links: int = 0
+    _capped: set[tuple[str, str]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         _remove_stale()
@@ -104,8 +116,8 @@ class NetLab:
     def public(self, name: str) -> Host:
         """A host with a public address: anyone in the lab can dial it."""
         netns = self._namespace(name)
-        ip = self._plug(netns, "eth0")
-        host = Host(name, netns, ip)
+        ip, port = self._plug(netns, "eth0")
+        host = Host(name, netns, ip, switch_port=port)
         self.hosts[name] = host
         return host
 
@@ -132,12 +144,51 @@ class NetLab:
 
     def cap(self, host: Host, mbit: float, burst_kb: int = 64) -> None:
         """Limit what ``host`` sends to ``mbit`` Mbit/s (tbf on its uplink; for a home host, on its router's)."""
-        netns = self.hosts[f"{host.name}-router"].netns if host.behind_nat else host.netns
-        rate = f"{mbit}mbit"
+        self._tbf(*self._uplink(host), mbit, burst_kb)
+
+    def cap_down(self, host: Host, mbit: float, burst_kb: int = 64) -> None:
+        """Limit what ``host`` receives to ``mbit`` Mbit/s (tbf where its link is fed: its port on the switch; for a
+        home host, its router's side of the home network)."""
+        self._tbf(*self._downlink(host), mbit, burst_kb)
+
+    def uncap(self, host: Host) -> None:
+        """Take both caps of ``host`` off (a link never capped is left as it is)."""
+        for netns, dev in (self._uplink(host), self._downlink(host)):
+            if (netns, dev) in self._capped:
+                self._run(["ip", "netns", "exec", netns, "tc", "qdisc", "del", "dev", dev, "root"])
+                self._capped.discard((netns, dev))
+
+    def detour(self, host: Host, port: int) -> None:
+        """Send every TCP connection that the home host ``host`` opens to ``port`` on its router instead, where a
+        transparent relay (``python -m swarm.testing.wanlink --transparent PORT``) carries it on, with a delay: netem
+        does not exist on every kernel. The relay dials out from the router, so the far end sees the router's
+        address, as it would with NAT."""
+        if not host.behind_nat:
+            raise NetLabError(f"{host.name} is not behind a router: a detour needs one")
+        rules = DETOUR_RULES.format(port=port)
+        self._run(["ip", "netns", "exec", self.hosts[f"{host.name}-router"].netns, "nft", "-f", "-"], stdin=rules)
+
+    def direct(self, host: Host) -> None:
+        """Undo ``detour``: the home host's new connections go out through NAT again."""
+        router = self.hosts[f"{host.name}-router"].netns
+        self._run(["ip", "netns", "exec", router, "nft", "delete", "table", "ip", "detour"])
+
+    def _uplink(self, host: Host) -> tuple[str, str]:
+        """Where what ``host`` sends leaves for the switch: (namespace, device)."""
+        return (self.hosts[f"{host.name}-router"].netns if host.behind_nat else host.netns), "eth0"
+
+    def _downlink(self, host: Host) -> tuple[str, str]:
+        """Where what ``host`` receives is sent from: (namespace, device)."""
+        if host.behind_nat:
+            return self.hosts[f"{host.name}-router"].netns, "eth1"
+        return self.switch, host.switch_port
+
+    def _tbf(self, netns: str, dev: str, mbit: float, burst_kb: int) -> None:
         self._run(
-            ["ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf"]
-            + ["rate", rate, "burst", f"{burst_kb}kb", "latency", "50ms"]
+            ["ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf"]
+            + ["rate", f"{mbit}mbit", "burst", f"{burst_kb}kb", "latency", "50ms"]
         )
+        self._capped.add((netns, dev))
 
     def _namespace(self, name: str) -> str:
         netns = f"{self.prefix}-{name}"
@@ -146,8 +197,8 @@ class NetLab:
         self._run(["ip", "-n", netns, "link", "set", "lo", "up"])
         return netns
 
-    def _plug(self, netns: str, ifname: str) -> str:
-        """Connect ``netns`` to the switch; returns its public address."""
+    def _plug(self, netns: str, ifname: str) -> tuple[str, str]:
+        """Connect ``netns`` to the switch; returns its public address and its port on the switch."""
         ip = f"{PUBLIC_NET}.{self._next_ip}"
         self._next_ip += 1
         outside, inside = self._veth_pair()
@@ -158,7 +209,7 @@ class NetLab:
         self._run(["ip", "-n", netns, "link", "set", inside, "name", ifname])
         self._run(["ip", "-n", netns, "addr", "add", f"{ip}/24", "dev", ifname])
         self._run(["ip", "-n", netns, "link", "set", ifname, "up"])
-        return ip
+        return ip, outside
 
     def _veth_pair(self) -> tuple[str, str]:
         """A new veth pair, created in this (root) namespace and moved away at once; names are short and ours."""
