@@ -104,12 +104,17 @@ def wait_for_text(log: Path, needle: str, process: subprocess.Popen, timeout: fl
 Hook = Callable[[str, str, int], None]
 
 
-def instrument(model: swarm.SwarmModelForCausalLM, hook: Hook) -> None:
-    """Call ``hook(method, peer_id, step)`` just before each request the client sends (to time a fault)."""
+def instrument(model: swarm.SwarmModelForCausalLM, hook: Hook, next_hop: bool = False) -> None:
+    """Call ``hook(method, peer_id, step)`` just before each request the client sends (to time a fault); with
+    ``next_hop``, ``peer_id`` is the hop after the one called, named in the request's route (a chain's second
+    peer, which only the first calls), and requests without a route are not shown."""
     original = model.session.calls.call
 
     def call(peer, meta, tensors, *args, **kwargs):
-        hook(meta["method"], peer.to_base58(), model.step)
+        if not next_hop:
+            hook(meta["method"], peer.to_base58(), model.step)
+        elif meta.get("route"):
+            hook(meta["method"], meta["route"][0][0], model.step)
         return original(peer, meta, tensors, *args, **kwargs)
 
     model.session.calls.call = call

@@ -31,17 +31,21 @@ from swarm.testing.localswarm import LocalSwarm
 FAULTS = {
     # name: (signal, method the client is about to send when the fault hits, micro-batches all in flight at once)
     "sigkill-forward": (signal.SIGKILL, "forward", False),
+    "sigkill-forward-next-hop": (signal.SIGKILL, "forward", False),
     "sigkill-backward": (signal.SIGKILL, "backward", False),
     "sigkill-commit": (signal.SIGKILL, "commit", False),
     "sigstop-forward": (signal.SIGSTOP, "forward", False),
     "sigterm-forward": (signal.SIGTERM, "forward", False),
     "sigkill-backward-pipelined": (signal.SIGKILL, "backward", True),  # model.train_step: others in flight
 }
+CLIENT_DRIVEN = {"sigkill-backward-client-driven": (signal.SIGKILL, "backward", False)}  # chain=False: hop by hop
+NEXT_HOP = {"sigkill-forward-next-hop"}  # the fault hits the chain's second peer, which the first one calls
 
 
-@pytest.mark.parametrize("fault", sorted(FAULTS))
+@pytest.mark.parametrize("fault", sorted(FAULTS) + sorted(CLIENT_DRIVEN))
 def test_training_survives_a_replica_failure(fault, tiny_models, tmp_path):
-    sig, method, pipelined = FAULTS[fault]
+    """Chained (the default), and one case with client-driven hops."""
+    sig, method, pipelined = {**FAULTS, **CLIENT_DRIVEN}[fault]
     model_dir = tiny_models["llama"]
     with LocalSwarm(tmp_path / "swarm") as local:
         peers = start_replicated_swarm(local, model_dir)
@@ -54,10 +58,10 @@ def test_training_survives_a_replica_failure(fault, tiny_models, tmp_path):
                 victim.append(by_id[peer_id])
                 by_id[peer_id].signal(sig)
 
-        model = connect(local, model_dir, adapter=fault)
+        model = connect(local, model_dir, adapter=fault, chain=fault not in CLIENT_DRIVEN)
         try:
             model.save_adapter(tmp_path / "initial")
-            instrument(model, hook)
+            instrument(model, hook, next_hop=fault in NEXT_HOP)
             train(model, steps=2, pipelined=pipelined)
             assert victim, f"the fault was never injected (no {method} at step 1)"
             if sig == signal.SIGSTOP:
