@@ -15,7 +15,7 @@ micro-batch wave (chained: one each; client-driven: one per span each), the comm
 Usage::
 
     sudo python scripts/bench_wan.py --home [--spans 2 4 8] [--modes chained client-driven] [--layers 8]
-        [--hidden 512] [--batch 4] [--seq 128] [--micro-batches 1] [--steps 3] [--warmup 1] [--up-mbit 20]
+        [--hidden 512] [--batch 1] [--seq 128] [--micro-batches 4] [--steps 3] [--warmup 1] [--up-mbit 20]
         [--down-mbit 100] [--rtt-ms 50] [--peer-mbit 100] [--workdir DIR]
 """
 
@@ -156,9 +156,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--micro-batches", type=int, default=1)
+    parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3, help="measured steps per client")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before the measured ones")
     parser.add_argument("--up-mbit", type=float, default=links.up_mbit, help="the client's uplink")

@@ -9,12 +9,15 @@ and the failure, so that the client goes on from there (``reached``) without rec
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from swarm.net.errors import RequestError
 
 MAX_ROUTE = 256  # hops a route may name (a model has fewer blocks than that)
 MAX_ROUTE_MADDRS = 8  # addresses a route may give for one hop
+T = TypeVar("T")
 HOP_SLACK = 2.0  # seconds each hop adds to the wait for a chain (its transfers, its queue)
 
 
@@ -61,15 +64,20 @@ def _hop(entry: object) -> ChainHop:
     return ChainHop(peer, start, end, float(timeout), tuple(maddrs))
 
 
-def read_route(meta: dict, key: str) -> list[ChainHop]:
-    """The hops after this one, in the order the request travels; each starts where the one before ends."""
+def _read_hops(meta: dict, key: str, read: Callable[[object], T], most: int) -> list[T]:
+    """A list of at most ``most`` hops (absent: none), each read by ``read`` (which raises ValueError)."""
     value = meta.get(key, [])
-    if not isinstance(value, list) or len(value) > MAX_ROUTE:
-        raise RequestError(f"{key!r} must be a list of at most {MAX_ROUTE} hops")
+    if not isinstance(value, list) or len(value) > most:
+        raise RequestError(f"{key!r} must be a list of at most {most} hops")
     try:
-        return [_hop(entry) for entry in value]
+        return [read(entry) for entry in value]
     except ValueError as e:
         raise RequestError(f"{key!r}: {e}") from None
+
+
+def read_route(meta: dict, key: str) -> list[ChainHop]:
+    """The hops after this one, in the order the request travels."""
+    return _read_hops(meta, key, _hop, MAX_ROUTE)
 
 
 def write_route(route: list[ChainHop]) -> list:
@@ -103,13 +111,7 @@ def _ack(entry: object) -> HopAck:
 
 
 def read_acks(meta: dict, key: str) -> list[HopAck]:
-    value = meta.get(key, [])
-    if not isinstance(value, list) or len(value) > MAX_ROUTE + 1:
-        raise RequestError(f"{key!r} must be a list of at most {MAX_ROUTE + 1} hops")
-    try:
-        return [_ack(entry) for entry in value]
-    except ValueError as e:
-        raise RequestError(f"{key!r}: {e}") from None
+    return _read_hops(meta, key, _ack, MAX_ROUTE + 1)
 
 
 def write_acks(acks: list[HopAck]) -> list:
