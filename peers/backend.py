@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
+from collections.abc import Iterable
 
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
@@ -38,6 +40,7 @@ from swarm.net.errors import (
     StaleStepError,
     UnknownAdapterError,
 )
+from swarm.net.gradnorm import GradNorm, covers_digest
 from swarm.net.protocol import AdapterInfo, InferRequest, OptimizerHParams, lora_and_seed
 from swarm.spec import ModelSpec
 
@@ -429,6 +432,39 @@ class SpanBackend:
         }
         return {block: mbs for block, mbs in missing.items() if mbs}
 
+    def grad_norms(self, name: str, blocks: range, step: int) -> tuple[GradNorm, ...]:
+        """What a backward's reply says of its blocks: each one's gradient summed over every micro-batch held here at
+        ``step``, as a 2-norm and an inf-norm share, and which micro-batches those are."""
+        adapter = self.adapter(name)
+        norms = []
+        for block in blocks:
+            state = adapter.blocks.get(block)
+            if state is None or state.step != step or not state.grads:
+                continue
+            summed = _summed(state, state.grads)
+            sum_sq = math.fsum(float(torch.linalg.vector_norm(g)) ** 2 for g in summed)
+            max_abs = max((float(g.abs().max()) for g in summed if g.numel()), default=0.0)
+            norms.append(GradNorm(block, covers_digest(state.grads), sum_sq, max_abs))
+        return tuple(norms)
+
+    def norm_parts(self, name: str, step: int, ledger: dict[int, list[str]], norm_type: float) -> dict[int, float]:
+        """Per block of the ledger held here at ``step``, its share of the step's ``norm_type``-norm (see
+        ``NormsRequest``); raises MissingGradientsError when some of the ledger's gradients are not here."""
+        states = self._ledger_states(name, step, ledger)
+        missing = self.missing(name, step, ledger)
+        if missing:
+            raise MissingGradientsError(f"no gradients for {missing} at step {step}", missing)
+        parts = {}
+        for block, state in states.items():
+            if state.step != step:
+                continue
+            norms = [torch.linalg.vector_norm(g, norm_type) for g in _summed(state, ledger[block])]
+            if math.isinf(norm_type):
+                parts[block] = max((float(n) for n in norms), default=0.0)
+            else:
+                parts[block] = math.fsum(float(n) ** norm_type for n in norms)
+        return parts
+
     def micro_batch_grads(self, name: str, step: int, wanted: dict[int, list[str]]) -> GradsByBlock:
         """Gradients this peer holds for (block, micro-batch) at ``step`` (applied or not), for a replica that lacks
         them."""
@@ -458,9 +494,16 @@ class SpanBackend:
                     raise RequestError(f"gradients for block {block}, micro-batch {mb} have wrong shapes or values")
                 state.grads.setdefault(mb, [t.to(lp.param.dtype) for t, lp in zip(tensors, state.params, strict=True)])
 
-    def apply(self, name: str, step: int, ledger: dict[int, list[str]], hparams: OptimizerHParams) -> dict[int, int]:
-        """Apply step ``step``: per block, sum the ledger's micro-batch gradients in sorted order, then one AdamW
-        update. Idempotent: blocks already past ``step`` are left alone.
+    def apply(
+        self,
+        name: str,
+        step: int,
+        ledger: dict[int, list[str]],
+        hparams: OptimizerHParams,
+        grad_scale: float = 1.0,
+    ) -> dict[int, int]:
+        """Apply step ``step``: per block, sum the ledger's micro-batch gradients in sorted order, scale them by the
+        step's global clipping factor, then one AdamW update. Idempotent: blocks already past ``step`` are left alone.
         """
         adapter = self.adapter(name)
         states = self._ledger_states(name, step, ledger)
@@ -470,12 +513,12 @@ class SpanBackend:
         for block, state in states.items():
             if state.step != step:
                 continue
-            summed = [torch.zeros_like(lp.param) for lp in state.params]
-            for mb in sorted(set(ledger[block])):
-                for total, grad in zip(summed, state.grads[mb], strict=True):
-                    total.add_(grad)
+            summed = _summed(state, ledger[block])
             if not all(torch.isfinite(g).all() for g in summed):
                 raise RequestError(f"step {step} has non-finite gradients on block {block}; refusing to apply them")
+            if grad_scale != 1.0:
+                for grad in summed:
+                    grad.mul_(grad_scale)
             state.undo = Undo(BlockState.of(state), state.grads, state.last_update)
             for lp, grad in zip(state.params, summed, strict=True):
                 lp.param.grad = grad
@@ -606,3 +649,12 @@ class SpanBackend:
 
     def digests(self, name: str) -> dict[int, str]:
         return {block: state.digest() for block, state in self.adapter(name).blocks.items()}
+
+
+def _summed(state: BlockAdapter, micro_batches: Iterable[str]) -> list[torch.Tensor]:
+    """A block's gradients summed over ``micro_batches`` in sorted order: the same bits on every replica."""
+    summed = [torch.zeros_like(lp.param) for lp in state.params]
+    for mb in sorted(set(micro_batches)):
+        for total, grad in zip(summed, state.grads[mb], strict=True):
+            total.add_(grad)
+    return summed

@@ -19,6 +19,7 @@ from peers.state import pack_states
 from swarm.blocks import lora_config_from_wire
 from swarm.net.chain import ChainFailure, HopAck
 from swarm.net.errors import PEER_ERRORS, RequestError, SourceUnavailableError
+from swarm.net.gradnorm import GradNorm
 from swarm.net.protocol import (
     Ack,
     BackwardRequest,
@@ -40,6 +41,8 @@ from swarm.net.protocol import (
     InferRequest,
     InfoRequest,
     Method,
+    NormsReply,
+    NormsRequest,
     OpenReply,
     OpenRequest,
     PeerInfo,
@@ -93,6 +96,7 @@ class PeerService(Doorkeeper):
                 Method.FORWARD: self._forward,
                 Method.BACKWARD: self._backward,
                 Method.COMMIT: self._commit,
+                Method.NORMS: self._norms,
                 Method.REVERT: self._revert,
                 Method.GRADS: self._grads,
                 Method.EXPORT: self._export,
@@ -130,51 +134,62 @@ class PeerService(Doorkeeper):
             request.mask,
             request.micro_batch,
         )
-        carried, acks, failure = await self._chain_on(request, arrived, outputs, hidden=outputs)
+        carried, acks, failure = await self._chain_on(request, arrived, outputs, (), hidden=outputs)
         return HiddenReply(carried, request.compression, acks, failure)
 
     async def _backward(self, request: BackwardRequest) -> GradReply:
         """The span's backward, then (in a chain) the spans before it, handed the gradient of this span's input."""
         arrived = time.monotonic()
-        grad_inputs = await self.compute(
-            self.backend.backward,
-            request.adapter,
-            request.blocks,
-            request.step,
-            request.micro_batch,
-            request.hidden,
-            request.mask,
-            request.grad,
-            request.input_grad or bool(request.route),
+
+        def backward() -> tuple[torch.Tensor | None, tuple[GradNorm, ...]]:
+            grad_inputs = self.backend.backward(
+                request.adapter,
+                request.blocks,
+                request.step,
+                request.micro_batch,
+                request.hidden,
+                request.mask,
+                request.grad,
+                request.input_grad or bool(request.route),
+            )
+            return grad_inputs, self.backend.grad_norms(request.adapter, request.blocks, request.step)
+
+        grad_inputs, norms = await self.compute(backward)
+        carried, acks, failure = await self._chain_on(
+            request, arrived, grad_inputs, norms, grad=grad_inputs, hidden=None
         )
-        carried, acks, failure = await self._chain_on(request, arrived, grad_inputs, grad=grad_inputs, hidden=None)
         return GradReply(carried, request.compression, acks, failure)
 
     async def _infer(self, request: InferRequest) -> HiddenReply:
         arrived = time.monotonic()
         outputs = await self.compute(self.backend.infer, request, request.hidden, request.mask)
-        carried, acks, failure = await self._chain_on(request, arrived, outputs, hidden=outputs)
+        carried, acks, failure = await self._chain_on(request, arrived, outputs, (), hidden=outputs)
         return HiddenReply(carried, request.compression, acks, failure)
 
     async def _chain_on(
-        self, request: ForwardRequest | BackwardRequest | InferRequest, arrived: float, result, **onward
+        self,
+        request: ForwardRequest | BackwardRequest | InferRequest,
+        arrived: float,
+        result,
+        norms: tuple[GradNorm, ...],
+        **onward,
     ) -> tuple[torch.Tensor | None, list[HopAck], ChainFailure | None]:
         """In a chain, hand the request on to the route's next hop with this hop's ``result`` (``onward``: the fields
         that change). Returns what goes back: the tensor of the chain's end (or this hop's, where the chain broke),
-        the hops that ran, and where it broke."""
+        the hops that ran (with ``norms``, this hop's gradient norms after a backward), and where it broke."""
         if not request.route:
-            return result, [self._ack(request.blocks, arrived)], None
+            return result, [self._ack(request.blocks, arrived, norms)], None
         hop, rest = request.route[0], request.route[1:]
         try:
             reply = await self.peers.pass_on(hop, replace(request, start=hop.start, end=hop.end, route=rest, **onward))
         except ChainBroken as e:  # the client goes on from this hop's result
-            return result, [self._ack(request.blocks, arrived)], e.failure
+            return result, [self._ack(request.blocks, arrived, norms)], e.failure
         carried = reply.grad_inputs if isinstance(reply, GradReply) else reply.outputs
-        return carried, [self._ack(request.blocks, arrived), *reply.acks], reply.failure
+        return carried, [self._ack(request.blocks, arrived, norms), *reply.acks], reply.failure
 
-    def _ack(self, blocks: range, arrived: float) -> HopAck:
+    def _ack(self, blocks: range, arrived: float, norms: tuple[GradNorm, ...]) -> HopAck:
         """This hop ran ``blocks``, in the seconds since the request arrived (the chain after it included)."""
-        return HopAck(self.me, blocks.start, blocks.stop, time.monotonic() - arrived)
+        return HopAck(self.me, blocks.start, blocks.stop, time.monotonic() - arrived, norms)
 
     async def _end_session(self, request: EndSessionRequest) -> EndSessionReply:
         return EndSessionReply(await self.compute(self.backend.sessions.end, request.session))
@@ -185,7 +200,23 @@ class PeerService(Doorkeeper):
         Gradients nobody could provide are reported (``missing_gradients``) and nothing is applied: the client
         replays them and asks again. Idempotent: blocks already past the step are left alone."""
         name, step, ledger = request.adapter, request.step, request.micro_batches()
-        missing = await self.compute(self.backend.missing, name, step, ledger)
+        await self._fetch_missing(request)
+        steps = await self.compute(self.backend.apply, name, step, ledger, request.hparams, request.grad_scale)
+        self.in_background(self.hooks.after_commit(name))  # queued on the compute thread before the next
+        return StepsReply(steps)
+
+    async def _norms(self, request: NormsRequest) -> NormsReply:
+        """The step's gradient norm shares of the ledger's blocks, for clipping, after fetching the gradients this
+        peer lacks like a commit does (the commit then finds them here)."""
+        await self._fetch_missing(request)
+        ledger = request.micro_batches()
+        parts = await self.compute(self.backend.norm_parts, request.adapter, request.step, ledger, request.norm_type)
+        return NormsReply(parts)
+
+    async def _fetch_missing(self, request: CommitRequest | NormsRequest) -> None:
+        """Fetch the ledger's micro-batch gradients this peer lacks from the replicas holding them, all at once."""
+        name, step = request.adapter, request.step
+        missing = await self.compute(self.backend.missing, name, step, request.micro_batches())
         wanted_from: dict[str, dict[int, list[str]]] = {}
         for block, mbs in missing.items():
             for mb in mbs:
@@ -196,9 +227,6 @@ class PeerService(Doorkeeper):
         )
         for grads in fetched:
             await self.compute(self.backend.add_grads, name, step, grads)
-        steps = await self.compute(self.backend.apply, name, step, ledger, request.hparams)
-        self.in_background(self.hooks.after_commit(name))  # queued on the compute thread before the next
-        return StepsReply(steps)
 
     async def _revert(self, request: RevertRequest) -> StepsReply:
         steps = await self.compute(self.backend.revert, request.adapter, request.step)

@@ -319,7 +319,7 @@ def commit(
                 applied[peer] = pending[peer]
         if missing:
             _take_back(calls, replicas, applied, step)  # so that replays can run through their blocks at `step`
-            _replay(hops, ledger, missing)
+            replay_lost(hops, ledger, missing)
             continue
         if all(any(b in span for span in applied.values()) for b in blocks):
             break
@@ -355,7 +355,8 @@ def _commit_all(
     gradients some replica could not fetch from anyone live."""
 
     def attempt(peer: PeerID) -> dict[int, list[str]] | None:
-        request = CommitRequest(calls.adapter, ledger.step, ledger.wire_holders(peers[peer]), hparams)
+        holders = ledger.wire_holders(peers[peer])
+        request = CommitRequest(calls.adapter, ledger.step, holders, hparams, grad_scale=ledger.grad_scale)
         try:
             calls.ask(peer, request, floor=2 * FETCH_TIMEOUT)
         except PeerFailure:
@@ -411,7 +412,7 @@ def _take_back(calls: PeerCalls, replicas: ReplicaSet, applied: dict[PeerID, ran
     applied.clear()
 
 
-def _replay(hops: RemoteStack, ledger: StepLedger, missing: dict[int, list[str]]) -> None:
+def replay_lost(hops: RemoteStack, ledger: StepLedger, missing: dict[int, list[str]]) -> None:
     """Recompute lost gradients on live replicas from the segments the client kept."""
     plan = ledger.replay_plan(missing)
     logger.warning("replaying %d segment(s) whose gradients died with a peer (step %d)", len(plan), ledger.step)

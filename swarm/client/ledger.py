@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 from hivemind.p2p import PeerID
+
+from swarm.net.gradnorm import GradNorm, covers_digest
 
 
 @dataclass
@@ -33,11 +36,29 @@ class StepLedger:
     # Gradients of this step were discarded after their commit started: a replica found past the step may hold
     # those, not these, so it must not be taken for having applied this ledger.
     tainted: bool = False
+    # block -> covers digest -> the norms a peer reported for the gradients summed over those micro-batches
+    norms: dict[int, dict[str, GradNorm]] = field(default_factory=dict)
+    grad_scale: float = 1.0  # the clipping factor every replica applies at commit (model.clip_grad_norm_)
 
     def new_micro_batch(self) -> str:
         """A fresh id ``session:step:counter``; ids of one session sort in the order they were made."""
+        if self.grad_scale != 1.0:
+            raise ValueError(
+                "clip_grad_norm_ was already called for this step: call it after the step's last backward, just "
+                "before optimizer.step()"
+            )
         self.counter += 1
         return f"{self.session}:{self.step}:{self.counter:09d}"
+
+    def note_norms(self, norms: Iterable[GradNorm]) -> None:
+        """Gradient norms a backward's reply carried (see swarm/net/gradnorm.py)."""
+        for norm in norms:
+            self.norms.setdefault(norm.block, {})[norm.covers] = norm
+
+    def reported_norm(self, block: int) -> GradNorm | None:
+        """A reported norm of exactly the gradients the commit will apply on ``block``, if a peer sent one."""
+        held = self.holders.get(block)
+        return None if not held else self.norms.get(block, {}).get(covers_digest(held))
 
     def acknowledge(self, micro_batch: str, blocks: range, peer_id: PeerID) -> None:
         """``peer_id`` acknowledged the backward of ``micro_batch`` on ``blocks``: it holds those gradients."""

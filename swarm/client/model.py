@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import getpass
 import logging
+import math
 import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from pathlib import Path
@@ -21,6 +22,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from swarm.blocks import lora_config_from_wire, lora_config_to_wire
 from swarm.client.calls import Recovery
+from swarm.client.clipping import clip_factor
 from swarm.client.commit import StepsLost
 from swarm.client.export import save_peft_adapter
 from swarm.client.generation import SessionChain, generate_tokens, resolve_config
@@ -37,13 +39,42 @@ from swarm.client.session import (
     open_session,
 )
 from swarm.net.compression import WireFormat
-from swarm.net.errors import AdapterConfigError, AdapterStateLostError, RequestError
+from swarm.net.errors import AdapterConfigError, AdapterStateLostError, CommitError, RequestError
 from swarm.net.network import initial_peers_or_env, join_dht, load_swarm_key
 from swarm.net.protocol import OptimizerHParams, check_adapter_name
 from swarm.net.security import Identity
 from swarm.spec import ModelSpec, load_spec
 
 logger = logging.getLogger(__name__)
+
+NumItems = int | torch.Tensor | None
+# Arguments transformers' Trainer and TRL pass that change nothing here (no cache, the output as a dataclass): with
+# these values they are accepted; any other argument is refused rather than ignored.
+HARMLESS_KWARGS = {"use_cache": None, "return_dict": True, "output_attentions": False, "output_hidden_states": False}
+
+
+def check_forward_kwargs(kwargs: dict) -> None:
+    for name, value in kwargs.items():
+        if name not in HARMLESS_KWARGS:
+            raise TypeError(
+                f"SwarmModelForCausalLM.forward does not take {name!r}: it takes input_ids, attention_mask, labels "
+                "and num_items_in_batch (packed sequences with position_ids are not supported: pad instead)"
+            )
+        harmless = HARMLESS_KWARGS[name]
+        if harmless is not None and value not in (None, harmless):
+            raise TypeError(f"SwarmModelForCausalLM.forward supports only {name}={harmless!r}, got {value!r}")
+
+
+def label_tokens(labels: torch.Tensor) -> int:
+    """The tokens a causal LM loss counts in ``labels`` (shifted by one, -100 ignored), as transformers' Trainer
+    counts ``num_items_in_batch``."""
+    return int((labels[..., 1:] != -100).sum())
+
+
+def _check_micro_batch(batch: Mapping[str, torch.Tensor]) -> None:
+    if "input_ids" not in batch or "labels" not in batch:
+        raise ValueError(f"a micro-batch needs input_ids and labels, got keys {sorted(batch)}")
+
 
 EMBEDDINGS = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
@@ -68,6 +99,8 @@ def _generation_config(spec: ModelSpec) -> GenerationConfig:
 
 class SwarmModelForCausalLM(nn.Module):
     """A causal LM whose decoder blocks (and their LoRA adapter) live on swarm peers."""
+
+    accepts_loss_kwargs = True  # transformers' Trainer passes num_items_in_batch and leaves the loss as it is
 
     def __init__(self, spec: ModelSpec, session: AdapterSession, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -236,11 +269,18 @@ class SwarmModelForCausalLM(nn.Module):
         mask = None if attention_mask is None else attention_mask.to(torch.int64).cpu()
         return hidden, mask
 
-    def _head(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> CausalLMOutputWithPast:
+    def _head(
+        self, hidden: torch.Tensor, labels: torch.Tensor | None, num_items_in_batch: NumItems = None
+    ) -> CausalLMOutputWithPast:
         logits = self.lm_head(self.norm(hidden.to(self.device)))
         loss = None
         if labels is not None:
-            loss = ForCausalLMLoss(logits, labels.to(self.device), vocab_size=self.spec.config.vocab_size)
+            loss = ForCausalLMLoss(
+                logits,
+                labels.to(self.device),
+                vocab_size=self.spec.config.vocab_size,
+                num_items_in_batch=num_items_in_batch,
+            )
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     def forward(
@@ -248,13 +288,19 @@ class SwarmModelForCausalLM(nn.Module):
         input_ids: torch.LongTensor,
         attention_mask: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
+        num_items_in_batch: NumItems = None,
+        **kwargs,
     ) -> CausalLMOutputWithPast:
+        """As a transformers causal LM's forward. With ``num_items_in_batch`` (the number of label tokens in the
+        whole step, as transformers' Trainer counts them), the loss is the micro-batch's summed token loss divided
+        by it, so that ``loss.backward()`` per micro-batch adds up to the gradient of the step's token mean."""
+        check_forward_kwargs(kwargs)
         hidden, mask = self._inputs(input_ids, attention_mask)
         if not torch.is_grad_enabled():
             hidden, _ = self.session.hops.forward(hidden, mask, self.step, None)
-            return self._head(hidden, labels)
+            return self._head(hidden, labels, num_items_in_batch)
         ledger = self.ledger
-        return self._trained(hidden, mask, labels, ledger, ledger.new_micro_batch())
+        return self._trained(hidden, mask, labels, ledger, ledger.new_micro_batch(), num_items_in_batch)
 
     def _trained(
         self,
@@ -263,6 +309,7 @@ class SwarmModelForCausalLM(nn.Module):
         labels: torch.Tensor | None,
         ledger: StepLedger,
         micro_batch: str,
+        num_items_in_batch: NumItems = None,
     ) -> CausalLMOutputWithPast:
         """A forward with gradients through the swarm, as one autograd op: ``backward()`` runs the peers'
         backward and records who holds the micro-batch's gradients in the ledger."""
@@ -276,7 +323,7 @@ class SwarmModelForCausalLM(nn.Module):
             micro_batch,
             self.embed_tokens.weight.requires_grad,
         )
-        return self._head(hidden, labels)
+        return self._head(hidden, labels, num_items_in_batch)
 
     @contextlib.contextmanager
     def disable_adapter(self) -> Iterator[None]:
@@ -339,40 +386,77 @@ class SwarmModelForCausalLM(nn.Module):
         micro_batches: Iterable[Mapping[str, torch.Tensor]],
         accumulation: int | None = None,
         max_in_flight: int = 4,
+        num_items_in_batch: int | None = None,
     ) -> torch.Tensor:
         """Forward and backward of the micro-batches of a step, up to ``max_in_flight`` of them in the swarm at once
-        (a pipeline: each span works on one micro-batch while the next span works on another). The gradients are
-        exactly those of ``for b in micro_batches: (model(**b).loss / accumulation).backward()``: the peers sum them
-        in the order given. Commit with ``optimizer.step()`` as usual.
+        (a pipeline: each span works on one micro-batch while the next span works on another). Commit with
+        ``optimizer.step()`` as usual.
+
+        The loss is weighted per token, as transformers' Trainer does: the gradients are exactly those of
+        ``for b in micro_batches: model(**b, num_items_in_batch=N).loss.backward()``, with ``N`` the label tokens of
+        the whole step (counted here for a list; pass ``num_items_in_batch`` for an iterable without a length). With
+        ``accumulation``, each micro-batch's mean loss is divided by it instead (every micro-batch weighs the same,
+        however many tokens it has). The peers sum the gradients in the order given.
 
         ``micro_batches``: dicts with ``input_ids``, ``labels`` and optionally ``attention_mask``; a list, or any
-        iterable (a generator is read as the pipeline has room). ``accumulation``: what each micro-batch's loss is
-        divided by; defaults to ``len(micro_batches)``, needed for an iterable without a length.
-        Returns the sum of the divided losses (the mean loss of the step, with the default).
+        iterable (a generator is read as the pipeline has room).
+        Returns the sum of the weighted losses: the step's token-mean loss (or the mean of the micro-batches' mean
+        losses, with ``accumulation=len(micro_batches)``).
         """
-        if accumulation is None:
-            if not isinstance(micro_batches, Sized):
-                raise TypeError("pass accumulation=N (what each micro-batch's loss is divided by) for an iterable")
-            accumulation = len(micro_batches)
-        if accumulation < 1:
+        if accumulation is not None and num_items_in_batch is not None:
+            raise ValueError("pass accumulation or num_items_in_batch, not both")
+        if accumulation is not None and accumulation < 1:
             raise ValueError(f"accumulation must be at least 1, got {accumulation}")
+        if accumulation is None and num_items_in_batch is None:
+            if not isinstance(micro_batches, Sized):
+                raise TypeError("pass num_items_in_batch=N (the step's label tokens) or accumulation=N for an iterable")
+            micro_batches = list(micro_batches)
+            for batch in micro_batches:
+                _check_micro_batch(batch)
+            num_items_in_batch = sum(label_tokens(batch["labels"]) for batch in micro_batches)
+        if num_items_in_batch is not None and num_items_in_batch < 1:
+            raise ValueError("the step's micro-batches have no label tokens (every label is -100): nothing to train")
         ledger = self.ledger  # the step's: micro-batch ids come from it in order
 
         def start(batch: Mapping[str, torch.Tensor]) -> Callable[[], torch.Tensor]:
-            if "input_ids" not in batch or "labels" not in batch:
-                raise ValueError(f"a micro-batch needs input_ids and labels, got keys {sorted(batch)}")
+            _check_micro_batch(batch)
             hidden, mask = self._inputs(batch["input_ids"], batch.get("attention_mask"))
             micro_batch = ledger.new_micro_batch()  # here, in order: the canonical order of the sum
 
             def run() -> torch.Tensor:
                 with torch.enable_grad():
-                    loss = self._trained(hidden, mask, batch["labels"], ledger, micro_batch).loss / accumulation
+                    out = self._trained(hidden, mask, batch["labels"], ledger, micro_batch, num_items_in_batch)
+                    loss = out.loss if accumulation is None else out.loss / accumulation
                     loss.backward()
                 return loss.detach()
 
             return run
 
         return torch.stack(run_pipelined(micro_batches, start, max_in_flight)).sum()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the adapter's LoRA gradients on every peer: returns the total norm
+        of the step's gradient so far (every block's, as the commit will sum it) and has every replica scale it by
+        ``min(1, max_norm / (norm + 1e-6))`` when it commits. Call it after the step's last backward, before
+        ``optimizer.step()``. torch's own clips nothing here: the LoRA weights live on the peers.
+
+        A non-finite norm discards the step (nothing is applied) and raises CommitError."""
+        max_norm, norm_type = float(max_norm), float(norm_type)
+        if not max_norm >= 0 or not norm_type > 0:
+            raise ValueError(f"need max_norm >= 0 and norm_type > 0, got {max_norm} and {norm_type}")
+        session = self.training_session
+        ledger = session.ledger
+        if ledger.empty:
+            return torch.tensor(0.0)
+        norm = session.grad_norm(norm_type)
+        if not math.isfinite(norm):
+            session.discard_step()
+            raise CommitError(
+                f"the gradient norm of step {ledger.step} is {norm}: the step is discarded, nothing was applied. "
+                "Lower the learning rate, check the data for empty or broken examples, or train in float32"
+            )
+        ledger.grad_scale *= clip_factor(norm, max_norm)
+        return torch.tensor(norm)
 
     def commit(self, hparams: OptimizerHParams) -> int:
         """Commit the step in progress on every live replica of every block; returns the new step."""

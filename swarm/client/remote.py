@@ -125,6 +125,8 @@ class RemoteStack:
             if not cached or e.kind != ErrorKind.MISSING_FORWARD:
                 raise
             return self._backward_hop(hop, hidden, grad, mask, ledger, micro_batch, False, input_grad)
+        for ack in reply.acks:
+            ledger.note_norms(ack.norms)
         if input_grad and reply.grad_inputs is None:
             raise self.calls.peer_failed(hop.peer_id, "backward: the reply lacks the input gradient asked for")
         return reply.grad_inputs.to(grad.dtype) if input_grad else None
@@ -446,8 +448,9 @@ class RemoteStack:
                 if e.kind != ErrorKind.MISSING_FORWARD:
                     raise
                 break  # that peer no longer holds the forward (it restarted): the client sends the input
-            for hop in ran:
+            for hop, ack in zip(ran, reply.acks, strict=True):
                 ledger.acknowledge(micro_batch, hop.blocks, hop.peer_id)
+                ledger.note_norms(ack.norms)
             del pending[len(pending) - len(ran) :]
             if reply.failure is None:
                 attempts.succeeded(ledger.step)

@@ -17,6 +17,7 @@ from hivemind.p2p import PeerID
 
 from swarm.blocks import spans_text
 from swarm.client.calls import PeerCalls, PeerFailure, Recovery
+from swarm.client.clipping import step_norm
 from swarm.client.commit import ReplicaSet, StepsLost, commit, take_back_abandoned
 from swarm.client.copies import CopyKeeper
 from swarm.client.current import CurrentPeers
@@ -280,6 +281,10 @@ class TrainingSession(AdapterSession):
         announce_committed(self.dht, self.spec.name, self.adapter.name, self.owner, record)
         self.router.refresh_soon()  # peers that joined or moved meanwhile are brought in at the next step
         return self.step
+
+    def grad_norm(self, norm_type: float) -> float:
+        """The norm of the step's gradient so far, as the commit would apply it (its clipping factor included)."""
+        return step_norm(self.hops, self.replicas, self.ledger, norm_type) * self.ledger.grad_scale
 
     def discard_step(self) -> None:
         """Forget the micro-batches of the step in progress (their gradients are never committed)."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from swarm.net.errors import RequestError
+from swarm.net.gradnorm import GradNorm, read_grad_norm
 
 MAX_ROUTE = 256  # hops a route may name (a model has fewer blocks than that)
 MAX_ROUTE_MADDRS = 8  # addresses a route may give for one hop
@@ -87,12 +88,14 @@ def write_route(route: list[ChainHop]) -> list:
 @dataclass(frozen=True)
 class HopAck:
     """A hop that ran: which peer, which blocks, and the seconds it spent from the request's arrival to its answer
-    (the chain after it included)."""
+    (the chain after it included); after a backward, its blocks' accumulated gradient norms (see swarm/net/gradnorm.py).
+    """
 
     peer: str
     start: int
     end: int
     seconds: float
+    norms: tuple[GradNorm, ...] = ()
 
     @property
     def blocks(self) -> range:
@@ -100,14 +103,20 @@ class HopAck:
 
 
 def _ack(entry: object) -> HopAck:
-    if not isinstance(entry, list) or len(entry) != 4:
-        raise ValueError(f"{entry!r} is not [peer, start, end, seconds]")
-    peer, start, end, seconds = entry
+    if not isinstance(entry, list) or len(entry) not in (4, 5):
+        raise ValueError(f"{entry!r} is not [peer, start, end, seconds, norms?]")
+    peer, start, end, seconds = entry[:4]
+    norms = entry[4] if len(entry) == 5 else []
     if not isinstance(peer, str) or not (_is_int(start) and _is_int(end) and 0 <= start < end):
         raise ValueError(f"{entry!r} is not [peer, start, end, seconds]")
     if not isinstance(seconds, int | float) or isinstance(seconds, bool) or not 0 <= seconds < math.inf:
         raise ValueError(f"{seconds!r} is not a duration")
-    return HopAck(peer, start, end, float(seconds))
+    if not isinstance(norms, list) or len(norms) > end - start:
+        raise ValueError(f"{norms!r} is not a list of the hop's blocks' gradient norms")
+    read = tuple(read_grad_norm(n) for n in norms)
+    if any(n.block not in range(start, end) for n in read):
+        raise ValueError(f"gradient norms {norms!r} name blocks outside the hop's {start}:{end}")
+    return HopAck(peer, start, end, float(seconds), read)
 
 
 def read_acks(meta: dict, key: str) -> list[HopAck]:
@@ -115,7 +124,7 @@ def read_acks(meta: dict, key: str) -> list[HopAck]:
 
 
 def write_acks(acks: list[HopAck]) -> list:
-    return [[a.peer, a.start, a.end, a.seconds] for a in acks]
+    return [[a.peer, a.start, a.end, a.seconds, [n.to_wire() for n in a.norms]] for a in acks]
 
 
 class FailureKind:

@@ -51,6 +51,7 @@ class Method:
     FORWARD = "forward"
     BACKWARD = "backward"
     COMMIT = "commit"  # fetch the micro-batch gradients it lacks from other replicas, sum them, one AdamW update
+    NORMS = "norms"  # fetch the micro-batch gradients it lacks, report each block's summed gradient norm (clipping)
     REVERT = "revert"  # take back a commit that reached this replica while others could not complete it yet
     GRADS = "grads"  # peer to peer: micro-batch gradients this peer holds
     EXPORT = "export"  # peer to peer: adapter + AdamW state of blocks (served or standby)
@@ -94,8 +95,6 @@ PEER_STATE_ERRORS = frozenset(
 FETCH_TIMEOUT = 3.0  # how long a replica waits for another's gradients before the client replays them
 SYNC_TIMEOUT = 60.0  # how long a state transfer between peers may take
 MAX_MADDRS = 16  # addresses a reachability question may name
-
-
 
 
 # --- reading fields: each reader takes (meta, key) and raises RequestError on a value of the wrong shape -------------
@@ -500,7 +499,6 @@ class ForwardRequest(HiddenRequest):
         return range(self.start, self.end)
 
 
-
 @dataclass(frozen=True)
 class BackwardRequest(Request):
     """Self-contained, so any replica can serve it. Tensors: [hidden?, grad, mask?]. One to the peer that ran the
@@ -621,6 +619,13 @@ def read_ledger(meta: dict, key: str) -> dict[int, dict[str, str]]:
     return ledger
 
 
+def read_grad_scale(meta: dict, key: str) -> float:
+    scale = meta.get(key, 1.0)
+    if not isinstance(scale, int | float) or isinstance(scale, bool) or not 0 <= scale <= 1:
+        raise RequestError(f"{key!r} must be a number in [0, 1] (the clipping factor)")
+    return float(scale)
+
+
 def read_fetch_timeout(meta: dict, key: str) -> float:
     timeout = meta.get(key, FETCH_TIMEOUT)
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 600:
@@ -639,10 +644,48 @@ class CommitRequest(Request):
     ledger: dict[int, dict[str, str]] = wire(read_ledger, by_block)
     hparams: OptimizerHParams = wire(read_hparams, OptimizerHParams.to_meta)
     fetch_timeout: float = wire(read_fetch_timeout, default=FETCH_TIMEOUT)
+    grad_scale: float = wire(read_grad_scale, default=1.0)  # the global clipping factor, the same on every replica
 
     def micro_batches(self) -> dict[int, list[str]]:
         """Per block, the micro-batches to sum, in the canonical (sorted) order."""
         return {block: sorted(by_mb) for block, by_mb in self.ledger.items()}
+
+
+def read_norm_type(meta: dict, key: str) -> float:
+    value = meta.get(key)
+    if not isinstance(value, int | float) or isinstance(value, bool) or math.isnan(value) or value <= 0:
+        raise RequestError(f"{key!r} must be a positive number (or inf)")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class NormsRequest(Request):
+    """Each block's share of the step's gradient norm over the micro-batches of ``ledger`` (as for a commit: the
+    peer fetches those it lacks): ``sum |g|^p`` of the summed gradient, or ``max |g|`` for ``norm_type`` inf. For
+    the steps whose backward replies did not already say it (see swarm/net/gradnorm.py)."""
+
+    method: ClassVar[str] = Method.NORMS
+    adapter: str = wire(read_adapter)
+    step: int = wire(read_int)
+    ledger: dict[int, dict[str, str]] = wire(read_ledger, by_block)
+    norm_type: float = wire(read_norm_type, default=2.0)
+    fetch_timeout: float = wire(read_fetch_timeout, default=FETCH_TIMEOUT)
+
+    def micro_batches(self) -> dict[int, list[str]]:
+        return {block: sorted(by_mb) for block, by_mb in self.ledger.items()}
+
+
+def _share(value: object) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a number")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class NormsReply(Reply):
+    """Per block held at the step, its share of the norm (non-finite values as they are)."""
+
+    parts: dict[int, float] = wire(by_blocks(_share, "number"), by_block)
 
 
 @dataclass(frozen=True)
@@ -969,6 +1012,7 @@ METHODS: dict[str, MethodSpec] = {
     Method.FORWARD: MethodSpec(ForwardRequest, HiddenReply),
     Method.BACKWARD: MethodSpec(BackwardRequest, GradReply),
     Method.COMMIT: MethodSpec(CommitRequest, StepsReply),
+    Method.NORMS: MethodSpec(NormsRequest, NormsReply),
     Method.REVERT: MethodSpec(RevertRequest, StepsReply),
     Method.GRADS: MethodSpec(GradsRequest, GradsReply, streamed=True),
     Method.EXPORT: MethodSpec(ExportRequest, ExportReply, streamed=True),

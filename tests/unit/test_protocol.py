@@ -4,6 +4,7 @@ not fit, and match the handlers, the docs' method table and the code (no method 
 from __future__ import annotations
 
 import ast
+import math
 import re
 import typing
 from dataclasses import MISSING, fields
@@ -18,6 +19,7 @@ from peers.service import PeerService
 from swarm.net import protocol
 from swarm.net.chain import ChainFailure, ChainHop, HopAck
 from swarm.net.errors import ErrorKind, MissingGradientsError, RemoteError, RequestError, SourceUnavailableError
+from swarm.net.gradnorm import GradNorm
 from swarm.net.message import Message
 from swarm.net.protocol import METHODS, Method, ReplyError, read_reply, read_request
 from swarm.net.servicer import Doorkeeper
@@ -30,7 +32,10 @@ LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
 HIDDEN, GRAD, MASK = torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.ones(2, 3, dtype=torch.int64)
 ADAPTER = protocol.AdapterInfo(protocol.adapter_meta(LORA, 7), {0: 3, 1: 3}, {2: 2})
 ROUTE = [ChainHop(OTHER.to_base58(), 2, 4, 3.5, ("/ip4/1.2.3.4/tcp/5",)), ChainHop(PEER.to_base58(), 4, 6, 2.0)]
-ACKS = [HopAck(PEER.to_base58(), 0, 2, 0.25), HopAck(OTHER.to_base58(), 2, 4, 0.5)]
+ACKS = [
+    HopAck(PEER.to_base58(), 0, 2, 0.25, (GradNorm(1, "c0ffee", 4.0, 1.5),)),
+    HopAck(OTHER.to_base58(), 2, 4, 0.5),
+]
 BROKEN = ChainFailure(PEER.to_base58(), "timeout", "no answer in 3.5 s")
 
 EXAMPLES: dict[str, tuple[protocol.Request, protocol.Reply]] = {
@@ -49,8 +54,12 @@ EXAMPLES: dict[str, tuple[protocol.Request, protocol.Reply]] = {
         protocol.GradReply(GRAD, acks=ACKS[::-1], failure=BROKEN),
     ),
     Method.COMMIT: (
-        protocol.CommitRequest("run", 3, {0: {"mb-0": PEER.to_base58()}}, HPARAMS, 2.5),
+        protocol.CommitRequest("run", 3, {0: {"mb-0": PEER.to_base58()}}, HPARAMS, 2.5, grad_scale=0.25),
         protocol.StepsReply({0: 4}),
+    ),
+    Method.NORMS: (
+        protocol.NormsRequest("run", 3, {0: {"mb-0": PEER.to_base58()}}, norm_type=1.0),
+        protocol.NormsReply({0: 2.5, 1: math.inf}),
     ),
     Method.REVERT: (protocol.RevertRequest("run", 3), protocol.StepsReply({0: 3})),
     Method.GRADS: (
@@ -142,7 +151,8 @@ def test_a_missing_field_is_refused(method):
     for f in _wire_fields(type(request)):
         message = request.to_message()
         optional_field = f.default is None or f.default_factory is not MISSING  # null, or empty (a route)
-        if optional_field or f.name in ("fetch_timeout", "compression", "input_grad", "relayed"):
+        defaulted = ("fetch_timeout", "compression", "input_grad", "relayed", "grad_scale", "norm_type")
+        if optional_field or f.name in defaulted:
             continue  # may be left out: null, empty, or a default the schema documents
         meta = {k: v for k, v in message.meta.items() if k != f.name}
         with pytest.raises(RequestError, match=f.name):

@@ -1,0 +1,112 @@
+"""Global gradient clipping: the norm of the step's whole LoRA gradient, over every block of every peer, and the
+factor every replica applies at commit (``SwarmModelForCausalLM.clip_grad_norm_``).
+
+The shares of the norm come with the backward replies (each peer reports its blocks' gradients summed over the
+micro-batches it holds), so clipping costs no round trip when one peer holds all of a block's micro-batches, as it
+does unless a failure re-routed part of the step. Other blocks, and norm types other than 2 and inf, are asked for:
+one request per replica, which first fetches the gradients it lacks (as a commit does; the commit then finds them
+there), with the lost ones replayed from what the client kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from functools import partial
+
+from hivemind.p2p import PeerID
+
+from swarm.client.calls import PeerFailure
+from swarm.client.commit import ReplicaSet, replay_lost
+from swarm.client.ledger import StepLedger
+from swarm.client.remote import RemoteStack
+from swarm.net.errors import CommitError, ErrorKind, RemoteError, ReplyError
+from swarm.net.gradnorm import combine
+from swarm.net.protocol import FETCH_TIMEOUT, NormsRequest, missing_gradients
+
+logger = logging.getLogger(__name__)
+
+MAX_NORM_ROUNDS = 8
+CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+
+
+def clip_factor(norm: float, max_norm: float) -> float:
+    """``min(1, max_norm / (norm + 1e-6))``, as torch computes it."""
+    return min(1.0, max_norm / (norm + CLIP_EPS))
+
+
+def step_norm(hops: RemoteStack, replicas: ReplicaSet, ledger: StepLedger, norm_type: float) -> float:
+    """The ``norm_type``-norm of the gradient the commit of ``ledger`` would apply (before any clipping)."""
+    parts: dict[int, float] = {}
+    for block in ledger.holders:
+        reported = ledger.reported_norm(block)
+        part = None if reported is None else reported.part(norm_type)
+        if part is not None:
+            parts[block] = part
+    wanted = sorted(block for block in ledger.holders if block not in parts)
+    if wanted:
+        logger.debug("asking for the gradient norms of blocks %s (step %d)", wanted, ledger.step)
+        parts.update(_ask_parts(hops, replicas, ledger, wanted, norm_type))
+    return combine(parts.values(), norm_type)
+
+
+def _ask_parts(
+    hops: RemoteStack, replicas: ReplicaSet, ledger: StepLedger, wanted: list[int], norm_type: float
+) -> dict[int, float]:
+    """Ask current replicas for the norm shares of ``wanted`` blocks: for each block, the replica that already holds
+    the most of its micro-batches (the fewest to fetch). Gradients that died with a peer are replayed first."""
+    step = ledger.step
+    parts: dict[int, float] = {}
+    for _ in range(MAX_NORM_ROUNDS):
+        replicas.refresh(step)
+        asked = _askees(replicas.peers(step), ledger, [block for block in wanted if block not in parts])
+        if not asked:
+            time.sleep(1.0)  # no current replica of some block right now: it may be syncing or restarting
+            hops.calls.router.refresh()
+            continue
+        lost: dict[int, set[str]] = {}
+        for shares, lacking in replicas.each(partial(_ask, hops, ledger, asked, norm_type), list(asked)):
+            parts.update(shares)
+            for block, mbs in lacking.items():
+                lost.setdefault(block, set()).update(mbs)
+        if all(block in parts for block in wanted):
+            return parts
+        if lost:
+            replay_lost(hops, ledger, {block: sorted(mbs) for block, mbs in lost.items()})
+    raise CommitError(
+        f"the gradient norm of step {step} could not be computed in {MAX_NORM_ROUNDS} rounds (blocks "
+        f"{[b for b in wanted if b not in parts]}); see the log for why"
+    )
+
+
+def _askees(spans: dict[PeerID, range], ledger: StepLedger, blocks: list[int]) -> dict[PeerID, list[int]]:
+    """For each block, the current replica holding the most of its micro-batches' gradients."""
+    asked: dict[PeerID, list[int]] = {}
+    for block in blocks:
+        holders = list(ledger.holders[block].values())
+        serving = [peer for peer, span in spans.items() if block in span]
+        if serving:
+            asked.setdefault(max(serving, key=holders.count), []).append(block)
+    return asked
+
+
+def _ask(
+    hops: RemoteStack, ledger: StepLedger, asked: dict[PeerID, list[int]], norm_type: float, peer: PeerID
+) -> tuple[dict[int, float], dict[int, list[str]]]:
+    """One replica's shares of its ``asked`` blocks, or the gradients nobody could give it (nothing at all when it
+    failed)."""
+    calls = hops.calls
+    holders = {block: ledger.wire_holders(range(block, block + 1))[block] for block in asked[peer]}
+    try:
+        request = NormsRequest(calls.adapter, ledger.step, holders, norm_type)
+        return calls.ask(peer, request, floor=2 * FETCH_TIMEOUT).parts, {}
+    except PeerFailure:
+        return {}, {}
+    except RemoteError as e:
+        if e.kind != ErrorKind.MISSING_GRADIENTS:
+            raise
+        try:
+            return {}, missing_gradients(e)
+        except ReplyError as bad:  # a garbled refusal: the peer failed
+            logger.warning("peer %s: %s", peer, bad)
+            return {}, {}
