@@ -4,11 +4,17 @@ A step is forward + ``loss.backward()`` + ``optimizer.step()`` + ``zero_grad()``
 ``time.perf_counter``. The local run goes first, in this process; then a bootstrap DHT and the peers start
 on 127.0.0.1, a swarm client trains the same model, batch and LoRA, and the swarm is always closed.
 
+With ``--clip MAX_NORM`` (the default, 1.0, as transformers' Trainer clips) each side also trains the same steps
+with global gradient clipping before ``optimizer.step()`` (torch's ``clip_grad_norm_`` locally,
+``model.clip_grad_norm_`` in the swarm), and the cost of clipping is printed: its own phase, the step with and
+without it, and how many norms requests the swarm sent (none when the backward replies carried the norm).
+``--replicas 2`` serves every span twice, so that a step's micro-batches may be spread over replicas.
+
 Usage::
 
     python scripts/bench_step.py [--hidden 512] [--layers 8] [--heads 8] [--kv-heads 8] [--intermediate 1376]
-        [--vocab 1024] [--batch 4] [--seq 128] [--peers 2] [--micro-batches 1] [--pipelined] [--steps 10] [--warmup 2]
-        [--workdir DIR]
+        [--vocab 1024] [--batch 4] [--seq 128] [--peers 2] [--replicas 1] [--micro-batches 1] [--pipelined]
+        [--clip 1.0] [--steps 10] [--warmup 2] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +39,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import swarm  # noqa: E402
-from swarm.net.protocol import InfoRequest  # noqa: E402
+from swarm.net.protocol import InfoRequest, Method, method_of  # noqa: E402
 from swarm.testing.localswarm import LocalSwarm  # noqa: E402
 from swarm.testing.tiny import make_tiny_model  # noqa: E402
 
@@ -42,7 +49,7 @@ TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 LORA_R, LORA_ALPHA = 8, 16
 HPARAMS = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 GOAL_RATIO = 1.15
-PHASES = ("forward", "backward", "optimizer")
+PHASES = ("forward", "backward", "clip", "optimizer")
 
 
 
@@ -90,9 +97,11 @@ def train(
     steps: int,
     warmup: int,
     pipelined: bool = False,
+    clip: Callable[[], object] | None = None,
 ) -> StepStats:
     """Run ``warmup`` untimed steps then ``steps`` timed ones; return their timings and losses. ``pipelined``: the
-    swarm's ``model.train_step`` (micro-batches in flight together) instead of the loop."""
+    swarm's ``model.train_step`` (micro-batches in flight together) instead of the loop. ``clip``: called between
+    the last backward and the optimizer step (gradient clipping)."""
     stats = StepStats(name)
     for index in tqdm(range(warmup + steps), desc=name, unit="step"):
         phases = dict.fromkeys(PHASES, 0.0)
@@ -110,7 +119,11 @@ def train(
             phases["forward"] += t1 - t0
             phases["backward"] += t2 - t1
             loss_sum += loss.item()
+        t_clip = time.perf_counter()
+        if clip is not None:
+            clip()
         t3 = time.perf_counter()
+        phases["clip"] = t3 - t_clip
         optimizer.step()
         optimizer.zero_grad()
         ended = time.perf_counter()
@@ -124,14 +137,20 @@ def train(
     return stats
 
 
-def run_local(model_dir: Path, batches: list[dict], steps: int, warmup: int) -> StepStats:
-    """Train with transformers + peft in this process."""
+def run_local(
+    model_dir: Path, batches: list[dict], steps: int, warmup: int, max_norm: float = 0.0
+) -> list[StepStats]:
+    """Train with transformers + peft in this process (then again with clipping, given a ``max_norm``)."""
     logger.info("local: loading %s with peft (torch threads: %d)", model_dir, torch.get_num_threads())
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     model = peft.get_peft_model(base, lora_config())
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, **HPARAMS)
-    return train("local peft", model, optimizer, batches, steps, warmup)
+    runs = [train("local peft", model, optimizer, batches, steps, warmup)]
+    if max_norm > 0:
+        clip = lambda: torch.nn.utils.clip_grad_norm_(trainable, max_norm)  # noqa: E731
+        runs.append(train("local clipped", model, optimizer, batches, steps, warmup, clip=clip))
+    return runs
 
 
 def ping(model: swarm.SwarmModelForCausalLM, count: int = 20) -> dict[str, float]:
@@ -153,17 +172,39 @@ def split_blocks(layers: int, peers: int) -> list[str]:
     return [f"{a}:{b}" for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
+def count_norms_requests(model: swarm.SwarmModelForCausalLM) -> list[int]:
+    """A counter (in a list) of the norms requests the client sends from now on."""
+    counter, original = [0], model.session.calls.call
+
+    def call(peer, meta, tensors, *args, **kwargs):
+        counter[0] += method_of(meta) == Method.NORMS
+        return original(peer, meta, tensors, *args, **kwargs)
+
+    model.session.calls.call = call
+    return counter
+
+
 def run_swarm(
-    model_dir: Path, workdir: Path, peers: int, batches: list[dict], steps: int, warmup: int, pipelined: bool = False
-) -> tuple[StepStats, dict[str, float]]:
-    """Start a DHT and ``peers`` peers on 127.0.0.1, train through them, and always close them."""
+    model_dir: Path,
+    workdir: Path,
+    peers: int,
+    batches: list[dict],
+    steps: int,
+    warmup: int,
+    pipelined: bool = False,
+    replicas: int = 1,
+    max_norm: float = 0.0,
+) -> tuple[list[StepStats], dict[str, float], int]:
+    """Start a DHT and ``peers`` peers on 127.0.0.1 (``replicas`` per span), train through them (then again with
+    clipping, given a ``max_norm``), and always close them. Returns the runs, the round trips and the norms requests
+    of the clipped run."""
     local_swarm = LocalSwarm(workdir)
     model = None
     try:
         logger.info("swarm: starting dht (logs in %s)", workdir)
         local_swarm.start_dht()
         layers = transformers.AutoConfig.from_pretrained(model_dir).num_hidden_layers
-        for index, span in enumerate(split_blocks(layers, peers)):
+        for index, span in enumerate(split_blocks(layers, peers) * replicas):
             logger.info("swarm: starting peer%d for blocks %s", index, span)
             local_swarm.start_peer(model_dir, span, name=f"peer{index}")
         model = swarm.SwarmModelForCausalLM.from_pretrained(
@@ -175,13 +216,17 @@ def run_swarm(
             seed=0,
         )
         optimizer = swarm.RemoteOptimizer(model, **HPARAMS)
-        stats = train("swarm", model, optimizer, batches, steps, warmup, pipelined)
+        runs = [train("swarm", model, optimizer, batches, steps, warmup, pipelined)]
+        norms_requests = count_norms_requests(model)
+        if max_norm > 0:
+            clip = lambda: model.clip_grad_norm_(max_norm)  # noqa: E731
+            runs.append(train("swarm clipped", model, optimizer, batches, steps, warmup, pipelined, clip=clip))
         try:
             rtts = ping(model)
         except Exception as e:  # a diagnostic only: never lose the timings over it
             logger.warning("could not ping the peers: %s: %s", type(e).__name__, e)
             rtts = {}
-        return stats, rtts
+        return runs, rtts, norms_requests[0]
     finally:
         if model is not None:
             try:
@@ -191,8 +236,16 @@ def run_swarm(
         local_swarm.close()
 
 
-def report(args: argparse.Namespace, peers_desc: str, local: StepStats, remote: StepStats, rtts: dict) -> None:
-    """Print the side-by-side table, the phase breakdown and the loss sanity check."""
+def report(
+    args: argparse.Namespace,
+    peers_desc: str,
+    locals_: list[StepStats],
+    remotes: list[StepStats],
+    rtts: dict,
+    asked: int,
+) -> None:
+    """Print the side-by-side table, the phase breakdown, what clipping costs and the loss sanity check."""
+    local, remote = locals_[0], remotes[0]
     ratio = remote.median / local.median
     print()
     print(
@@ -200,19 +253,27 @@ def report(args: argparse.Namespace, peers_desc: str, local: StepStats, remote: 
         f"lora r={LORA_R} all-linear, {peers_desc}, {args.micro_batches} micro-batch(es)/step, "
         f"{args.steps} steps after {args.warmup} warmup"
     )
-    for stats in (local, remote):
-        print(f"{stats.name:<12} median {stats.median:.3f} s/step  (min {stats.best:.3f})")
+    for stats in (*locals_, *remotes):
+        print(f"{stats.name:<14} median {stats.median:.3f} s/step  (min {stats.best:.3f})")
     print(f"ratio swarm/local: {ratio:.2f}  (goal <= {GOAL_RATIO:.2f})")
+    if len(locals_) == 2 and len(remotes) == 2:
+        measured = args.steps + args.warmup
+        print(
+            f"clipping (max_norm {args.clip}): local clip phase {locals_[1].phase_median('clip') * 1e3:.1f} ms, "
+            f"step {locals_[1].median / local.median:.3f}x unclipped; swarm clip phase "
+            f"{remotes[1].phase_median('clip') * 1e3:.1f} ms, step {remotes[1].median / remote.median:.3f}x unclipped, "
+            f"{asked} norms request(s) in {measured} steps"
+        )
     print()
     print("median per phase (s):      " + "  ".join(f"{p:>9}" for p in PHASES))
-    for stats in (local, remote):
+    for stats in (*locals_, *remotes):
         print(f"  {stats.name:<24}" + "  ".join(f"{stats.phase_median(p):9.3f}" for p in PHASES))
     if rtts:
         print(
             "peer round trip (empty info call): " + ", ".join(f"blocks {k} {v * 1e3:.2f} ms" for k, v in rtts.items())
         )
     print()
-    for stats in (local, remote):
+    for stats in (*locals_, *remotes):
         falls = "falls" if stats.losses[-1] < stats.losses[0] else "DOES NOT FALL"
         print(f"loss {stats.name:<12} first {stats.losses[0]:.5f}  last {stats.losses[-1]:.5f}  ({falls})")
 
@@ -229,6 +290,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--peers", type=int, default=2, help="peers that split the blocks evenly")
+    parser.add_argument("--replicas", type=int, default=1, help="peers serving each span")
+    parser.add_argument("--clip", type=float, default=1.0, help="max_norm of the clipped runs (0: none)")
     parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches of --batch rows per step")
     parser.add_argument("--pipelined", action="store_true", help="swarm: model.train_step (micro-batches in flight)")
     parser.add_argument("--steps", type=int, default=10, help="measured steps")
@@ -237,6 +300,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.micro_batches < 1 or not 1 <= args.peers <= args.layers:
         parser.error("need --steps >= 1, --warmup >= 0, --micro-batches >= 1 and 1 <= --peers <= --layers")
+    if args.replicas < 1 or args.clip < 0:
+        parser.error("need --replicas >= 1 and --clip >= 0")
     return args
 
 
@@ -258,14 +323,24 @@ def main(argv: list[str] | None = None) -> None:
             seed=0,
         )
         batches = make_batches(args.vocab, args.batch, args.seq, args.micro_batches)
-        local = run_local(model_dir, batches, args.steps, args.warmup)
-        remote, rtts = run_swarm(
-            model_dir, workdir / "swarm", args.peers, batches, args.steps, args.warmup, args.pipelined
+        locals_ = run_local(model_dir, batches, args.steps, args.warmup, args.clip)
+        remotes, rtts, asked = run_swarm(
+            model_dir,
+            workdir / "swarm",
+            args.peers,
+            batches,
+            args.steps,
+            args.warmup,
+            args.pipelined,
+            args.replicas,
+            args.clip,
         )
         spans = split_blocks(args.layers, args.peers)
         sizes = {int(b) - int(a) for a, b in (s.split(":") for s in spans)}
         peers_desc = f"{args.peers} peers x {sizes.pop()} blocks" if len(sizes) == 1 else f"peers {' '.join(spans)}"
-        report(args, peers_desc, local, remote, rtts)
+        if args.replicas > 1:
+            peers_desc += f", {args.replicas} replicas each"
+        report(args, peers_desc, locals_, remotes, rtts, asked)
         if args.workdir is None:
             logger.info("peer logs were in the temp dir %s (now removed); pass --workdir to keep them", tmp)
 
