@@ -1,6 +1,6 @@
-"""One training recipe for tests of failures: the same data, LoRA and AdamW, a reference from local peft, and a check
-that replicas agree. Whatever the swarm (real processes or in-process peers), a run with faults must end equal to
-local peft trained on the same data: exactly once, nothing lost, nothing applied twice."""
+"""One training recipe for tests of failures: the same data, LoRA, global gradient clipping and AdamW, a reference
+from local peft, and a check that replicas agree. Whatever the swarm (real processes or in-process peers), a run with
+faults must end equal to local peft trained on the same data: exactly once, nothing lost, nothing applied twice."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import swarm
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "up_proj"])
 HPARAMS = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
 STEPS, MICRO_BATCHES = 4, 2
+MAX_GRAD_NORM = 0.5  # global clipping, as Trainer's recipes do (max_grad_norm); it engages on this data
 
 
 class Joinable(Protocol):
@@ -56,16 +57,18 @@ def train(
     model: swarm.SwarmModelForCausalLM, steps: int = STEPS, check_replicas: bool = True, pipelined: bool = False
 ) -> list[float]:
     """The training loop of every fault test: accumulate MICRO_BATCHES (one after the other, or all in flight at
-    once with ``pipelined``), commit, check replicas agree."""
+    once with ``pipelined``), clip, commit, check replicas agree."""
     optimizer = swarm.RemoteOptimizer(model, **HPARAMS)
     losses = []
     while model.step < steps:
         if pipelined:
-            losses.append(model.train_step(batches_for_step(model.step), max_in_flight=MICRO_BATCHES).item())
+            batches = batches_for_step(model.step)
+            losses.append(model.train_step(batches, MICRO_BATCHES, max_in_flight=MICRO_BATCHES).item())
         for batch in [] if pipelined else batches_for_step(model.step):
             out = model(**batch)
             (out.loss / MICRO_BATCHES).backward()
             losses.append(out.loss.item())
+        model.clip_grad_norm_(MAX_GRAD_NORM)
         optimizer.step()
         optimizer.zero_grad()
         if check_replicas:
@@ -79,10 +82,12 @@ def reference_adapter(model_dir: Path, initial_adapter: Path, out: Path, steps: 
 
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     model = peft.PeftModel.from_pretrained(base, initial_adapter, is_trainable=True)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **HPARAMS)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, **HPARAMS)
     for step in range(steps):
         for batch in batches_for_step(step):
             (model(**batch).loss / MICRO_BATCHES).backward()
+        torch.nn.utils.clip_grad_norm_(trainable, MAX_GRAD_NORM)
         optimizer.step()
         optimizer.zero_grad()
     model.save_pretrained(out)

@@ -16,6 +16,7 @@ from swarm.testing.localswarm import LocalSwarm, Process
 from swarm.testing.recipe import (
     HPARAMS,
     LORA,
+    MAX_GRAD_NORM,
     MICRO_BATCHES,
     STEPS,
     assert_matches_local_peft,
@@ -29,6 +30,7 @@ from swarm.testing.recipe import (
 __all__ = [  # the recipe, for the e2e tests that import it from here
     "HPARAMS",
     "LORA",
+    "MAX_GRAD_NORM",
     "MICRO_BATCHES",
     "STEPS",
     "assert_matches_local_peft",

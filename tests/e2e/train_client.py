@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from failover_helpers import HPARAMS, MICRO_BATCHES, batches_for_step, connect  # noqa: E402
+from failover_helpers import HPARAMS, MAX_GRAD_NORM, MICRO_BATCHES, batches_for_step, connect  # noqa: E402
 
 import swarm  # noqa: E402
 from swarm.testing.localswarm import LocalSwarm  # noqa: E402
@@ -38,6 +38,7 @@ def main() -> None:
             if model.step == args.hang_in_step and index == 0:
                 print("hanging mid-step", flush=True)
                 time.sleep(3600)
+        model.clip_grad_norm_(MAX_GRAD_NORM)
         optimizer.step()
         optimizer.zero_grad()
         print(f"committed step {model.step}", flush=True)

@@ -15,7 +15,15 @@ from safetensors.torch import load_file
 from swarm.net.protocol import Method
 from swarm.testing.faults import Action, Fault
 from swarm.testing.inprocess import InProcessPeer, InProcessSwarm
-from swarm.testing.recipe import HPARAMS, MICRO_BATCHES, STEPS, assert_matches_local_peft, batches_for_step, connect
+from swarm.testing.recipe import (
+    HPARAMS,
+    MAX_GRAD_NORM,
+    MICRO_BATCHES,
+    STEPS,
+    assert_matches_local_peft,
+    batches_for_step,
+    connect,
+)
 from swarm.testing.recipe import train as train_steps
 
 FIRED = 60.0  # seconds a test waits to see its fault fire (it fires within a step or two)
@@ -174,6 +182,7 @@ def reference_with_blocks_reset(
                     optimizer.state.pop(p, None)
         for batch in batches_for_step(step):
             (model(**batch).loss / MICRO_BATCHES).backward()
+        torch.nn.utils.clip_grad_norm_(list(named.values()), MAX_GRAD_NORM)
         optimizer.step()
         optimizer.zero_grad()
     model.save_pretrained(initial.parent / "reference")
