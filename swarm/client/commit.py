@@ -306,7 +306,7 @@ def commit(
                 )
                 _take_back(calls, replicas, applied, step)
             else:
-                waiting.update(f"blocks {spans_text(uncovered)} have no live replica at step {step}; waiting")
+                waiting.update(f"blocks {spans_text(uncovered)} have no live replica at step {step}")
             patience.pause(1.0)
             calls.router.refresh()
             continue

@@ -195,7 +195,7 @@ class AdapterSession:
             if len(covered) == self.spec.num_blocks or deadline.passed:
                 waiting.done("every block answered" if len(covered) == self.spec.num_blocks else "gave up")
                 return list(answers.values())
-            waiting.update(f"blocks not answered yet: {spans_text(set(range(self.spec.num_blocks)) - covered)}")
+            waiting.update(f"blocks not answered yet: {spans_text(sorted(set(range(self.spec.num_blocks)) - covered))}")
             deadline.pause(1.0)
 
     def adapter_state(self) -> dict[int, dict[str, torch.Tensor]]:
