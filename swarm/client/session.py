@@ -170,9 +170,9 @@ class AdapterSession:
                     'their --checkpoint-dir, or pass resume="latest" to continue from the newest state they hold '
                     "(the steps in between are lost and listed in model.steps_lost)"
                 )
-            waiting.update(
-                f"blocks without a server yet: {spans_text(uncovered)}; not at step {newest} yet: {spans_text(missing)}"
-            )
+            # a new adapter waits for servers only; a recorded one also for copies at its step
+            behind = f"; not at step {newest} yet: {spans_text(missing)}" if recorded is not None else ""
+            waiting.update(f"blocks without a server yet: {spans_text(uncovered)}{behind}")
             deadline.pause(1.0)
 
     def _each_block(self, request: Request) -> list[tuple[PeerID, range, Reply]]:
