@@ -38,6 +38,19 @@ class Deadline:
         time.sleep(max(0.0, min(interval, self.left)))
 
 
+class _ClearLine(logging.Filter):
+    """Clears a wait's line on the terminal before a log record is written there, so that the record starts a line of
+    its own instead of running on from the wait's (which the wait's next look redraws under it)."""
+
+    def __init__(self, stream: TextIO):
+        super().__init__()
+        self.stream = stream
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.stream.write("\r\x1b[K")
+        return True
+
+
 class WaitLine:
     """What a wait still misses, as people can follow it: on a terminal one line redrawn in place; elsewhere (a log
     file, CI) a log record at most every ``every`` seconds, so a wait polled every second is not a burst of identical
@@ -57,6 +70,8 @@ class WaitLine:
         self.tty = self.stream.isatty()
         self.shown = False
         self.logged_at: float | None = None
+        self.clear = _ClearLine(self.stream)
+        self.clearing: list[logging.Handler] = []  # handlers writing to the terminal, while the line is drawn
 
     def text(self, missing: str) -> str:
         waited, left = self.deadline.elapsed, self.deadline.left
@@ -70,12 +85,24 @@ class WaitLine:
             width = shutil.get_terminal_size().columns - 1
             self.stream.write(f"\r\x1b[K{self.text(missing)[:width]}")
             self.stream.flush()
+            if not self.shown:
+                self._clear_before_records()
             self.shown = True
             return
         now = self.deadline.clock()
         if self.logged_at is None or now - self.logged_at >= self.every:
             self.log.log(self.level, "%s", self.text(missing))
             self.logged_at, self.shown = now, True
+
+    def _clear_before_records(self) -> None:
+        """Hook the handlers that write to this terminal (the logger's, up to the root's) for as long as the line is
+        drawn."""
+        logger: logging.Logger | None = self.log
+        while logger is not None:
+            self.clearing += [h for h in logger.handlers if getattr(h, "stream", None) is self.stream]
+            logger = logger.parent if logger.propagate else None
+        for handler in self.clearing:
+            handler.addFilter(self.clear)
 
     def done(self, outcome: str = "done") -> None:
         """End the wait's line (on a terminal) or log its outcome, if anything was shown."""
@@ -84,6 +111,9 @@ class WaitLine:
         self.shown = False
         line = f"{self.what}: {outcome} after {self.deadline.elapsed:.0f}s"
         if self.tty:
+            for handler in self.clearing:
+                handler.removeFilter(self.clear)
+            self.clearing = []
             self.stream.write(f"\r\x1b[K{line}\n")
             self.stream.flush()
         else:

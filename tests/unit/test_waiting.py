@@ -67,3 +67,23 @@ def test_a_wait_that_never_waited_or_is_not_wanted_shows_nothing(caplog, stream)
     caplog.set_level(logging.WARNING, logger=LOG.name)
     _wait(shown, 5, Clock())  # an INFO wait, with the logger at WARNING
     assert caplog.records == [] and shown.getvalue() == ""
+
+
+def test_a_record_logged_to_the_terminal_during_the_wait_starts_a_line_of_its_own(caplog, monkeypatch):
+    caplog.set_level(logging.INFO, logger=LOG.name)
+    monkeypatch.setenv("COLUMNS", "200")
+    terminal, clock = Terminal(), Clock()
+    handler = logging.StreamHandler(terminal)
+    LOG.addHandler(handler)
+    try:
+        waiting = WaitLine("waiting for peers", Deadline(300, clock), LOG, stream=terminal)
+        waiting.update("blocks without a server yet: 0:30")
+        LOG.warning("peer X failed")
+        waiting.update("blocks without a server yet: 0:30")
+        waiting.done("ready at step 0")
+        LOG.warning("after the wait")
+    finally:
+        LOG.removeHandler(handler)
+    text = terminal.getvalue()
+    assert "0:30\r\x1b[Kpeer X failed\n\r\x1b[Kwaiting for peers (waited 0s" in text, repr(text)
+    assert text.endswith("ready at step 0 after 0s\nafter the wait\n") and handler.filters == [], repr(text)
