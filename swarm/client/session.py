@@ -32,7 +32,7 @@ from swarm.net.protocol import DigestRequest, OpenRequest, OptimizerHParams, Rep
 from swarm.net.records import RECOVERIES_KEPT, CommittedRecord, announce_committed, read_committed
 from swarm.net.security import Identity, SwarmKey
 from swarm.net.transport import Transport
-from swarm.net.waiting import Deadline
+from swarm.net.waiting import Deadline, WaitLine
 from swarm.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -136,6 +136,7 @@ class AdapterSession:
                 "pass the same lora_config and seed to resume it, or pick another adapter name"
             )
         deadline = Deadline(self.calls.patience)
+        waiting = WaitLine(f"waiting for the peers of adapter {name!r}", deadline, logger)
         while True:
             self.router.refresh()
             served = self.replicas.open_many(list(self.router.live_servers(eligible_only=False)))
@@ -152,10 +153,12 @@ class AdapterSession:
             if not uncovered and (
                 not missing or recorded is None or (resume == "latest" and (give_up or not unanswered))
             ):
+                waiting.done(f"ready at step {newest}")
                 if missing:
                     logger.warning("resuming adapter %r without step %d on blocks %s", name, newest, missing)
                 return newest
             if give_up:
+                waiting.done("gave up")
                 if uncovered:
                     raise SwarmUnavailableError(
                         f"blocks {uncovered} have had no live server for {self.calls.patience:.0f}s; start peers "
@@ -168,20 +171,16 @@ class AdapterSession:
                     'their --checkpoint-dir, or pass resume="latest" to continue from the newest state they hold '
                     "(the steps in between are lost and listed in model.steps_lost)"
                 )
-            logger.info(
-                "waiting for peers holding adapter %r at step %d (blocks without a server yet: %s; not at that "
-                "step: %s)",
-                name,
-                newest,
-                spans_text(uncovered),
-                spans_text(missing),
-            )
+            # a new adapter waits for servers only; a recorded one also for copies at its step
+            behind = f"; not at step {newest} yet: {spans_text(missing)}" if recorded is not None else ""
+            waiting.update(f"blocks without a server yet: {spans_text(uncovered)}{behind}")
             deadline.pause(1.0)
 
     def _each_block(self, request: Request) -> list[tuple[PeerID, range, Reply]]:
         """Ask every current replica (used for exports and checks), waiting up to ``patience`` for every block
         to have answered at least once: a replica banned a moment ago may be back in seconds."""
         deadline = Deadline(self.calls.patience)
+        waiting = WaitLine(f"waiting for the replicas of adapter {self.adapter.name!r} to answer", deadline, logger)
         answers: dict[PeerID, tuple[PeerID, range, Reply]] = {}
         while True:
             self.catch_up()
@@ -195,7 +194,9 @@ class AdapterSession:
                     continue
             covered = {b for _, span, _ in answers.values() for b in span}
             if len(covered) == self.spec.num_blocks or deadline.passed:
+                waiting.done("every block answered" if len(covered) == self.spec.num_blocks else "gave up")
                 return list(answers.values())
+            waiting.update(f"blocks not answered yet: {spans_text(sorted(set(range(self.spec.num_blocks)) - covered))}")
             deadline.pause(1.0)
 
     def adapter_state(self) -> dict[int, dict[str, torch.Tensor]]:

@@ -17,7 +17,7 @@ from swarm.net.records import CommittedRecord, read_committed, read_models
 from swarm.net.security import Identity, SwarmKey
 from swarm.net.transport import Transport
 from swarm.net.view import SwarmView, observe
-from swarm.ops.health import ModelHealth, build, short
+from swarm.ops.health import Block, ModelHealth, build, ranges, short
 
 logger = logging.getLogger(__name__)
 
@@ -26,42 +26,62 @@ NO_MODEL = "no model is served in this swarm (yet): start peers with `swarm peer
 
 
 def render(model: str, num_blocks: int, view: SwarmView, replication: int) -> str:
-    """A table: one row per block with its servers (state, relayed or not, span, throughput, adapter steps), the
-    replication level, the peers keeping standby copies, how many peers hold each adapter's newest step, and
-    UNCOVERED where no live peer serves it."""
+    """A table: one row per run of blocks that show the same, with their servers (state, relayed or not, span,
+    throughput, adapter steps), the replication level, the peers keeping standby copies, how many peers hold each
+    adapter's newest step, and UNCOVERED where no live peer serves them."""
     return render_health(build(model, num_blocks, view, replication))
 
 
 def render_health(health: ModelHealth) -> str:
-    rows = [f"model {health.model}: {health.num_blocks} blocks, target replication {health.replication}"]
-    rows.append(f"{'block':>5}  {'repl':>4}  servers / standby copies / copies of each adapter's newest step")
-    uncovered = []
+    """The table of ``render``. Contiguous blocks whose lines would read the same (the same servers, states, spans
+    and steps, standby copies and copy counts) share one row, ``0-14``: a model served in a few spans reads in a few
+    rows, not three lines per block, and a run that differs (UNCOVERED, under-replicated) stands out as its own."""
+    groups: list[tuple[int, int, tuple[str, ...]]] = []  # (first block, last block, their lines)
     for block in health.blocks:
-        servers = []
-        for s in block.servers:
-            steps = " ".join(f"{name}@{step}" for name, step in s.steps.items())
-            servers.append(
-                f"{short(s.peer)} {s.state}{' relayed' if s.relayed else ''} {s.start}:{s.end} "
-                f"{s.throughput:.0f} tok/s" + (f" [{steps}]" if steps else "")
-            )
-        if not block.online:
-            uncovered.append(block.block)
-        mark = "" if block.online else "  UNCOVERED"
-        low = "" if block.online >= health.replication or not block.online else "  (under-replicated)"
-        rows.append(f"{block.block:>5}  {block.online:>4}  " + ("; ".join(servers) or "-") + mark + low)
-        if block.standby:
-            standby = [
-                f"{short(peer)} [{' '.join(f'{n}@{step}' for n, step in held.items())}]"
-                for peer, held in block.standby.items()
-            ]
-            rows.append(f"{'':>5}  {'':>4}  standby: " + "; ".join(standby))
-        if block.copies:
-            text = "; ".join(f"{name}@{c.step}: {c.count}" for name, c in block.copies.items())
-            single = any(c.count < 2 for c in block.copies.values())
-            rows.append(f"{'':>5}  {'':>4}  copies: {text}" + ("  (one failure would lose it)" if single else ""))
+        lines = _block_lines(block, health.replication)
+        if groups and groups[-1][2] == lines and groups[-1][1] == block.block - 1:
+            groups[-1] = (groups[-1][0], block.block, lines)
+        else:
+            groups.append((block.block, block.block, lines))
+    labels = [str(first) if first == last else f"{first}-{last}" for first, last, _ in groups]
+    width = max([len("blocks"), *(len(label) for label in labels)])
+    rows = [f"model {health.model}: {health.num_blocks} blocks, target replication {health.replication}"]
+    rows.append(f"{'blocks':>{width}}  {'repl':>4}  servers / standby copies / copies of each adapter's newest step")
+    for label, (_, _, lines) in zip(labels, groups, strict=True):
+        rows.append(f"{label:>{width}}  {lines[0]}")
+        rows.extend(f"{'':>{width}}  {'':>4}  {line}" for line in lines[1:])
+    uncovered = [b.block for b in health.blocks if not b.online]
     if uncovered:
-        rows.append(f"UNCOVERED blocks {uncovered}: start `swarm peer` serving them (or wait for a takeover)")
+        runs = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges(uncovered))
+        noun = "block" if len(uncovered) == 1 else "blocks"
+        rows.append(f"UNCOVERED {noun} {runs}: start `swarm peer` serving them (or wait for a takeover)")
     return "\n".join(rows)
+
+
+def _block_lines(block: Block, replication: int) -> tuple[str, ...]:
+    """What the table says of one block, without its number: its row, then its standby and copies lines if any."""
+    servers = []
+    for s in block.servers:
+        steps = " ".join(f"{name}@{step}" for name, step in s.steps.items())
+        servers.append(
+            f"{short(s.peer)} {s.state}{' relayed' if s.relayed else ''} {s.start}:{s.end} "
+            f"{s.throughput:.0f} tok/s" + (f" [{steps}]" if steps else "")
+        )
+    mark = "" if block.online else "  UNCOVERED"
+    low = "" if block.online >= replication or not block.online else "  (under-replicated)"
+    lines = [f"{block.online:>4}  " + ("; ".join(servers) or "-") + mark + low]
+    if block.standby:
+        standby = [
+            f"{short(peer)} [{' '.join(f'{n}@{step}' for n, step in held.items())}]"
+            for peer, held in block.standby.items()
+        ]
+        lines.append("standby: " + "; ".join(standby))
+    if block.copies:
+        text = "; ".join(f"{name}@{c.step}: {c.count}" for name, c in block.copies.items())
+        fewest = min(c.count for c in block.copies.values())
+        warning = "  (no live copy)" if fewest == 0 else "  (one failure would lose it)" if fewest == 1 else ""
+        lines.append(f"copies: {text}{warning}")
+    return tuple(lines)
 
 
 @dataclass

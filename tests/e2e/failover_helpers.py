@@ -143,3 +143,21 @@ def swarm_status(local: LocalSwarm, prefix: list[str] = ()) -> str:
     )
     assert status.returncode == 0, status.stderr
     return status.stdout
+
+
+def status_groups(table: str) -> dict[int, str]:
+    """Block -> the lines of its row in a `swarm status` table (a row covers a run of blocks, "0-1", and the
+    standby and copies lines under it)."""
+    groups: dict[int, str] = {}
+    blocks: list[int] = []
+    for line in table.splitlines():
+        label = line.split()[0] if line.strip() else ""
+        if label[:1].isdigit():
+            first, _, last = label.partition("-")
+            blocks = list(range(int(first), int(last or first) + 1))
+            groups.update(dict.fromkeys(blocks, line))
+        elif line.startswith(" ") and blocks:
+            groups.update({b: f"{groups[b]}\n{line}" for b in blocks})
+        else:
+            blocks = []
+    return groups

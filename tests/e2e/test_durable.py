@@ -24,6 +24,7 @@ from failover_helpers import (
     instrument,
     moved_to,
     start_client,
+    status_groups,
     swarm_status,
     train,
     wait_for_text,
@@ -111,8 +112,10 @@ def test_a_replica_killed_right_after_a_step_is_acknowledged(tiny_models, tmp_pa
         finally:
             model.shutdown()
         status = swarm_status(local)
-        copies = [line for line in status.splitlines() if "copies: replica-after-ack@4:" in line]
-        assert len(copies) == 4 and all("one failure would lose it" not in line for line in copies), status
+        groups = status_groups(status)
+        assert sorted(groups) == [0, 1, 2, 3], status
+        assert all("copies: replica-after-ack@4:" in groups[b] for b in range(4)), status
+        assert "one failure would lose it" not in status and "no live copy" not in status, status
     assert_matches_local_peft(model_dir, tmp_path)
 
 

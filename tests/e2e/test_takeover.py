@@ -13,6 +13,7 @@ from failover_helpers import (
     instrument,
     moved_to,
     start_swarm,
+    status_groups,
     swarm_status,
     train,
 )
@@ -119,7 +120,7 @@ def test_joining_peers_fill_uncovered_then_under_replicated_blocks(tiny_models, 
         finally:
             model.shutdown()
         status = swarm_status(local)
-        rows = {line.split()[0]: line for line in status.splitlines() if line.strip()[:1].isdigit()}
-        assert all(rows[str(b)].split()[1] == "2" for b in range(4)), status
+        groups = status_groups(status)
+        assert all(groups[b].split()[1] == "2" for b in range(4)), status
         assert "UNCOVERED" not in status
     assert_matches_local_peft(model_dir, tmp_path)

@@ -96,6 +96,45 @@ def test_status_renders_the_shared_state_with_its_copies_lines():
     assert "unreachable" in table and "(under-replicated)" in table
 
 
+def test_status_groups_contiguous_blocks_that_read_the_same_into_one_row():
+    """30 blocks in 3 spans of 10: a row (and its copies line) per span, not 3 lines per block; a run that differs
+    (uncovered, one block's standby copy) is a row of its own and still stands out."""
+    spans = {A0: (0, 10), A1: (10, 20), B0: (20, 30)}
+    records = {
+        b: [ServerRecord(p, ServerState.ONLINE, s, e, 10.0) for p, (s, e) in spans.items() if s <= b < e]
+        for b in range(30)
+    }
+
+    def view(alive: set[PeerID], standby: dict[int, int] | None = None) -> SwarmView:
+        infos = {
+            p: PeerInfo("m", s, e, "online", 10.0, {"a": AdapterInfo(META, dict.fromkeys(range(s, e), 5), {})}, [])
+            for p, (s, e) in spans.items()
+        }
+        if standby:
+            infos[A0] = PeerInfo(
+                "m", 0, 10, "online", 10.0, {"a": AdapterInfo(META, dict.fromkeys(range(10), 5), standby)}, [12]
+            )
+        return SwarmView(records, {p: info for p, info in infos.items() if p in alive})
+
+    table = render("m", 30, view({A0, A1, B0}), replication=2).splitlines()
+    assert [line.split()[:2] for line in table[2:] if not line.startswith(" " * 8)] == [
+        ["0-9", "1"],
+        ["10-19", "1"],
+        ["20-29", "1"],
+    ]
+    assert len(table) == 2 + 3 * 2 and all("(under-replicated)" in table[i] for i in (2, 4, 6)), table
+    assert table[3].strip() == "copies: a@5: 1  (one failure would lose it)"
+
+    broken = render("m", 30, view({A0, A1}), replication=2).splitlines()
+    assert "UNCOVERED" in broken[-3] and broken[-3].split()[:2] == ["20-29", "0"]
+    assert broken[-1].startswith("UNCOVERED blocks 20-29: start `swarm peer`")
+
+    one_differs = render("m", 30, view({A0, A1, B0}, standby={12: 5}), replication=2).splitlines()
+    labels = [line.split()[0] for line in one_differs[2:] if not line.startswith(" " * 8)]
+    assert labels == ["0-9", "10-11", "12", "13-19", "20-29"], one_differs
+    assert f"standby: {short(A0.to_base58())} [a@5]" in one_differs[7] and "copies: a@5: 2" in one_differs[8]
+
+
 def test_the_tracker_keeps_gone_peers_for_a_while_and_measures_steps_per_minute():
     tracker = Tracker(keep_gone=600.0, window=300.0)
     everyone = {A0, A1, B0, B1}

@@ -33,7 +33,7 @@ def test_view_counts_only_live_peers_and_settles_joiners_by_id():
     assert view.newest("a", 2, exclude=joiner_big) == (4, alive_id)
     assert view.trainer_step("a") == 5 and view.watchers([2, 3]) == [alive_id]
     table = render("m", 4, view, replication=2)
-    assert "unreachable" in table and "UNCOVERED blocks [2, 3]" in table
+    assert "unreachable" in table and "UNCOVERED blocks 2-3" in table
     assert "copies: a@5: 1  (one failure would lose it)" in table  # block 0: served at 5 by one live peer
 
 
