@@ -17,9 +17,9 @@ from swarm.dropout import seeded_dropout
 from swarm.lora_options import (
     OPTIONAL_ON_WIRE,
     BlockShell,
-    block_selected,
     check_lora_config,
     field_default,
+    has_lora,
 )
 from swarm.net.errors import AdapterConfigError
 from swarm.spec import ModelSpec
@@ -126,8 +126,9 @@ def add_lora(
     layer: nn.Module, spec: ModelSpec, block: int, adapter: str, config: peft.LoraConfig, seed: int
 ) -> list[LoraParam]:
     """Inject a LoRA adapter into a block and initialise it from (seed, block) alone: A kaiming, B zero, a DoRA
-    magnitude as peft computes it from the base weight. A block that ``layers_to_transform`` leaves out gets none."""
-    if not block_selected(config, block):
+    magnitude as peft computes it from the base weight. A block that the config leaves out (``layers_to_transform``)
+    gets none; the client checked that some block gets LoRA."""
+    if not has_lora(config, spec, block, layer):
         return []
     try:
         peft.inject_adapter_in_model(copy.deepcopy(config), BlockShell(spec, {block: layer}), adapter_name=adapter)

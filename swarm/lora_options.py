@@ -8,6 +8,7 @@ import dataclasses
 
 import peft
 import torch
+from peft.tuners.tuners_utils import check_target_module_exists
 from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from torch import nn
 
@@ -128,12 +129,19 @@ class BlockShell(nn.Module):
             parent.add_module(leaf, layer)
 
 
-def block_selected(config: peft.LoraConfig, block: int) -> bool:
-    """Whether ``layers_to_transform`` leaves LoRA on block ``block`` (peft's reading: None or [] selects all)."""
-    layers = config.layers_to_transform
-    if layers is None or layers == []:
-        return True
-    return block == layers if isinstance(layers, int) else block in layers
+def has_lora(config: peft.LoraConfig, spec: ModelSpec, block: int, layer: nn.Module) -> bool:
+    """Whether the config puts LoRA on some module of block ``block`` (``layer``: that block, or any block of the
+    model: they have the same modules), as peft matches full names: ``layers_to_transform`` or a target naming some
+    blocks only leave the others without LoRA."""
+    prefix = spec.block_prefix(block)
+    return any(check_target_module_exists(config, prefix + name) for name, _ in layer.named_modules() if name)
+
+
+def blocks_without_lora(config: peft.LoraConfig, spec: ModelSpec) -> set[int]:
+    """The blocks that get no LoRA tensor: they train nothing and export nothing."""
+    with torch.device("meta"):
+        layer = spec.family_class("DecoderLayer")(spec.config, layer_idx=0)
+    return {block for block in range(spec.num_blocks) if not has_lora(config, spec, block, layer)}
 
 
 def linear_names(layer: nn.Module) -> set[str]:
