@@ -17,9 +17,10 @@ from safetensors.torch import load_file
 import swarm
 from swarm.net.protocol import Method
 from swarm.testing.faults import Action, Fault
-from swarm.testing.parity import HPARAMS, local_peft, make_batches, train
+from swarm.testing.parity import HPARAMS, make_batches, train
 
 STEPS = 3
+ADAPTER = "adapter_model.safetensors"
 CONFIGS = {
     "dora": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True),
     "layers": dict(
@@ -55,11 +56,17 @@ def _train_both(swarm_run, model_dir, out, adapter: str, lora: dict, steps: int 
             swarm_logits = model(probe["input_ids"], attention_mask=probe["attention_mask"]).logits
     finally:
         model.shutdown()
-    torch.manual_seed(0)  # local peft's dropout masks (if any) do not depend on what ran before
-    reference = local_peft(model_dir, out / "initial")
-    local_losses = train(
-        reference, torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], **HPARAMS), batches
-    )
+    # the reference: local peft built from the user's config (not from the swarm's export), trained from the swarm's
+    # initial adapter; a fresh copy shows how peft itself initialises what is not drawn from the seed
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    reference = peft.get_peft_model(base, peft.LoraConfig(**lora))
+    reference.save_pretrained(out / "fresh")
+    loaded = peft.set_peft_model_state_dict(reference, load_file(out / "initial" / ADAPTER))
+    assert not loaded.unexpected_keys and not [key for key in loaded.missing_keys if "lora_" in key], loaded
+    reference.train()  # LoRA dropout applies locally too
+    torch.manual_seed(0)
+    trainable = [p for p in reference.parameters() if p.requires_grad]
+    local_losses = train(reference, torch.optim.AdamW(trainable, **HPARAMS), batches)
     reference.save_pretrained(out / "local")
     return dict(swarm_losses=swarm_losses, local_losses=local_losses, swarm_logits=swarm_logits, probe=probe)
 
@@ -72,10 +79,14 @@ def test_an_option_trains_as_local_peft_trains_it(option, llama_pair, tiny_model
         torch.tensor(run["swarm_losses"]), torch.tensor(run["local_losses"]), rtol=1e-4, atol=1e-5
     )
     ours, theirs = (
-        load_file(tmp_path / "final" / "adapter_model.safetensors"),
-        load_file(tmp_path / "local" / "adapter_model.safetensors"),
+        load_file(tmp_path / "final" / ADAPTER),
+        load_file(tmp_path / "local" / ADAPTER),
     )
     assert ours.keys() == theirs.keys(), sorted(ours.keys() ^ theirs.keys())
+    initial, fresh = load_file(tmp_path / "initial" / ADAPTER), load_file(tmp_path / "fresh" / ADAPTER)
+    assert initial.keys() == fresh.keys()
+    for key in [k for k in initial if ".lora_A." not in k]:  # A is drawn from (seed, block); B and DoRA's m are not
+        assert torch.equal(initial[key], fresh[key]), f"{key} is not initialised as peft initialises it"
     for key in ours:
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-4, atol=1e-5, msg=key)
     ours_config = json.loads((tmp_path / "final" / "adapter_config.json").read_text())
@@ -110,8 +121,8 @@ def test_lora_dropout_replays_exactly_when_a_peer_dies_mid_step(inprocess_swarm,
     broken = _train_both(swarm_run, model_dir, tmp_path / "broken", "drop-broken", DROPOUT)
     assert dies.wait_fired(0) and peers["a"].killed != peers["b"].killed
     assert broken["swarm_losses"] == clean["swarm_losses"]
-    final_clean = load_file(tmp_path / "clean" / "final" / "adapter_model.safetensors")
-    final_broken = load_file(tmp_path / "broken" / "final" / "adapter_model.safetensors")
+    final_clean = load_file(tmp_path / "clean" / "final" / ADAPTER)
+    final_broken = load_file(tmp_path / "broken" / "final" / ADAPTER)
     assert final_clean.keys() == final_broken.keys()
     assert all(torch.equal(final_clean[key], final_broken[key]) for key in final_clean), "a recompute drew other masks"
     # the masks apply: the first loss of each step is the same forward, but with other masks from step 1 on
