@@ -12,6 +12,8 @@ import torch
 
 import swarm
 from peers.backend import SpanBackend
+from peers.checkpoints import CheckpointStore
+from peers.state import pack_states, unpack_states
 from swarm.blocks import lora_config_from_wire, lora_config_to_wire
 from swarm.lora_options import HONOURED, METADATA, OPTIONAL_ON_WIRE, REFUSED, resolve_lora_config, undecided_fields
 from swarm.net.errors import AdapterConfigError
@@ -128,8 +130,9 @@ def _backend(model_dir, blocks: range) -> SpanBackend:
     return SpanBackend(load_spec(model_dir), blocks, torch.device("cpu"), torch.float32, "none")
 
 
-def test_a_block_that_layers_to_transform_leaves_out_serves_trains_and_moves(tiny_models):
-    """Block 0 has no LoRA: forwards, backwards, commits, digests, exports and standby copies still work."""
+def test_a_block_that_layers_to_transform_leaves_out_serves_trains_and_moves(tiny_models, tmp_path):
+    """Block 0 has no LoRA: forwards, backwards, commits, digests, exports, transfers, standby copies and checkpoints
+    still work."""
     wire = lora_config_to_wire(peft.LoraConfig(r=4, target_modules=TARGETS, layers_to_transform=[1]))
     backend = _backend(tiny_models["llama"], range(0, 2))
     backend.open_adapter("a", wire, seed=3, session="s")
@@ -142,9 +145,14 @@ def test_a_block_that_layers_to_transform_leaves_out_serves_trains_and_moves(tin
     backend.apply("a", 0, {0: ["s:0:1", "s:0:2"], 1: ["s:0:2"]}, HPARAMS)
     assert backend.adapters["a"].steps() == {0: 1, 1: 1} and len(backend.digests("a")) == 2
     assert backend.lora_state("a")[0] == {}
+    exported = unpack_states(*pack_states(backend.export_state("a", range(0, 2))[0]))
+    assert exported[0].step == 1 and exported[0].tensors == {}, "a block without LoRA must travel too"
     other = _backend(tiny_models["llama"], range(2, 3))
-    other.keep_standby("a", {"lora": wire, "seed": 3}, backend.export_state("a", range(0, 2))[0], keep={0, 1})
+    other.keep_standby("a", {"lora": wire, "seed": 3}, exported, keep={0, 1})
     assert other.adapters["a"].standby_steps() == {0: 1, 1: 1}
+    store = CheckpointStore(tmp_path)
+    store.save_block("a", 0, exported[0], backend.adapters["a"].meta)
+    assert store.load()["a"][1][0].step == 1
 
 
 def _grads(backend: SpanBackend, mb: str, hidden: torch.Tensor, drop_graph: bool) -> list[torch.Tensor]:
