@@ -167,7 +167,7 @@ def resolve_lora_config(config: peft.LoraConfig, spec: ModelSpec) -> peft.LoraCo
     elif isinstance(resolved.target_modules, str) and resolved.target_modules.lower() == "all-linear":
         resolved.target_modules = linear_names(layers[0])
     try:
-        peft.inject_adapter_in_model(copy.deepcopy(resolved), BlockShell(spec, layers))
+        peft.inject_adapter_in_model(copy.deepcopy(resolved), BlockShell(spec, layers), low_cpu_mem_usage=True)
     except ValueError as e:
         raise AdapterConfigError(f"LoraConfig.target_modules {config.target_modules!r} on this model: {e}") from None
     return resolved

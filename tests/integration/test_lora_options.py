@@ -38,7 +38,17 @@ CONFIGS = {
     ),
 }
 # adapter_config.json fields that must come out as local peft writes them
-CONFIG_FIELDS = ("r", "lora_alpha", "use_dora", "use_rslora", "layers_to_transform", "layers_pattern", "rank_pattern")
+CONFIG_FIELDS = (
+    "r",
+    "lora_alpha",
+    "use_dora",
+    "use_rslora",
+    "layers_to_transform",
+    "layers_pattern",
+    "rank_pattern",
+    "alpha_pattern",
+    "lora_dropout",
+)
 
 
 def _train_both(swarm_run, model_dir, out, adapter: str, lora: dict, steps: int = STEPS) -> dict:
@@ -93,7 +103,8 @@ def test_an_option_trains_as_local_peft_trains_it(option, llama_pair, tiny_model
     theirs_config = json.loads((tmp_path / "local" / "adapter_config.json").read_text())
     for field in CONFIG_FIELDS:
         assert ours_config[field] == theirs_config[field], field
-    assert set(ours_config["target_modules"]) == set(theirs_config["target_modules"])
+    for field in ("target_modules", "exclude_modules"):  # sets in peft: written in any order
+        assert set(ours_config[field] or ()) == set(theirs_config[field] or ()), field
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     loaded = peft.PeftModel.from_pretrained(base, tmp_path / "final")  # plain peft: no missing or unexpected keys
     probe = run["probe"]
