@@ -81,10 +81,21 @@ def _plain(value: object) -> object:
     return sorted(value) if isinstance(value, set | frozenset) else value
 
 
+def _check_for_peers(config: peft.LoraConfig) -> None:
+    """What a peer can build: a config the swarm honours, with explicit targets (it does not hold the whole model)."""
+    check_lora_config(config)
+    targets = config.target_modules
+    if targets is None or (isinstance(targets, str) and targets.lower() == "all-linear"):
+        raise AdapterConfigError(
+            f"LoraConfig.target_modules={targets!r} needs the model: resolve it with "
+            "swarm.lora_options.resolve_lora_config (from_pretrained does) or name the projections"
+        )
+
+
 def lora_config_to_wire(config: peft.LoraConfig) -> dict:
     """The fields of a LoRA config that decide its math, in a msgpack-friendly form; options at their defaults are
     left out, so that an adapter's identity does not change when the swarm learns a new option."""
-    check_lora_config(config)
+    _check_for_peers(config)
     wire = {name: _plain(getattr(config, name)) for name in LORA_FIELDS}
     wire.update(
         {
@@ -104,7 +115,7 @@ def lora_config_from_wire(wire: dict) -> peft.LoraConfig:
             f"unknown LoRA fields {sorted(unknown)}; supported: {list(LORA_FIELDS) + list(OPTIONAL_ON_WIRE)}"
         )
     config = peft.LoraConfig(**wire)
-    check_lora_config(config)
+    _check_for_peers(config)
     return config
 
 

@@ -105,6 +105,8 @@ def test_all_linear_and_default_targets_resolve_as_local_peft_resolves_them(tiny
         base = transformers.AutoModelForCausalLM.from_pretrained(tiny_models["llama"])
         local = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=targets)).peft_config["default"]
         assert set(resolved.target_modules) == set(local.target_modules), targets
+        with pytest.raises(AdapterConfigError, match="needs the model"):  # peers cannot resolve it
+            lora_config_to_wire(peft.LoraConfig(r=4, target_modules=targets))
     assert "lm_head" not in resolved.target_modules
 
 
