@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from swarm.spec import ModelSpec
 
 QUANT_MODES = ("none", "int8", "nf4")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PATTERN_UNMATCHED = "The following (rank|alpha)_pattern keys did not match"
 LORA_FIELDS = ("r", "lora_alpha", "target_modules", "lora_dropout", "bias", "use_rslora", "fan_in_fan_out")
 
 
@@ -142,7 +144,9 @@ def add_lora(
     if not has_lora(config, spec, block, layer):
         return []
     try:
-        peft.inject_adapter_in_model(copy.deepcopy(config), BlockShell(spec, {block: layer}), adapter_name=adapter)
+        with warnings.catch_warnings():  # a pattern naming other blocks matches none here; the client warns once
+            warnings.filterwarnings("ignore", PATTERN_UNMATCHED, RuntimeWarning)
+            peft.inject_adapter_in_model(copy.deepcopy(config), BlockShell(spec, {block: layer}), adapter_name=adapter)
     except ValueError as e:
         raise AdapterConfigError(f"LoRA config does not fit block {block}: {e}") from None
     marker = f".{adapter}."
