@@ -88,10 +88,7 @@ def test_an_option_trains_as_local_peft_trains_it(option, llama_pair, tiny_model
     torch.testing.assert_close(
         torch.tensor(run["swarm_losses"]), torch.tensor(run["local_losses"]), rtol=1e-4, atol=1e-5
     )
-    ours, theirs = (
-        load_file(tmp_path / "final" / ADAPTER),
-        load_file(tmp_path / "local" / ADAPTER),
-    )
+    ours, theirs = load_file(tmp_path / "final" / ADAPTER), load_file(tmp_path / "local" / ADAPTER)
     assert ours.keys() == theirs.keys(), sorted(ours.keys() ^ theirs.keys())
     initial, fresh = load_file(tmp_path / "initial" / ADAPTER), load_file(tmp_path / "fresh" / ADAPTER)
     assert initial.keys() == fresh.keys()
@@ -136,10 +133,11 @@ def test_lora_dropout_replays_exactly_when_a_peer_dies_mid_step(inprocess_swarm,
     final_broken = load_file(tmp_path / "broken" / "final" / ADAPTER)
     assert final_clean.keys() == final_broken.keys()
     assert all(torch.equal(final_clean[key], final_broken[key]) for key in final_clean), "a recompute drew other masks"
-    # the masks apply: the first loss of each step is the same forward, but with other masks from step 1 on
+    # the masks apply: at step 0 B is zero and they change nothing; from step 1 on they do
     assert clean["swarm_losses"][0] == no_dropout["swarm_losses"][0]
     assert clean["swarm_losses"][2:] != no_dropout["swarm_losses"][2:]
-    # local peft draws other masks: both fall, and stay close
+    # local peft draws other masks (its losses differ too): both fall, and stay close
+    assert clean["local_losses"][2:] != clean["swarm_losses"][2:]
     for run in (clean["swarm_losses"], clean["local_losses"]):
         assert run[-1] < run[0], run
     torch.testing.assert_close(
