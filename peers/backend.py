@@ -30,6 +30,7 @@ from peers.state import (
     session_of,
 )
 from swarm.blocks import add_lora, load_block, lora_config_from_wire, spans_text
+from swarm.dropout import dropout_masks
 from swarm.net.errors import (
     FencedError,
     MissingForwardError,
@@ -120,8 +121,9 @@ class SpanBackend:
         for block, layer in self.layers.items():
             if block in adapter.blocks:
                 continue
-            params = add_lora(layer, block, name, config, adapter.seed)
-            optimizer = torch.optim.AdamW([lp.param for lp in params], lr=0.0)
+            params = add_lora(layer, self.spec, block, name, config, adapter.seed)
+            # one param group even when ``layers_to_transform`` leaves the block without LoRA (AdamW refuses none)
+            optimizer = torch.optim.AdamW([{"params": [lp.param for lp in params]}], lr=0.0)
             state = adapter.blocks[block] = BlockAdapter(params=params, optimizer=optimizer)
             standby = adapter.standby.pop(block, None)
             if standby is not None:
@@ -358,7 +360,7 @@ class SpanBackend:
             for b in blocks
             for t in itertools.chain(self.layers[b].parameters(), self.layers[b].buffers())
         }
-        with torch.enable_grad(), SavedBytes(weights) as saved:
+        with torch.enable_grad(), SavedBytes(weights) as saved, dropout_masks(adapter.seed, micro_batch):
             outputs = self.run(inputs, mask, blocks)
         self.cache.put(key, inputs, outputs, saved.bytes)
         return outputs.detach().to(hidden.dtype).cpu()
@@ -383,7 +385,8 @@ class SpanBackend:
             raise RequestError(f"output gradients must be {list(hidden.shape)}, got {list(grad_outputs.shape)}")
         if not torch.isfinite(grad_outputs).all():
             raise RequestError("output gradients contain NaN or Inf")
-        states = self._states(self._trained(name, micro_batch), blocks, step)
+        adapter = self._trained(name, micro_batch)
+        states = self._states(adapter, blocks, step)
         self._activate(name)
         key = (name, micro_batch, blocks.start, blocks.stop)
         cached = self.cache.pop(key)
@@ -395,7 +398,7 @@ class SpanBackend:
                 hidden, attention_mask = kept
             inputs = hidden.to(self.device, self.dtype).requires_grad_(True)
             mask = None if attention_mask is None else attention_mask.to(self.device)
-            with torch.enable_grad():
+            with torch.enable_grad(), dropout_masks(adapter.seed, micro_batch):  # the forward's masks again
                 outputs = self.run(inputs, mask, blocks)
         else:
             inputs, outputs = cached
@@ -403,7 +406,8 @@ class SpanBackend:
             raise RequestError(f"output gradients must be {list(outputs.shape)}, got {list(grad_outputs.shape)}")
         params = [lp.param for state in states.values() for lp in state.params]
         wanted = [inputs, *params] if input_grad else params
-        grads = list(torch.autograd.grad(outputs, wanted, grad_outputs.to(outputs.device, outputs.dtype)))
+        gradient = grad_outputs.to(outputs.device, outputs.dtype)
+        grads = list(torch.autograd.grad(outputs, wanted, gradient)) if wanted else []  # a span may have no LoRA
         grad_inputs = grads.pop(0) if input_grad else None
         for state in states.values():
             count = len(state.params)

@@ -146,9 +146,12 @@ STATE_DTYPES = ("float32", "bfloat16", "float16")
 
 def pack_states(states: dict[int, BlockState]) -> tuple[list, torch.Tensor]:
     """Block states as one flat float32 tensor plus an index (block, step, name, key, shape, dtype): serializing
-    one tensor costs a fraction of serializing hundreds of small ones, and float32 holds bf16/fp16 exactly."""
+    one tensor costs a fraction of serializing hundreds of small ones, and float32 holds bf16/fp16 exactly. A block
+    without LoRA tensors (left out by ``layers_to_transform``) still travels, as one empty entry named ""."""
     index, parts = [], []
     for block, state in sorted(states.items()):
+        if not state.tensors:
+            index.append([block, state.step, "", "", [0], "float32"])
         for name, entry in sorted(state.tensors.items()):
             for key, tensor in sorted(entry.items()):
                 index.append(
@@ -168,7 +171,8 @@ def unpack_states(index: list, flat: torch.Tensor) -> dict[int, BlockState]:
         tensor = flat[offset : offset + count].reshape(shape).to(getattr(torch, dtype)).clone()
         offset += count
         state = states.setdefault(int(block), BlockState(step=int(step), tensors={}))
-        state.tensors.setdefault(str(name), {})[str(key)] = tensor
+        if name != "":
+            state.tensors.setdefault(str(name), {})[str(key)] = tensor
     return states
 
 

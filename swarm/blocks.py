@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -12,11 +14,20 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from swarm.dropout import seeded_dropout
+from swarm.lora_options import (
+    OPTIONAL_ON_WIRE,
+    BlockShell,
+    check_lora_config,
+    field_default,
+    has_lora,
+)
 from swarm.net.errors import AdapterConfigError
 from swarm.spec import ModelSpec
 
 QUANT_MODES = ("none", "int8", "nf4")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PATTERN_UNMATCHED = "The following (rank|alpha)_pattern keys did not match"
 LORA_FIELDS = ("r", "lora_alpha", "target_modules", "lora_dropout", "bias", "use_rslora", "fan_in_fan_out")
 
 
@@ -67,26 +78,46 @@ def _quantize_linears(module: nn.Module, quant: str, compute_dtype: torch.dtype)
             _quantize_linears(child, quant, compute_dtype)
 
 
+def _plain(value: object) -> object:
+    """Sets (peft turns lists of names into sets) as sorted lists, so that a config has one msgpack form."""
+    return sorted(value) if isinstance(value, set | frozenset) else value
+
+
+def _check_for_peers(config: peft.LoraConfig) -> None:
+    """What a peer can build: a config the swarm honours, with explicit targets (it does not hold the whole model)."""
+    check_lora_config(config)
+    targets = config.target_modules
+    if targets is None or (isinstance(targets, str) and targets.lower() == "all-linear"):
+        raise AdapterConfigError(
+            f"LoraConfig.target_modules={targets!r} needs the model: resolve it with "
+            "swarm.lora_options.resolve_lora_config (from_pretrained does) or name the projections"
+        )
+
+
 def lora_config_to_wire(config: peft.LoraConfig) -> dict:
-    """The fields of a LoRA config that decide its math, in a msgpack-friendly form."""
-    wire = {name: getattr(config, name) for name in LORA_FIELDS}
-    targets = wire["target_modules"]
-    wire["target_modules"] = sorted(targets) if not isinstance(targets, str) else targets
+    """The fields of a LoRA config that decide its math, in a msgpack-friendly form; options at their defaults are
+    left out, so that an adapter's identity does not change when the swarm learns a new option."""
+    _check_for_peers(config)
+    wire = {name: _plain(getattr(config, name)) for name in LORA_FIELDS}
+    wire.update(
+        {
+            name: _plain(getattr(config, name))
+            for name in OPTIONAL_ON_WIRE
+            if getattr(config, name) != field_default(name)
+        }
+    )
     return wire
 
 
 def lora_config_from_wire(wire: dict) -> peft.LoraConfig:
     """Rebuild and check a LoRA config: the swarm trains only what it can reproduce bit for bit."""
-    unknown = set(wire) - set(LORA_FIELDS)
+    unknown = set(wire) - set(LORA_FIELDS) - set(OPTIONAL_ON_WIRE)
     if unknown:
-        raise AdapterConfigError(f"unknown LoRA fields {sorted(unknown)}; supported: {list(LORA_FIELDS)}")
+        raise AdapterConfigError(
+            f"unknown LoRA fields {sorted(unknown)}; supported: {list(LORA_FIELDS) + list(OPTIONAL_ON_WIRE)}"
+        )
     config = peft.LoraConfig(**wire)
-    if config.lora_dropout != 0:
-        raise AdapterConfigError("lora_dropout must be 0: peers recompute forwards, so dropout would not replay")
-    if config.bias != "none":
-        raise AdapterConfigError("bias must be 'none': only LoRA A/B matrices are trained in the swarm")
-    if not config.r or config.r <= 0:
-        raise AdapterConfigError(f"LoRA rank r must be positive, got {config.r}")
+    _check_for_peers(config)
     return config
 
 
@@ -104,29 +135,40 @@ class LoraParam:
     param: nn.Parameter
 
 
-def add_lora(layer: nn.Module, block: int, adapter: str, config: peft.LoraConfig, seed: int) -> list[LoraParam]:
-    """Inject a LoRA adapter into a block and initialise it from (seed, block) alone."""
-    peft.inject_adapter_in_model(config, layer, adapter_name=adapter)
+def add_lora(
+    layer: nn.Module, spec: ModelSpec, block: int, adapter: str, config: peft.LoraConfig, seed: int
+) -> list[LoraParam]:
+    """Inject a LoRA adapter into a block and initialise it from (seed, block) alone: A kaiming, B zero, a DoRA
+    magnitude as peft computes it from the base weight. A block that the config leaves out (``layers_to_transform``)
+    gets none; the client checked that some block gets LoRA."""
+    if not has_lora(config, spec, block, layer):
+        return []
+    try:
+        with warnings.catch_warnings():  # a pattern naming other blocks matches none here; the client warns once
+            warnings.filterwarnings("ignore", PATTERN_UNMATCHED, RuntimeWarning)
+            peft.inject_adapter_in_model(copy.deepcopy(config), BlockShell(spec, {block: layer}), adapter_name=adapter)
+    except ValueError as e:
+        raise AdapterConfigError(f"LoRA config does not fit block {block}: {e}") from None
     marker = f".{adapter}."
     params = sorted(
         (LoraParam(name.replace(marker, "."), p) for name, p in layer.named_parameters() if marker in name),
         key=lambda lp: lp.name,
     )
-    if not params:
-        raise AdapterConfigError(
-            f"target_modules {config.target_modules} match no linear layer of block {block}; "
-            "name projections such as q_proj, v_proj, up_proj"
-        )
     generator = torch.Generator().manual_seed(block_seed(seed, block))
     with torch.no_grad():
         for lp in params:
             lp.param.requires_grad_(True)
-            if ".lora_A." in f".{lp.name}":
+            kind = lp.name.split(".")[-2]
+            if kind == "lora_A":
                 init = torch.empty(lp.param.shape, dtype=torch.float32)
                 nn.init.kaiming_uniform_(init, a=math.sqrt(5), generator=generator)
                 lp.param.copy_(init)
-            else:
+            elif kind == "lora_B":
                 lp.param.zero_()
+            elif kind != "lora_magnitude_vector":  # DoRA's magnitude: ||W|| row-wise, since B is zero
+                raise AdapterConfigError(f"LoRA tensor {lp.name} of block {block} has no deterministic init here")
+    if config.lora_dropout:
+        seeded_dropout(layer, adapter, config.lora_dropout, block)
     return params
 
 

@@ -12,8 +12,14 @@ from safetensors.torch import save_file
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
+DORA_MAGNITUDE = "lora_magnitude_vector.weight"
+
+
 def peft_key(block: int, name: str) -> str:
-    """The key peft uses for a LoRA tensor of decoder block ``block`` in a causal LM."""
+    """The key peft uses for a LoRA tensor of decoder block ``block`` in a causal LM; a DoRA magnitude is saved
+    without its module's ``.weight`` suffix (peft's file format predates its DoRA module)."""
+    if name.endswith(DORA_MAGNITUDE):
+        name = name.removesuffix(".weight")
     return f"base_model.model.model.layers.{block}.{name}"
 
 

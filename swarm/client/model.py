@@ -38,6 +38,7 @@ from swarm.client.session import (
     committed_or_raise,
     open_session,
 )
+from swarm.lora_options import resolve_lora_config
 from swarm.net.compression import WireFormat
 from swarm.net.errors import AdapterConfigError, AdapterStateLostError, CommitError, RequestError
 from swarm.net.network import initial_peers_or_env, join_dht, load_swarm_key
@@ -190,6 +191,8 @@ class SwarmModelForCausalLM(nn.Module):
             wire_dtype = "bfloat16"  # the hidden states are bf16 already: no rounding is added, half the bytes
         wire = WireFormat(wire_dtype, compression)
         spec = load_spec(model_dir)
+        if lora_config is not None:
+            lora_config = resolve_lora_config(lora_config, spec)  # refused options fail here, before joining
         peers = initial_peers_or_env(initial_peers)
         if not peers:
             raise ValueError("pass initial_peers=[...] (multiaddrs printed by `swarm dht`) or set SWARM_INITIAL_PEERS")

@@ -15,7 +15,7 @@ from hivemind import DHT
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.p2p import PeerID
 
-from swarm.blocks import spans_text
+from swarm.blocks import lora_config_from_wire, spans_text
 from swarm.client.calls import PeerCalls, PeerFailure, Recovery
 from swarm.client.clipping import step_norm
 from swarm.client.commit import ReplicaSet, StepsLost, commit, take_back_abandoned
@@ -25,6 +25,7 @@ from swarm.client.lease import AdapterLease
 from swarm.client.ledger import StepLedger
 from swarm.client.remote import RemoteStack
 from swarm.client.routing import Router
+from swarm.lora_options import blocks_without_lora
 from swarm.net.compression import WireFormat
 from swarm.net.errors import AdapterStateLostError, SwarmUnavailableError
 from swarm.net.network import check_access
@@ -201,7 +202,8 @@ class AdapterSession:
 
     def adapter_state(self) -> dict[int, dict[str, torch.Tensor]]:
         """LoRA tensors of every block, from live replicas at the current step."""
-        state: dict[int, dict[str, torch.Tensor]] = {}
+        bare = blocks_without_lora(lora_config_from_wire(self.adapter.lora), self.spec)
+        state: dict[int, dict[str, torch.Tensor]] = {block: {} for block in bare}
         for _, span, reply in self._each_block(StateRequest(self.adapter.name)):
             for block, tensors in reply.state.items():
                 if block in span:  # a peer handing blocks over may still hold them, not current any more

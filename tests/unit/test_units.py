@@ -142,7 +142,7 @@ def test_lora_init_is_deterministic_per_seed_and_block(tiny_models):
 
     def init(block: int, seed: int) -> dict[str, torch.Tensor]:
         layer = load_block(spec, block, torch.device("cpu"), torch.float32, "none")
-        return {lp.name: lp.param.detach().clone() for lp in add_lora(layer, block, "a", config, seed)}
+        return {lp.name: lp.param.detach().clone() for lp in add_lora(layer, spec, block, "a", config, seed)}
 
     first, again = init(1, seed=5), init(1, seed=5)
     assert first.keys() == {"self_attn.q_proj.lora_A.weight", "self_attn.q_proj.lora_B.weight"}
@@ -153,8 +153,8 @@ def test_lora_init_is_deterministic_per_seed_and_block(tiny_models):
 
 
 def test_lora_configs_that_cannot_replay_are_refused():
-    with pytest.raises(AdapterConfigError, match="dropout"):
-        lora_config_from_wire(lora_config_to_wire(peft.LoraConfig(r=4, lora_dropout=0.1, target_modules=["q_proj"])))
+    with pytest.raises(AdapterConfigError, match="use_dora with lora_dropout"):
+        lora_config_to_wire(peft.LoraConfig(r=4, lora_dropout=0.1, use_dora=True, target_modules=["q_proj"]))
     with pytest.raises(AdapterConfigError, match="unknown"):
         lora_config_from_wire({"r": 4, "evil": 1})
 
