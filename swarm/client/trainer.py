@@ -323,6 +323,9 @@ class SwarmTrainerMixin:
                 advance = self.state.global_step
             for _ in range(advance):
                 self.lr_scheduler.step()
+        # The learning rate in effect is the optimizer's, which Trainer restores from optimizer.pt: set it here
+        for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
         reissue_pt_warnings([w for w in caught if "lr_scheduler.step()" not in str(w.message)])
 
 
