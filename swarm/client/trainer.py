@@ -57,10 +57,14 @@ def check_training_args(args: transformers.TrainingArguments) -> None:
             "unset it",
         ),
         (
-            args.fp16 or args.fp16_full_eval,
-            "fp16 / fp16_full_eval: loss scaling would scale the gradients on the peers, which do not unscale them; "
+            args.fp16,
+            "fp16: loss scaling would scale the gradients on the peers, which do not unscale them; "
             "use bf16=True, or open the model in the dtype you want "
             "(SwarmModelForCausalLM.from_pretrained(..., dtype=torch.bfloat16))",
+        ),
+        (
+            args.fp16_full_eval,
+            "fp16_full_eval: it casts the client's modules only; open the model with dtype=torch.float16 instead",
         ),
         (
             args.bf16_full_eval,
