@@ -375,6 +375,10 @@ class SwarmModelForCausalLM(nn.Module):
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
+    def add_model_tags(self, tags: list[str] | str) -> None:
+        """Tags for a model card, as ``PreTrainedModel.add_model_tags`` (TRL's trainers add theirs)."""
+        self.model_tags = sorted({*getattr(self, "model_tags", []), *([tags] if isinstance(tags, str) else tags)})
+
     def activation_checkpointing_enable(self, **kwargs) -> None:
         """Trainer's ``activation_checkpointing=True`` (``gradient_checkpointing``, TRL's default): the activations of
         the blocks are the peers' to keep; the client holds none worth recomputing, so there is nothing to do."""
