@@ -108,8 +108,14 @@ def check_model(model: Any) -> SwarmModelForCausalLM:
     return model
 
 
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.index or 0) == (b.index or 0)
+def _check_args(args: transformers.TrainingArguments, model: SwarmModelForCausalLM) -> None:
+    check_training_args(args)
+    device = torch.device(args.device)
+    if device.type != model.device.type or (device.index or 0) != (model.device.index or 0):
+        raise ValueError(
+            f"the model's client modules are on {model.device} but the Trainer runs on {args.device}: open the "
+            f"model with device={str(args.device)!r}, or set use_cpu=True in the TrainingArguments"
+        )
 
 
 def swarm_checkpoint(model: SwarmModelForCausalLM, global_step: int) -> dict:
@@ -154,20 +160,17 @@ class SwarmTrainerMixin:
                 "SwarmTrainer's optimizer must be a swarm.RemoteOptimizer of this model (or None, to build one from "
                 f"the TrainingArguments), got {type(optimizer).__name__}"
             )
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self._max_in_flight = max_in_flight
         if args is not None:
-            check_training_args(args)
-            if not _same_device(torch.device(args.device), model.device):
-                raise ValueError(
-                    f"the model's client modules are on {model.device} but the Trainer runs on {args.device}: open "
-                    f"the model with device={str(args.device)!r}, or set use_cpu=True in the TrainingArguments"
-                )
+            _check_args(args, model)
         self._accumulation: list[dict] = []  # the batches of the accumulation in progress (get_batch_samples)
         self._losses: deque[tuple[dict, torch.Tensor]] = deque()  # their losses, once run, for training_step
         self._steps_ahead = 0  # on resume: steps the swarm committed after the checkpoint
         super().__init__(model, args, *more, **kwargs)
         if args is None:
-            check_training_args(self.args)
+            _check_args(self.args, model)
         # A causal LM's loss shifts its labels: count the step's label tokens over labels[..., 1:], as Trainer does
         # for a local causal LM (it recognises one by its loss_type, which the swarm model has no need of).
         self._loss_shifts_labels = True

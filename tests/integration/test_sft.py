@@ -1,7 +1,8 @@
 """``swarm.SwarmSFTTrainer`` against TRL's ``SFTTrainer`` on a local peft model (promise 9): chat data with
 ``assistant_only_loss=True`` (a chat template with ``{% generation %}`` markers), TRL's collator and its fused-head
-loss, with gradient accumulation (pipelined), clipping and TRL's default gradient_checkpointing=True. The labels mask
-every token but the assistant's, and the losses, grad norms, TRL's metrics and the adapter equal the local run's."""
+loss, with gradient accumulation (pipelined), max_grad_norm=0 (no clipping, the norm still logged) and TRL's default
+gradient_checkpointing=True. The labels mask every token but the assistant's, and the losses, grad norms, TRL's
+metrics and the adapter equal the local run's."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def sft_config(out) -> trl.SFTConfig:
         learning_rate=1e-2,
         warmup_steps=1,
         weight_decay=0.01,
-        max_grad_norm=0.05,
+        max_grad_norm=0.0,
         logging_steps=1,
         save_strategy="no",
         report_to=[],
@@ -107,7 +108,7 @@ def test_sft_trainer_equals_trl_on_local_peft(llama_pair, tiny_models, tmp_path)
     assert trainer.train_dataset["labels"] == local.train_dataset["labels"]
 
     ours, theirs = logged(trainer), logged(local)
-    assert len(ours["loss"]) == STEPS and all(theirs["grad_norm"] > 0.05)  # clipping engaged
+    assert len(ours["loss"]) == STEPS and all(theirs["grad_norm"] > 0)  # logged without clipping
     for key in ours:
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-4, atol=1e-6, msg=key)
     state, reference = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("final", "local-final"))
