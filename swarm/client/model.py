@@ -112,6 +112,7 @@ class SwarmModelForCausalLM(nn.Module):
         self.generation_config = _generation_config(spec)
         self._adapter_on = True
         self._reserved = threading.local()  # a micro-batch id taken in data order for a forward in this thread
+        self._ids = threading.Lock()  # forwards in threads (Trainer's pipelined accumulation) take distinct ids
         self._load_local_modules(dtype, device)
 
     def _load_local_modules(self, dtype: torch.dtype, device: torch.device) -> None:
@@ -309,14 +310,15 @@ class SwarmModelForCausalLM(nn.Module):
             return hidden
         ledger = self.ledger
         micro_batch = getattr(self._reserved, "micro_batch", None)
-        self._reserved.micro_batch = None  # one forward per reserved id
-        return self._through_stack(hidden, mask, ledger, micro_batch or ledger.new_micro_batch())
+        self._reserved.micro_batch = None  # one forward per reserved id; another one in the thread takes a new id
+        return self._through_stack(hidden, mask, ledger, micro_batch or self.reserve_micro_batch())
 
     def reserve_micro_batch(self) -> str:
         """A micro-batch id of the step in progress, taken now: ids fix the order in which the peers sum gradients,
         so a caller running micro-batches in threads takes them in data order, then runs each forward inside
         ``in_micro_batch(id)`` (transformers' Trainer glue, swarm/client/trainer.py)."""
-        return self.ledger.new_micro_batch()
+        with self._ids:
+            return self.ledger.new_micro_batch()
 
     @contextlib.contextmanager
     def in_micro_batch(self, micro_batch: str) -> Iterator[None]:
