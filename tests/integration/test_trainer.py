@@ -109,7 +109,7 @@ def assert_same_adapter(adapter_dir: Path, reference_dir: Path) -> None:
     state, reference = (load_file(d / "adapter_model.safetensors") for d in (adapter_dir, reference_dir))
     assert state.keys() == reference.keys()
     for key in state:
-        torch.testing.assert_close(state[key], reference[key], rtol=1e-4, atol=1e-6, msg=key)
+        torch.testing.assert_close(state[key], reference[key], rtol=1e-4, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
 
 
 def calls_in_flight(model: swarm.SwarmModelForCausalLM) -> list[int]:
