@@ -26,17 +26,23 @@ from swarm.net.errors import (
 if TYPE_CHECKING:
     from swarm.client.model import SwarmModelForCausalLM
     from swarm.client.optimizer import RemoteOptimizer
+    from swarm.client.sft import SwarmSFTTrainer
+    from swarm.client.trainer import SwarmTrainer
     from swarm.spec import load_tokenizer
 
 _LAZY = {
     "SwarmModelForCausalLM": "swarm.client.model",
     "RemoteOptimizer": "swarm.client.optimizer",
+    "SwarmTrainer": "swarm.client.trainer",
+    "SwarmSFTTrainer": "swarm.client.sft",  # imports trl: only when used
     "load_tokenizer": "swarm.spec",
 }
 
 __all__ = [
     "SwarmModelForCausalLM",
     "RemoteOptimizer",
+    "SwarmTrainer",
+    "SwarmSFTTrainer",
     "SwarmError",
     "AdapterBusyError",
     "AdapterConfigError",

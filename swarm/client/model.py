@@ -8,17 +8,19 @@ import getpass
 import logging
 import math
 import socket
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from pathlib import Path
 
 import peft
 import torch
+import transformers
 from hivemind.p2p import PeerID
 from safetensors import safe_open
 from torch import nn
 from transformers import GenerationConfig
 from transformers.loss.loss_utils import ForCausalLMLoss
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPast
 
 from swarm.blocks import lora_config_from_wire, lora_config_to_wire
 from swarm.client.calls import Recovery
@@ -110,6 +112,8 @@ class SwarmModelForCausalLM(nn.Module):
         self.lora_config = lora_config_from_wire(session.adapter.lora)
         self.generation_config = _generation_config(spec)
         self._adapter_on = True
+        self._reserved = threading.local()  # a micro-batch id taken in data order for a forward in this thread
+        self._ids = threading.Lock()  # forwards in threads (Trainer's pipelined accumulation) take distinct ids
         self._load_local_modules(dtype, device)
 
     def _load_local_modules(self, dtype: torch.dtype, device: torch.device) -> None:
@@ -298,12 +302,51 @@ class SwarmModelForCausalLM(nn.Module):
         whole step, as transformers' Trainer counts them), the loss is the micro-batch's summed token loss divided
         by it, so that ``loss.backward()`` per micro-batch adds up to the gradient of the step's token mean."""
         check_forward_kwargs(kwargs)
+        return self._head(self._stack(input_ids, attention_mask), labels, num_items_in_batch)
+
+    def _stack(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """The last block's hidden states: through the swarm without gradients, or, with them, as one autograd op
+        whose micro-batch id is the one reserved for this thread (``in_micro_batch``) or a fresh one."""
         hidden, mask = self._inputs(input_ids, attention_mask)
         if not torch.is_grad_enabled():
             hidden, _ = self.session.hops.forward(hidden, mask, self.step, None)
-            return self._head(hidden, labels, num_items_in_batch)
+            return hidden
         ledger = self.ledger
-        return self._trained(hidden, mask, labels, ledger, ledger.new_micro_batch(), num_items_in_batch)
+        micro_batch = getattr(self._reserved, "micro_batch", None)
+        self._reserved.micro_batch = None  # one forward per reserved id; another one in the thread takes a new id
+        return self._through_stack(hidden, mask, ledger, micro_batch or self.reserve_micro_batch())
+
+    def reserve_micro_batch(self) -> str:
+        """A micro-batch id of the step in progress, taken now: ids fix the order in which the peers sum gradients,
+        so a caller running micro-batches in threads takes them in data order, then runs each forward inside
+        ``in_micro_batch(id)`` (transformers' Trainer glue, swarm/client/trainer.py)."""
+        with self._ids:
+            return self.ledger.new_micro_batch()
+
+    @contextlib.contextmanager
+    def in_micro_batch(self, micro_batch: str) -> Iterator[None]:
+        """The next forward with gradients in this thread is ``micro_batch`` (from ``reserve_micro_batch``)."""
+        self._reserved.micro_batch = micro_batch
+        try:
+            yield
+        finally:
+            self._reserved.micro_batch = None
+
+    def _through_stack(
+        self, hidden: torch.Tensor, mask: torch.Tensor | None, ledger: StepLedger, micro_batch: str
+    ) -> torch.Tensor:
+        """A forward with gradients through the swarm, as one autograd op: ``backward()`` runs the peers'
+        backward and records who holds the micro-batch's gradients in the ledger."""
+        # The embeddings are frozen: the stack's input gradient would be thrown away, so it is not asked for.
+        # (The input is marked as needing one only so that autograd runs the stack's backward at all.)
+        return RemoteStackFunction.apply(
+            hidden.requires_grad_(True),
+            mask,
+            self.session.hops,
+            ledger,
+            micro_batch,
+            self.embed_tokens.weight.requires_grad,
+        )
 
     def _trained(
         self,
@@ -314,19 +357,37 @@ class SwarmModelForCausalLM(nn.Module):
         micro_batch: str,
         num_items_in_batch: NumItems = None,
     ) -> CausalLMOutputWithPast:
-        """A forward with gradients through the swarm, as one autograd op: ``backward()`` runs the peers'
-        backward and records who holds the micro-batch's gradients in the ledger."""
-        # The embeddings are frozen: the stack's input gradient would be thrown away, so it is not asked for.
-        # (The input is marked as needing one only so that autograd runs the stack's backward at all.)
-        hidden = RemoteStackFunction.apply(
-            hidden.requires_grad_(True),
-            mask,
-            self.session.hops,
-            ledger,
-            micro_batch,
-            self.embed_tokens.weight.requires_grad,
-        )
-        return self._head(hidden, labels, num_items_in_batch)
+        return self._head(self._through_stack(hidden, mask, ledger, micro_batch), labels, num_items_in_batch)
+
+    # What TRL's ``add_fused_lm_head`` (SFTTrainer's loss) and transformers' Trainer read of a causal LM: the config,
+    # the backbone (embeddings, the swarm's blocks, the final norm) and the LM head. TRL patches ``forward`` with its
+    # fused head, which calls the backbone and scores the labels with ``lm_head.weight``: TRL's own loss, unchanged.
+
+    @property
+    def config(self) -> transformers.PretrainedConfig:
+        return self.spec.config
+
+    @property
+    def base_model(self) -> Callable[..., BaseModelOutput]:
+        """The backbone, called as ``model.base_model(input_ids, attention_mask)`` of a transformers causal LM."""
+
+        def backbone(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> BaseModelOutput:
+            check_forward_kwargs(kwargs)
+            return BaseModelOutput(last_hidden_state=self.norm(self._stack(input_ids, attention_mask).to(self.device)))
+
+        return backbone
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def add_model_tags(self, tags: list[str] | str) -> None:
+        """Tags for a model card, as ``PreTrainedModel.add_model_tags`` (TRL's trainers add theirs)."""
+        self.model_tags = sorted({*getattr(self, "model_tags", []), *([tags] if isinstance(tags, str) else tags)})
+
+    def activation_checkpointing_enable(self, **kwargs) -> None:
+        """Trainer's ``activation_checkpointing=True`` (``gradient_checkpointing``, TRL's default): the activations of
+        the blocks are the peers' to keep; the client holds none worth recomputing, so there is nothing to do."""
+        logger.info("activation checkpointing: nothing to do on the client, the blocks run on the peers")
 
     @contextlib.contextmanager
     def disable_adapter(self) -> Iterator[None]:

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -28,6 +29,7 @@ from transformers import (
     MistralForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
+    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -148,6 +150,41 @@ def make_tiny_model(
         n_shards,
         max_shard_size,
     )
+    return out
+
+
+CHAT_SPECIAL = ("<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>")
+# A chat template whose assistant turns (their end-of-turn token included) are wrapped in {% generation %} markers:
+# what TRL's SFTConfig(assistant_only_loss=True) needs to train on the assistant's tokens only.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "<|assistant|> {% generation %}{{ message['content'] }} <|end|>{% endgeneration %} "
+    "{%- else -%}"
+    "<|{{ message['role'] }}|> {{ message['content'] }} <|end|> "
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|> {%- endif -%}"
+)
+
+
+def make_tiny_chat_tokenizer(out_dir: str | Path, vocab: int = 256) -> Path:
+    """A word-level tokenizer for the tiny models: the chat's special tokens, then the words ``w7`` .. ``w{vocab-1}``
+    (a word's id is its number), split on whitespace, with ``CHAT_TEMPLATE``. Saved to ``out_dir``."""
+    words = {token: i for i, token in enumerate(CHAT_SPECIAL)}
+    words.update({f"w{i}": i for i in range(len(CHAT_SPECIAL), vocab)})
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="<|end|>",
+        additional_special_tokens=list(CHAT_SPECIAL[3:]),
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    out = Path(out_dir)
+    fast.save_pretrained(out)
     return out
 
 
