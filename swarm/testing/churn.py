@@ -86,6 +86,9 @@ class ChurnRun:
         return bool(self.chaos and self.chaos.shared_outages())
 
 
+CLIENT_PATIENCE = 120.0
+
+
 def run_churn(
     model_dir: Path,
     workdir: Path,
@@ -114,6 +117,10 @@ def run_churn(
             adapter=f"churn-{seed}",
             lora_config=peft.LoraConfig(**LORA),
             seed=SEED,
+            # A block whose every current copy dies twice in a row waits the commit's lost_grace (30 s) each time
+            # before its newest survivor is declared current: the default 60 s can run out between the two (seen
+            # once in CI, seed 4). The stall is reported (longest pauses); shortening it is issue 25's.
+            patience=CLIENT_PATIENCE,
         )
         run = ChurnRun(seconds=0.0, steps=0)
         try:
