@@ -51,6 +51,18 @@ def local_peft(model_dir: str | Path, adapter_dir: str | Path) -> peft.PeftModel
     return peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
 
 
+def client_requests(model: swarm.SwarmModelForCausalLM) -> list[dict]:
+    """Every request's meta the client sends from now on."""
+    sent, original = [], model.session.calls.call
+
+    def call(peer, meta, tensors, *args, **kwargs):
+        sent.append(meta)
+        return original(peer, meta, tensors, *args, **kwargs)
+
+    model.session.calls.call = call
+    return sent
+
+
 def record_backwards(model: swarm.SwarmModelForCausalLM) -> list[dict]:
     """What each backward request carried and got back (its meta, tensors sent, tensors returned)."""
     calls, original = [], model.session.calls.call

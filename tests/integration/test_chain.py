@@ -13,20 +13,9 @@ import torch
 from swarm.net.errors import ErrorKind, RemoteError
 from swarm.net.protocol import Method, method_of
 from swarm.testing.faults import Action, Fault
+from swarm.testing.parity import client_requests
 from swarm.testing.recipe import MICRO_BATCHES, STEPS, assert_matches_local_peft, batches_for_step, connect
 from swarm.testing.recipe import train as train_steps
-
-
-def client_requests(model) -> list[dict]:
-    """Every request's meta the client sends from now on."""
-    sent, original = [], model.session.calls.call
-
-    def call(peer, meta, tensors, *args, **kwargs):
-        sent.append(meta)
-        return original(peer, meta, tensors, *args, **kwargs)
-
-    model.session.calls.call = call
-    return sent
 
 
 def train(swarm, model_dir, out, adapter: str, **client) -> list[dict]:

@@ -18,7 +18,7 @@ import swarm
 from swarm.client.model import label_tokens
 from swarm.net.errors import CommitError
 from swarm.net.protocol import Method, method_of
-from swarm.testing.parity import local_peft
+from swarm.testing.parity import client_requests, local_peft
 from swarm.testing.recipe import HPARAMS, LORA
 
 MAX_NORM = 0.02  # below every step's norm here: clipping engages at every step
@@ -81,17 +81,6 @@ def local_reference(model_dir, initial, out, norm_types: list[float]) -> tuple[l
     return losses, norms, load_file(out / "adapter_model.safetensors")
 
 
-def requests_sent(model) -> list[dict]:
-    sent, original = [], model.session.calls.call
-
-    def call(peer, meta, tensors, *args, **kwargs):
-        sent.append(meta)
-        return original(peer, meta, tensors, *args, **kwargs)
-
-    model.session.calls.call = call
-    return sent
-
-
 def connect(swarm_, model_dir, adapter: str) -> swarm.SwarmModelForCausalLM:
     return swarm.SwarmModelForCausalLM.from_pretrained(
         model_dir, initial_peers=swarm_.initial_peers, adapter=adapter, lora_config=peft.LoraConfig(**LORA), seed=5
@@ -113,7 +102,7 @@ def test_clipping_and_token_weighting_equal_local_peft_with_torch_clipping(llama
     model = connect(llama_pair, model_dir, "clipped")
     try:
         model.save_adapter(tmp_path / "initial")
-        sent = requests_sent(model)
+        sent = client_requests(model)
         optimizer = swarm.RemoteOptimizer(model, **HPARAMS)
         losses, norms = train_clipped(model, optimizer, lambda p: model.clip_grad_norm_(MAX_NORM, p), norm_types)
         model.save_adapter(tmp_path / "final")
@@ -199,7 +188,7 @@ def test_failures_before_and_after_clipping_change_neither_the_norm_nor_the_adap
 
     try:
         model.save_adapter(tmp_path / "initial")
-        sent = requests_sent(model)
+        sent = client_requests(model)
         optimizer = swarm.RemoteOptimizer(model, **HPARAMS)
         losses, norms = train_clipped(
             model,
