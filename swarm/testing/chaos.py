@@ -215,6 +215,7 @@ class ChaosDriver:
                 due = self.actions and self.actions[0][0] <= self.now()
                 action = heapq.heappop(self.actions)[2] if due else None
             if action is None:
+                self._expire_armed()
                 self._mark_recovered()
                 self.stopping.wait(0.05)
                 continue
@@ -232,10 +233,19 @@ class ChaosDriver:
         elif event.phase == MOVE:
             self._watch_moves(event, self._moves_so_far(), self.now() + MOVE_WAIT)
         elif event.phase is not None:
+            self._expire_armed(force=True)
             with self.lock:
                 self.armed, self.armed_until = event, self.now() + PHASE_WAIT
         else:
-            self._strike(event, [t for t in event.targets if self.peers.alive(t)])
+            self._strike(event, self._targets(event))
+
+    def _targets(self, event: ChaosEvent) -> list[str]:
+        """The event's live targets; a target already down is replaced by a live peer (in name order), so that an
+        event is not skipped because an earlier one struck its peer."""
+        alive = [name for name in sorted(self.peers.processes) if self.peers.alive(name)]
+        chosen = [t for t in event.targets if t in alive]
+        spare = [name for name in alive if name not in chosen]
+        return chosen + spare[: len(event.targets) - len(chosen)]
 
     def _moves_so_far(self) -> dict[str, int]:
         return {name: len(MOVE_LINE.findall(self.peers.log_text(name))) for name in list(self.peers.processes)}
@@ -246,9 +256,19 @@ class ChaosDriver:
         if moving:
             self._strike(event, moving[:1])
         elif self.now() > until:
-            self._strike(event, [t for t in event.targets if self.peers.alive(t)], late=True)
+            self._strike(event, self._targets(event), late=True)
         else:
             self._later(self.now() + 0.5, lambda: self._watch_moves(event, before, until))
+
+    def _expire_armed(self, force: bool = False) -> None:
+        """An armed strike whose request did not come in PHASE_WAIT s (the client paused, or its next event is due)
+        hits its scheduled targets: a schedule's events are all applied, whatever the client does."""
+        with self.lock:
+            event = self.armed
+            if event is None or not (force or self.now() > self.armed_until):
+                return
+            self.armed = None
+        self._strike(event, self._targets(event), late=True)
 
     def on_request(self, method: str, peer_id: str) -> None:
         """Called by the client before each request: an armed phase strike hits the peer it is about to call."""
@@ -258,7 +278,7 @@ class ChaosDriver:
                 return
             self.armed = None
         if self.now() > self.armed_until:
-            self._strike(event, [t for t in event.targets if self.peers.alive(t)], late=True)
+            self._strike(event, self._targets(event), late=True)
             return
         name = self.peers.name_of(peer_id)
         if name is None or not self.peers.alive(name):
