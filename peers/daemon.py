@@ -11,22 +11,24 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from peers.backend import SpanBackend
 from peers.balancer import badness, choose_span, coverage_with, next_move, safe_to_drop
 from peers.checkpoints import CheckpointStore, CheckpointWriter
+from peers.claim import IN_USE_HINT, ProcessClaim, lock_path_of_checkpoints, lock_path_of_identity
 from peers.compute import Compute
 from peers.peer_client import PeerClient
 from peers.replication import Replicator, StandbyPolicy
 from peers.service import PeerHooks, PeerService
 from swarm.blocks import spans_text
-from swarm.net.errors import PEER_ERRORS, SwarmAccessError
+from swarm.net.errors import PEER_ERRORS, IdentityInUseError, SwarmAccessError
 from swarm.net.network import check_access, join_dht, load_swarm_key
 from swarm.net.protocol import AdapterInfo, CommittedRequest, PeerInfo
 from swarm.net.reachability import choose_relays, verify_relayed
-from swarm.net.records import RECORD_TTL, ServerRecord, ServerState, announce, announce_model
+from swarm.net.records import RECORD_TTL, ServerRecord, ServerState, announce, announce_model, read_servers
 from swarm.net.security import Identity
 from swarm.net.servicer import FaultHook
 from swarm.net.transport import Transport
@@ -131,6 +133,10 @@ class PeerDaemon:
         self.spec = load_spec(config.model)
         self.swarm_key = load_swarm_key(config.swarm_key)
         self.identity = Identity.load_or_create(config.identity)
+        locks = [lock_path_of_identity(self.identity.path)]
+        if config.checkpoint_dir:
+            locks.append(lock_path_of_checkpoints(Path(config.checkpoint_dir)))
+        self.claim = ProcessClaim(self.identity.peer_id, locks)
         self.span_len = len(config.blocks) if config.blocks else config.num_blocks or blocks_that_fit(self.spec, config)
         self.max_blocks = max(self.span_len, config.max_blocks or 0)
         self.serving = range(0)  # what it announces online; set once loaded
@@ -383,25 +389,37 @@ class PeerDaemon:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
+        self.claim.acquire()
+        try:
+            await self._serve(stop, embedded)
+        finally:
+            self.claim.release()
+
+    async def _serve(self, stop: asyncio.Event, embedded: bool) -> None:
         config = self.config
         announce = list(config.announce_maddrs)
         relays = await choose_relays(
             config.initial_peers, config.host, config.port, announce, config.relay, self.swarm_key
         )
-        self.dht = join_dht(
-            config.initial_peers,
-            self.identity,
-            self.swarm_key,
-            host=config.host,
-            port=config.port,
-            announce_maddrs=announce,
-            relays=relays,
-        )
+        try:
+            self.dht = join_dht(
+                config.initial_peers,
+                self.identity,
+                self.swarm_key,
+                host=config.host,
+                port=config.port,
+                announce_maddrs=announce,
+                relays=relays,
+            )
+        except IdentityInUseError as e:
+            where = await asyncio.to_thread(self._where_else_serving)
+            raise IdentityInUseError(f"{e}, {where}: {IN_USE_HINT}") from None
         p2p = await self.dht.replicate_p2p()
         self.transport = Transport(p2p, self.swarm_key)
         try:
             await check_access(self.transport, config.initial_peers)
             self.maddrs = await self._addresses(p2p, relays)
+            self.claim.note_addresses(self.maddrs)
         except BaseException:
             self.dht.shutdown()
             raise
@@ -431,6 +449,21 @@ class PeerDaemon:
                 except Exception:  # the boundary of a background loop: the peer serves on, and retries next round
                     logger.exception("balancing round failed (will retry)")
         await self._leave(p2p, exit_if_stuck=not embedded)
+
+    def _where_else_serving(self) -> str:
+        """Where the other process with this identity serves, from its records (through a throwaway identity)."""
+        dht = join_dht(self.config.initial_peers, Identity.load_or_create(None), self.swarm_key, client_mode=True)
+        try:
+            servers = read_servers(dht, self.spec.name, self.spec.num_blocks)
+        finally:
+            dht.shutdown()
+        mine = [r for records in servers.values() for r in records if r.peer_id == self.identity.peer_id]
+        if not mine:
+            return "which announces no blocks of this model"
+        spans = sorted({(r.start, r.end) for r in mine})
+        maddrs = sorted({m for r in mine for m in r.maddrs})
+        blocks = ", ".join(f"{a}:{b}" for a, b in spans)
+        return f"serving blocks {blocks} of {self.spec.name} at {' '.join(maddrs) or 'an unannounced address'}"
 
     async def _addresses(self, p2p, relays: list[str]) -> list[str]:
         """Where others dial this peer: its own addresses, or (behind NAT) its addresses through the relays that

@@ -31,6 +31,7 @@ class ChainBroken(Exception):
         super().__init__(f"{failure.peer}: {failure.kind}: {failure.error}")
         self.failure = failure
 
+
 logger = logging.getLogger(__name__)
 
 

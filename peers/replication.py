@@ -28,7 +28,6 @@ from swarm.net.view import SwarmView
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass
 class StandbyPolicy:
     """How many blocks to keep on standby (None: as many as this peer serves) and how often to refresh them."""

@@ -50,6 +50,11 @@ class SwarmAccessError(SwarmError, RuntimeError):
     without its key, or the wrong key."""
 
 
+class IdentityInUseError(SwarmAccessError):
+    """Another process already serves with this peer's identity (or its checkpoint dir): two processes with one
+    peer id are not one peer, and requests for it would reach either."""
+
+
 class SwarmUnavailableError(SwarmError, RuntimeError):
     """Blocks stayed without any live server for longer than the client's patience."""
 

@@ -11,7 +11,7 @@ from hivemind.p2p import P2P
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from swarm.net.addresses import peer_of
-from swarm.net.errors import MULTIADDR_ERRORS, PEER_ERRORS, SwarmAccessError
+from swarm.net.errors import MULTIADDR_ERRORS, PEER_ERRORS, IdentityInUseError, SwarmAccessError
 from swarm.net.protocol import HelloRequest
 from swarm.net.records import record_validators
 from swarm.net.security import Identity, SwarmKey
@@ -67,6 +67,10 @@ def join_dht(
             **kwargs,
         )
     except (P2PDaemonError, RuntimeError) as e:  # p2pd: "failed to connect to bootstrap peers"
+        if "already taken" in str(e):  # hivemind found a live peer with this peer id through the initial peers
+            raise IdentityInUseError(
+                f"identity {identity.peer_id} ({identity.path}) is already in use by another process in the swarm"
+            ) from None
         if "bootstrap peers" not in str(e):
             raise
         raise SwarmAccessError(

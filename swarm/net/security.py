@@ -101,7 +101,7 @@ class Identity:
             path = Path(tempfile.mkdtemp(prefix="swarm-identity-")) / "identity.key"
         path = Path(path)
         if not path.exists():
-            P2P.generate_identity(str(path))
+            _create_identity(path)
         der = crypto_pb2.PrivateKey.FromString(path.read_bytes()).data
         key = RSAPrivateKey.__new__(RSAPrivateKey)
         key.__setstate__({"_private_key": der})  # hivemind's own (un)pickling path for a DER key
@@ -115,6 +115,19 @@ class Identity:
     @property
     def peer_id(self) -> PeerID:
         return peer_id_of_owner(self.owner)
+
+
+def _create_identity(path: Path) -> None:
+    """Write a new key at ``path`` unless one appears there meanwhile: two processes started together with one new
+    identity file must end up with one key (the file's), not each with its own while the file keeps the last."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    P2P.generate_identity(str(temporary))
+    try:
+        os.link(temporary, path)  # atomic, and fails if the path exists
+    except FileExistsError:
+        pass
+    finally:
+        temporary.unlink()
 
 
 def peer_id_of_owner(owner: bytes) -> PeerID:

@@ -21,8 +21,6 @@ from swarm.net.security import SwarmKey
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
 
 
-
-
 def is_unary(message: Message) -> bool:
     return payload_bytes(message.tensors) <= MAX_UNARY_PAYLOAD_SIZE
 

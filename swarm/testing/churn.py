@@ -259,5 +259,3 @@ def report(runs: dict[str, ChurnRun]) -> str:
         if run.chaos:
             lines.append(f"{name}: events {dict(sorted(run.chaos.applied.items()))}")
     return "\n".join(lines)
-
-

@@ -1,0 +1,80 @@
+"""One identity, one process: a peer holds an exclusive lock beside its identity file (and in its checkpoint dir) for
+as long as it runs, so that a second process started with them, at the same moment or later, stops at once.
+
+hivemind's own check (is a live peer reachable under this peer id?) misses two processes starting together, and two
+processes with one peer id are not one peer: requests for it reach either, and commits fail round after round. The
+lock is the operating system's (``flock``): it dies with its process, however that process ends, so a crashed peer
+never leaves a stale lock behind. The lock file names its holder (pid, host, addresses) for the second one's error.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+from pathlib import Path
+
+from hivemind.p2p import PeerID
+
+from swarm.net.errors import IdentityInUseError
+
+IN_USE_HINT = "stop that peer first, or give this one its own --identity and --checkpoint-dir"
+
+
+def lock_path_of_identity(identity: Path) -> Path:
+    return identity.with_name(identity.name + ".lock")
+
+
+def lock_path_of_checkpoints(checkpoint_dir: Path) -> Path:
+    return checkpoint_dir / ".peer.lock"
+
+
+class ProcessClaim:
+    """Exclusive locks on ``paths`` (created if needed), held until ``release`` or the end of the process."""
+
+    def __init__(self, peer_id: PeerID, paths: list[Path]):
+        self.peer_id, self.paths = peer_id, paths
+        self._files: list[int] = []
+
+    def acquire(self) -> None:
+        """Take every lock, or raise IdentityInUseError naming the process that holds one (and take none)."""
+        for path in self.paths:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                self.release()
+                raise IdentityInUseError(self._in_use_message(path, holder)) from None
+            self._files.append(fd)
+        self.note_addresses([])
+
+    def note_addresses(self, maddrs: list[str]) -> None:
+        """Write who holds the locks, for the error of a process that tries to take them."""
+        holder = {"peer_id": self.peer_id.to_base58(), "pid": os.getpid(), "host": socket.gethostname()}
+        text = json.dumps({**holder, "maddrs": maddrs}).encode()
+        for fd in self._files:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, text, 0)
+
+    def release(self) -> None:
+        for fd in self._files:
+            os.close(fd)  # closing the file releases its flock
+        self._files = []
+
+    def _in_use_message(self, path: Path, holder: dict) -> str:
+        where = " ".join(holder.get("maddrs") or []) or "(still starting: no address announced yet)"
+        process = f"process {holder.get('pid', '?')} on {holder.get('host', '?')}"
+        return f"identity {self.peer_id} is already in use by {process} at {where} (lock {path}): {IN_USE_HINT}"
+
+
+def _read_holder(fd: int) -> dict:
+    """What the holding process wrote in the lock file (empty if it had not written yet, or wrote garbage)."""
+    try:
+        value = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
