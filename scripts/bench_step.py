@@ -9,12 +9,15 @@ with global gradient clipping before ``optimizer.step()`` (torch's ``clip_grad_n
 ``model.clip_grad_norm_`` in the swarm), and the cost of clipping is printed: its own phase, the step with and
 without it, and how many norms requests the swarm sent (none when the backward replies carried the norm).
 ``--replicas 2`` serves every span twice, so that a step's micro-batches may be spread over replicas.
+``--spot-check`` (needs ``--replicas 3``) also trains the same steps with every micro-batch spot-checked (each hop
+recomputed on other replicas and compared), and prints what a check costs and what the public-swarm default rate
+(``PUBLIC_SPOT_CHECK``) adds to a step: rate x (checked step / unchecked step - 1).
 
 Usage::
 
     python scripts/bench_step.py [--hidden 512] [--layers 8] [--heads 8] [--kv-heads 8] [--intermediate 1376]
         [--vocab 1024] [--batch 4] [--seq 128] [--peers 2] [--replicas 1] [--micro-batches 1] [--pipelined]
-        [--clip 1.0] [--steps 10] [--warmup 2] [--workdir DIR]
+        [--clip 1.0] [--spot-check] [--steps 10] [--warmup 2] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import swarm  # noqa: E402
+from swarm.client.remote import PUBLIC_SPOT_CHECK, VOTERS  # noqa: E402
 from swarm.net.protocol import InfoRequest, Method, method_of  # noqa: E402
 from swarm.testing.localswarm import LocalSwarm  # noqa: E402
 from swarm.testing.tiny import make_tiny_model  # noqa: E402
@@ -50,7 +54,6 @@ LORA_R, LORA_ALPHA = 8, 16
 HPARAMS = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 GOAL_RATIO = 1.15
 PHASES = ("forward", "backward", "clip", "optimizer")
-
 
 
 @dataclass
@@ -137,9 +140,7 @@ def train(
     return stats
 
 
-def run_local(
-    model_dir: Path, batches: list[dict], steps: int, warmup: int, max_norm: float = 0.0
-) -> list[StepStats]:
+def run_local(model_dir: Path, batches: list[dict], steps: int, warmup: int, max_norm: float = 0.0) -> list[StepStats]:
     """Train with transformers + peft in this process (then again with clipping, given a ``max_norm``)."""
     logger.info("local: loading %s with peft (torch threads: %d)", model_dir, torch.get_num_threads())
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
@@ -194,10 +195,11 @@ def run_swarm(
     pipelined: bool = False,
     replicas: int = 1,
     max_norm: float = 0.0,
+    spot_check: bool = False,
 ) -> tuple[list[StepStats], dict[str, float], int]:
     """Start a DHT and ``peers`` peers on 127.0.0.1 (``replicas`` per span), train through them (then again with
-    clipping, given a ``max_norm``), and always close them. Returns the runs, the round trips and the norms requests
-    of the clipped run."""
+    clipping, given a ``max_norm``; then with every micro-batch spot-checked, given ``spot_check``), and always close
+    them. Returns the runs, the round trips and the norms requests of the clipped run."""
     local_swarm = LocalSwarm(workdir)
     model = None
     try:
@@ -214,6 +216,7 @@ def run_swarm(
             lora_config=lora_config(),
             dtype=torch.float32,
             seed=0,
+            spot_check=0.0,  # the unchecked baseline, whatever the public default
         )
         optimizer = swarm.RemoteOptimizer(model, **HPARAMS)
         runs = [train("swarm", model, optimizer, batches, steps, warmup, pipelined)]
@@ -221,6 +224,11 @@ def run_swarm(
         if max_norm > 0:
             clip = lambda: model.clip_grad_norm_(max_norm)  # noqa: E731
             runs.append(train("swarm clipped", model, optimizer, batches, steps, warmup, pipelined, clip=clip))
+        if spot_check:
+            hops = model.session.hops
+            hops.spot_check, hops.min_voters = 1.0, VOTERS
+            runs.append(train("swarm checked", model, optimizer, batches, steps, warmup, pipelined))
+            logger.info("spot checks banned %d peer(s) (honest peers: expect none)", len(model.dishonest))
         try:
             rtts = ping(model)
         except Exception as e:  # a diagnostic only: never lose the timings over it
@@ -256,13 +264,21 @@ def report(
     for stats in (*locals_, *remotes):
         print(f"{stats.name:<14} median {stats.median:.3f} s/step  (min {stats.best:.3f})")
     print(f"ratio swarm/local: {ratio:.2f}  (goal <= {GOAL_RATIO:.2f})")
-    if len(locals_) == 2 and len(remotes) == 2:
-        measured = args.steps + args.warmup
+    by_name = {stats.name: stats for stats in remotes}
+    if len(locals_) == 2 and "swarm clipped" in by_name:
+        measured, clipped = args.steps + args.warmup, by_name["swarm clipped"]
         print(
             f"clipping (max_norm {args.clip}): local clip phase {locals_[1].phase_median('clip') * 1e3:.1f} ms, "
             f"step {locals_[1].median / local.median:.3f}x unclipped; swarm clip phase "
-            f"{remotes[1].phase_median('clip') * 1e3:.1f} ms, step {remotes[1].median / remote.median:.3f}x unclipped, "
+            f"{clipped.phase_median('clip') * 1e3:.1f} ms, step {clipped.median / remote.median:.3f}x unclipped, "
             f"{asked} norms request(s) in {measured} steps"
+        )
+    if "swarm checked" in by_name:
+        per_check = by_name["swarm checked"].median / remote.median - 1
+        print(
+            f"spot checks: a step with every micro-batch checked takes {per_check + 1:.2f}x an unchecked one; at the "
+            f"public default rate ({PUBLIC_SPOT_CHECK:.0%} of micro-batches) that adds "
+            f"{PUBLIC_SPOT_CHECK * per_check:.1%} per step (goal <= 5%)"
         )
     print()
     print("median per phase (s):      " + "  ".join(f"{p:>9}" for p in PHASES))
@@ -292,6 +308,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peers", type=int, default=2, help="peers that split the blocks evenly")
     parser.add_argument("--replicas", type=int, default=1, help="peers serving each span")
     parser.add_argument("--clip", type=float, default=1.0, help="max_norm of the clipped runs (0: none)")
+    parser.add_argument("--spot-check", action="store_true", help="also time fully spot-checked steps (3 replicas)")
     parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches of --batch rows per step")
     parser.add_argument("--pipelined", action="store_true", help="swarm: model.train_step (micro-batches in flight)")
     parser.add_argument("--steps", type=int, default=10, help="measured steps")
@@ -302,6 +319,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("need --steps >= 1, --warmup >= 0, --micro-batches >= 1 and 1 <= --peers <= --layers")
     if args.replicas < 1 or args.clip < 0:
         parser.error("need --replicas >= 1 and --clip >= 0")
+    if args.spot_check and args.replicas < VOTERS:
+        parser.error(f"--spot-check needs --replicas {VOTERS}: a vote needs that many replicas of a span")
     return args
 
 
@@ -334,6 +353,7 @@ def main(argv: list[str] | None = None) -> None:
             args.pipelined,
             args.replicas,
             args.clip,
+            args.spot_check,
         )
         spans = split_blocks(args.layers, args.peers)
         sizes = {int(b) - int(a) for a, b in (s.split(":") for s in spans)}

@@ -145,7 +145,7 @@ class SwarmModelForCausalLM(nn.Module):
         patience: float = 60.0,
         trainer: str | None = None,
         swarm_key: str | Path | None = None,
-        spot_check: float = 0.0,
+        spot_check: float | None = None,
         min_copies: int = 2,
         resume: str = "committed",
         unreachable_wait: float = 30.0,
@@ -168,8 +168,10 @@ class SwarmModelForCausalLM(nn.Module):
         ``trainer``: who trains this adapter (default: user@host); the same trainer takes its lease back at once
         after a restart, another one waits for the lease to expire.
         ``swarm_key``: the key file of a private swarm (``swarm keygen``).
-        ``spot_check``: fraction of hops also computed on other replicas; a peer outvoted by two agreeing
-        replicas is banned for good and listed in ``model.dishonest``.
+        ``spot_check``: fraction of micro-batches whose every hop is also computed on other replicas; a peer
+        outvoted by two agreeing replicas is banned for good and listed in ``model.dishonest``. By default a public
+        swarm (no ``swarm_key``) checks ``PUBLIC_SPOT_CHECK`` (3 %) of them wherever a span has three replicas, and a
+        private one none; a rate given checks wherever a hop has another replica.
         ``wire_dtype`` (``"bfloat16"``, ``"float16"``) and ``compression`` (``"blockwise8"``): how hidden states and
         their gradients travel; both off by default (exact parity with local training), but a bf16 model's hidden states
         travel in bf16 (they are bf16 already). They cut the bytes per step

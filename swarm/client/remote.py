@@ -52,6 +52,23 @@ class Forwarded:
     check: float
 
 
+# Spot checks by default, in a public swarm (no swarm key): this share of micro-batches is also computed on other
+# replicas, hop by hop, wherever a span has VOTERS replicas (two that agree outvote a third). Its cost per step is
+# measured by scripts/bench_step.py --spot-check (BENCHMARKS.md); a private swarm checks nothing unless asked.
+PUBLIC_SPOT_CHECK = 0.03
+VOTERS = 3
+
+
+def spot_check_policy(requested: float | None, private: bool) -> tuple[float, int]:
+    """(rate, replicas a hop needs to be checked). A rate given is used wherever a hop has another replica; none
+    given: PUBLIC_SPOT_CHECK where a vote can decide in a public swarm, nothing in a private one."""
+    if requested is not None:
+        if not 0.0 <= requested <= 1.0:
+            raise ValueError(f"spot_check is a fraction of micro-batches, from 0 to 1; got {requested}")
+        return requested, 2
+    return (0.0 if private else PUBLIC_SPOT_CHECK), VOTERS
+
+
 class RemoteStack:
     """Runs blocks of one adapter through the swarm with retries, and records who holds which gradients.
 
@@ -65,11 +82,12 @@ class RemoteStack:
         spot_check: float = 0.0,
         spot_check_tolerance: float = 1e-3,
         chain: bool = True,
+        min_voters: int = 2,
     ):
         self.calls, self.catch_up = calls, catch_up
         self.router, self.adapter, self.wire = calls.router, calls.adapter, calls.wire
         self.spot_check, self.spot_check_tolerance = spot_check, spot_check_tolerance
-        self.chain = chain
+        self.chain, self.min_voters = chain, min_voters  # min_voters: replicas of a hop (itself included) to check it
         self.dishonest: list[PeerID] = []
         self.random = random.Random()
 
@@ -137,6 +155,10 @@ class RemoteStack:
         scale = max(a.abs().max().item(), b.abs().max().item(), 1e-6)
         return a.shape == b.shape and (a - b).abs().max().item() <= self.spot_check_tolerance * scale
 
+    def _checkable(self) -> bool:
+        """Whether some block has enough replicas to be checked (else a checked micro-batch only costs)."""
+        return any(len(self.router.replicas(block)) >= self.min_voters for block in range(self.router.num_blocks))
+
     def _spot_check(
         self, hop: Hop, result: torch.Tensor, redo: Callable[[PeerID], torch.Tensor], rate: float
     ) -> tuple[torch.Tensor, PeerID]:
@@ -150,6 +172,8 @@ class RemoteStack:
             for r in self.router.replicas(hop.start)
             if r.peer_id != hop.peer_id and r.start <= hop.start and hop.end <= r.end
         ]
+        if len(others) + 1 < self.min_voters:
+            return result, hop.peer_id
         # In random order: checking stops once the replicas asked agree, so a fixed order (the records') would
         # never ask a dishonest peer listed last, unless it computed the hop itself.
         self.random.shuffle(others)
@@ -187,7 +211,7 @@ class RemoteStack:
         """Through blocks [0, n): along a chain of peers, or hop by hop from the client (``chain=False``, and the
         micro-batches drawn for a spot check, whose every hop is then checked: the same share of hops as
         client-driven checks)."""
-        checked = self.spot_check > 0 and self.random.random() < self.spot_check
+        checked = self.spot_check > 0 and self.random.random() < self.spot_check and self._checkable()
         if self.chain and not checked:
             return self._forward_chain(hidden, mask, step, micro_batch)
         rate = 1.0 if self.chain else self.spot_check

@@ -23,7 +23,7 @@ from swarm.client.copies import CopyKeeper
 from swarm.client.current import CurrentPeers
 from swarm.client.lease import AdapterLease
 from swarm.client.ledger import StepLedger
-from swarm.client.remote import RemoteStack
+from swarm.client.remote import RemoteStack, spot_check_policy
 from swarm.client.routing import Router
 from swarm.lora_options import blocks_without_lora
 from swarm.net.compression import WireFormat
@@ -55,7 +55,7 @@ class SessionOptions:
     """How a session waits, checks and copies (``SwarmModelForCausalLM.from_pretrained`` documents each)."""
 
     patience: float = 60.0
-    spot_check: float = 0.0
+    spot_check: float | None = None  # None: spot_check_policy's default for the swarm (public or private)
     min_copies: int = 2
     resume: str = "committed"
     unreachable_wait: float = 30.0
@@ -366,7 +366,8 @@ def open_session(
             catch_up: Callable[[], None] = ReaderTracking(dht, spec.name, adapter.name, replicas, current)
         else:
             catch_up = TrainerTracking(replicas, current)
-        hops = RemoteStack(calls, catch_up, options.spot_check, chain=options.chain)
+        rate, voters = spot_check_policy(options.spot_check, private=swarm_key is not None)
+        hops = RemoteStack(calls, catch_up, rate, chain=options.chain, min_voters=voters)
         parts = (spec, dht, transport, router, current, calls, replicas, hops, adapter, catch_up)
         session: AdapterSession
         if reading:
