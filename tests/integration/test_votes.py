@@ -10,6 +10,7 @@ import torch
 
 import swarm
 from peers.backend import SpanBackend
+from swarm.ops.status import status
 from swarm.testing.recipe import HPARAMS, assert_matches_local_peft, batches_for_step, connect, train
 
 STEPS = 3
@@ -51,6 +52,8 @@ def test_a_replica_corrupting_its_update_is_outvoted_by_two(inprocess_swarm, tin
     model = connect(local, model_dir, adapter="outvoted")
     try:
         _train_and_export(model, tmp_path, peers["liar"].peer_id)
+        shown = status(local.initial_peers, None, None, replication=2)
+        assert f"DISHONEST peer {peers['liar'].peer_id.to_base58()} (adapter outvoted" in shown, shown
     finally:
         model.shutdown()
     assert_matches_local_peft(model_dir, tmp_path, steps=STEPS)
