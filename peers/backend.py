@@ -548,6 +548,39 @@ class SpanBackend:
         self._forget_forwards(name)
         return adapter.steps()
 
+    def tiebreak(
+        self,
+        name: str,
+        step: int,
+        ledger: dict[int, list[str]],
+        grads: GradsByBlock,
+        hparams: OptimizerHParams,
+        grad_scale: float,
+    ) -> dict[int, str]:
+        """Two replicas disagree on ``step``: apply it, as ``apply`` would, to this peer's standby copies at ``step``
+        (the ledger's gradients given, fetched from their holders), and return the digests. Nothing is kept."""
+        adapter = self.adapter(name)
+        digests = {}
+        for block, mbs in ledger.items():
+            held = adapter.standby.get(block)
+            if held is None or held.step != step:
+                raise StaleStepError(f"no standby copy of adapter {name!r} block {block} at step {step} here")
+            by_mb = grads.get(block, {})
+            missing = sorted(set(mbs) - set(by_mb))
+            if missing:
+                raise MissingGradientsError(f"no gradients for {missing} at step {step}", {block: missing})
+            names = list(held.tensors)
+            summed = [torch.zeros_like(held.tensors[n]["param"]) for n in names]
+            for mb in sorted(set(mbs)):
+                for total, grad in zip(summed, by_mb[mb], strict=True):
+                    total.add_(grad.to(total.dtype))
+            if grad_scale != 1.0:
+                for grad in summed:
+                    grad.mul_(grad_scale)
+            update = BlockUpdate(step, dict(zip(names, summed, strict=True)), hparams)
+            digests[block] = update.apply_to(held).digest()
+        return digests
+
     # --- state ----------------------------------------------------------------------------------------------
 
     def export_state(

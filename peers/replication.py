@@ -108,13 +108,18 @@ class Replicator:
 
     async def on_committed(self, name: str, meta: dict, steps: dict[int, int], source: PeerID) -> None:
         """A server committed a step (``steps``: its blocks' new steps): pull the blocks kept here on standby,
-        unless this peer's copy is fewer than ``every`` steps behind (or another replica's notice brought it)."""
+        unless this peer's copy is fewer than ``every`` steps behind (or another replica's notice brought it). Not
+        the blocks the trainer pinned: it has them copied once the replicas' vote is in, and until then the copy at
+        the step before may have to break a tie between two replicas (``SpanBackend.tiebreak``)."""
         async with self._lock:
             held = await self.compute(self._standby_steps, name)
+            pinned = self.pinned.get(name, set())
             wanted = {
                 block: (step, source)
                 for block, step in steps.items()
-                if block in self.standby and step - held.get(block, -self.policy.every) >= self.policy.every
+                if block in self.standby
+                and block not in pinned
+                and step - held.get(block, -self.policy.every) >= self.policy.every
             }
             if wanted:
                 await self._pull(name, meta, wanted, keep=None)

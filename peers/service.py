@@ -23,6 +23,7 @@ from swarm.net.gradnorm import GradNorm
 from swarm.net.protocol import (
     Ack,
     BackwardRequest,
+    CommitReply,
     CommitRequest,
     CommittedRequest,
     DigestReply,
@@ -52,6 +53,7 @@ from swarm.net.protocol import (
     StateRequest,
     StepsReply,
     SyncRequest,
+    TieBreakRequest,
 )
 from swarm.net.security import SwarmKey
 from swarm.net.servicer import Doorkeeper, FaultHook
@@ -103,6 +105,7 @@ class PeerService(Doorkeeper):
                 Method.SYNC: self._sync,
                 Method.STATE: self._state,
                 Method.DIGEST: self._digest,
+                Method.TIEBREAK: self._tiebreak,
                 Method.FAST_FORWARD: self._fast_forward,
                 Method.COMMITTED: self._committed,
                 Method.REPLICATE: self._replicate,
@@ -194,16 +197,46 @@ class PeerService(Doorkeeper):
     async def _end_session(self, request: EndSessionRequest) -> EndSessionReply:
         return EndSessionReply(await self.compute(self.backend.sessions.end, request.session))
 
-    async def _commit(self, request: CommitRequest) -> StepsReply:
+    async def _commit(self, request: CommitRequest) -> CommitReply:
         """Commit a step in one call: fetch the micro-batch gradients this peer lacks from the replicas holding them
         (peer to peer, all at once), then one AdamW update from the ledger's gradients, identical on every replica.
         Gradients nobody could provide are reported (``missing_gradients``) and nothing is applied: the client
-        replays them and asks again. Idempotent: blocks already past the step are left alone."""
+        replays them and asks again. Idempotent: blocks already past the step are left alone. The reply carries the
+        ledger blocks' digests after the step: the replicas' vote (swarm/client/votes.py)."""
         name, step, ledger = request.adapter, request.step, request.micro_batches()
         await self._fetch_missing(request)
-        steps = await self.compute(self.backend.apply, name, step, ledger, request.hparams, request.grad_scale)
+
+        def apply() -> CommitReply:
+            steps = self.backend.apply(name, step, ledger, request.hparams, request.grad_scale)
+            digests = self.backend.digests(name)
+            return CommitReply(steps, {block: digests[block] for block in ledger if block in digests})
+
+        reply = await self.compute(apply)
         self.in_background(self.hooks.after_commit(name))  # queued on the compute thread before the next
-        return StepsReply(steps)
+        return reply
+
+    async def _tiebreak(self, request: TieBreakRequest) -> DigestReply:
+        """Break two replicas' tie: the commit's ledger applied to this peer's standby copies, the gradients fetched
+        from the ledger's holders like a commit does; only the digests come back."""
+        wanted_from: dict[str, dict[int, list[str]]] = {}
+        for block, by_mb in request.ledger.items():
+            for mb, holder in by_mb.items():
+                wanted_from.setdefault(holder, {}).setdefault(block, []).append(mb)
+        fetched = await asyncio.gather(
+            *(
+                self.peers.fetch_grads(peer, request.adapter, request.step, wanted, request.fetch_timeout)
+                for peer, wanted in wanted_from.items()
+            )
+        )
+        grads: dict[int, dict[str, list[torch.Tensor]]] = {}
+        for part in fetched:
+            for block, by_mb in part.items():
+                grads.setdefault(block, {}).update(by_mb)
+        ledger = request.micro_batches()
+        digests = await self.compute(
+            self.backend.tiebreak, request.adapter, request.step, ledger, grads, request.hparams, request.grad_scale
+        )
+        return DigestReply(digests)
 
     async def _norms(self, request: NormsRequest) -> NormsReply:
         """The step's gradient norm shares of the ledger's blocks, for clipping, after fetching the gradients this

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -46,14 +47,21 @@ class BlockAdapter:
 
     def digest(self) -> str:
         """Hash of everything that must agree between replicas: step, LoRA tensors, AdamW moments."""
-        h = hashlib.sha256(str(self.step).encode())
-        for lp in self.params:
-            h.update(lp.name.encode())
-            h.update(lp.param.detach().cpu().contiguous().numpy().tobytes())
-            for key, value in sorted(self.optimizer.state.get(lp.param, {}).items()):
-                h.update(key.encode())
-                h.update(value.detach().cpu().contiguous().numpy().tobytes())
-        return h.hexdigest()
+        return state_digest(
+            self.step, ((lp.name, lp.param, self.optimizer.state.get(lp.param, {})) for lp in self.params)
+        )
+
+
+def state_digest(step: int, tensors: Iterable[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]) -> str:
+    """The digest of a block's state (step; per LoRA tensor: its name, value and AdamW moments), served or a copy."""
+    h = hashlib.sha256(str(step).encode())
+    for name, param, moments in tensors:
+        h.update(name.encode())
+        h.update(param.detach().cpu().contiguous().numpy().tobytes())
+        for key, value in sorted(moments.items()):
+            h.update(key.encode())
+            h.update(value.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 @dataclass
@@ -81,6 +89,13 @@ class BlockState:
                 entry[key] = value.detach().cpu().clone()
             tensors[lp.name] = entry
         return cls(step=state.step, tensors=tensors)
+
+    def digest(self) -> str:
+        """The same digest as the served block's (``BlockAdapter.digest``) holding this state."""
+        entries = self.tensors.items()
+        return state_digest(
+            self.step, ((n, e["param"], {k: v for k, v in e.items() if k != "param"}) for n, e in entries)
+        )
 
     def load_into(self, state: BlockAdapter) -> None:
         names = {lp.name for lp in state.params}

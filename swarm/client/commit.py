@@ -5,6 +5,7 @@ the step. Gradients that died with a peer are replayed on a replica still at the
 kept, and the replicas that could not apply are asked again. Each replica sums the gradients in canonical order
 and runs the same AdamW update.
 Replicas that are behind (or new) first pull the state from a current one.
+Then the replicas vote: each commit reply carries the blocks' state digests after the step (``_vote``).
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ from swarm.client.calls import PeerCalls, PeerFailure
 from swarm.client.current import CurrentPeers
 from swarm.client.ledger import StepLedger
 from swarm.client.remote import RemoteStack
-from swarm.net.errors import CommitError, RemoteError, SwarmUnavailableError
+from swarm.client.votes import tally
+from swarm.net.errors import CommitError, RemoteError, ReplicasDisagreeError, SwarmUnavailableError
 from swarm.net.protocol import (
     FETCH_TIMEOUT,
+    CommitReply,
     CommitRequest,
+    DigestRequest,
     ErrorKind,
     FastForwardRequest,
     Method,
@@ -35,6 +39,7 @@ from swarm.net.protocol import (
     ReplyError,
     RevertRequest,
     SyncRequest,
+    TieBreakRequest,
     missing_gradients,
 )
 from swarm.net.waiting import Deadline, WaitLine
@@ -283,6 +288,7 @@ def commit(
     ledger.committing = True
     applied: dict[PeerID, range] = {}
     failed: list[PeerID] = []
+    votes: dict[PeerID, CommitReply] = {}  # each replica's last commit reply: its steps and digests after the step
     while True:
         replicas.refresh(step)
         if not ledger.tainted:
@@ -320,7 +326,7 @@ def commit(
             raise CommitError(f"step {step} could not be committed in {MAX_COMMIT_ROUNDS} rounds; see the log for why")
         missing = _held_by_departed(ledger, pending, applied)
         if not missing:
-            newly, missing = _commit_all(calls, replicas, pending, ledger, hparams, failed)
+            newly, missing = _commit_all(calls, replicas, pending, ledger, hparams, failed, votes)
             for peer in newly:
                 replicas.current[peer] = step + 1  # no longer eligible for this step's work (e.g. a replay)
                 applied[peer] = pending[peer]
@@ -330,10 +336,83 @@ def commit(
             continue
         if all(any(b in span for span in applied.values()) for b in blocks):
             break
-    logger.debug("step %d committed on %d peers in %.2fs", step, len(applied), time.monotonic() - started)
     if failed:
         calls.recovered(failed[0], Method.COMMIT, step, started)
+    _vote(hops, replicas, ledger, hparams, applied, votes)
+    logger.debug("step %d committed on %d peers in %.2fs", step, len(applied), time.monotonic() - started)
     return applied
+
+
+def _vote(
+    hops: RemoteStack,
+    replicas: ReplicaSet,
+    ledger: StepLedger,
+    hparams: OptimizerHParams,
+    applied: dict[PeerID, range],
+    votes: dict[PeerID, CommitReply],
+) -> None:
+    """The replicas' vote on the step: per block, the digests of the replicas that report it applied (the same step:
+    a replica elsewhere is not compared). One outvoted by two that agree is banned for good and dropped from
+    ``applied``; two that disagree alone are judged by a standby copy holder that applies the same ledger
+    (``TieBreakRequest``). Without one, the step is taken back everywhere and ReplicasDisagreeError raised."""
+    calls, step = hops.calls, ledger.step
+    for peer in [p for p in applied if p not in votes]:  # counted without a reply of this call (it was lost)
+        try:
+            votes[peer] = CommitReply({}, calls.ask(peer, DigestRequest(calls.adapter)).digests)
+        except (PeerFailure, RemoteError) as e:
+            logger.warning("peer %s could not report its digests of step %d: %s", peer, step, e)
+    outvoted: dict[PeerID, int] = {}
+    disputes: list[tuple[int, tuple[PeerID, ...]]] = []
+    for block in range(calls.router.num_blocks):
+        opinions = {
+            peer: reply.digests.get(block, "")  # none for a block it applied: a digest nobody else has
+            for peer, reply in votes.items()
+            if peer in applied and block in applied[peer] and reply.steps.get(block, step + 1) == step + 1
+        }
+        verdict = tally(opinions)
+        if verdict.undecided:
+            opinions.update(_tiebreak(hops, replicas, ledger, hparams, block, opinions))
+            verdict = tally(opinions)
+        if verdict.undecided:
+            disputes.append((block, tuple(opinions)))
+        for peer in verdict.outvoted:
+            outvoted.setdefault(peer, block)
+    for peer, block in outvoted.items():
+        reason = f"its state of block {block} after step {step} disagrees with the majority of its replicas'"
+        hops.ban_dishonest(peer, reason)
+        applied.pop(peer, None)
+        replicas.standby.pop(peer, None)
+    if disputes:
+        block, peers = disputes[0]
+        logger.error("replicas %s of block %d disagree on step %d and nobody breaks the tie", peers, block, step)
+        _take_back(calls, replicas, applied, step)
+        raise ReplicasDisagreeError(block, step, tuple(p.to_base58() for p in peers))
+
+
+def _tiebreak(
+    hops: RemoteStack,
+    replicas: ReplicaSet,
+    ledger: StepLedger,
+    hparams: OptimizerHParams,
+    block: int,
+    opinions: dict[PeerID, str],
+) -> dict[PeerID, str]:
+    """The first standby holder of ``block`` at the step (other than the disputing replicas) that applies the
+    ledger's gradients to its copy: its digest, the deciding vote. Empty if none can."""
+    calls, step = hops.calls, ledger.step
+    for holder in replicas.standby_holders(block, step):
+        if holder in opinions or holder in hops.dishonest:
+            continue
+        holders = ledger.wire_holders(range(block, block + 1))
+        request = TieBreakRequest(calls.adapter, step, holders, hparams, grad_scale=ledger.grad_scale)
+        try:
+            digest = calls.ask(holder, request, floor=2 * FETCH_TIMEOUT).digests[block]
+        except (PeerFailure, RemoteError, KeyError) as e:
+            logger.warning("peer %s could not break the tie on block %d at step %d: %r", holder, block, step, e)
+            continue
+        logger.warning("replicas of block %d disagree on step %d; peer %s broke the tie", block, step, holder)
+        return {holder: digest}
+    return {}
 
 
 def _held_by_departed(
@@ -357,15 +436,16 @@ def _commit_all(
     ledger: StepLedger,
     hparams: OptimizerHParams,
     failed: list[PeerID],
+    votes: dict[PeerID, CommitReply],
 ) -> tuple[list[PeerID], dict[int, list[str]]]:
-    """Ask every replica to commit, in parallel; returns those that applied, and the (block, micro-batch)
-    gradients some replica could not fetch from anyone live."""
+    """Ask every replica to commit, in parallel; returns those that applied (their replies go to ``votes``), and
+    the (block, micro-batch) gradients some replica could not fetch from anyone live."""
 
     def attempt(peer: PeerID) -> dict[int, list[str]] | None:
         holders = ledger.wire_holders(peers[peer])
         request = CommitRequest(calls.adapter, ledger.step, holders, hparams, grad_scale=ledger.grad_scale)
         try:
-            calls.ask(peer, request, floor=2 * FETCH_TIMEOUT)
+            votes[peer] = calls.ask(peer, request, floor=2 * FETCH_TIMEOUT)
         except PeerFailure:
             failed.append(peer)
             return None

@@ -151,6 +151,13 @@ class RemoteStack:
 
     # --- spot checks ------------------------------------------------------------------------------------------
 
+    def ban_dishonest(self, peer: PeerID, reason: str) -> None:
+        """Outvoted by its replicas (a spot check, or the commit's vote): never routed to or committed on again."""
+        self.router.distrust(peer, reason)
+        if peer not in self.dishonest:
+            self.dishonest.append(peer)
+        self.calls.current.forget(peer)
+
     def _agree(self, a: torch.Tensor, b: torch.Tensor) -> bool:
         scale = max(a.abs().max().item(), b.abs().max().item(), 1e-6)
         return a.shape == b.shape and (a - b).abs().max().item() <= self.spot_check_tolerance * scale
@@ -197,9 +204,7 @@ class RemoteStack:
             return result, hop.peer_id
         for peer in opinions:
             if peer not in majority:
-                self.router.distrust(peer, f"its blocks {hop.start}:{hop.end} results disagree with its replicas'")
-                self.dishonest.append(peer)
-                self.calls.current.forget(peer)
+                self.ban_dishonest(peer, f"its blocks {hop.start}:{hop.end} results disagree with its replicas'")
         chosen = hop.peer_id if hop.peer_id in majority else majority[0]
         return opinions[chosen], chosen
 

@@ -136,6 +136,8 @@ class AdapterSession:
                 f"adapter {name!r} was trained with another LoRA config or seed (by {recorded.trainer!r}); "
                 "pass the same lora_config and seed to resume it, or pick another adapter name"
             )
+        for peer in recorded.dishonest if recorded is not None else []:
+            self.hops.ban_dishonest(PeerID.from_base58(peer), "this adapter's trainer found it dishonest")
         deadline = Deadline(self.calls.patience)
         waiting = WaitLine(f"waiting for the peers of adapter {name!r}", deadline, logger)
         while True:
@@ -280,7 +282,8 @@ class TrainingSession(AdapterSession):
             for r in self.recoveries[-RECOVERIES_KEPT:]
         ]
         lost = sum(e.steps for e in self.steps_lost)
-        record = CommittedRecord(self.step, self.adapter.lora, self.adapter.seed, self.trainer, recent, lost)
+        dishonest = [peer.to_base58() for peer in self.hops.dishonest]  # for `swarm status`, health, a restart
+        record = CommittedRecord(self.step, self.adapter.lora, self.adapter.seed, self.trainer, recent, lost, dishonest)
         announce_committed(self.dht, self.spec.name, self.adapter.name, self.owner, record)
         self.router.refresh_soon()  # peers that joined or moved meanwhile are brought in at the next step
         return self.step

@@ -75,6 +75,21 @@ class CommitError(SwarmError, RuntimeError):
     """A step could not be committed on every block."""
 
 
+class ReplicasDisagreeError(CommitError):
+    """Two replicas of a block applied the same step to different states and no third copy could break the tie: the
+    step was taken back on both and not acknowledged. ``peers``: the two; ``block``: the first block in dispute."""
+
+    def __init__(self, block: int, step: int, peers: tuple[str, ...]):
+        self.block, self.step, self.peers = block, step, peers
+        super().__init__(
+            f"replicas {' and '.join(peers)} of block {block} disagree on step {step} (their state digests differ) "
+            "and no third copy can break the tie; the step was taken back on both and not acknowledged. Add a peer "
+            "serving that block (or one keeping a standby copy: the client's min_copies) and call the optimizer "
+            "step again, or stop the peer you do not trust and call it again; train with spot_check > 0 to catch "
+            "dishonest peers earlier"
+        )
+
+
 class RemoteError(SwarmError, RuntimeError):
     """A peer refused a request; ``kind`` says which rule, the message says what to change."""
 

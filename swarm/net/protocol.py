@@ -58,6 +58,7 @@ class Method:
     SYNC = "sync"  # pull state from a current copy
     STATE = "state"  # LoRA tensors, for the client's adapter export
     DIGEST = "digest"  # hash of each block's state, to compare replicas
+    TIEBREAK = "tiebreak"  # apply a commit's ledger to this peer's standby copies, report the digests, keep nothing
     FAST_FORWARD = "fast_forward"  # declare an older state current (steps lost, reported)
     COMMITTED = "committed"  # notice to standby holders: a step was applied
     REPLICATE = "replicate"  # hold a copy of blocks' state at a step (durable ack)
@@ -696,6 +697,13 @@ class StepsReply(Reply):
 
 
 @dataclass(frozen=True)
+class CommitReply(StepsReply):
+    """A commit's steps per block, and each block's state digest after it: the replicas' vote, at no extra round."""
+
+    digests: dict[int, str] = wire(by_blocks(_string, "digest"), by_block)
+
+
+@dataclass(frozen=True)
 class RevertRequest(Request):
     """Take ``step`` back: state, moments and gradients as before it was applied."""
 
@@ -864,6 +872,14 @@ class DigestReply(Reply):
 
 
 @dataclass(frozen=True)
+class TieBreakRequest(CommitRequest):
+    """Two replicas of blocks disagree on a commit: apply its ledger to the standby copies held here (at ``step``;
+    the gradients fetched from the ledger's holders) and report the digests (``DigestReply``). Nothing is kept."""
+
+    method: ClassVar[str] = Method.TIEBREAK
+
+
+@dataclass(frozen=True)
 class FastForwardRequest(Request):
     """No current copy of blocks [start, end) survived anywhere: declare the one held here current at ``step``."""
 
@@ -1011,7 +1027,7 @@ METHODS: dict[str, MethodSpec] = {
     Method.OPEN: MethodSpec(OpenRequest, OpenReply),
     Method.FORWARD: MethodSpec(ForwardRequest, HiddenReply),
     Method.BACKWARD: MethodSpec(BackwardRequest, GradReply),
-    Method.COMMIT: MethodSpec(CommitRequest, StepsReply),
+    Method.COMMIT: MethodSpec(CommitRequest, CommitReply),
     Method.NORMS: MethodSpec(NormsRequest, NormsReply),
     Method.REVERT: MethodSpec(RevertRequest, StepsReply),
     Method.GRADS: MethodSpec(GradsRequest, GradsReply, streamed=True),
@@ -1019,6 +1035,7 @@ METHODS: dict[str, MethodSpec] = {
     Method.SYNC: MethodSpec(SyncRequest, StepsReply),
     Method.STATE: MethodSpec(StateRequest, StateReply, streamed=True),
     Method.DIGEST: MethodSpec(DigestRequest, DigestReply),
+    Method.TIEBREAK: MethodSpec(TieBreakRequest, DigestReply),
     Method.FAST_FORWARD: MethodSpec(FastForwardRequest, FastForwardReply),
     Method.COMMITTED: MethodSpec(CommittedRequest, Ack),
     Method.REPLICATE: MethodSpec(ReplicateRequest, StepsReply),

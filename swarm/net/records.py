@@ -198,6 +198,7 @@ class CommittedRecord:
     trainer: str
     recoveries: list[dict] = field(default_factory=list)  # the last few failures routed around (for the monitor)
     steps_lost: int = 0  # updates lost so far (every copy of a block died)
+    dishonest: list[str] = field(default_factory=list)  # peers the trainer banned: outvoted by their replicas
 
     def to_value(self) -> dict:
         return {
@@ -208,6 +209,7 @@ class CommittedRecord:
             "trainer": self.trainer,
             "recoveries": self.recoveries,
             "steps_lost": self.steps_lost,
+            "dishonest": self.dishonest,
         }
 
     @classmethod
@@ -222,7 +224,10 @@ class CommittedRecord:
         recoveries = value.get("recoveries", [])
         recoveries = [r for r in recoveries if isinstance(r, dict)] if isinstance(recoveries, list) else []
         lost = value.get("steps_lost", 0)
-        return cls(step, lora, seed, trainer, recoveries[-RECOVERIES_KEPT:], lost if isinstance(lost, int) else 0)
+        dishonest = value.get("dishonest", [])
+        dishonest = [p for p in dishonest if isinstance(p, str)] if isinstance(dishonest, list) else []
+        lost = lost if isinstance(lost, int) else 0
+        return cls(step, lora, seed, trainer, recoveries[-RECOVERIES_KEPT:], lost, dishonest)
 
 
 def announce_committed(dht: DHT, model: str, adapter: str, owner: bytes, record: CommittedRecord):

@@ -76,6 +76,7 @@ class Peer:
     adapters: dict[str, Holding] = field(default_factory=dict)
     standby_blocks: list[int] = field(default_factory=list)
     weights: str = ""  # quantization / compute dtype, as the peer reports it
+    dishonest: list[str] = field(default_factory=list)  # adapters whose trainer banned it (outvoted by its replicas)
     up_since: float | None = None  # wall-clock time the monitor first saw it (tracker)
     gone_since: float | None = None  # wall-clock time it disappeared (tracker)
 
@@ -89,6 +90,7 @@ class Adapter:
     copies: dict[int, int]  # block -> live peers holding it at the newest step
     recoveries: list[dict] = field(default_factory=list)  # the trainer's last few: peer, during, step, seconds
     steps_lost: int = 0  # the trainer's count of updates lost
+    dishonest: list[str] = field(default_factory=list)  # peers its trainer banned: outvoted by their replicas
     steps_per_minute: float | None = None  # tracker
 
 
@@ -118,6 +120,8 @@ def build(
     status = BROKEN if 0 in online else DEGRADED if any(n < replication for n in online) else HEALTHY
     peers = _peers(view)
     adapters = [_adapter(name, step, blocks, (committed or {}).get(name)) for name, step in sorted(newest.items())]
+    for peer in peers:
+        peer.dishonest = [a.name for a in adapters if peer.peer in a.dishonest]
     return ModelHealth(
         model=model,
         num_blocks=num_blocks,
@@ -214,6 +218,7 @@ def _adapter(name: str, newest: int, blocks: list[Block], committed: CommittedRe
         copies={b.block: b.copies[name].count for b in blocks if name in b.copies},
         recoveries=list(committed.recoveries) if committed is not None else [],
         steps_lost=committed.steps_lost if committed is not None else 0,
+        dishonest=list(committed.dishonest) if committed is not None else [],
     )
 
 
@@ -260,6 +265,11 @@ def _problems(online: list[int], replication: int, peers: list[Peer], adapters: 
                 "record lingers until it expires"
             )
     for adapter in adapters:
+        for peer in adapter.dishonest:
+            problems.append(
+                f"adapter {adapter.name}: peer {short(peer)} is dishonest (its results or its state disagreed with "
+                "its replicas' majority): the trainer no longer uses it; stop it or check its machine"
+            )
         if adapter.steps_lost:
             problems.append(
                 f"adapter {adapter.name}: {adapter.steps_lost} step(s) lost so far (every copy of some block died; "

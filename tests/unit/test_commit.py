@@ -11,7 +11,17 @@ from swarm.client.commit import ReplicaSet, commit, take_back_abandoned
 from swarm.client.current import CurrentPeers
 from swarm.client.ledger import StepLedger
 from swarm.net.errors import SwarmUnavailableError
-from swarm.net.protocol import CommitRequest, OptimizerHParams, Request, RevertRequest, StepsReply, SyncRequest
+from swarm.net.protocol import (
+    CommitReply,
+    CommitRequest,
+    DigestReply,
+    DigestRequest,
+    OptimizerHParams,
+    Request,
+    RevertRequest,
+    StepsReply,
+    SyncRequest,
+)
 
 HPARAMS = OptimizerHParams(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
 
@@ -91,9 +101,12 @@ class _CommitStack:
         if isinstance(request, SyncRequest):
             source = self.steps[request.source]
             held.update({b: source[b] for b in request.blocks})
+        elif isinstance(request, DigestRequest):
+            return DigestReply({b: f"state at {s}" for b, s in held.items()})
         elif isinstance(request, CommitRequest):
             self.commits.append(peer)
             self.steps[peer] = {b: s + 1 if s == request.step else s for b, s in held.items()}
+            return CommitReply(dict(self.steps[peer]), {b: f"state at {s}" for b, s in self.steps[peer].items()})
         else:
             assert isinstance(request, RevertRequest), request
             self.steps[peer] = {b: request.step if s == request.step + 1 else s for b, s in held.items()}

@@ -67,6 +67,16 @@ def test_the_trainers_recoveries_and_steps_lost_are_shown_and_a_loss_is_a_proble
     assert any("2 step(s) lost so far" in problem for problem in health.problems), health.problems
 
 
+def test_peers_the_trainer_banned_are_flagged_dishonest_on_the_page_and_in_status():
+    committed = {"a": CommittedRecord(5, {}, 0, "trainer-1", dishonest=[A1.to_base58()])}
+    assert CommittedRecord.from_value(committed["a"].to_value()) == committed["a"]
+    health = build("m", 4, _view({A0, A1, B0, B1}), replication=2, committed=committed)
+    assert {p.peer: p.dishonest for p in health.peers}[A1.to_base58()] == ["a"]
+    assert all(p.dishonest == [] for p in health.peers if p.peer != A1.to_base58())
+    assert any(f"peer {short(A1.to_base58())} is dishonest" in problem for problem in health.problems)
+    assert f"DISHONEST peer {A1.to_base58()}" in render("m", 4, _view({A0, A1, B0, B1}), 2, committed)
+
+
 def test_a_block_under_the_target_is_degraded_and_said_in_words():
     health = build("m", 4, _view({A0, A1, B0}), replication=2)
     assert health.status == DEGRADED
@@ -152,4 +162,3 @@ def test_the_tracker_keeps_gone_peers_for_a_while_and_measures_steps_per_minute(
     assert all(p.state != GONE for p in tracker.update(build("m", 4, gone_view, 2), now=1721.0).peers)
     back = tracker.update(build("m", 4, _view(everyone, step=14), 2), now=1800.0)
     assert {p.peer: p.up_since for p in back.peers}[B1.to_base58()] == 1800.0  # a returning peer starts over
-

@@ -55,7 +55,7 @@ EXAMPLES: dict[str, tuple[protocol.Request, protocol.Reply]] = {
     ),
     Method.COMMIT: (
         protocol.CommitRequest("run", 3, {0: {"mb-0": PEER.to_base58()}}, HPARAMS, 2.5, grad_scale=0.25),
-        protocol.StepsReply({0: 4}),
+        protocol.CommitReply({0: 4}, {0: "ab12"}),
     ),
     Method.NORMS: (
         protocol.NormsRequest("run", 3, {0: {"mb-0": PEER.to_base58()}}, norm_type=1.0),
@@ -73,6 +73,10 @@ EXAMPLES: dict[str, tuple[protocol.Request, protocol.Reply]] = {
     Method.SYNC: (protocol.SyncRequest("run", OTHER, 0, 2), protocol.StepsReply({0: 3, 1: 3})),
     Method.STATE: (protocol.StateRequest("run"), protocol.StateReply({0: {"q.lora_A": GRAD}, 1: {"q.lora_B": HIDDEN}})),
     Method.DIGEST: (protocol.DigestRequest("run"), protocol.DigestReply({0: "ab12", 1: "cd34"})),
+    Method.TIEBREAK: (
+        protocol.TieBreakRequest("run", 3, {0: {"mb-0": PEER.to_base58()}}, HPARAMS, grad_scale=0.5),
+        protocol.DigestReply({0: "ab12"}),
+    ),
     Method.FAST_FORWARD: (
         protocol.FastForwardRequest("run", 5, 1, 2),
         protocol.FastForwardReply({1: 5}, {1: 2}),
