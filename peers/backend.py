@@ -41,6 +41,7 @@ from swarm.net.errors import (
     StaleStepError,
     UnknownAdapterError,
 )
+from swarm.net.gradhash import grad_hash
 from swarm.net.gradnorm import GradNorm, covers_digest
 from swarm.net.protocol import AdapterInfo, InferRequest, OptimizerHParams, lora_and_seed
 from swarm.spec import ModelSpec
@@ -450,6 +451,17 @@ class SpanBackend:
             max_abs = max((float(g.abs().max()) for g in summed if g.numel()), default=0.0)
             norms.append(GradNorm(block, covers_digest(state.grads), sum_sq, max_abs))
         return tuple(norms)
+
+    def grad_hashes(self, name: str, blocks: range, step: int, micro_batch: str) -> tuple[tuple[int, str], ...]:
+        """What a backward's reply says of the micro-batch's gradients held here on each block: their hash (see
+        swarm/net/gradhash.py), which the replicas fetching them at commit check."""
+        adapter = self.adapter(name)
+        hashes = []
+        for block in blocks:
+            state = adapter.blocks.get(block)
+            if state is not None and state.step == step and micro_batch in state.grads:
+                hashes.append((block, grad_hash(state.grads[micro_batch])))
+        return tuple(hashes)
 
     def norm_parts(self, name: str, step: int, ledger: dict[int, list[str]], norm_type: float) -> dict[int, float]:
         """Per block of the ledger held here at ``step``, its share of the step's ``norm_type``-norm (see

@@ -15,10 +15,11 @@ from hivemind.p2p import PeerID
 from peers.backend import SpanBackend
 from peers.compute import Compute
 from peers.peer_client import ChainBroken, PeerClient
-from peers.state import pack_states
+from peers.state import GradsByBlock, pack_states
 from swarm.blocks import lora_config_from_wire
 from swarm.net.chain import ChainFailure, HopAck
-from swarm.net.errors import PEER_ERRORS, RequestError, SourceUnavailableError
+from swarm.net.errors import PEER_ERRORS, BadGradientsError, RequestError, SourceUnavailableError
+from swarm.net.gradhash import grad_hash
 from swarm.net.gradnorm import GradNorm
 from swarm.net.protocol import (
     Ack,
@@ -137,14 +138,14 @@ class PeerService(Doorkeeper):
             request.mask,
             request.micro_batch,
         )
-        carried, acks, failure = await self._chain_on(request, arrived, outputs, (), hidden=outputs)
+        carried, acks, failure = await self._chain_on(request, arrived, outputs, (), (), hidden=outputs)
         return HiddenReply(carried, request.compression, acks, failure)
 
     async def _backward(self, request: BackwardRequest) -> GradReply:
         """The span's backward, then (in a chain) the spans before it, handed the gradient of this span's input."""
         arrived = time.monotonic()
 
-        def backward() -> tuple[torch.Tensor | None, tuple[GradNorm, ...]]:
+        def backward() -> tuple[torch.Tensor | None, tuple[GradNorm, ...], tuple[tuple[int, str], ...]]:
             grad_inputs = self.backend.backward(
                 request.adapter,
                 request.blocks,
@@ -155,18 +156,20 @@ class PeerService(Doorkeeper):
                 request.grad,
                 request.input_grad or bool(request.route),
             )
-            return grad_inputs, self.backend.grad_norms(request.adapter, request.blocks, request.step)
+            name, blocks, step = request.adapter, request.blocks, request.step
+            norms = self.backend.grad_norms(name, blocks, step)
+            return grad_inputs, norms, self.backend.grad_hashes(name, blocks, step, request.micro_batch)
 
-        grad_inputs, norms = await self.compute(backward)
+        grad_inputs, norms, hashes = await self.compute(backward)
         carried, acks, failure = await self._chain_on(
-            request, arrived, grad_inputs, norms, grad=grad_inputs, hidden=None
+            request, arrived, grad_inputs, norms, hashes, grad=grad_inputs, hidden=None
         )
         return GradReply(carried, request.compression, acks, failure)
 
     async def _infer(self, request: InferRequest) -> HiddenReply:
         arrived = time.monotonic()
         outputs = await self.compute(self.backend.infer, request, request.hidden, request.mask)
-        carried, acks, failure = await self._chain_on(request, arrived, outputs, (), hidden=outputs)
+        carried, acks, failure = await self._chain_on(request, arrived, outputs, (), (), hidden=outputs)
         return HiddenReply(carried, request.compression, acks, failure)
 
     async def _chain_on(
@@ -175,24 +178,28 @@ class PeerService(Doorkeeper):
         arrived: float,
         result,
         norms: tuple[GradNorm, ...],
+        hashes: tuple[tuple[int, str], ...],
         **onward,
     ) -> tuple[torch.Tensor | None, list[HopAck], ChainFailure | None]:
         """In a chain, hand the request on to the route's next hop with this hop's ``result`` (``onward``: the fields
         that change). Returns what goes back: the tensor of the chain's end (or this hop's, where the chain broke),
-        the hops that ran (with ``norms``, this hop's gradient norms after a backward), and where it broke."""
+        the hops that ran (with ``norms`` and ``hashes``, this hop's gradient norms and the hashes of the
+        micro-batch's gradients after a backward), and where it broke."""
         if not request.route:
-            return result, [self._ack(request.blocks, arrived, norms)], None
+            return result, [self._ack(request.blocks, arrived, norms, hashes)], None
         hop, rest = request.route[0], request.route[1:]
         try:
             reply = await self.peers.pass_on(hop, replace(request, start=hop.start, end=hop.end, route=rest, **onward))
         except ChainBroken as e:  # the client goes on from this hop's result
-            return result, [self._ack(request.blocks, arrived, norms)], e.failure
+            return result, [self._ack(request.blocks, arrived, norms, hashes)], e.failure
         carried = reply.grad_inputs if isinstance(reply, GradReply) else reply.outputs
-        return carried, [self._ack(request.blocks, arrived, norms), *reply.acks], reply.failure
+        return carried, [self._ack(request.blocks, arrived, norms, hashes), *reply.acks], reply.failure
 
-    def _ack(self, blocks: range, arrived: float, norms: tuple[GradNorm, ...]) -> HopAck:
+    def _ack(
+        self, blocks: range, arrived: float, norms: tuple[GradNorm, ...], hashes: tuple[tuple[int, str], ...]
+    ) -> HopAck:
         """This hop ran ``blocks``, in the seconds since the request arrived (the chain after it included)."""
-        return HopAck(self.me, blocks.start, blocks.stop, time.monotonic() - arrived, norms)
+        return HopAck(self.me, blocks.start, blocks.stop, time.monotonic() - arrived, norms, hashes)
 
     async def _end_session(self, request: EndSessionRequest) -> EndSessionReply:
         return EndSessionReply(await self.compute(self.backend.sessions.end, request.session))
@@ -247,19 +254,31 @@ class PeerService(Doorkeeper):
         return NormsReply(parts)
 
     async def _fetch_missing(self, request: CommitRequest | NormsRequest) -> None:
-        """Fetch the ledger's micro-batch gradients this peer lacks from the replicas holding them, all at once."""
+        """Fetch the ledger's micro-batch gradients this peer lacks from the replicas holding them, all at once.
+        Gradients that do not hash as the ledger says are refused (``bad_gradients``, naming their holders)."""
         name, step = request.adapter, request.step
         missing = await self.compute(self.backend.missing, name, step, request.micro_batches())
         wanted_from: dict[str, dict[int, list[str]]] = {}
         for block, mbs in missing.items():
             for mb in mbs:
-                wanted_from.setdefault(request.ledger[block][mb], {}).setdefault(block, []).append(mb)
+                wanted_from.setdefault(request.ledger[block][mb].holder, {}).setdefault(block, []).append(mb)
         timeout = request.fetch_timeout
         fetched = await asyncio.gather(
             *(self.peers.fetch_grads(peer, name, step, wanted, timeout) for peer, wanted in wanted_from.items())
         )
-        for grads in fetched:
-            await self.compute(self.backend.add_grads, name, step, grads)
+        bad = []
+        for (peer, wanted), grads in zip(wanted_from.items(), fetched, strict=True):
+            good, mismatched = await self.compute(_as_reported, request, wanted, grads)
+            await self.compute(self.backend.add_grads, name, step, good)
+            if mismatched:
+                bad.append(peer)
+        if bad:
+            logger.warning("gradients of step %d from %s do not match the hashes they reported", step, bad)
+            raise BadGradientsError(
+                f"the gradients of step {step} fetched from {', '.join(bad)} do not match the hashes those peers "
+                "reported with their backwards; nothing was applied: replay their micro-batches elsewhere",
+                bad,
+            )
 
     async def _revert(self, request: RevertRequest) -> StepsReply:
         steps = await self.compute(self.backend.revert, request.adapter, request.step)
@@ -327,3 +346,23 @@ class PeerService(Doorkeeper):
 
     async def _digest(self, request: DigestRequest) -> DigestReply:
         return DigestReply(await self.compute(self.backend.digests, request.adapter))
+
+
+def _as_reported(
+    request: CommitRequest | NormsRequest, wanted: dict[int, list[str]], grads: GradsByBlock
+) -> tuple[GradsByBlock, bool]:
+    """The fetched gradients that were asked for (``wanted``) and hash as the ledger says their holder reported
+    (every one, when the ledger has no hash for it), and whether any did not. On the compute thread: hashing reads
+    the tensors."""
+    good: GradsByBlock = {}
+    mismatched = False
+    for block, by_mb in grads.items():
+        for mb, tensors in by_mb.items():
+            if mb not in wanted.get(block, ()):
+                continue
+            expected = request.ledger[block][mb].grad_hash
+            if expected is None or grad_hash(tensors) == expected:
+                good.setdefault(block, {})[mb] = tensors
+            else:
+                mismatched = True
+    return good, mismatched

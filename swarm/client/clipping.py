@@ -17,12 +17,12 @@ from functools import partial
 from hivemind.p2p import PeerID
 
 from swarm.client.calls import PeerFailure
-from swarm.client.commit import ReplicaSet, replay_lost
+from swarm.client.commit import ReplicaSet, judge_accused, replay_lost
 from swarm.client.ledger import StepLedger
 from swarm.client.remote import RemoteStack
 from swarm.net.errors import CommitError, ErrorKind, RemoteError, ReplyError
 from swarm.net.gradnorm import combine
-from swarm.net.protocol import FETCH_TIMEOUT, NormsRequest, missing_gradients
+from swarm.net.protocol import FETCH_TIMEOUT, NormsRequest, bad_holders, missing_gradients
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def _ask(
     hops: RemoteStack, ledger: StepLedger, asked: dict[PeerID, list[int]], norm_type: float, peer: PeerID
 ) -> tuple[dict[int, float], dict[int, list[str]]]:
     """One replica's shares of its ``asked`` blocks, or the gradients nobody could give it (nothing at all when it
-    failed)."""
+    failed), counting those of a holder caught handing on gradients unlike those it reported (it is banned)."""
     calls = hops.calls
     holders = {block: ledger.wire_holders(range(block, block + 1))[block] for block in asked[peer]}
     try:
@@ -103,10 +103,16 @@ def _ask(
     except PeerFailure:
         return {}, {}
     except RemoteError as e:
-        if e.kind != ErrorKind.MISSING_GRADIENTS:
+        if e.kind not in (ErrorKind.MISSING_GRADIENTS, ErrorKind.BAD_GRADIENTS):
             raise
         try:
-            return {}, missing_gradients(e)
+            if e.kind == ErrorKind.MISSING_GRADIENTS:
+                return {}, missing_gradients(e)
+            lost: dict[int, list[str]] = {}
+            for banned in judge_accused(hops, ledger, [(peer, holder) for holder in bad_holders(e)]):
+                for block, mbs in ledger.held_by(banned).items():
+                    lost.setdefault(block, []).extend(mbs)
+            return {}, lost
         except ReplyError as bad:  # a garbled refusal: the peer failed
             logger.warning("peer %s: %s", peer, bad)
             return {}, {}

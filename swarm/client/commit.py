@@ -40,6 +40,7 @@ from swarm.net.protocol import (
     RevertRequest,
     SyncRequest,
     TieBreakRequest,
+    bad_holders,
     missing_gradients,
 )
 from swarm.net.waiting import Deadline, WaitLine
@@ -326,10 +327,15 @@ def commit(
             raise CommitError(f"step {step} could not be committed in {MAX_COMMIT_ROUNDS} rounds; see the log for why")
         missing = _held_by_departed(ledger, pending, applied)
         if not missing:
-            newly, missing = _commit_all(calls, replicas, pending, ledger, hparams, failed, votes)
+            accused: list[tuple[PeerID, PeerID]] = []
+            newly, missing = _commit_all(calls, replicas, pending, ledger, hparams, failed, votes, accused)
             for peer in newly:
                 replicas.current[peer] = step + 1  # no longer eligible for this step's work (e.g. a replay)
                 applied[peer] = pending[peer]
+            if accused:
+                for peer in judge_accused(hops, ledger, accused):
+                    applied.pop(peer, None)  # banned: its micro-batches count as departed, replayed next round
+                continue
         if missing:
             _take_back(calls, replicas, applied, step)  # so that replays can run through their blocks at `step`
             replay_lost(hops, ledger, missing)
@@ -437,9 +443,11 @@ def _commit_all(
     hparams: OptimizerHParams,
     failed: list[PeerID],
     votes: dict[PeerID, CommitReply],
+    accused: list[tuple[PeerID, PeerID]],
 ) -> tuple[list[PeerID], dict[int, list[str]]]:
     """Ask every replica to commit, in parallel; returns those that applied (their replies go to ``votes``), and
-    the (block, micro-batch) gradients some replica could not fetch from anyone live."""
+    the (block, micro-batch) gradients some replica could not fetch from anyone live. A replica that fetched
+    gradients that do not match their hashes adds (itself, their holder) to ``accused``."""
 
     def attempt(peer: PeerID) -> dict[int, list[str]] | None:
         holders = ledger.wire_holders(peers[peer])
@@ -450,9 +458,12 @@ def _commit_all(
             failed.append(peer)
             return None
         except RemoteError as e:
-            if e.kind != ErrorKind.MISSING_GRADIENTS:
+            if e.kind not in (ErrorKind.MISSING_GRADIENTS, ErrorKind.BAD_GRADIENTS):
                 raise
             try:
+                if e.kind == ErrorKind.BAD_GRADIENTS:
+                    accused.extend((peer, holder) for holder in bad_holders(e))
+                    return None
                 return missing_gradients(e)
             except ReplyError as bad:  # a garbled refusal: the peer failed, like one that does not answer
                 logger.warning("peer %s: %s", peer, bad)
@@ -467,6 +478,31 @@ def _commit_all(
         for block, mbs in (lacking or {}).items():
             missing.setdefault(block, set()).update(mbs)
     return applied, {block: sorted(mbs) for block, mbs in missing.items()}
+
+
+def judge_accused(hops: RemoteStack, ledger: StepLedger, accused: list[tuple[PeerID, PeerID]]) -> list[PeerID]:
+    """Replicas said that holders handed them gradients that do not hash as the holders reported: the client asks
+    each holder for them itself. One that hands on other gradients than it reported is dishonest; where the client
+    gets the reported ones, the accuser lied. Returns the peers banned for good (their micro-batches are replayed on
+    honest replicas: they count as departed)."""
+    banned = []
+    for accuser, holder in dict.fromkeys(accused):
+        if holder in hops.dishonest or accuser in hops.dishonest:
+            continue
+        held = ledger.held_by(holder)
+        try:
+            honest = bool(held) and hops.reported_grads(holder, ledger.step, held, ledger.hashes) is not None
+        except (PeerFailure, RemoteError) as e:  # it does not answer: its gradients are replayed elsewhere
+            hops.calls.router.ban(holder, f"could not hand on the gradients of step {ledger.step}: {e}")
+            continue
+        culprit, reason = (
+            (accuser, f"it refused step {ledger.step}'s gradients from {holder}, which hash as reported")
+            if honest
+            else (holder, f"it handed on gradients of step {ledger.step} that differ from those it reported")
+        )
+        hops.ban_dishonest(culprit, reason)
+        banned.append(culprit)
+    return banned
 
 
 def take_back_abandoned(calls: PeerCalls, replicas: ReplicaSet, step: int) -> None:

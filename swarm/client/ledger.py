@@ -10,6 +10,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from swarm.net.gradnorm import GradNorm, covers_digest
+from swarm.net.protocol import Held
 
 
 @dataclass
@@ -30,6 +31,8 @@ class StepLedger:
     session: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     counter: int = 0
     holders: dict[int, dict[str, PeerID]] = field(default_factory=dict)
+    # block -> micro-batch -> the hash of its gradients that the holder reported (swarm/net/gradhash.py)
+    hashes: dict[int, dict[str, str]] = field(default_factory=dict)
     segments: dict[str, list[Segment]] = field(default_factory=dict)
     masks: dict[str, torch.Tensor | None] = field(default_factory=dict)
     committing: bool = False  # a commit of these gradients started: some replica may have applied them
@@ -60,18 +63,30 @@ class StepLedger:
         held = self.holders.get(block)
         return None if not held else self.norms.get(block, {}).get(covers_digest(held))
 
-    def acknowledge(self, micro_batch: str, blocks: range, peer_id: PeerID) -> None:
-        """``peer_id`` acknowledged the backward of ``micro_batch`` on ``blocks``: it holds those gradients."""
+    def acknowledge(self, micro_batch: str, blocks: range, peer_id: PeerID, hashes: dict[int, str]) -> None:
+        """``peer_id`` acknowledged the backward of ``micro_batch`` on ``blocks``: it holds those gradients, which
+        hash as ``hashes`` (block -> hash) say."""
         for block in blocks:
             self.holders.setdefault(block, {})[micro_batch] = peer_id
+            self.hashes.setdefault(block, {})[micro_batch] = hashes[block]
+
+    def held_by(self, peer_id: PeerID) -> dict[int, list[str]]:
+        """The (block, micro-batch) gradients that ``peer_id`` holds for the ledger."""
+        held = {block: sorted(mb for mb, p in by_mb.items() if p == peer_id) for block, by_mb in self.holders.items()}
+        return {block: mbs for block, mbs in held.items() if mbs}
 
     def keep(self, micro_batch: str, segment: Segment, mask: torch.Tensor | None) -> None:
         self.segments.setdefault(micro_batch, []).append(segment)
         self.masks[micro_batch] = mask
 
-    def wire_holders(self, blocks: range) -> dict[int, dict[str, str]]:
-        """The ledger as a commit request carries it for ``blocks``: block -> {micro-batch: holder peer id}."""
-        return {block: {mb: peer.to_base58() for mb, peer in self.holders.get(block, {}).items()} for block in blocks}
+    def wire_holders(self, blocks: range) -> dict[int, dict[str, Held]]:
+        """The ledger as a commit request carries it for ``blocks``: block -> {micro-batch: holder and hash}."""
+        return {
+            block: {
+                mb: Held(peer.to_base58(), self.hashes[block][mb]) for mb, peer in self.holders.get(block, {}).items()
+            }
+            for block in blocks
+        }
 
     def replay_plan(self, missing: dict[int, list[str]]) -> list[tuple[str, Segment]]:
         """The kept segments that cover the (block, micro-batch) pairs whose gradients were lost."""

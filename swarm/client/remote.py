@@ -9,6 +9,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from hivemind.p2p import PeerID
@@ -16,19 +17,22 @@ from hivemind.p2p import PeerID
 from swarm.client.calls import Attempts, PeerCalls, PeerFailure
 from swarm.client.ledger import Segment, StepLedger
 from swarm.client.routing import Hop
-from swarm.net.chain import MAX_ROUTE_MADDRS, ChainFailure, ChainHop, FailureKind, route_timeout
+from swarm.net.chain import MAX_ROUTE_MADDRS, ChainFailure, ChainHop, FailureKind, HopAck, route_timeout
 from swarm.net.errors import LeaseLostError, RemoteError
+from swarm.net.gradhash import grad_hash
 from swarm.net.protocol import (
     PEER_STATE_ERRORS,
     BackwardRequest,
     ErrorKind,
     ForwardRequest,
+    GradsRequest,
     InferRequest,
     Method,
     Reply,
 )
 
 ChainRequest = ForwardRequest | BackwardRequest | InferRequest
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +44,16 @@ class HopInput:
 
     hop: Hop
     hidden: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class BackwardResult:
+    """What one hop's backward gave: the gradient of its input (when asked for), which peer ran it, and the hashes
+    of the micro-batch's LoRA gradients it holds, per block (what a spot check compares)."""
+
+    grad_inputs: torch.Tensor | None
+    peer: PeerID
+    hashes: dict[int, str]
 
 
 @dataclass
@@ -120,7 +134,7 @@ class RemoteStack:
         micro_batch: str,
         cached: bool = False,
         input_grad: bool = True,
-    ) -> torch.Tensor | None:
+    ) -> BackwardResult:
         """Backward through one hop. ``cached``: this peer ran the micro-batch's forward, so the hidden states are
         left out (sent after all if it no longer holds them). ``input_grad``: whether the input gradient is needed.
         The ledger learns who holds the gradients from the caller, once the hop's result is chosen."""
@@ -143,20 +157,32 @@ class RemoteStack:
             if not cached or e.kind != ErrorKind.MISSING_FORWARD:
                 raise
             return self._backward_hop(hop, hidden, grad, mask, ledger, micro_batch, False, input_grad)
-        for ack in reply.acks:
-            ledger.note_norms(ack.norms)
+        if len(reply.acks) != 1:
+            raise self.calls.peer_failed(hop.peer_id, "backward: the reply does not acknowledge exactly its hop")
+        hashes = self._ack_hashes(reply.acks[0], hop)
+        ledger.note_norms(reply.acks[0].norms)
         if input_grad and reply.grad_inputs is None:
             raise self.calls.peer_failed(hop.peer_id, "backward: the reply lacks the input gradient asked for")
-        return reply.grad_inputs.to(grad.dtype) if input_grad else None
+        return BackwardResult(reply.grad_inputs.to(grad.dtype) if input_grad else None, hop.peer_id, hashes)
 
-    # --- spot checks ------------------------------------------------------------------------------------------
+    def _ack_hashes(self, ack: HopAck, hop: Hop) -> dict[int, str]:
+        """The gradient hashes a backward's ack reports, one for each block of its hop (else the hop failed: without
+        them, nobody could check the gradients it hands on at commit)."""
+        hashes = dict(ack.hashes)
+        if sorted(hashes) != list(hop.blocks):
+            raise self.calls.peer_failed(hop.peer_id, "backward: the ack lacks the hash of some block's gradients")
+        return hashes
 
     def ban_dishonest(self, peer: PeerID, reason: str) -> None:
-        """Outvoted by its replicas (a spot check, or the commit's vote): never routed to or committed on again."""
+        """``peer`` was caught (a spot check, the commit's vote, gradients that do not match their hash): never route
+        to it or commit on it again, nor count it as a replica."""
+        if peer in self.dishonest:
+            return
         self.router.distrust(peer, reason)
-        if peer not in self.dishonest:
-            self.dishonest.append(peer)
+        self.dishonest.append(peer)
         self.calls.current.forget(peer)
+
+    # --- spot checks ------------------------------------------------------------------------------------------
 
     def _agree(self, a: torch.Tensor, b: torch.Tensor) -> bool:
         scale = max(a.abs().max().item(), b.abs().max().item(), 1e-6)
@@ -165,15 +191,64 @@ class RemoteStack:
     def _checkable(self) -> bool:
         """Whether some block has enough replicas to be checked (else a checked micro-batch only costs)."""
         return any(len(self.router.replicas(block)) >= self.min_voters for block in range(self.router.num_blocks))
+    def _backwards_agree(self, a: BackwardResult, b: BackwardResult, hop: Hop, step: int, micro_batch: str) -> bool:
+        """Two replicas' backwards of a hop agree: their input gradients within tolerance, and their LoRA gradients
+        bit for bit (equal hashes) or, where the hashes differ (peers whose kernels round differently), within
+        tolerance as each holder hands them on (checked against the hashes it reported)."""
+        if a.grad_inputs is None or b.grad_inputs is None or not self._agree(a.grad_inputs, b.grad_inputs):
+            return False
+        if a.hashes == b.hashes:
+            return True
+        grads_a = self._reported_grads(a, hop, step, micro_batch)
+        grads_b = self._reported_grads(b, hop, step, micro_batch)
+        if grads_a is None or grads_b is None or len(grads_a) != len(grads_b):
+            return False
+        pairs = zip(grads_a, grads_b, strict=True)
+        return all(x.shape == y.shape and (x.numel() == 0 or self._agree(x, y)) for x, y in pairs)
+
+    def _reported_grads(
+        self, result: BackwardResult, hop: Hop, step: int, micro_batch: str
+    ) -> list[torch.Tensor] | None:
+        """The LoRA gradients of ``micro_batch`` that ``result``'s peer holds on the hop's blocks (in block order),
+        if it hands them on as they hash in its ack; None if it does not (or does not answer)."""
+        wanted = {block: [micro_batch] for block in hop.blocks}
+        hashes = {block: {micro_batch: result.hashes[block]} for block in hop.blocks}
+        try:
+            grads = self.reported_grads(result.peer, step, wanted, hashes)
+        except (PeerFailure, RemoteError) as e:
+            logger.warning("spot check: could not fetch gradients from %s: %s", result.peer, e)
+            return None
+        return None if grads is None else [t.float() for block in hop.blocks for t in grads[block][micro_batch]]
+
+    def reported_grads(
+        self, peer: PeerID, step: int, wanted: dict[int, list[str]], hashes: dict[int, dict[str, str]]
+    ) -> dict[int, dict[str, list[torch.Tensor]]] | None:
+        """The ``wanted`` micro-batch gradients as ``peer`` hands them on (peer to peer, at commit), if every one
+        hashes as ``hashes`` (block -> micro-batch -> hash) say it reported; None if some do not or are missing.
+        Raises PeerFailure or RemoteError when it does not answer."""
+        grads = self.calls.ask(peer, GradsRequest(self.adapter, step, wanted)).grads
+        for block, mbs in wanted.items():
+            for mb in mbs:
+                held = grads.get(block, {}).get(mb)
+                if held is None or grad_hash(held) != hashes[block][mb]:
+                    return None
+        return grads
 
     def _spot_check(
-        self, hop: Hop, result: torch.Tensor, redo: Callable[[PeerID], torch.Tensor], rate: float
-    ) -> tuple[torch.Tensor, PeerID]:
+        self,
+        hop: Hop,
+        result: T,
+        redo: Callable[[PeerID], T],
+        rate: float,
+        agree: Callable[[T, T], bool] | None = None,
+    ) -> tuple[T, PeerID]:
         """With probability ``rate``, redo the hop on other replicas; a peer outvoted by two that agree is banned for
-        good. Returns the result to use and the peer that produced it."""
+        good. Returns the result to use and the peer that produced it. ``agree``: whether two results agree (by
+        default: tensors within the tolerance)."""
         if rate <= 0 or self.random.random() >= rate:
             return result, hop.peer_id
-        opinions: dict[PeerID, torch.Tensor] = {hop.peer_id: result}
+        agree = agree or self._agree
+        opinions: dict[PeerID, T] = {hop.peer_id: result}
         others = [
             r.peer_id
             for r in self.router.replicas(hop.start)
@@ -191,7 +266,7 @@ class RemoteStack:
             except PeerFailure:
                 continue
             for value in opinions.values():
-                agreeing = [p for p, v in opinions.items() if self._agree(value, v)]
+                agreeing = [p for p, v in opinions.items() if agree(value, v)]
                 if len(agreeing) >= 2 and len(agreeing) > len(majority):
                     majority = agreeing
             if len(majority) >= 2 and len(majority) == len(opinions):
@@ -320,18 +395,18 @@ class RemoteStack:
                 for index in reversed(range(len(hops))):
                     hop, hidden, grad_out = hops[index], hiddens[index], grad
                     wanted = input_grad or index > 0 or rate > 0  # spot checks compare input gradients
-                    grad = self._backward_hop(
-                        hop, hidden, grad_out, mask, ledger, micro_batch, hop == cached_on, wanted
-                    )
-                    grad, chosen = self._spot_check(
+                    ran = self._backward_hop(hop, hidden, grad_out, mask, ledger, micro_batch, hop == cached_on, wanted)
+                    ran, chosen = self._spot_check(
                         hop,
-                        grad,
+                        ran,
                         lambda peer, h=hop, x=hidden, g=grad_out: self._backward_hop(
                             Hop(peer, h.start, h.end), x, g, mask, ledger, micro_batch
                         ),
                         rate,
+                        lambda a, b, h=hop: self._backwards_agree(a, b, h, ledger.step, micro_batch),
                     )
-                    ledger.acknowledge(micro_batch, hop.blocks, chosen)
+                    ledger.acknowledge(micro_batch, hop.blocks, chosen, ran.hashes)
+                    grad = ran.grad_inputs
             except PeerFailure as e:
                 prefer = None
                 attempts.failed(e, Hop(e.peer, segment.start, segment.end))
@@ -470,6 +545,7 @@ class RemoteStack:
             )
             try:
                 reply, ran = self.chain_ask(hops, request, grad)
+                hashes = [self._ack_hashes(ack, hop) for hop, ack in zip(ran, reply.acks, strict=True)]
             except PeerFailure as e:
                 attempts.failed(e, last)
                 break
@@ -477,8 +553,8 @@ class RemoteStack:
                 if e.kind != ErrorKind.MISSING_FORWARD:
                     raise
                 break  # that peer no longer holds the forward (it restarted): the client sends the input
-            for hop, ack in zip(ran, reply.acks, strict=True):
-                ledger.acknowledge(micro_batch, hop.blocks, hop.peer_id)
+            for hop, ack, hop_hashes in zip(ran, reply.acks, hashes, strict=True):
+                ledger.acknowledge(micro_batch, hop.blocks, hop.peer_id, hop_hashes)
                 ledger.note_norms(ack.norms)
             del pending[len(pending) - len(ran) :]
             if reply.failure is None:

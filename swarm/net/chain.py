@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from swarm.net.errors import RequestError
+from swarm.net.gradhash import read_grad_hash
 from swarm.net.gradnorm import GradNorm, read_grad_norm
 
 MAX_ROUTE = 256  # hops a route may name (a model has fewer blocks than that)
@@ -88,7 +89,8 @@ def write_route(route: list[ChainHop]) -> list:
 @dataclass(frozen=True)
 class HopAck:
     """A hop that ran: which peer, which blocks, and the seconds it spent from the request's arrival to its answer
-    (the chain after it included); after a backward, its blocks' accumulated gradient norms (see swarm/net/gradnorm.py).
+    (the chain after it included); after a backward, its blocks' accumulated gradient norms (see swarm/net/gradnorm.py)
+    and the hash of each block's LoRA gradients of the micro-batch, as this hop holds them (swarm/net/gradhash.py).
     """
 
     peer: str
@@ -96,6 +98,7 @@ class HopAck:
     end: int
     seconds: float
     norms: tuple[GradNorm, ...] = ()
+    hashes: tuple[tuple[int, str], ...] = ()  # (block, gradient hash), after a backward
 
     @property
     def blocks(self) -> range:
@@ -103,10 +106,11 @@ class HopAck:
 
 
 def _ack(entry: object) -> HopAck:
-    if not isinstance(entry, list) or len(entry) not in (4, 5):
-        raise ValueError(f"{entry!r} is not [peer, start, end, seconds, norms?]")
+    if not isinstance(entry, list) or len(entry) not in (4, 5, 6):
+        raise ValueError(f"{entry!r} is not [peer, start, end, seconds, norms?, hashes?]")
     peer, start, end, seconds = entry[:4]
-    norms = entry[4] if len(entry) == 5 else []
+    norms = entry[4] if len(entry) >= 5 else []
+    hashes = entry[5] if len(entry) == 6 else []
     if not isinstance(peer, str) or not (_is_int(start) and _is_int(end) and 0 <= start < end):
         raise ValueError(f"{entry!r} is not [peer, start, end, seconds]")
     if not isinstance(seconds, int | float) or isinstance(seconds, bool) or not 0 <= seconds < math.inf:
@@ -116,7 +120,21 @@ def _ack(entry: object) -> HopAck:
     read = tuple(read_grad_norm(n) for n in norms)
     if any(n.block not in range(start, end) for n in read):
         raise ValueError(f"gradient norms {norms!r} name blocks outside the hop's {start}:{end}")
-    return HopAck(peer, start, end, float(seconds), read)
+    return HopAck(peer, start, end, float(seconds), read, _hashes(hashes, range(start, end)))
+
+
+def _hashes(value: object, blocks: range) -> tuple[tuple[int, str], ...]:
+    """A hop's ``[[block, hash], ...]``: each of its blocks at most once."""
+    if not isinstance(value, list) or len(value) > len(blocks):
+        raise ValueError(f"{value!r} is not a list of the hop's blocks' gradient hashes")
+    read = []
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 2 and _is_int(item[0]) and item[0] in blocks):
+            raise ValueError(f"{item!r} is not [block, hash] for a block of the hop's {blocks.start}:{blocks.stop}")
+        read.append((item[0], read_grad_hash(item[1])))
+    if len({block for block, _ in read}) != len(read):
+        raise ValueError(f"gradient hashes {value!r} name a block twice")
+    return tuple(read)
 
 
 def read_acks(meta: dict, key: str) -> list[HopAck]:
@@ -124,7 +142,9 @@ def read_acks(meta: dict, key: str) -> list[HopAck]:
 
 
 def write_acks(acks: list[HopAck]) -> list:
-    return [[a.peer, a.start, a.end, a.seconds, [n.to_wire() for n in a.norms]] for a in acks]
+    return [
+        [a.peer, a.start, a.end, a.seconds, [n.to_wire() for n in a.norms], [list(h) for h in a.hashes]] for a in acks
+    ]
 
 
 class FailureKind:

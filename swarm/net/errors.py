@@ -120,6 +120,7 @@ class ErrorKind:
     SOURCE_UNAVAILABLE = "source_unavailable"  # the peer a sync was to pull from did not answer: pick another
     NOT_SERVED = "not_served"  # blocks this peer does not serve (any more: it moved, or restarted on other blocks)
     KEPT_INPUTS_FULL = "kept_inputs_full"  # the step's span inputs fill this peer's --kept-inputs-mb
+    BAD_GRADIENTS = "bad_gradients"  # gradients fetched at commit do not hash as their holder said: it is dishonest
 
 
 class RequestError(SwarmError, ValueError):
@@ -154,6 +155,17 @@ class MissingGradientsError(RequestError):
     def __init__(self, message: str, missing: dict[int, list[str]]):
         super().__init__(message)
         self.missing = missing
+
+
+class BadGradientsError(RequestError):
+    """Micro-batch gradients fetched from their holders (``holders``, peer ids) do not hash as the ledger says those
+    holders reported with their backwards: they handed on other gradients than they hold. Nothing was applied."""
+
+    kind = ErrorKind.BAD_GRADIENTS
+
+    def __init__(self, message: str, holders: list[str]):
+        super().__init__(message)
+        self.holders = holders
 
 
 class SessionLostError(RequestError):

@@ -32,6 +32,7 @@ from swarm.net.chain import (
 )
 from swarm.net.compression import COMPRESSIONS
 from swarm.net.errors import (
+    BadGradientsError,
     ErrorKind,
     MissingGradientsError,
     RemoteError,
@@ -39,6 +40,7 @@ from swarm.net.errors import (
     RequestError,
     SourceUnavailableError,
 )
+from swarm.net.gradhash import read_grad_hash
 from swarm.net.message import Message
 
 
@@ -80,6 +82,7 @@ HAS_MASK = "has_mask"  # span requests: whether a mask follows the other tensors
 HAS_HIDDEN = "has_hidden"  # a backward: whether the hidden states come first (else the peer uses its forward's)
 MISSING = "missing"  # a missing_gradients refusal: block -> the micro-batches nobody could provide
 SOURCE = "source"  # a source_unavailable refusal: the peer a sync could not pull from
+BAD_HOLDERS = "bad_holders"  # a bad_gradients refusal: the peers whose gradients did not match their hashes
 
 # Refusals that mean "this peer cannot serve this now", not "the request is wrong": the client goes elsewhere.
 PEER_STATE_ERRORS = frozenset(
@@ -607,17 +610,42 @@ def read_hparams(meta: dict, key: str) -> OptimizerHParams:
     return OptimizerHParams.from_meta(read_dict(meta, key))
 
 
-def _holders(value: object) -> dict[str, str]:
-    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+@dataclass(frozen=True)
+class Held:
+    """A ledger entry: the peer holding a micro-batch's gradients on a block and, when it reported one with its
+    backward, their hash (swarm/net/gradhash.py), which a replica fetching them checks. On the wire: the peer id
+    alone, or ``[peer id, hash]``."""
+
+    holder: str
+    grad_hash: str | None = None
+
+    def to_wire(self) -> str | list[str]:
+        return self.holder if self.grad_hash is None else [self.holder, self.grad_hash]
+
+
+def _held(value: object) -> Held:
+    if isinstance(value, str) and value:
+        return Held(value)
+    if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and value[0]:
+        return Held(value[0], read_grad_hash(value[1]))
+    raise ValueError(f"{value!r} is not a peer id or [peer id, gradient hash]")
+
+
+def _holders(value: object) -> dict[str, Held]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         raise ValueError(f"{value!r} is not a map micro-batch id -> peer id")
-    return value
+    return {mb: _held(held) for mb, held in value.items()}
 
 
-def read_ledger(meta: dict, key: str) -> dict[int, dict[str, str]]:
-    ledger = by_blocks(_holders, "{micro-batch id: peer id}")(meta, key)
+def read_ledger(meta: dict, key: str) -> dict[int, dict[str, Held]]:
+    ledger = by_blocks(_holders, "{micro-batch id: peer id or [peer id, gradient hash]}")(meta, key)
     if not ledger:
         raise RequestError(f"{key!r} must name at least one block")
     return ledger
+
+
+def write_ledger(ledger: dict[int, dict[str, Held]]) -> dict[str, dict[str, str | list[str]]]:
+    return {str(block): {mb: held.to_wire() for mb, held in by_mb.items()} for block, by_mb in ledger.items()}
 
 
 def read_grad_scale(meta: dict, key: str) -> float:
@@ -636,13 +664,13 @@ def read_fetch_timeout(meta: dict, key: str) -> float:
 
 @dataclass(frozen=True)
 class CommitRequest(Request):
-    """Commit a step on the blocks of ``ledger`` (block -> {micro-batch id: the peer holding its gradients}) with
-    the optimizer's hyper-parameters in effect."""
+    """Commit a step on the blocks of ``ledger`` (block -> {micro-batch id: the peer holding its gradients, and
+    their hash}) with the optimizer's hyper-parameters in effect."""
 
     method: ClassVar[str] = Method.COMMIT
     adapter: str = wire(read_adapter)
     step: int = wire(read_int)
-    ledger: dict[int, dict[str, str]] = wire(read_ledger, by_block)
+    ledger: dict[int, dict[str, Held]] = wire(read_ledger, write_ledger)
     hparams: OptimizerHParams = wire(read_hparams, OptimizerHParams.to_meta)
     fetch_timeout: float = wire(read_fetch_timeout, default=FETCH_TIMEOUT)
     grad_scale: float = wire(read_grad_scale, default=1.0)  # the global clipping factor, the same on every replica
@@ -668,7 +696,7 @@ class NormsRequest(Request):
     method: ClassVar[str] = Method.NORMS
     adapter: str = wire(read_adapter)
     step: int = wire(read_int)
-    ledger: dict[int, dict[str, str]] = wire(read_ledger, by_block)
+    ledger: dict[int, dict[str, Held]] = wire(read_ledger, write_ledger)
     norm_type: float = wire(read_norm_type, default=2.0)
     fetch_timeout: float = wire(read_fetch_timeout, default=FETCH_TIMEOUT)
 
@@ -1082,6 +1110,8 @@ def refusal(error: RequestError) -> Message:
         details[MISSING] = by_block(error.missing)
     if isinstance(error, SourceUnavailableError):
         details[SOURCE] = error.source
+    if isinstance(error, BadGradientsError):
+        details[BAD_HOLDERS] = error.holders
     return error_message(error.kind, str(error), **details)
 
 
@@ -1097,3 +1127,14 @@ def missing_gradients(error: RemoteError) -> dict[int, list[str]]:
         return by_blocks(_strings, "micro-batch ids")(error.meta, MISSING)
     except RequestError as e:
         raise ReplyError(f"malformed missing_gradients refusal: {e}") from None
+
+
+def bad_holders(error: RemoteError) -> list[PeerID]:
+    """The peers a ``bad_gradients`` refusal names: their gradients did not match the hashes they reported."""
+    holders = error.meta.get(BAD_HOLDERS)
+    try:
+        if not isinstance(holders, list) or not holders or not all(isinstance(h, str) for h in holders):
+            raise ValueError(f"{holders!r} is not a list of peer ids")
+        return [PeerID.from_base58(h) for h in holders]
+    except ValueError as e:
+        raise ReplyError(f"malformed bad_gradients refusal: {e}") from None

@@ -121,7 +121,7 @@ def _commit_step(stack: _CommitStack, step: int, holders: dict[int, PeerID]) -> 
     replicas = ReplicaSet(stack, CurrentPeers(0, exact=True), open_on=stack.open_on)
     ledger = StepLedger(step=step, session="s")
     for block, holder in holders.items():
-        ledger.acknowledge(f"s:{step}:000000001", range(block, block + 1), holder)
+        ledger.acknowledge(f"s:{step}:000000001", range(block, block + 1), holder, {block: "0" * 64})
     try:
         return commit(stack, replicas, ledger, HPARAMS)
     finally:
@@ -153,7 +153,7 @@ def test_a_replica_past_the_step_is_not_counted_for_gradients_that_replaced_disc
     replicas = ReplicaSet(stack, CurrentPeers(0, exact=True), open_on=stack.open_on)
     ledger = StepLedger(step=45, session="s", committing=True).discarded()
     for block, holder in ((0, behind), (1, behind), (2, behind), (3, behind)):
-        ledger.acknowledge("s:45:000000002", range(block, block + 1), holder)
+        ledger.acknowledge("s:45:000000002", range(block, block + 1), holder, {block: "0" * 64})
     try:
         with pytest.raises(SwarmUnavailableError, match=r"blocks \[2, 3\] have had no live replica at step 45"):
             commit(stack, replicas, ledger, HPARAMS)

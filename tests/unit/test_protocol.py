@@ -33,7 +33,7 @@ HIDDEN, GRAD, MASK = torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.ones(2, 3
 ADAPTER = protocol.AdapterInfo(protocol.adapter_meta(LORA, 7), {0: 3, 1: 3}, {2: 2})
 ROUTE = [ChainHop(OTHER.to_base58(), 2, 4, 3.5, ("/ip4/1.2.3.4/tcp/5",)), ChainHop(PEER.to_base58(), 4, 6, 2.0)]
 ACKS = [
-    HopAck(PEER.to_base58(), 0, 2, 0.25, (GradNorm(1, "c0ffee", 4.0, 1.5),)),
+    HopAck(PEER.to_base58(), 0, 2, 0.25, (GradNorm(1, "c0ffee", 4.0, 1.5),), ((0, "ab" * 32), (1, "cd" * 32))),
     HopAck(OTHER.to_base58(), 2, 4, 0.5),
 ]
 BROKEN = ChainFailure(PEER.to_base58(), "timeout", "no answer in 3.5 s")
@@ -54,11 +54,18 @@ EXAMPLES: dict[str, tuple[protocol.Request, protocol.Reply]] = {
         protocol.GradReply(GRAD, acks=ACKS[::-1], failure=BROKEN),
     ),
     Method.COMMIT: (
-        protocol.CommitRequest("run", 3, {0: {"mb-0": PEER.to_base58()}}, HPARAMS, 2.5, grad_scale=0.25),
+        protocol.CommitRequest(
+            "run",
+            3,
+            {0: {"mb-0": protocol.Held(PEER.to_base58(), "ab" * 32), "mb-1": protocol.Held(OTHER.to_base58())}},
+            HPARAMS,
+            2.5,
+            grad_scale=0.25,
+        ),
         protocol.CommitReply({0: 4}, {0: "ab12"}),
     ),
     Method.NORMS: (
-        protocol.NormsRequest("run", 3, {0: {"mb-0": PEER.to_base58()}}, norm_type=1.0),
+        protocol.NormsRequest("run", 3, {0: {"mb-0": protocol.Held(PEER.to_base58(), "ef" * 32)}}, norm_type=1.0),
         protocol.NormsReply({0: 2.5, 1: math.inf}),
     ),
     Method.REVERT: (protocol.RevertRequest("run", 3), protocol.StepsReply({0: 3})),

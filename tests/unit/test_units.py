@@ -18,7 +18,7 @@ from swarm.client.copies import CopyKeeper
 from swarm.client.ledger import Segment, StepLedger
 from swarm.client.routing import NoRouteError, Router
 from swarm.net.errors import AdapterConfigError, ModelFolderError, RequestError
-from swarm.net.protocol import OpenRequest
+from swarm.net.protocol import Held, OpenRequest
 from swarm.net.records import CommittedRecord, ServerRecord, ServerState, valid_value
 from swarm.net.transport import Transport
 from swarm.net.wire import Message, WireError, decode, encode
@@ -59,16 +59,19 @@ def test_ledger_tracks_holders_and_plans_replays():
     first, second = ledger.new_micro_batch(), ledger.new_micro_batch()
     assert sorted([second, first]) == [first, second]
     hidden = grad = torch.zeros(1, 2, 3)
-    ledger.acknowledge(second, range(2, 4), peer_b)
+    hashes = {block: f"{block:x}" * 64 for block in range(4)}
+    ledger.acknowledge(second, range(2, 4), peer_b, hashes)
     ledger.keep(second, Segment(2, 4, hidden, grad), None)
-    ledger.acknowledge(second, range(0, 2), peer_a)
+    ledger.acknowledge(second, range(0, 2), peer_a, hashes)
     ledger.keep(second, Segment(0, 2, hidden, grad), None)
-    ledger.acknowledge(first, range(0, 4), peer_a)
+    ledger.acknowledge(first, range(0, 4), peer_a, hashes)
     ledger.keep(first, Segment(0, 4, hidden, grad), None)
+    a, b = peer_a.to_base58(), peer_b.to_base58()
     assert ledger.wire_holders(range(1, 3)) == {
-        1: {second: peer_a.to_base58(), first: peer_a.to_base58()},
-        2: {second: peer_b.to_base58(), first: peer_a.to_base58()},
+        1: {second: Held(a, hashes[1]), first: Held(a, hashes[1])},
+        2: {second: Held(b, hashes[2]), first: Held(a, hashes[2])},
     }
+    assert ledger.held_by(peer_b) == {2: [second], 3: [second]}
     plan = ledger.replay_plan({3: [second]})
     assert [(mb, s.start, s.end) for mb, s in plan] == [(second, 2, 4)]
     assert ledger.next().step == 5 and ledger.next().empty and ledger.discarded().step == 4

@@ -1,0 +1,116 @@
+"""Part of promise 10 on real peers in this process: gradients cannot be swapped after the fact. A holder that hands
+other replicas other gradients than those it reported with its backward is caught at commit; a peer whose backward
+LoRA gradients are wrong is caught by a spot check. Either is named in ``model.dishonest`` and the adapter equals
+local peft. Under two busy processes (``cpu_load``)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from hivemind.p2p import PeerID
+
+import swarm
+from peers.backend import SpanBackend
+from swarm.testing.recipe import (
+    HPARAMS,
+    MAX_GRAD_NORM,
+    MICRO_BATCHES,
+    assert_matches_local_peft,
+    batches_for_step,
+    connect,
+    train,
+)
+
+
+def _perturbed(tensors: list[torch.Tensor], noise: torch.Generator) -> list[torch.Tensor]:
+    """New tensors: each plus noise of 5% of its mean magnitude (from the peer's own generator)."""
+    return [t + 0.05 * t.abs().mean() * torch.randn(t.shape, generator=noise, dtype=t.dtype) for t in tensors]
+
+
+def corrupt_served_grads(backend: SpanBackend) -> None:
+    """Make a peer dishonest at commit only: the gradients it hands other replicas (GRADS) are perturbed, those it
+    holds and applies itself are honest."""
+    honest, noise = backend.micro_batch_grads, torch.Generator().manual_seed(0)
+
+    def micro_batch_grads(*args, **kwargs):
+        found = honest(*args, **kwargs)
+        return {block: {mb: _perturbed(g, noise) for mb, g in by_mb.items()} for block, by_mb in found.items()}
+
+    backend.micro_batch_grads = micro_batch_grads
+
+
+def corrupt_backward_grads(backend: SpanBackend) -> None:
+    """Make a peer dishonest in its backward: the LoRA gradients it accumulates are perturbed (and then reported,
+    hashed and handed on consistently); its input gradients and everything else are honest."""
+    honest, noise = backend.backward, torch.Generator().manual_seed(0)
+
+    def backward(name: str, blocks: range, step: int, micro_batch: str, *args, **kwargs):
+        states = {block: backend.adapter(name).blocks[block] for block in blocks}
+        new = [block for block, state in states.items() if micro_batch not in state.grads]
+        grad_inputs = honest(name, blocks, step, micro_batch, *args, **kwargs)
+        for block in new:
+            states[block].grads[micro_batch] = _perturbed(states[block].grads[micro_batch], noise)
+        return grad_inputs
+
+    backend.backward = backward
+
+
+def _wait_seen(model: swarm.SwarmModelForCausalLM, peer: PeerID, timeout: float = 30.0) -> None:
+    """Until the client's view holds ``peer`` (so that the next commit asks it)."""
+    router, deadline = model.session.calls.router, time.monotonic() + timeout
+    while peer not in router.live_servers(eligible_only=False):
+        assert time.monotonic() < deadline, f"the client did not see {peer} in {timeout:.0f}s"
+        time.sleep(0.2)
+        router.refresh()
+
+
+def _accumulate(model: swarm.SwarmModelForCausalLM) -> None:
+    """The backwards of the recipe's micro-batches of the model's step (as ``train`` runs them)."""
+    for batch in batches_for_step(model.step):
+        (model(**batch).loss / MICRO_BATCHES).backward()
+
+
+def test_a_holder_handing_on_other_gradients_than_it_reported_is_caught_at_commit(
+    inprocess_swarm, tiny_models, tmp_path, cpu_load
+):
+    """The dishonest peer is the only server of blocks 0:2 while step 0's backwards run, so it holds all of their
+    gradients; an honest replica joins before the commit and fetches them from it: the hashes do not match."""
+    model_dir = tiny_models["llama"]
+    local = inprocess_swarm()
+    peers = local.start_peers({"dishonest": "0:2", "honest-2": "2:4"})
+    corrupt_served_grads(peers["dishonest"].backend)
+    model = connect(local, model_dir, adapter="hashed")
+    try:
+        model.save_adapter(tmp_path / "initial")
+        _accumulate(model)
+        joined = local.start_peers({"honest-1": "0:2"})["honest-1"].peer_id
+        _wait_seen(model, joined)
+        model.clip_grad_norm_(MAX_GRAD_NORM)
+        swarm.RemoteOptimizer(model, **HPARAMS).step()
+        assert model.step == 1
+        assert list(model.dishonest) == [peers["dishonest"].peer_id]
+        train(model, steps=3)
+        assert list(model.dishonest) == [peers["dishonest"].peer_id]
+        model.save_adapter(tmp_path / "final")
+    finally:
+        model.shutdown()
+    assert_matches_local_peft(model_dir, tmp_path, steps=3)
+
+
+def test_a_peer_accumulating_wrong_lora_gradients_is_caught_by_a_spot_check(
+    inprocess_swarm, tiny_models, tmp_path, cpu_load
+):
+    model_dir = tiny_models["llama"]
+    local = inprocess_swarm()
+    peers = local.start_peers({"honest-1": "0:2", "honest-2": "0:2", "dishonest": "0:2", "honest-3": "2:4"})
+    corrupt_backward_grads(peers["dishonest"].backend)
+    model = connect(local, model_dir, adapter="grads-checked", spot_check=1.0)
+    try:
+        model.save_adapter(tmp_path / "initial")
+        train(model)
+        assert list(model.dishonest) == [peers["dishonest"].peer_id]
+        model.save_adapter(tmp_path / "final")
+    finally:
+        model.shutdown()
+    assert_matches_local_peft(model_dir, tmp_path)
