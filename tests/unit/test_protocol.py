@@ -81,7 +81,9 @@ EXAMPLES: dict[str, tuple[protocol.Request, protocol.Reply]] = {
     Method.STATE: (protocol.StateRequest("run"), protocol.StateReply({0: {"q.lora_A": GRAD}, 1: {"q.lora_B": HIDDEN}})),
     Method.DIGEST: (protocol.DigestRequest("run"), protocol.DigestReply({0: "ab12", 1: "cd34"})),
     Method.TIEBREAK: (
-        protocol.TieBreakRequest("run", 3, {0: {"mb-0": PEER.to_base58()}}, HPARAMS, grad_scale=0.5),
+        protocol.TieBreakRequest(
+            "run", 3, {0: {"mb-0": protocol.Held(PEER.to_base58(), "cd" * 32)}}, HPARAMS, grad_scale=0.5
+        ),
         protocol.DigestReply({0: "ab12"}),
     ),
     Method.FAST_FORWARD: (
