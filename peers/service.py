@@ -224,21 +224,11 @@ class PeerService(Doorkeeper):
 
     async def _tiebreak(self, request: TieBreakRequest) -> DigestReply:
         """Break two replicas' tie: the commit's ledger applied to this peer's standby copies, the gradients fetched
-        from the ledger's holders like a commit does; only the digests come back."""
-        wanted_from: dict[str, dict[int, list[str]]] = {}
-        for block, by_mb in request.ledger.items():
-            for mb, holder in by_mb.items():
-                wanted_from.setdefault(holder, {}).setdefault(block, []).append(mb)
-        fetched = await asyncio.gather(
-            *(
-                self.peers.fetch_grads(peer, request.adapter, request.step, wanted, request.fetch_timeout)
-                for peer, wanted in wanted_from.items()
-            )
-        )
-        grads: dict[int, dict[str, list[torch.Tensor]]] = {}
-        for part in fetched:
-            for block, by_mb in part.items():
-                grads.setdefault(block, {}).update(by_mb)
+        from the ledger's holders (and checked against their hashes) like a commit does; only the digests come
+        back."""
+        grads, bad = await self._fetch_checked(request, request.micro_batches())
+        if bad:
+            raise _bad_gradients(request.step, bad)
         ledger = request.micro_batches()
         digests = await self.compute(
             self.backend.tiebreak, request.adapter, request.step, ledger, grads, request.hparams, request.grad_scale
@@ -258,27 +248,33 @@ class PeerService(Doorkeeper):
         Gradients that do not hash as the ledger says are refused (``bad_gradients``, naming their holders)."""
         name, step = request.adapter, request.step
         missing = await self.compute(self.backend.missing, name, step, request.micro_batches())
+        good, bad = await self._fetch_checked(request, missing)
+        await self.compute(self.backend.add_grads, name, step, good)
+        if bad:
+            raise _bad_gradients(step, bad)
+
+    async def _fetch_checked(
+        self, request: CommitRequest | NormsRequest, wanted: dict[int, list[str]]
+    ) -> tuple[GradsByBlock, list[str]]:
+        """The ``wanted`` micro-batch gradients from the ledger's holders, all at once: those that hash as their
+        holder reported, and the holders whose gradients do not."""
         wanted_from: dict[str, dict[int, list[str]]] = {}
-        for block, mbs in missing.items():
+        for block, mbs in wanted.items():
             for mb in mbs:
                 wanted_from.setdefault(request.ledger[block][mb].holder, {}).setdefault(block, []).append(mb)
-        timeout = request.fetch_timeout
+        name, step, timeout = request.adapter, request.step, request.fetch_timeout
         fetched = await asyncio.gather(
-            *(self.peers.fetch_grads(peer, name, step, wanted, timeout) for peer, wanted in wanted_from.items())
+            *(self.peers.fetch_grads(peer, name, step, part, timeout) for peer, part in wanted_from.items())
         )
+        good: GradsByBlock = {}
         bad = []
-        for (peer, wanted), grads in zip(wanted_from.items(), fetched, strict=True):
-            good, mismatched = await self.compute(_as_reported, request, wanted, grads)
-            await self.compute(self.backend.add_grads, name, step, good)
+        for (peer, part), grads in zip(wanted_from.items(), fetched, strict=True):
+            matching, mismatched = await self.compute(_as_reported, request, part, grads)
+            for block, by_mb in matching.items():
+                good.setdefault(block, {}).update(by_mb)
             if mismatched:
                 bad.append(peer)
-        if bad:
-            logger.warning("gradients of step %d from %s do not match the hashes they reported", step, bad)
-            raise BadGradientsError(
-                f"the gradients of step {step} fetched from {', '.join(bad)} do not match the hashes those peers "
-                "reported with their backwards; nothing was applied: replay their micro-batches elsewhere",
-                bad,
-            )
+        return good, bad
 
     async def _revert(self, request: RevertRequest) -> StepsReply:
         steps = await self.compute(self.backend.revert, request.adapter, request.step)
@@ -346,6 +342,15 @@ class PeerService(Doorkeeper):
 
     async def _digest(self, request: DigestRequest) -> DigestReply:
         return DigestReply(await self.compute(self.backend.digests, request.adapter))
+
+
+def _bad_gradients(step: int, bad: list[str]) -> BadGradientsError:
+    logger.warning("gradients of step %d from %s do not match the hashes they reported", step, bad)
+    return BadGradientsError(
+        f"the gradients of step {step} fetched from {', '.join(bad)} do not match the hashes those peers reported "
+        "with their backwards; nothing was applied: replay their micro-batches elsewhere",
+        bad,
+    )
 
 
 def _as_reported(
