@@ -21,6 +21,7 @@ from swarm.net.errors import (
     SwarmError,
     SwarmKeyError,
     SwarmUnavailableError,
+    WeightsMismatchError,
 )
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ __all__ = [
     "SwarmAccessError",
     "SwarmKeyError",
     "SwarmUnavailableError",
+    "WeightsMismatchError",
     "load_tokenizer",
 ]
 __version__ = "0.1.0"
