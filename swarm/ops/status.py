@@ -25,11 +25,18 @@ ME = PeerID(b"status")
 NO_MODEL = "no model is served in this swarm (yet): start peers with `swarm peer --model ...`"
 
 
-def render(model: str, num_blocks: int, view: SwarmView, replication: int) -> str:
+def render(
+    model: str,
+    num_blocks: int,
+    view: SwarmView,
+    replication: int,
+    committed: dict[str, CommittedRecord] | None = None,
+) -> str:
     """A table: one row per run of blocks that show the same, with their servers (state, relayed or not, span,
     throughput, adapter steps), the replication level, the peers keeping standby copies, how many peers hold each
-    adapter's newest step, and UNCOVERED where no live peer serves them."""
-    return render_health(build(model, num_blocks, view, replication))
+    adapter's newest step, and UNCOVERED where no live peer serves them. With the adapters' ``committed`` records,
+    a peer serving other weights than every adapter's pin shows as mismatched."""
+    return render_health(build(model, num_blocks, view, replication, committed))
 
 
 def render_health(health: ModelHealth) -> str:
@@ -138,8 +145,8 @@ def status(initial_peers: list[str], swarm_key: SwarmKey | None, model: str | No
             return NO_MODEL if model is None else no_such_model(model, observer.models())
         tables = []
         for name, num_blocks in sorted(models.items()):
-            seen = observer.observe(name, num_blocks, committed=False)
-            tables.append(render(name, num_blocks, seen.view, replication))
+            seen = observer.observe(name, num_blocks)
+            tables.append(render(name, num_blocks, seen.view, replication, seen.committed))
         return "\n\n".join(tables)
     finally:
         observer.close()
