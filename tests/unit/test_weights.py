@@ -104,3 +104,20 @@ def test_records_carry_digests_and_refuse_malformed_ones():
     committed = CommittedRecord(3, {}, 1, "me", weights=digests)
     assert CommittedRecord.from_value(committed.to_value()) == committed
     assert not valid_value({**committed.to_value(), "weights": {"x": "a" * 64}})
+
+
+def test_a_client_without_block_tensors_pins_what_most_peers_announce_and_keeps_it():
+    """The router pins each block once, when it first sees it served, to the digest most online peers announce;
+    a look-alike appearing later, however many, changes nothing."""
+    from swarm.client.routing import Router
+
+    honest, other = "a" * 64, "b" * 64
+
+    def record(peer: int, digest: str) -> ServerRecord:
+        return ServerRecord(bytes([peer]) * 8, ServerState.ONLINE, 0, 1, 1.0, digests={0: digest})
+
+    router = Router(None, None, "m", 2)
+    router._pin({0: [record(1, honest), record(2, honest), record(3, other)], 1: []})
+    assert router.weights == {0: honest}
+    router._pin({0: [record(4, other), record(5, other), record(6, other)], 1: []})
+    assert router.weights == {0: honest}
