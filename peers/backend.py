@@ -40,11 +40,13 @@ from swarm.net.errors import (
     SessionLostError,
     StaleStepError,
     UnknownAdapterError,
+    WeightsMismatchError,
 )
 from swarm.net.gradhash import grad_hash
 from swarm.net.gradnorm import GradNorm, covers_digest
 from swarm.net.protocol import AdapterInfo, InferRequest, OptimizerHParams, lora_and_seed
 from swarm.spec import ModelSpec
+from swarm.weights import differing
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +67,12 @@ class SpanBackend:
         max_tokens: int = 1 << 16,
         inference_bytes: int = 1 << 30,
         inference_timeout: float = 300.0,
+        weight_digests: dict[int, str] | None = None,
     ):
+        self.weight_digests = (
+            weight_digests or {}
+        )  # block -> digest of the base weights this peer loads (swarm/weights.py)
+        self.mismatched: dict[str, list[int]] = {}  # adapter -> the blocks whose weights differ from its pin
         self.spec, self.device, self.dtype, self.quant, self.max_tokens = spec, device, dtype, quant, max_tokens
         self.layers: dict[int, nn.Module] = {}
         self.rotary = spec.family_class("RotaryEmbedding")(config=spec.config).to(device)
@@ -144,8 +151,17 @@ class SpanBackend:
             raise RequestError(f"adapter {name!r} exists here with another LoRA config or seed; pick a new name")
         return adapter
 
-    def open_adapter(self, name: str, config_wire: dict, seed: int, session: str | None = None) -> dict[int, int]:
-        """Create an adapter on every block (deterministic init) or check it matches; a session claims it."""
+    def open_adapter(
+        self,
+        name: str,
+        config_wire: dict,
+        seed: int,
+        session: str | None = None,
+        weights: dict[int, str] | None = None,
+    ) -> dict[int, int]:
+        """Create an adapter on every block (deterministic init) or check it matches; a session claims it. An adapter
+        pinned to other base weights (``weights``: block -> digest) than this peer's is refused, and logged once."""
+        self.check_weights(name, weights or {})
         adapter = self.ensure_adapter(name, config_wire, seed)
         if session is not None and session != adapter.session:
             if adapter.session is not None:
@@ -155,6 +171,24 @@ class SpanBackend:
                 state.grads = {mb: g for mb, g in state.grads.items() if session_of(mb) == session}
             self._forget_forwards(name)
         return adapter.steps()
+
+    def check_weights(self, name: str, weights: dict[int, str]) -> None:
+        differ = differing(self.weight_digests, weights, self.blocks)
+        if not differ:
+            return
+        if self.mismatched.get(name) != differ:
+            logger.error(
+                "adapter %r was trained on other weights of blocks %s than this peer's %s: serving it nothing (this "
+                "folder is another model under the same name; serve the adapter's model, or train a new adapter)",
+                name,
+                spans_text(differ),
+                self.spec.path,
+            )
+        self.mismatched[name] = differ
+        raise WeightsMismatchError(
+            f"adapter {name!r} is pinned to other base weights of blocks {spans_text(differ)} than this peer's "
+            f"(its folder {self.spec.name!r} holds another model under the same name); route elsewhere"
+        )
 
     def adapter_infos(self) -> dict[str, AdapterInfo]:
         """What this peer holds of each adapter (its meta, served and standby steps): what it tells the swarm."""

@@ -34,6 +34,7 @@ from swarm.net.servicer import FaultHook
 from swarm.net.transport import Transport
 from swarm.net.view import SwarmView, observe
 from swarm.spec import ModelSpec, load_spec
+from swarm.weights import block_digests
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +151,7 @@ class PeerDaemon:
         self.view: SwarmView | None = None
         self.parts: PeerParts | None = None  # made by serve() once the blocks are loaded
         self.maddrs: list[str] = []  # where others dial this peer: direct, or through relays
+        self.digests: dict[int, str] = {}  # block -> digest of its base weights in this folder; set by serve()
 
     # --- what this peer tells others ------------------------------------------------------------------------
 
@@ -174,6 +176,7 @@ class PeerDaemon:
                 adapters,
                 self.moving_to,
                 maddrs=self.maddrs,
+                digests=self._digests_of(self.serving),
             )
             records.append((record, self.serving))
         if self.joining:
@@ -184,10 +187,14 @@ class PeerDaemon:
                 self.joining.stop,
                 self.throughput,
                 maddrs=self.maddrs,
+                digests=self._digests_of(self.joining),
             )
             records.append((record, range(max(self.joining.start, self.serving.stop), self.joining.stop)))
             records.append((record, range(self.joining.start, min(self.joining.stop, self.serving.start))))
         return [(record, blocks) for record, blocks in records if len(blocks)]
+
+    def _digests_of(self, blocks: range) -> dict[int, str]:
+        return {block: self.digests[block] for block in blocks if block in self.digests}
 
     async def _announce(self, records: list[tuple[ServerRecord, range]] | None = None) -> None:
         for record, blocks in records if records is not None else await self._records():
@@ -215,7 +222,9 @@ class PeerDaemon:
     # --- choosing, loading, moving ----------------------------------------------------------------------------
 
     async def _observe(self) -> SwarmView:
-        self.view = await observe(self.dht, self.transport, self.spec.name, self.spec.num_blocks, self.identity.peer_id)
+        self.view = await observe(
+            self.dht, self.transport, self.spec.name, self.spec.num_blocks, self.identity.peer_id, self.digests
+        )
         return self.view
 
     async def _choose_span(self) -> range:
@@ -272,6 +281,7 @@ class PeerDaemon:
             max_tokens=config.max_tokens,
             inference_bytes=config.max_inference_mb << 20,
             inference_timeout=config.inference_timeout,
+            weight_digests=self.digests,
         )
         if self.store is not None:
             for name, (meta, states) in self.store.load().items():
@@ -397,6 +407,7 @@ class PeerDaemon:
 
     async def _serve(self, stop: asyncio.Event, embedded: bool) -> None:
         config = self.config
+        self.digests = await asyncio.to_thread(block_digests, self.spec)
         announce = list(config.announce_maddrs)
         relays = await choose_relays(
             config.initial_peers, config.host, config.port, announce, config.relay, self.swarm_key

@@ -121,7 +121,9 @@ class PeerService(Doorkeeper):
 
     async def _open(self, request: OpenRequest) -> OpenReply:
         def open_adapter() -> OpenReply:
-            steps = self.backend.open_adapter(request.adapter, request.lora, request.seed, request.session)
+            steps = self.backend.open_adapter(
+                request.adapter, request.lora, request.seed, request.session, request.weights
+            )
             return OpenReply(steps, self.backend.adapter(request.adapter).standby_steps())
 
         return await self.compute(open_adapter)

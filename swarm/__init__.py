@@ -23,6 +23,7 @@ from swarm.net.errors import (
     SwarmError,
     SwarmKeyError,
     SwarmUnavailableError,
+    WeightsMismatchError,
 )
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ __all__ = [
     "SwarmAccessError",
     "SwarmKeyError",
     "SwarmUnavailableError",
+    "WeightsMismatchError",
     "load_tokenizer",
 ]
 __version__ = "0.1.0"

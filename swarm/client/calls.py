@@ -95,6 +95,10 @@ class PeerCalls:
         except RemoteError as e:
             if e.kind == ErrorKind.FENCED:
                 raise LeaseLostError(str(e)) from None
+            if e.kind == ErrorKind.WEIGHTS_MISMATCH:  # another model under the same name: never route to it
+                self.router.distrust(peer, str(e))
+                self.current.forget(peer)
+                raise PeerFailure(peer, str(e)) from e
             if e.kind not in PEER_STATE_ERRORS:
                 raise
             raise self.peer_failed(peer, str(e)) from e

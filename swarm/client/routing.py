@@ -6,6 +6,7 @@ import logging
 import random
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ from swarm.net.errors import PEER_ERRORS, SwarmUnavailableError
 from swarm.net.protocol import Method
 from swarm.net.records import ServerRecord, ServerState, read_servers
 from swarm.net.transport import Transport
+from swarm.net.view import same_weights
 from swarm.net.waiting import Deadline, WaitLine
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,7 @@ class Router:
         max_ban: float = 120.0,
         refresh_every: float = 3.0,
         seed: int | None = None,
+        weights: dict[int, str] | None = None,
     ):
         self.dht, self.transport, self.model, self.num_blocks = dht, transport, model, num_blocks
         self.unreachable_wait = unreachable_wait
@@ -86,6 +89,9 @@ class Router:
         self.servers: dict[int, list[ServerRecord]] = {}
         self.health: dict[PeerID, PeerHealth] = {}
         self.eligible = eligible  # whether a peer may be routed to (it holds the adapter at the client's step)
+        # block -> the digest of the base weights the adapter trains on; blocks not pinned yet are pinned by the first
+        # announcements seen (a client whose folder holds no block tensors); peers with other weights are left out
+        self.weights: dict[int, str] = dict(weights or {})
         self.random = random.Random(seed)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -98,9 +104,34 @@ class Router:
 
     def refresh(self) -> None:
         servers = read_servers(self.dht, self.model, self.num_blocks)
+        self._pin(servers)
+        servers = same_weights(servers, self.weights)
         self.transport.learn(r for records in servers.values() for r in records)
         with self._lock:
             self.servers = servers
+
+    def _pin(self, servers: dict[int, list[ServerRecord]]) -> None:
+        """Pin the blocks not pinned yet to the digest most of their online servers announce."""
+        learned = {}
+        for block, records in servers.items():
+            counts = Counter(r.digests[block] for r in records if r.state == ServerState.ONLINE and block in r.digests)
+            if block in self.weights or not counts:
+                continue
+            ranked = counts.most_common()
+            if len(ranked) > 1:
+                logger.warning(
+                    "block %d is served from %d different base weights under the name %r; training on the most "
+                    "served (%d of %d peers). Load the model folder with its weights to pin the right ones",
+                    block,
+                    len(ranked),
+                    self.model,
+                    ranked[0][1],
+                    sum(counts.values()),
+                )
+            learned[block] = ranked[0][0]
+        if learned:
+            logger.info("pinned the base weights of blocks %s to what their peers announce", spans_text(learned))
+            self.weights.update(learned)
 
     def start(self) -> None:
         """Refresh the view every ``refresh_every`` seconds (or sooner, see ``refresh_soon``) until ``stop()``."""

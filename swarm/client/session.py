@@ -27,7 +27,7 @@ from swarm.client.remote import RemoteStack, spot_check_policy
 from swarm.client.routing import Router
 from swarm.lora_options import blocks_without_lora
 from swarm.net.compression import WireFormat
-from swarm.net.errors import AdapterStateLostError, SwarmUnavailableError
+from swarm.net.errors import AdapterStateLostError, SwarmUnavailableError, WeightsMismatchError
 from swarm.net.network import check_access
 from swarm.net.protocol import DigestRequest, OpenRequest, OptimizerHParams, Reply, Request, StateRequest
 from swarm.net.records import RECOVERIES_KEPT, CommittedRecord, announce_committed, read_committed
@@ -35,6 +35,7 @@ from swarm.net.security import Identity, SwarmKey
 from swarm.net.transport import Transport
 from swarm.net.waiting import Deadline, WaitLine
 from swarm.spec import ModelSpec
+from swarm.weights import block_digests, differing
 
 logger = logging.getLogger(__name__)
 
@@ -283,7 +284,8 @@ class TrainingSession(AdapterSession):
         ]
         lost = sum(e.steps for e in self.steps_lost)
         dishonest = [peer.to_base58() for peer in self.hops.dishonest]  # for `swarm status`, health, a restart
-        record = CommittedRecord(self.step, self.adapter.lora, self.adapter.seed, self.trainer, recent, lost, dishonest)
+        adapter, weights = self.adapter, dict(self.router.weights)
+        record = CommittedRecord(self.step, adapter.lora, adapter.seed, self.trainer, recent, lost, dishonest, weights)
         announce_committed(self.dht, self.spec.name, self.adapter.name, self.owner, record)
         self.router.refresh_soon()  # peers that joined or moved meanwhile are brought in at the next step
         return self.step
@@ -316,14 +318,34 @@ def committed_or_raise(dht: DHT, spec: ModelSpec, adapter: str) -> CommittedReco
     return recorded
 
 
+def pinned_weights(dht: DHT, spec: ModelSpec, adapter: str) -> dict[int, str]:
+    """The base weights (block -> digest, swarm/weights.py) the adapter trains on: this client's own folder's when it
+    holds every block's tensors, else those its committed record pins, else none yet (the router pins what the
+    peers announce). A folder whose weights differ from the committed pin is another model: refused."""
+    recorded = read_committed(dht, spec.name, adapter)
+    pinned = recorded.weights if recorded is not None else {}
+    local = block_digests(spec)
+    if len(local) < spec.num_blocks:
+        return dict(pinned)
+    differ = differing(local, pinned, range(spec.num_blocks))
+    if differ:
+        raise WeightsMismatchError(
+            f"adapter {adapter!r} was trained on other base weights of blocks {spans_text(differ)} than those in "
+            f"{spec.path} (same folder name, another model: a fine-tune, revision or renamed copy); load the folder "
+            "it was trained on, or pick another adapter name"
+        )
+    return local
+
+
 def _opener(
     calls: PeerCalls, adapter: AdapterIdentity, session_id: str | None
 ) -> Callable[[PeerID], tuple[dict[int, int], dict[int, int]]]:
     """Open (or claim) the adapter on a peer: its committed step per served block and per standby copy. Without a
-    session id (a reader) it claims nothing."""
+    session id (a reader) it claims nothing. The request pins the base weights: a peer with others refuses it."""
 
     def open_on(peer_id: PeerID) -> tuple[dict[int, int], dict[int, int]]:
-        reply = calls.ask(peer_id, OpenRequest(adapter.name, adapter.lora, adapter.seed, session_id))
+        weights = dict(calls.router.weights)
+        reply = calls.ask(peer_id, OpenRequest(adapter.name, adapter.lora, adapter.seed, session_id, weights))
         return reply.steps, reply.standby
 
     return open_on
@@ -357,6 +379,7 @@ def open_session(
             spec.num_blocks,
             unreachable_wait=options.unreachable_wait,
             eligible=current.eligible,
+            weights=pinned_weights(dht, spec, adapter.name),
         )
         undo.callback(router.stop)
         calls = PeerCalls(transport, router, current, adapter.name, options.patience, options.wire)

@@ -121,6 +121,7 @@ class ErrorKind:
     NOT_SERVED = "not_served"  # blocks this peer does not serve (any more: it moved, or restarted on other blocks)
     KEPT_INPUTS_FULL = "kept_inputs_full"  # the step's span inputs fill this peer's --kept-inputs-mb
     BAD_GRADIENTS = "bad_gradients"  # gradients fetched at commit do not hash as their holder said: it is dishonest
+    WEIGHTS_MISMATCH = "weights_mismatch"  # the adapter is pinned to base weights other than this peer's
 
 
 class RequestError(SwarmError, ValueError):
@@ -201,6 +202,13 @@ class SourceUnavailableError(RequestError):
     def __init__(self, message: str, source: str):
         super().__init__(message)
         self.source = source
+
+
+class WeightsMismatchError(RequestError):
+    """The adapter was trained on other base weights than this peer's (a look-alike model: same folder name, another
+    fine-tune or revision): this peer serves it nothing."""
+
+    kind = ErrorKind.WEIGHTS_MISMATCH
 
 
 class FencedError(RequestError):

@@ -443,6 +443,11 @@ class ReachableReply(Reply):
 # --- training: open, forward, backward, commit, revert -----------------------------------------------------------
 
 
+def read_weights(meta: dict, key: str) -> dict[int, str]:
+    """Pinned block digests (swarm/weights.py), or none."""
+    return {} if meta.get(key) is None else by_blocks(_string, "digest")(meta, key)
+
+
 @dataclass(frozen=True)
 class OpenRequest(Request):
     """Open an adapter (created with the deterministic init if new, else checked to match); a session claims it."""
@@ -452,6 +457,7 @@ class OpenRequest(Request):
     lora: dict = wire(read_dict)
     seed: int = wire(read_int)
     session: str | None = wire(optional(read_str), default=None)
+    weights: dict[int, str] = wire(read_weights, by_block, default_factory=dict)  # block -> its pinned base digest
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import partial
@@ -24,6 +25,8 @@ logger = logging.getLogger(__name__)
 RECORD_TTL = 30.0
 RECOVERIES_KEPT = 5  # recent recoveries a trainer publishes with its committed step
 MAX_MADDRS = 16
+MAX_DIGESTS = 1024  # blocks one record may name digests of
+DIGEST_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 class ServerState(str, Enum):
@@ -45,10 +48,18 @@ class ServerRecord:
     moving_to: range | None = None  # an online peer about to hand these blocks over and serve this span instead
     announced_at: float = 0.0  # DHT time of the announcement: tells a peer that announced again after it was gone
     maddrs: list[str] = field(default_factory=list)  # where to dial it: direct, or through relays
+    digests: dict[int, str] = field(default_factory=dict)  # block -> digest of its base weights (swarm/weights.py)
 
     @property
     def blocks(self) -> range:
         return range(self.start, self.end)
+
+    def conflicts(self, weights: dict[int, str]) -> bool:
+        """Whether this peer serves (or is loading) some block with other weights than ``weights`` (a block pinned
+        there and not announced here counts as other weights). Leaving records serve nothing and never conflict."""
+        return self.state != ServerState.LEAVING and any(
+            block in weights and self.digests.get(block) != weights[block] for block in self.blocks
+        )
 
     @property
     def relayed(self) -> bool:
@@ -65,6 +76,7 @@ class ServerRecord:
             "adapters": self.adapters,
             "announced_at": self.announced_at,
             "maddrs": self.maddrs,
+            "digests": write_digests(self.digests),
         }
         if self.moving_to is not None:
             value["moving_to"] = [self.moving_to.start, self.moving_to.stop]
@@ -84,6 +96,7 @@ class ServerRecord:
                 moving_to=range(*(int(x) for x in value["moving_to"])) if value.get("moving_to") else None,
                 announced_at=float(value.get("announced_at", 0.0)),
                 maddrs=_maddrs(value.get("maddrs", [])),
+                digests=read_digests(value.get("digests", {})),
             )
         except (TypeError, KeyError, ValueError, AttributeError):
             logger.debug("ignoring a malformed record from %s", peer_id)
@@ -95,6 +108,25 @@ def _maddrs(value: object) -> list[str]:
     if not isinstance(value, list) or len(value) > MAX_MADDRS or not all(isinstance(m, str) for m in value):
         raise TypeError("maddrs must be a short list of strings")
     return list(value)
+
+
+def write_digests(digests: dict[int, str]) -> dict[str, str]:
+    """Block digests as msgpack maps carry them (string keys)."""
+    return {str(block): digest for block, digest in sorted(digests.items())}
+
+
+def read_digests(value: object) -> dict[int, str]:
+    """Block digests from a record; raises TypeError or ValueError on anything but block -> sha256 hex."""
+    if not isinstance(value, dict) or len(value) > MAX_DIGESTS:
+        raise TypeError("digests must be a short map of block -> sha256 hex")
+    digests = {}
+    for block, digest in value.items():
+        if not isinstance(block, str) or not block.isdigit() or not isinstance(digest, str):
+            raise TypeError(f"digest entry {block!r}: {digest!r} is not block -> sha256 hex")
+        if not DIGEST_HEX.fullmatch(digest):
+            raise ValueError(f"digest {digest!r} is not sha256 hex")
+        digests[int(block)] = digest
+    return digests
 
 
 def block_key(model: str, block: int) -> str:
@@ -190,7 +222,8 @@ def committed_key(model: str, adapter: str) -> str:
 @dataclass(frozen=True)
 class CommittedRecord:
     """What the trainer wrote after its last commit: the step every block of the adapter is at, and the adapter's
-    identity (LoRA config and seed), so that a restarted client knows what to wait for."""
+    identity (LoRA config and seed) and the digests of the base weights it trains on, so that a restarted client knows
+    what to wait for and nobody trains it on a look-alike model (same folder name, other weights)."""
 
     step: int
     lora: dict
@@ -199,6 +232,7 @@ class CommittedRecord:
     recoveries: list[dict] = field(default_factory=list)  # the last few failures routed around (for the monitor)
     steps_lost: int = 0  # updates lost so far (every copy of a block died)
     dishonest: list[str] = field(default_factory=list)  # peers the trainer banned: outvoted by their replicas
+    weights: dict[int, str] = field(default_factory=dict)  # block -> the base weights' digest it was trained on
 
     def to_value(self) -> dict:
         return {
@@ -210,6 +244,7 @@ class CommittedRecord:
             "recoveries": self.recoveries,
             "steps_lost": self.steps_lost,
             "dishonest": self.dishonest,
+            "weights": write_digests(self.weights),
         }
 
     @classmethod
@@ -226,8 +261,12 @@ class CommittedRecord:
         lost = value.get("steps_lost", 0)
         dishonest = value.get("dishonest", [])
         dishonest = [p for p in dishonest if isinstance(p, str)] if isinstance(dishonest, list) else []
+        try:
+            weights = read_digests(value.get("weights", {}))
+        except (TypeError, ValueError):
+            return None
         lost = lost if isinstance(lost, int) else 0
-        return cls(step, lora, seed, trainer, recoveries[-RECOVERIES_KEPT:], lost, dishonest)
+        return cls(step, lora, seed, trainer, recoveries[-RECOVERIES_KEPT:], lost, dishonest, weights)
 
 
 def announce_committed(dht: DHT, model: str, adapter: str, owner: bytes, record: CommittedRecord):

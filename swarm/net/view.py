@@ -90,9 +90,21 @@ class SwarmView:
         return [peer for peer, info in self.alive.items() if set(info.standby_blocks) & set(blocks)]
 
 
-async def observe(dht: DHT, transport: Transport, model: str, num_blocks: int, me: PeerID) -> SwarmView:
-    """Read the records, then ping every peer they name (except ``me``) at once."""
+def same_weights(records: dict[int, list[ServerRecord]], weights: dict[int, str]) -> dict[int, list[ServerRecord]]:
+    """The records of peers whose every announcement agrees with ``weights`` (block -> digest): a peer serving a
+    block from other weights under the same model name is another model, left out of the view whole."""
+    others = {r.peer_id for block_records in records.values() for r in block_records if r.conflicts(weights)}
+    return {block: [r for r in rs if r.peer_id not in others] for block, rs in records.items()}
+
+
+async def observe(
+    dht: DHT, transport: Transport, model: str, num_blocks: int, me: PeerID, weights: dict[int, str] | None = None
+) -> SwarmView:
+    """Read the records, then ping every peer they name (except ``me``) at once; with ``weights``, only the peers
+    whose blocks have those digests (see ``same_weights``)."""
     records = await asyncio.to_thread(read_servers, dht, model, num_blocks)
+    if weights is not None:
+        records = same_weights(records, weights)
     transport.learn(r for block_records in records.values() for r in block_records)
     peers = {r.peer_id for block_records in records.values() for r in block_records if r.peer_id != me}
 

@@ -19,6 +19,7 @@ from swarm.net.view import SwarmView
 HEALTHY, DEGRADED, BROKEN = "healthy", "degraded", "broken"
 GONE = "gone"
 UNREACHABLE = "unreachable"
+MISMATCHED = "mismatched"  # serves blocks from other weights than every trained adapter's (a look-alike model)
 
 
 def short(peer: str) -> str:
@@ -31,7 +32,7 @@ class Server:
     """One block's record of one peer, as that block sees it."""
 
     peer: str
-    state: str  # online, joining, leaving, or unreachable (a record nobody answers for)
+    state: str  # online, joining, leaving, unreachable (a record nobody answers for), or mismatched (other weights)
     relayed: bool
     start: int
     end: int
@@ -68,7 +69,7 @@ class Holding:
 class Peer:
     peer: str
     short: str
-    state: str  # online, joining, leaving, unreachable, or gone (left recently; only the tracker says so)
+    state: str  # online, joining, leaving, unreachable, mismatched, or gone (left recently; only the tracker says so)
     relayed: bool
     start: int
     end: int
@@ -115,10 +116,11 @@ def build(
 ) -> ModelHealth:
     """Turn one observation into a health state: per block, per peer, per adapter, and the problems in words."""
     newest = _newest_steps(view)
-    blocks = [_block(view, block, newest) for block in range(num_blocks)]
+    pins = [record.weights for record in (committed or {}).values() if record.weights]
+    blocks = [_block(view, block, newest, pins) for block in range(num_blocks)]
     online = [b.online for b in blocks]
     status = BROKEN if 0 in online else DEGRADED if any(n < replication for n in online) else HEALTHY
-    peers = _peers(view)
+    peers = _peers(view, pins)
     adapters = [_adapter(name, step, blocks, (committed or {}).get(name)) for name, step in sorted(newest.items())]
     for peer in peers:
         peer.dishonest = [a.name for a in adapters if peer.peer in a.dishonest]
@@ -134,18 +136,31 @@ def build(
     )
 
 
-def _block(view: SwarmView, block: int, newest: dict[str, int]) -> Block:
+def mismatched(record: ServerRecord, pins: list[dict[int, str]]) -> bool:
+    """Whether a peer serves its blocks from other weights than every adapter trained here was pinned to: nobody's
+    trainer routes to it (it is another model under the same name)."""
+    return bool(pins) and all(record.conflicts(pin) for pin in pins)
+
+
+def _state(record: ServerRecord, answered: bool, pins: list[dict[int, str]]) -> str:
+    if not answered:
+        return UNREACHABLE
+    return MISMATCHED if mismatched(record, pins) else record.state.value
+
+
+def _block(view: SwarmView, block: int, newest: dict[str, int], pins: list[dict[int, str]]) -> Block:
     servers, online = [], 0
     for record in view.records.get(block, []):
         info = view.alive.get(record.peer_id)
-        online += info is not None and record.state == ServerState.ONLINE
+        state = _state(record, info is not None, pins)
+        online += state == ServerState.ONLINE.value
         steps = {}
         if info is not None:
             steps = {name: a.steps[block] for name, a in sorted(info.adapters.items()) if block in a.steps}
         servers.append(
             Server(
                 peer=record.peer_id.to_base58(),
-                state=record.state.value if info is not None else UNREACHABLE,
+                state=state,
                 relayed=record.relayed,
                 start=record.start,
                 end=record.end,
@@ -179,7 +194,7 @@ def _newest_steps(view: SwarmView) -> dict[str, int]:
     return newest
 
 
-def _peers(view: SwarmView) -> list[Peer]:
+def _peers(view: SwarmView, pins: list[dict[int, str]]) -> list[Peer]:
     """One row per peer named in the records, from its newest announcement and (if it answered) its own info."""
     latest: dict[PeerID, ServerRecord] = {}
     for records in view.records.values():
@@ -194,7 +209,7 @@ def _peers(view: SwarmView) -> list[Peer]:
             Peer(
                 peer=text,
                 short=short(text),
-                state=record.state.value if info is not None else UNREACHABLE,
+                state=_state(record, info is not None, pins),
                 relayed=record.relayed,
                 start=record.start,
                 end=record.end,
@@ -263,6 +278,12 @@ def _problems(online: list[int], replication: int, peers: list[Peer], adapters: 
             problems.append(
                 f"peer {peer.short} (blocks {peer.start}:{peer.end}) does not answer: it is not counted, and its "
                 "record lingers until it expires"
+            )
+        if peer.state == MISMATCHED:
+            problems.append(
+                f"peer {peer.short} (blocks {peer.start}:{peer.end}) serves other weights under this model's name "
+                "(another fine-tune, revision or renamed model): no adapter trained here uses it; point it at the "
+                "right model folder, or give its model folder another name"
             )
     for adapter in adapters:
         for peer in adapter.dishonest:

@@ -35,7 +35,8 @@ def render(
     """A table: one row per run of blocks that show the same, with their servers (state, relayed or not, span,
     throughput, adapter steps), the replication level, the peers keeping standby copies, how many peers hold each
     adapter's newest step, UNCOVERED where no live peer serves them, and DISHONEST peers (from the trainers'
-    ``committed`` records)."""
+    ``committed`` records). With those records, a peer serving other weights than every adapter's pin shows as
+    mismatched."""
     return render_health(build(model, num_blocks, view, replication, committed))
 
 

@@ -162,3 +162,24 @@ def test_the_tracker_keeps_gone_peers_for_a_while_and_measures_steps_per_minute(
     assert all(p.state != GONE for p in tracker.update(build("m", 4, gone_view, 2), now=1721.0).peers)
     back = tracker.update(build("m", 4, _view(everyone, step=14), 2), now=1800.0)
     assert {p.peer: p.up_since for p in back.peers}[B1.to_base58()] == 1800.0  # a returning peer starts over
+
+
+def test_a_peer_serving_other_weights_shows_as_mismatched_and_is_not_counted():
+    """B1 announces other digests for blocks 2:4 than the adapter's committed record pins (a look-alike model under
+    the same folder name): ``swarm status`` and the health page show it mismatched, and it does not count as a
+    server of those blocks."""
+    honest = {b: f"{b:064x}" for b in range(4)}
+    view = _view({A0, A1, B0, B1})
+    for block in range(4):
+        for record in view.records[block]:
+            record.digests = {b: honest[b] for b in record.blocks}
+            if record.peer_id == B1:
+                record.digests = {b: f"{b + 7:064x}" for b in record.blocks}
+    committed = {"a": CommittedRecord(5, {}, 0, "trainer-1", weights=honest)}
+    health = build("m", 4, view, replication=2, committed=committed)
+    states = {p.peer: p.state for p in health.peers}
+    assert states.pop(B1.to_base58()) == "mismatched" and set(states.values()) == {"online"}
+    assert [b.online for b in health.blocks] == [2, 2, 1, 1] and health.status == DEGRADED
+    assert any("serves other weights" in problem and short(B1.to_base58()) in problem for problem in health.problems)
+    assert f"{short(B1.to_base58())} mismatched 2:4" in render("m", 4, view, replication=2, committed=committed)
+    assert "mismatched" not in render("m", 4, view, replication=2)  # no pin known: nobody to mismatch
