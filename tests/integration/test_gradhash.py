@@ -114,3 +114,42 @@ def test_a_peer_accumulating_wrong_lora_gradients_is_caught_by_a_spot_check(
     finally:
         model.shutdown()
     assert_matches_local_peft(model_dir, tmp_path)
+
+
+def frame_holders(peer) -> None:
+    """Make a replica dishonest at commit only: it perturbs the gradients it fetches from their honest holders, so
+    that they fail its hash check and it refuses the commit accusing those holders (``bad_gradients``)."""
+    client = peer.daemon.parts.peers
+    honest, noise = client.fetch_grads, torch.Generator().manual_seed(0)
+
+    async def fetch_grads(*args, **kwargs):
+        found = await honest(*args, **kwargs)
+        return {block: {mb: _perturbed(g, noise) for mb, g in by_mb.items()} for block, by_mb in found.items()}
+
+    client.fetch_grads = fetch_grads
+
+
+def test_a_replica_accusing_an_honest_holder_is_itself_caught(inprocess_swarm, tiny_models, tmp_path, cpu_load):
+    """The honest peer holds all of step 0's gradients of blocks 0:2; a replica that joins before the commit claims
+    they do not match their hashes. The client fetches them from the holder itself: they do, so the accuser is the
+    one banned, and the holder trains on."""
+    model_dir = tiny_models["llama"]
+    local = inprocess_swarm()
+    peers = local.start_peers({"holder": "0:2", "honest-2": "2:4"})
+    model = connect(local, model_dir, adapter="framed")
+    try:
+        model.save_adapter(tmp_path / "initial")
+        _accumulate(model)
+        accuser = local.start_peers({"accuser": "0:2"})["accuser"]
+        frame_holders(accuser)
+        _wait_seen(model, accuser.peer_id)
+        model.clip_grad_norm_(MAX_GRAD_NORM)
+        swarm.RemoteOptimizer(model, **HPARAMS).step()
+        assert model.step == 1
+        assert list(model.dishonest) == [accuser.peer_id]
+        assert peers["holder"].peer_id in model.session.calls.router.live_servers()
+        train(model, steps=3)
+        model.save_adapter(tmp_path / "final")
+    finally:
+        model.shutdown()
+    assert_matches_local_peft(model_dir, tmp_path, steps=3)
