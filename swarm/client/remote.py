@@ -188,9 +188,13 @@ class RemoteStack:
         scale = max(a.abs().max().item(), b.abs().max().item(), 1e-6)
         return a.shape == b.shape and (a - b).abs().max().item() <= self.spot_check_tolerance * scale
 
-    def _checkable(self) -> bool:
-        """Whether some block has enough replicas to be checked (else a checked micro-batch only costs)."""
-        return any(len(self.router.replicas(block)) >= self.min_voters for block in range(self.router.num_blocks))
+    def _check_rate(self) -> float:
+        """The spot-check rate now: none while no block has enough replicas to be checked (a checked micro-batch,
+        and the input gradients a check compares, would only cost)."""
+        if self.spot_check <= 0:
+            return 0.0
+        blocks = range(self.router.num_blocks)
+        return self.spot_check if any(len(self.router.replicas(b)) >= self.min_voters for b in blocks) else 0.0
     def _backwards_agree(self, a: BackwardResult, b: BackwardResult, hop: Hop, step: int, micro_batch: str) -> bool:
         """Two replicas' backwards of a hop agree: their input gradients within tolerance, and their LoRA gradients
         bit for bit (equal hashes) or, where the hashes differ (peers whose kernels round differently), within
@@ -291,10 +295,11 @@ class RemoteStack:
         """Through blocks [0, n): along a chain of peers, or hop by hop from the client (``chain=False``, and the
         micro-batches drawn for a spot check, whose every hop is then checked: the same share of hops as
         client-driven checks)."""
-        checked = self.spot_check > 0 and self.random.random() < self.spot_check and self._checkable()
+        rate = self._check_rate()
+        checked = rate > 0 and self.random.random() < rate
         if self.chain and not checked:
             return self._forward_chain(hidden, mask, step, micro_batch)
-        rate = 1.0 if self.chain else self.spot_check
+        rate = 1.0 if self.chain else rate
         outputs, inputs = self._forward_hops(hidden, mask, step, micro_batch, rate)
         return outputs, Forwarded(inputs, chained=False, check=rate)
 
@@ -382,7 +387,7 @@ class RemoteStack:
 
         Backwards are idempotent per (micro-batch, block) on the peers, so redoing part of a segment is safe.
         """
-        rate = self.spot_check if rate is None else rate
+        rate = self._check_rate() if rate is None else rate
         attempts = self.calls.attempts(Method.BACKWARD)
         prefer = None if cached_on is None else cached_on.peer_id
         while True:
