@@ -83,6 +83,24 @@ def spot_check_policy(requested: float | None, private: bool) -> tuple[float, in
     return (0.0 if private else PUBLIC_SPOT_CHECK), VOTERS
 
 
+SPOT_CHECK_ROUNDS = 3  # times a spot check asks a replica that did not answer in time
+
+
+def _majority(opinions: dict[PeerID, T], agree: Callable[[T, T], bool]) -> list[PeerID]:
+    """The largest group of at least two peers whose results agree (empty if none)."""
+    majority: list[PeerID] = []
+    for value in opinions.values():
+        agreeing = [p for p, v in opinions.items() if agree(value, v)]
+        if len(agreeing) >= 2 and len(agreeing) > len(majority):
+            majority = agreeing
+    return majority
+
+
+def _decided(majority: list[PeerID], opinions: dict) -> bool:
+    """Everyone asked so far agrees (at least two), or two agree against a third."""
+    return len(majority) >= 2 and (len(majority) == len(opinions) or len(opinions) >= 3)
+
+
 class RemoteStack:
     """Runs blocks of one adapter through the swarm with retries, and records who holds which gradients.
 
@@ -195,6 +213,7 @@ class RemoteStack:
             return 0.0
         blocks = range(self.router.num_blocks)
         return self.spot_check if any(len(self.router.replicas(b)) >= self.min_voters for b in blocks) else 0.0
+
     def _backwards_agree(self, a: BackwardResult, b: BackwardResult, hop: Hop, step: int, micro_batch: str) -> bool:
         """Two replicas' backwards of a hop agree: their input gradients within tolerance, and their LoRA gradients
         bit for bit (equal hashes) or, where the hashes differ (peers whose kernels round differently), within
@@ -264,20 +283,27 @@ class RemoteStack:
         # never ask a dishonest peer listed last, unless it computed the hop itself.
         self.random.shuffle(others)
         majority: list[PeerID] = []
-        for peer in others:
-            try:
-                opinions[peer] = redo(peer)
-            except PeerFailure:
-                continue
-            for value in opinions.values():
-                agreeing = [p for p, v in opinions.items() if agree(value, v)]
-                if len(agreeing) >= 2 and len(agreeing) > len(majority):
-                    majority = agreeing
-            if len(majority) >= 2 and len(majority) == len(opinions):
-                break  # everyone asked so far agrees
-            if len(majority) >= 2 and len(opinions) >= 3:
+        asking = others
+        for _ in range(SPOT_CHECK_ROUNDS):  # a replica too slow to answer in time is asked again
+            unanswered = []
+            for peer in asking:
+                try:
+                    opinions[peer] = redo(peer)
+                except PeerFailure:
+                    unanswered.append(peer)
+                    continue
+                majority = _majority(opinions, agree)
+                if _decided(majority, opinions):
+                    break
+            if _decided(majority, opinions) or not unanswered:
                 break
+            asking = unanswered
         if len(majority) < 2:
+            if len(opinions) > 1 and len(others) + 1 >= VOTERS:
+                # Two that disagree, and the third did not answer: accepting either could take a liar's result.
+                raise self.calls.peer_failed(
+                    hop.peer_id, f"blocks {hop.start}:{hop.end}: a spot check could not decide"
+                )
             if len(opinions) > 1:
                 logger.warning("replicas of blocks %d:%d disagree and no majority exists", hop.start, hop.end)
             return result, hop.peer_id

@@ -159,7 +159,7 @@ def corrupt_forwards(backend: SpanBackend) -> None:
 
 
 def test_a_peer_returning_wrong_activations_is_caught_and_training_matches_the_honest_run(
-    inprocess_swarm, tiny_models, tmp_path
+    inprocess_swarm, tiny_models, tmp_path, cpu_load
 ):
     model_dir = tiny_models["llama"]
     local = inprocess_swarm()
