@@ -1,17 +1,17 @@
 """Part of promise 10 on real peers in this process: gradients cannot be swapped after the fact. A holder that hands
-other replicas other gradients than those it reported with its backward is caught at commit; a peer whose backward
-LoRA gradients are wrong is caught by a spot check. Either is named in ``model.dishonest`` and the adapter equals
-local peft. Under two busy processes (``cpu_load``)."""
+other replicas other gradients than those it reported with its backward is caught at commit, and so is a replica
+that falsely accuses an honest holder; either is named in ``model.dishonest`` and the adapter equals local peft.
+(Wrong LoRA gradients computed in a backward are caught by spot checks: tests/integration/test_security.py.) Under
+two busy processes (``cpu_load``)."""
 
 from __future__ import annotations
 
 import time
 
-import torch
 from hivemind.p2p import PeerID
 
 import swarm
-from peers.backend import SpanBackend
+from swarm.testing.dishonest import corrupt_served_grads, frame_holders
 from swarm.testing.recipe import (
     HPARAMS,
     MAX_GRAD_NORM,
@@ -21,39 +21,6 @@ from swarm.testing.recipe import (
     connect,
     train,
 )
-
-
-def _perturbed(tensors: list[torch.Tensor], noise: torch.Generator) -> list[torch.Tensor]:
-    """New tensors: each plus noise of 5% of its mean magnitude (from the peer's own generator)."""
-    return [t + 0.05 * t.abs().mean() * torch.randn(t.shape, generator=noise, dtype=t.dtype) for t in tensors]
-
-
-def corrupt_served_grads(backend: SpanBackend) -> None:
-    """Make a peer dishonest at commit only: the gradients it hands other replicas (GRADS) are perturbed, those it
-    holds and applies itself are honest."""
-    honest, noise = backend.micro_batch_grads, torch.Generator().manual_seed(0)
-
-    def micro_batch_grads(*args, **kwargs):
-        found = honest(*args, **kwargs)
-        return {block: {mb: _perturbed(g, noise) for mb, g in by_mb.items()} for block, by_mb in found.items()}
-
-    backend.micro_batch_grads = micro_batch_grads
-
-
-def corrupt_backward_grads(backend: SpanBackend) -> None:
-    """Make a peer dishonest in its backward: the LoRA gradients it accumulates are perturbed (and then reported,
-    hashed and handed on consistently); its input gradients and everything else are honest."""
-    honest, noise = backend.backward, torch.Generator().manual_seed(0)
-
-    def backward(name: str, blocks: range, step: int, micro_batch: str, *args, **kwargs):
-        states = {block: backend.adapter(name).blocks[block] for block in blocks}
-        new = [block for block, state in states.items() if micro_batch not in state.grads]
-        grad_inputs = honest(name, blocks, step, micro_batch, *args, **kwargs)
-        for block in new:
-            states[block].grads[micro_batch] = _perturbed(states[block].grads[micro_batch], noise)
-        return grad_inputs
-
-    backend.backward = backward
 
 
 def _wait_seen(model: swarm.SwarmModelForCausalLM, peer: PeerID, timeout: float = 30.0) -> None:
@@ -96,37 +63,6 @@ def test_a_holder_handing_on_other_gradients_than_it_reported_is_caught_at_commi
     finally:
         model.shutdown()
     assert_matches_local_peft(model_dir, tmp_path, steps=3)
-
-
-def test_a_peer_accumulating_wrong_lora_gradients_is_caught_by_a_spot_check(
-    inprocess_swarm, tiny_models, tmp_path, cpu_load
-):
-    model_dir = tiny_models["llama"]
-    local = inprocess_swarm()
-    peers = local.start_peers({"honest-1": "0:2", "honest-2": "0:2", "dishonest": "0:2", "honest-3": "2:4"})
-    corrupt_backward_grads(peers["dishonest"].backend)
-    model = connect(local, model_dir, adapter="grads-checked", spot_check=1.0)
-    try:
-        model.save_adapter(tmp_path / "initial")
-        train(model)
-        assert list(model.dishonest) == [peers["dishonest"].peer_id]
-        model.save_adapter(tmp_path / "final")
-    finally:
-        model.shutdown()
-    assert_matches_local_peft(model_dir, tmp_path)
-
-
-def frame_holders(peer) -> None:
-    """Make a replica dishonest at commit only: it perturbs the gradients it fetches from their honest holders, so
-    that they fail its hash check and it refuses the commit accusing those holders (``bad_gradients``)."""
-    client = peer.daemon.parts.peers
-    honest, noise = client.fetch_grads, torch.Generator().manual_seed(0)
-
-    async def fetch_grads(*args, **kwargs):
-        found = await honest(*args, **kwargs)
-        return {block: {mb: _perturbed(g, noise) for mb, g in by_mb.items()} for block, by_mb in found.items()}
-
-    client.fetch_grads = fetch_grads
 
 
 def test_a_replica_accusing_an_honest_holder_is_itself_caught(inprocess_swarm, tiny_models, tmp_path, cpu_load):

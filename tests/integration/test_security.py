@@ -12,13 +12,13 @@ from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.utils import get_dht_time
 
 import swarm
-from peers.backend import SpanBackend
 from swarm.net.errors import RemoteError, SwarmAccessError
 from swarm.net.network import join_dht
 from swarm.net.records import ServerRecord, ServerState, announce, block_key, read_servers
 from swarm.net.security import Identity, SwarmKey, keygen
 from swarm.net.transport import Transport
 from swarm.net.wire import Message
+from swarm.testing.dishonest import corrupt_backward_grads, corrupt_forwards
 from swarm.testing.inprocess import InProcessSwarm
 from swarm.testing.recipe import assert_matches_local_peft, connect, train
 
@@ -145,26 +145,16 @@ def test_an_outsider_can_neither_call_nor_read_nor_write(private_swarm, tmp_path
         outsider.shutdown()
 
 
-def corrupt_forwards(backend: SpanBackend) -> None:
-    """Make a peer dishonest: its forward outputs perturbed (noise of 5% of their mean magnitude, from a generator of
-    its own, so that no other peer's or the client's random numbers change), everything else honest."""
-    honest, noise = backend.forward, torch.Generator().manual_seed(0)
-
-    def forward(*args, **kwargs) -> torch.Tensor:
-        outputs = honest(*args, **kwargs)
-        perturbation = torch.randn(outputs.shape, generator=noise, dtype=outputs.dtype).to(outputs.device)
-        return outputs + 0.05 * outputs.abs().mean() * perturbation
-
-    backend.forward = forward
-
-
-def test_a_peer_returning_wrong_activations_is_caught_and_training_matches_the_honest_run(
-    inprocess_swarm, tiny_models, tmp_path, cpu_load
+@pytest.mark.parametrize("corrupt", [corrupt_forwards, corrupt_backward_grads], ids=["activations", "lora-gradients"])
+def test_a_peer_computing_wrong_results_is_caught_by_spot_checks_and_training_matches_the_honest_run(
+    inprocess_swarm, tiny_models, tmp_path, cpu_load, corrupt
 ):
+    """Wrong activations (outputs), or wrong LoRA gradients accumulated in its backward (reported and handed on
+    consistently, so only a recomputation shows them): three replicas of 0:2, every micro-batch checked."""
     model_dir = tiny_models["llama"]
     local = inprocess_swarm()
     peers = local.start_peers({"honest-1": "0:2", "honest-2": "0:2", "dishonest": "0:2", "honest-3": "2:4"})
-    corrupt_forwards(peers["dishonest"].backend)
+    corrupt(peers["dishonest"].backend)
     model = connect(local, model_dir, adapter="spot-checked", spot_check=1.0)
     try:
         model.save_adapter(tmp_path / "initial")

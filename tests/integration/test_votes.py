@@ -6,33 +6,13 @@ break the tie stop the step with an error naming both, the step taken back on bo
 from __future__ import annotations
 
 import pytest
-import torch
 
 import swarm
-from peers.backend import SpanBackend
 from swarm.ops.status import status
+from swarm.testing.dishonest import corrupt_updates
 from swarm.testing.recipe import HPARAMS, assert_matches_local_peft, batches_for_step, connect, train
 
 STEPS = 3
-
-
-def corrupt_updates(backend: SpanBackend) -> None:
-    """Make a peer dishonest at commit: after each honest update, noise (1% of the LoRA tensors' mean magnitude, from
-    a generator of its own) added to the tensors of the blocks it moved; forwards and backwards stay honest."""
-    honest, noise = backend.apply, torch.Generator().manual_seed(0)
-
-    def apply(name: str, step: int, *args, **kwargs) -> dict[int, int]:
-        before = backend.adapter(name).steps()
-        steps = honest(name, step, *args, **kwargs)
-        with torch.no_grad():
-            for block, state in backend.adapter(name).blocks.items():
-                if before.get(block) == step and steps.get(block) == step + 1:
-                    for lp in state.params:
-                        perturbation = torch.randn(lp.param.shape, generator=noise, dtype=lp.param.dtype)
-                        lp.param.add_(0.01 * lp.param.abs().mean() * perturbation.to(lp.param.device))
-        return steps
-
-    backend.apply = apply
 
 
 def _train_and_export(model, tmp_path, liar) -> None:
