@@ -453,8 +453,16 @@ class SpanBackend:
     # --- commit ---------------------------------------------------------------------------------------------
 
     def _ledger_states(self, name: str, step: int, ledger: dict[int, list[str]]) -> dict[int, BlockAdapter]:
-        """The blocks of the ledger that this peer holds, checked to be at ``step`` or past it."""
+        """The blocks of the ledger that this peer holds, checked to be served here and at ``step`` or past it. A peer
+        that restarted on other blocks may still hold the state of those it served before, one step behind or stale;
+        a client whose records are older asks it to commit them: refused (``not_served``), never applied or voted."""
         adapter = self.adapter(name)
+        unserved = sorted(block for block in ledger if block not in self.layers)
+        if unserved:
+            raise NotServedError(
+                f"blocks {unserved} are not served here (this peer serves {spans_text(self.blocks)}); "
+                "commit them on the peers that serve them"
+            )
         states = {block: adapter.blocks[block] for block in ledger if block in adapter.blocks}
         behind = [block for block, state in states.items() if state.step < step]
         if behind:

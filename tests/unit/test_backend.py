@@ -161,3 +161,20 @@ def test_a_cached_forward_is_counted_at_what_autograd_keeps(tiny_models):
     output = hidden.numel() * hidden.element_size()
     assert one > 8 * output, (one, output)  # a block keeps many hidden-sized tensors, not the output alone
     assert 3.5 * one <= four <= 4.5 * one, (one, four)
+
+
+def test_a_commit_of_blocks_held_but_no_longer_served_is_refused_not_applied(tiny_models):
+    """Chaos found it (the replicas' vote showed it): a peer restarted on blocks 0:2 from a checkpoint that also held
+    2:4, which it served before; a client with the old records sent it a commit of 2:4, and it applied that step to its
+    stale states and voted with them. Blocks it does not serve are refused (the client routes around it)."""
+    lora = lora_config_to_wire(peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    before = _backend(tiny_models["llama"], range(0, 4))
+    before.open_adapter("a", lora, 0)
+    _train_one_step(before, "a", range(0, 4), 0)
+    exported, _ = before.export_state("a", range(0, 4))
+    restarted = _backend(tiny_models["llama"], range(0, 2))
+    restarted.open_adapter("a", lora, 0)
+    restarted.import_state("a", exported)
+    with pytest.raises(NotServedError, match=r"blocks \[2, 3\] are not served here") as refused:
+        restarted.apply("a", 1, {2: ["s:1:0"], 3: ["s:1:0"]}, HPARAMS)
+    assert refused.value.kind in PEER_STATE_ERRORS
