@@ -96,8 +96,10 @@ def main() -> None:
             for chain in (True, False):
                 rows.append((count, chain, measure(local, model_dir, chain, count, args.batch, args.seq)))
     activation = args.batch * args.seq * args.hidden * 4  # one fp32 hidden-state tensor of a micro-batch
-    print(f"\n{args.spans} spans, micro-batches of {args.batch}x{args.seq} tokens, hidden {args.hidden} (fp32): "
-          f"one activation = {activation / MIB:.2f} MiB")
+    print(
+        f"\n{args.spans} spans, micro-batches of {args.batch}x{args.seq} tokens, hidden {args.hidden} (fp32): "
+        f"one activation = {activation / MIB:.2f} MiB"
+    )
     print(f"{'micro-batches':>13} {'mode':>14} {'client MiB':>11} {'activations':>12} {'peer MiB':>9}")
     for count, chain, kept in rows:
         mode = "chained" if chain else "client-driven"

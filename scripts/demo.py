@@ -38,6 +38,7 @@ from swarm.testing.localswarm import LocalSwarm, Process  # noqa: E402
 
 logger = logging.getLogger("demo")
 
+
 def answer(model: swarm.SwarmModelForCausalLM, tokenizer, question: str, max_new_tokens: int = 24) -> str:
     """Greedy answer, generated through the swarm."""
     ids = tokenizer(chat(tokenizer, question), return_tensors="pt").input_ids

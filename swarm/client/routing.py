@@ -74,6 +74,7 @@ class Router:
         *,
         unreachable_wait: float = 30.0,
         eligible: Callable[[PeerID], bool] = lambda peer: True,
+        on_moved: Callable[[PeerID], None] = lambda peer: None,
         first_timeout: float = 60.0,
         min_timeout: float = 2.0,
         min_ban: float = 2.0,
@@ -89,6 +90,9 @@ class Router:
         self.servers: dict[int, list[ServerRecord]] = {}
         self.health: dict[PeerID, PeerHealth] = {}
         self.eligible = eligible  # whether a peer may be routed to (it holds the adapter at the client's step)
+        # a peer that serves other blocks than at the last refresh (it moved, joined more, or took some over): the
+        # step of its new blocks is not known, so whoever tracks steps checks it again before it is routed to
+        self.on_moved = on_moved
         # block -> the digest of the base weights the adapter trains on; blocks not pinned yet are pinned by the first
         # announcements seen (a client whose folder holds no block tensors); peers with other weights are left out
         self.weights: dict[int, str] = dict(weights or {})
@@ -108,7 +112,13 @@ class Router:
         servers = same_weights(servers, self.weights)
         self.transport.learn(r for records in servers.values() for r in records)
         with self._lock:
-            self.servers = servers
+            before, self.servers = _online_blocks(self.servers), servers
+        after = _online_blocks(servers)
+        for peer in sorted(before.keys() & after.keys(), key=lambda p: p.to_bytes()):
+            if before[peer] != after[peer]:
+                was, now = spans_text(sorted(before[peer])), spans_text(sorted(after[peer]))
+                logger.info("peer %s now serves blocks %s (was %s)", peer, now, was)
+                self.on_moved(peer)
 
     def _pin(self, servers: dict[int, list[ServerRecord]]) -> None:
         """Pin the blocks not pinned yet to the digest most of their online servers announce."""
@@ -330,3 +340,13 @@ class Router:
             f"blocks {missing} have had no live server for {patience:.0f}s; start a peer serving them "
             f"(swarm peer --blocks {missing[0]}:{missing[-1] + 1} ...) or raise the client's patience"
         )
+
+
+def _online_blocks(servers: dict[int, list[ServerRecord]]) -> dict[PeerID, set[int]]:
+    """Per peer, the blocks it announces online."""
+    blocks: dict[PeerID, set[int]] = {}
+    for block, records in servers.items():
+        for r in records:
+            if r.state == ServerState.ONLINE:
+                blocks.setdefault(r.peer_id, set()).add(block)
+    return blocks

@@ -143,13 +143,15 @@ class AdapterSession:
         waiting = WaitLine(f"waiting for the peers of adapter {name!r}", deadline, logger)
         while True:
             self.router.refresh()
-            served = self.replicas.open_many(list(self.router.live_servers(eligible_only=False)))
+            spans = self.router.live_servers(eligible_only=False)
+            served = self.replicas.open_many(list(spans))
             held: dict[int, set[int]] = {}
             for steps in [*served.values(), *self.replicas.standby.values()]:
                 for block, step in steps.items():
                     held.setdefault(block, set()).add(step)
             newest = max([recorded.step if recorded else 0, *(s for steps in held.values() for s in steps)])
-            covered = {block for steps in served.values() for block in steps}
+            # served means announced online: a peer moving onto a block already holds it, but does not serve it yet
+            covered = {block for peer, steps in served.items() for block in steps if block in spans[peer]}
             uncovered = [b for b in range(self.spec.num_blocks) if b not in covered]
             missing = [b for b in range(self.spec.num_blocks) if newest not in held.get(b, ())]
             unanswered = {p for peers in self.router.announced().values() for p in peers} - set(served)
@@ -190,8 +192,8 @@ class AdapterSession:
             self.catch_up()
             current = {p: span for p, span in self.router.live_servers().items() if self.current.eligible(p)}
             for peer, span in current.items():
-                if peer in answers:
-                    continue
+                if peer in answers and answers[peer][1] == span:
+                    continue  # asked already; a peer that moved since is asked again for its new blocks
                 try:
                     answers[peer] = (peer, span, self.calls.ask(peer, request))
                 except PeerFailure:
@@ -379,6 +381,7 @@ def open_session(
             spec.num_blocks,
             unreachable_wait=options.unreachable_wait,
             eligible=current.eligible,
+            on_moved=current.forget,
             weights=pinned_weights(dht, spec, adapter.name),
         )
         undo.callback(router.stop)

@@ -164,16 +164,17 @@ class InProcessSwarm:
         dht, _ = self._bootstrap
         self.initial_peers = [str(m) for m in dht.get_visible_maddrs() if "/ip4/127.0.0.1/" in str(m)]
 
-    def add_peer(self, blocks: str, name: str | None = None, wait: bool = True, **config) -> InProcessPeer:
-        """Start a peer serving ``blocks`` (START:END); by default wait until it serves."""
+    def add_peer(self, blocks: str | None, name: str | None = None, wait: bool = True, **config) -> InProcessPeer:
+        """Start a peer serving ``blocks`` (START:END; None: the span it chooses, as ``swarm peer`` without
+        ``--blocks``, of ``num_blocks`` blocks); by default wait until it serves."""
         name = name or f"peer{len(self.peers)}"
         if name in self.peers:
             raise ValueError(f"there is a peer {name!r} already")
-        start, end = (int(x) for x in blocks.split(":"))
+        span = None if blocks is None else range(*(int(x) for x in blocks.split(":")))
         peer_config = replace(
             self.template,
             initial_peers=list(self.initial_peers),
-            blocks=range(start, end),
+            blocks=span,
             identity=str(self.workdir / f"{name}.key"),
             **config,
         )

@@ -25,4 +25,3 @@ def test_a_minute_of_churn_lose_nothing_unreported_and_end_equal_to_local_peft(t
         assert run.lost_reports
     else:
         assert run.parity, f"the adapter differs from local peft by {run.max_abs_diff} with no step reported lost"
-

@@ -181,4 +181,3 @@ def test_a_reader_generates_while_the_trainer_trains_and_changes_nothing(tiny_mo
     assert read_at and read_at[0] < steps, f"the reader never generated while the trainer trained: {read_at}"
     assert_matches_local_peft(model_dir, tmp_path, steps=steps)
     assert torch.equal(final, local_generate(model_dir, tmp_path / "final"))
-

@@ -69,4 +69,3 @@ def _train(model, optimizer, tokenizer, rows: list[dict], steps: int) -> None:
             (model(**batch).loss / len(batches)).backward()
         optimizer.step()
         optimizer.zero_grad()
-

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -13,12 +14,12 @@ from swarm.testing.inprocess import InProcessSwarm
 
 @pytest.fixture
 def inprocess_swarm(tiny_models, tmp_path) -> Iterator[Callable[..., InProcessSwarm]]:
-    """Start an in-process swarm of a tiny model (``family``, the llama by default; keywords: ``PeerConfig`` fields
-    of every peer); each one started is closed at teardown, whatever the test did."""
+    """Start an in-process swarm of a tiny model (``family``, the llama by default, or the folder ``model``;
+    keywords: ``PeerConfig`` fields of every peer); each one started is closed at teardown, whatever the test did."""
     started: list[InProcessSwarm] = []
 
-    def start(family: str = "llama", **defaults) -> InProcessSwarm:
-        swarm = InProcessSwarm(tiny_models[family], tmp_path / f"swarm{len(started)}", **defaults)
+    def start(family: str = "llama", model: Path | None = None, **defaults) -> InProcessSwarm:
+        swarm = InProcessSwarm(model or tiny_models[family], tmp_path / f"swarm{len(started)}", **defaults)
         started.append(swarm)
         return swarm.__enter__()
 

@@ -92,4 +92,3 @@ def test_a_peer_struck_again_while_going_down_restarts_once():
         action()
     assert fleet.started == ["a"]
     assert [o.name for o in driver.stats.outages] == ["a", "a"]
-

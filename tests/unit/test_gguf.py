@@ -31,4 +31,3 @@ def test_a_converted_gguf_is_the_same_model_and_the_swarm_can_serve_it(smollm2_d
     assert tokenizer.decode(converted.generate(ids, max_new_tokens=3, do_sample=False)[0]).startswith(
         "The capital of France is Paris"
     )
-

@@ -28,4 +28,3 @@ def test_sessions_are_bounded_and_expire():
 def test_a_model_folder_without_a_tokenizer_says_what_to_do(tiny_models):
     with pytest.raises(ModelFolderError, match="no tokenizer"):
         load_tokenizer(tiny_models["llama"])
-

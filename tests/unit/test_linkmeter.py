@@ -14,6 +14,7 @@ NET_DEV = """Inter-|   Receive                                                | 
   eth1:     500   5 0 0 0 0 0 0     100   1 0 0 0 0 0 0
 """
 
+
 def test_the_counters_sum_every_interface_but_loopback():
     assert parse_net_dev(NET_DEV) == Counters(rx=2000, tx=2600)
     assert (Counters(10, 20) - Counters(4, 5)).total == 21
