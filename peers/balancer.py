@@ -96,9 +96,11 @@ def plan_move(
 ) -> range | None:
     """The span to move to, or None to stay.
 
-    A move happens only if it strictly lowers (swarm badness, blocks beyond span_len), since `current` wins all other
-    ties. With a consistent view every move lowers that potential, so peers converge instead of oscillating. A peer
-    holding more than `max_blocks` (after a takeover) is not allowed to stay and shrinks back to its capacity.
+    A move happens only if it strictly lowers (blocks without a server, blocks beyond span_len, replication deficit),
+    since `current` wins all other ties. With a consistent view every move lowers that potential, so peers converge
+    instead of oscillating. Growing past span_len (up to `max_blocks`) is a takeover: it happens only to serve a block
+    nobody serves, never to add a replica, and the peer shrinks back once others serve it. A peer holding more than
+    `max_blocks` is not allowed to stay and shrinks back to its capacity.
     """
     span_len = min(span_len, num_blocks)
     max_blocks = span_len if max_blocks is None else max_blocks
@@ -111,8 +113,9 @@ def plan_move(
         candidates.add(current)
     bad = _badness_with(coverage, num_blocks, replication)
 
-    def key(w: range) -> tuple[tuple[int, int], int, int, int, int]:
-        return bad(w), max(0, len(w) - span_len), int(w != current), -_overlap(w, current), w.start
+    def key(w: range) -> tuple[int, int, int, int, int, int]:
+        holes, deficit = bad(w)
+        return holes, max(0, len(w) - span_len), deficit, int(w != current), -_overlap(w, current), w.start
 
     best = min(candidates, key=key)
     return None if best == current else best

@@ -139,7 +139,7 @@ class PeerDaemon:
             locks.append(lock_path_of_checkpoints(Path(config.checkpoint_dir)))
         self.claim = ProcessClaim(self.identity.peer_id, locks)
         self.span_len = len(config.blocks) if config.blocks else config.num_blocks or blocks_that_fit(self.spec, config)
-        self.max_blocks = max(self.span_len, config.max_blocks or 0)
+        self.max_blocks = max(self.span_len, config.max_blocks or self._capacity())
         self.serving = range(0)  # what it announces online; set once loaded
         self.state = ServerState.JOINING
         self.joining: range | None = None
@@ -152,6 +152,12 @@ class PeerDaemon:
         self.parts: PeerParts | None = None  # made by serve() once the blocks are loaded
         self.maddrs: list[str] = []  # where others dial this peer: direct, or through relays
         self.digests: dict[int, str] = {}  # block -> digest of its base weights in this folder; set by serve()
+
+    def _capacity(self) -> int:
+        """The default --max-blocks: a peer told to serve fewer blocks than fit may take orphaned ones over, up to
+        what fits; one sized by memory is full already."""
+        told = self.config.blocks is not None or self.config.num_blocks is not None
+        return blocks_that_fit(self.spec, self.config) if told else self.span_len
 
     # --- what this peer tells others ------------------------------------------------------------------------
 

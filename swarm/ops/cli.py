@@ -253,7 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     peer.add_argument("--num-blocks", type=_positive, default=None, help="span length (default: what fits in memory)")
     peer.add_argument(
-        "--max-blocks", type=_positive, default=None, help="blocks this peer may serve to cover orphaned ones"
+        "--max-blocks",
+        type=_positive,
+        default=None,
+        help="blocks this peer may serve while it covers blocks nobody serves (default: what fits in memory; it "
+        "shrinks back to its span once others serve them)",
     )
     peer.add_argument("--replication", type=_positive, default=2, help="target number of servers per block")
     peer.add_argument("--no-rebalance", action="store_true", help="never move to other blocks")

@@ -219,3 +219,39 @@ def test_a_bug_in_a_peers_handler_answers_internal_and_blames_no_healthy_peer(in
     assert peers["b"].faults.calls[Method.SYNC] >= 2, "b was not asked again after its bug"
     assert peers["b"].backend.adapters["buggy-sync"].steps() == {b: steps for b in range(4)}
     assert_matches_local_peft(tiny_models["llama"], tmp_path, steps)
+
+
+def wait_standby_at(peer: InProcessPeer, adapter: str, blocks: list[int], step: int) -> None:
+    """Until ``peer`` holds standby copies of ``blocks`` at ``step`` (it pulls them after each commit)."""
+    deadline = time.monotonic() + FIRED
+    while time.monotonic() < deadline:
+        held = peer.backend.adapters[adapter].standby_steps() if adapter in peer.backend.adapters else {}
+        if all(held.get(b) == step for b in blocks):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"peer {peer.name} holds no standby copy of blocks {blocks} at step {step}: {held}")
+
+
+def test_both_servers_of_a_span_killed_and_a_third_current_copy_takes_it_over(inprocess_swarm, tiny_models, tmp_path):
+    """Both servers of 2:4 die at once and stay dead; peer a serves 0:2, has room for the whole model and holds a
+    standby copy of 2:4 at the client's step: it grows to 0:4 from that copy (a takeover), nobody restarts, no step is
+    lost and the adapter equals local peft."""
+    model_dir = tiny_models["llama"]
+    swarm = inprocess_swarm()
+    servers = swarm.start_peers({"b1": "2:4", "b2": "2:4"})
+    taker = swarm.add_peer("0:2", "a", rebalance=True, balance_interval=1.0)
+    model = connect(swarm, model_dir, "third-copy", patience=60.0)
+    try:
+        model.save_adapter(tmp_path / "initial")
+        train_steps(model, 2)
+        wait_standby_at(taker, model.adapter, [2, 3], model.step)
+        for server in servers.values():
+            server.kill()
+        train_steps(model, STEPS)
+        model.save_adapter(tmp_path / "final")
+        lost = list(model.steps_lost)
+    finally:
+        model.shutdown()
+    assert lost == []
+    assert taker.daemon.serving == range(0, 4)
+    assert_matches_local_peft(model_dir, tmp_path)

@@ -111,6 +111,21 @@ def test_plan_move_prefers_moving_over_growing():
     assert plan_move({0: 1, 1: 1}, 4, range(0, 2), 2, 1, max_blocks=4) == range(2, 4)
 
 
+def test_plan_move_grows_to_serve_orphans_never_to_add_replicas():
+    # A on [0, 2) with room for 4, every block served once by others: growing would add replicas, not serve a block
+    # nobody serves, so A stays (a takeover is for orphans).
+    assert plan_move({0: 1, 1: 1, 2: 1, 3: 1}, 4, range(0, 2), 2, 2, max_blocks=4) is None
+    # Blocks 2 and 3 lost both servers, A alone serves [0, 2): no 2-window covers them without dropping A's own, so
+    # A grows over them.
+    assert plan_move({4: 2, 5: 2}, 6, range(0, 2), 2, 2, max_blocks=4) == range(0, 4)
+
+
+def test_plan_move_shrinks_back_once_others_serve_what_it_took_over():
+    # A grew to [0, 4) over orphans; each block has one other server again. Staying would keep an extra replica of
+    # [2, 4), but a takeover is over once nobody depends on it: A shrinks to its span.
+    assert plan_move({0: 1, 1: 1, 2: 1, 3: 1}, 4, range(0, 4), 2, 2, max_blocks=4) == range(0, 2)
+
+
 def test_plan_move_extends_only_around_current():
     # A 3-window [3, 6) would cover most, but it does not contain A's blocks: only a plain 2-window move is allowed.
     assert plan_move({0: 1, 1: 1}, 6, range(0, 2), 2, 1, max_blocks=3) == range(2, 4)
