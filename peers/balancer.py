@@ -68,18 +68,21 @@ def choose_span(
     replication: int,
     throughput: dict[int, float] | None = None,
     rng: random.Random | None = None,
+    held: set[int] | None = None,
 ) -> range:
-    """Start-up span: the window that most reduces badness, then the least loaded one.
+    """Start-up span: the window that most reduces badness, then the one holding most of the blocks whose state this
+    peer has on disk (``held``: a restarted peer serves again without copying state, and may hold the newest copy),
+    then the least loaded one.
 
     Remaining ties are broken at random so that peers starting at the same moment spread out instead of piling up.
     """
     if num_blocks < 1 or span_len < 1:
         raise ValueError(f"need num_blocks >= 1 and span_len >= 1, got {num_blocks} and {span_len}")
-    throughput = throughput or {}
+    throughput, held = throughput or {}, held or set()
     bad = _badness_with(coverage, num_blocks, replication)
 
-    def key(w: range) -> tuple[tuple[int, int], float]:
-        return bad(w), sum(throughput.get(b, 0.0) for b in w)
+    def key(w: range) -> tuple[tuple[int, int], int, float]:
+        return bad(w), -len(held.intersection(w)), sum(throughput.get(b, 0.0) for b in w)
 
     windows = _windows(num_blocks, min(span_len, num_blocks))
     best = min(key(w) for w in windows)

@@ -126,6 +126,18 @@ class CheckpointStore:
             f.flush()
             os.fsync(f.fileno())
 
+    def blocks(self) -> set[int]:
+        """Blocks some adapter has a checkpoint file of (not read, not checked): where a restarted peer's state is."""
+        if not self.root.is_dir():
+            return set()
+        return {
+            int(match.group(1))
+            for directory in self.root.iterdir()
+            if directory.is_dir()
+            for p in directory.iterdir()
+            if (match := _BLOCK_FILE.fullmatch(p.name))
+        }
+
     def load(self) -> dict[str, tuple[dict, dict[int, BlockState]]]:
         """Adapter -> (meta, block -> newest intact state); deletes temp files left by interrupted writes."""
         if not self.root.is_dir():

@@ -237,10 +237,17 @@ class PeerDaemon:
         """Pick the span that helps most; announce it as joining; look again, and yield to a smaller-id peer that
         chose the same span at the same moment."""
         config, me = self.config, self.identity.peer_id
+        held = await asyncio.to_thread(self.store.blocks) if self.store is not None else set()
         await asyncio.sleep(self.rng.uniform(0.0, 1.0))
         view = await self._observe()
         span = choose_span(
-            view.coverage(me), self.spec.num_blocks, self.span_len, config.replication, view.throughput(), self.rng
+            view.coverage(me),
+            self.spec.num_blocks,
+            self.span_len,
+            config.replication,
+            view.throughput(),
+            self.rng,
+            held,
         )
         for _ in range(3):
             self.joining = span
@@ -249,7 +256,7 @@ class PeerDaemon:
             view = await self._observe()
             coverage = view.coverage(me, joining_before=me)
             best = choose_span(
-                coverage, self.spec.num_blocks, self.span_len, config.replication, view.throughput(), self.rng
+                coverage, self.spec.num_blocks, self.span_len, config.replication, view.throughput(), self.rng, held
             )
             mine = badness(coverage_with(coverage, self.spec.num_blocks, span), config.replication)
             if mine <= badness(coverage_with(coverage, self.spec.num_blocks, best), config.replication):

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from swarm.net.protocol import Method
@@ -41,6 +42,32 @@ MOVE, MOVE_WAIT = "move", 30.0
 SPAN_LINE = re.compile(r"(?:now )?serving blocks (\d+):(\d+)")
 MOVE_LINE = re.compile(r"moving from blocks (\d+):(\d+) to (\d+):(\d+)")
 TORN_WRITE_LINE = "discarding an interrupted checkpoint write"
+JOINED_LINE, SERVING_LINE = "peers.daemon: announcing addresses", "peers.daemon: serving blocks"
+LOG_TIME = "%Y-%m-%d %H:%M:%S,%f"  # the timestamp that starts each line of a peer's log
+
+
+@dataclass(frozen=True)
+class Restart:
+    """One restarted process: seconds from its start to joining the DHT, and to serving (None: it never did)."""
+
+    log: str
+    joined: float | None
+    serving: float | None
+
+
+def _logged_at(text: str, marker: str) -> float | None:
+    """The time (epoch seconds) of the first log line containing ``marker``."""
+    for line in text.splitlines():
+        if marker in line:
+            try:
+                return datetime.strptime(line[:23], LOG_TIME).timestamp()
+            except ValueError:
+                return None
+    return None
+
+
+def _since(started: float, at: float | None) -> float | None:
+    return None if at is None else at - started
 
 
 @dataclass(frozen=True)
@@ -92,14 +119,28 @@ class ChaosPeers:
         self.local, self.model, self.extra, self.workdir = local, model, extra, workdir
         self.processes: dict[str, Process] = {}
         self.restarts = itertools.count(1)
+        self.restarted_at: dict[Path, float] = {}  # the log of each restarted process -> when it was started
 
     def start(self, name: str, blocks: str | None = None) -> Process:
         state = self.workdir / name
         state.mkdir(parents=True, exist_ok=True)
         args = [*self.extra, "--checkpoint-dir", str(state / "checkpoints"), "--identity", str(state / "identity")]
-        log_name = name if name not in self.processes else f"{name}.{next(self.restarts)}"
+        restart = name in self.processes
+        log_name = f"{name}.{next(self.restarts)}" if restart else name
+        started = time.time()
         self.processes[name] = self.local.start_peer(self.model, blocks, name=log_name, extra=args, wait=False)
+        if restart:
+            self.restarted_at[self.processes[name].log] = started
         return self.processes[name]
+
+    def restart_times(self) -> list[Restart]:
+        """How long each restarted process took to join the swarm and to serve, read from its log."""
+        times = []
+        for log, started in self.restarted_at.items():
+            text = log.read_text(errors="replace") if log.exists() else ""
+            joined, serving = _logged_at(text, JOINED_LINE), _logged_at(text, SERVING_LINE)
+            times.append(Restart(log.stem, _since(started, joined), _since(started, serving)))
+        return times
 
     def alive(self, name: str) -> bool:
         return self.processes[name].popen.poll() is None

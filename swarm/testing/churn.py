@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import statistics
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from tqdm.auto import tqdm
 
 import swarm
 from swarm.net.protocol import method_of
-from swarm.testing.chaos import ChaosDriver, ChaosPeers, ChurnStats, chaos_schedule, count_moves
+from swarm.testing.chaos import ChaosDriver, ChaosPeers, ChurnStats, Restart, chaos_schedule, count_moves
 from swarm.testing.localswarm import LocalSwarm
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class ChurnRun:
     moves: int = 0
     takeovers: int = 0
     torn_writes: int = 0
+    restarts: list[Restart] = field(default_factory=list)
     max_abs_diff: float | None = None
     error: str | None = None
 
@@ -144,6 +146,7 @@ def run_churn(
             model.shutdown()
         run.chaos = driver.stats
         run.moves, run.takeovers, run.torn_writes = count_moves(fleet.logs())
+        run.restarts = fleet.restart_times()
     if run.error is None:
         run.max_abs_diff = _diff_to_local(model_dir, workdir, run.steps, vocab)
     return run
@@ -231,6 +234,15 @@ def _train_locally(model_dir: Path, workdir: Path, steps: int, vocab: int) -> fl
     return max((ours[k] - reference[k]).abs().max().item() for k in ours)
 
 
+def _restart_cell(run: ChurnRun) -> str:
+    """Median and longest seconds from a restarted process's start to serving (and to joining the DHT)."""
+    served = sorted(r.serving for r in run.restarts if r.serving is not None)
+    joined = sorted(r.joined for r in run.restarts if r.joined is not None)
+    if not served:
+        return "-"
+    return f"{statistics.median(served):.1f} ({statistics.median(joined):.1f}), max {served[-1]:.1f}"
+
+
 def report(runs: dict[str, ChurnRun]) -> str:
     """The side-by-side table: one column per run."""
     base = runs.get("no churn")
@@ -246,6 +258,7 @@ def report(runs: dict[str, ChurnRun]) -> str:
         "longest pauses (s)": lambda r: ", ".join(f"{p:.1f}" for p in r.longest_pauses),
         "client recoveries": lambda r: str(r.recoveries),
         "moves / takeovers": lambda r: f"{r.moves} / {r.takeovers}",
+        "restart to serving (s)": _restart_cell,
         "torn checkpoint writes": lambda r: str(r.torn_writes),
         "max |swarm - local peft|": lambda r: f"{r.max_abs_diff:.2e}" if r.max_abs_diff is not None else "-",
         "equals local peft": lambda r: "yes" if r.parity else "NO",

@@ -55,6 +55,17 @@ def test_choose_span_prefers_lowest_throughput():
         assert choose_span(cov, 6, 2, 2, throughput=tput, rng=random.Random(seed)) == range(4, 6)
 
 
+def test_choose_span_prefers_the_blocks_whose_state_it_holds():
+    # Nobody serves [4, 8): every window inside it is as good, and a restarted peer
+    # whose checkpoint holds [5, 7) serves it again, state and all; without a checkpoint the choice is at random.
+    cov = {0: 2, 1: 2, 2: 2, 3: 2}
+    for seed in range(10):
+        assert choose_span(cov, 8, 2, 2, rng=random.Random(seed), held={5, 6}) == range(5, 7)
+    assert len({choose_span(cov, 8, 2, 2, rng=random.Random(seed)) for seed in range(20)}) > 1
+    # Coverage comes first: holding [0, 2) does not make a peer serve a block twice as often as needed.
+    assert choose_span(cov, 8, 2, 2, rng=random.Random(0), held={0, 1}).start >= 4
+
+
 def test_choose_span_random_ties_spread_out():
     spans = {choose_span({}, 8, 2, 2, rng=random.Random(seed)) for seed in range(20)}
     assert len(spans) > 1

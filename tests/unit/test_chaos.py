@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import itertools
 import signal
+from datetime import datetime
 
-from swarm.testing.chaos import MOVE, PHASES, ChaosDriver, ChaosEvent, ChurnStats, Outage, chaos_schedule
+import pytest
+
+from swarm.testing.chaos import MOVE, PHASES, ChaosDriver, ChaosEvent, ChaosPeers, ChurnStats, Outage, chaos_schedule
 
 
 def test_a_schedule_comes_from_its_seed_alone_and_has_every_kind_of_fault():
@@ -92,3 +95,22 @@ def test_a_peer_struck_again_while_going_down_restarts_once():
         action()
     assert fleet.started == ["a"]
     assert [o.name for o in driver.stats.outages] == ["a", "a"]
+
+
+def test_restart_times_are_read_from_each_restarted_process_log(tmp_path):
+    fleet = ChaosPeers(local=None, model=tmp_path, extra=[], workdir=tmp_path)
+    started = datetime(2026, 12, 2, 0, 53, 11, 990000).timestamp()
+    served = tmp_path / "peer2.4.log"
+    served.write_text(
+        "Failed to load CPU gemm_4bit_forward\n"
+        "2026-12-02 00:53:35,570 INFO peers.daemon: announcing addresses /ip4/127.0.0.1/tcp/1/p2p/Qm\n"
+        "2026-12-02 00:53:41,817 INFO peers.daemon: serving blocks 3:6 of model as Qm\n"
+        "2026-12-02 00:54:37,749 INFO peers.daemon: now serving blocks 2:5, 28110 tokens/s\n"
+    )
+    crashed = tmp_path / "peer3.5.log"
+    crashed.write_text("2026-12-02 00:53:20,000 INFO peers.daemon: announcing addresses /ip4/127.0.0.1\n")
+    fleet.restarted_at = {served: started, crashed: started}
+    times = {r.log: r for r in fleet.restart_times()}
+    assert times["peer2.4"].joined == pytest.approx(23.58)
+    assert times["peer2.4"].serving == pytest.approx(29.827)
+    assert times["peer3.5"].serving is None

@@ -71,6 +71,8 @@ def test_round_trip_of_several_adapters_and_blocks(tmp_path):
         for block, state in states.items():
             assert_same(state, got[block])
     assert store.steps() == {"team/alpha v1": {0: 3, 1: 3, 12: 5}, "plain": {2: 1}}
+    assert store.blocks() == {0, 1, 2, 12}
+    assert CheckpointStore(tmp_path / "nothing here").blocks() == set()
 
 
 @pytest.mark.parametrize("name", ["", ".", ".."])
