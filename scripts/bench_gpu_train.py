@@ -1,5 +1,6 @@
 """LoRA training through a 4-peer local swarm on one device: four ``swarm peer`` processes (two replicas of each half
-of the model's blocks, all on ``--device``, base weights in nf4 or bf16), a bootstrap node and this process as the
+of the model's blocks, or one with ``--replicas 1``; all on ``--device``, base weights in nf4 or bf16), a bootstrap
+node and this process as the
 client, on 127.0.0.1. It trains the same two micro-batches for ``--steps`` steps (so the loss must fall) and reports
 how long the peers took to serve, the step time and tokens per second. Each mode gets a swarm of its own, one after
 the other, so that their timings do not share the device.
@@ -11,7 +12,7 @@ with ``--model tiny`` a random 4-block Llama on random tokens, small enough for 
 Usage::
 
     python scripts/bench_gpu_train.py [--modes nf4 bf16] [--device cpu|cuda|cuda:N] [--model smollm2|tiny]
-        [--steps 5] [--workdir DIR] [--json PATH]
+        [--steps 5] [--replicas 2] [--workdir DIR] [--json PATH]
 """
 
 from __future__ import annotations
@@ -70,23 +71,26 @@ def training_batches(kind: str, model_dir: Path) -> list[dict[str, torch.Tensor]
     return batches
 
 
-def spans(num_blocks: int) -> dict[str, str]:
-    """Four peers: two replicas of each half (so every commit has a replica to agree with and a durable copy)."""
+def spans(num_blocks: int, replicas: int) -> dict[str, str]:
+    """``replicas`` peers on each half: with two, every commit has a replica to agree with and a durable copy."""
     half = num_blocks // 2
     low, high = f"0:{half}", f"{half}:{num_blocks}"
-    return {"low-1": low, "low-2": low, "high-1": high, "high-2": high}
+    return {f"{name}-{i}": span for name, span in (("low", low), ("high", high)) for i in range(1, replicas + 1)}
 
 
-def run(mode: str, device: str, model_dir: Path, steps: int, batches: list[dict], workdir: Path) -> dict:
+def run(
+    mode: str, device: str, model_dir: Path, steps: int, batches: list[dict], workdir: Path, replicas: int = 2
+) -> dict:
     """Start the swarm, train, stop it; returns the summary row."""
     tokens = sum(int(batch["attention_mask"].sum()) for batch in batches)
     extra = ["--device", device, *MODES[mode], "--no-rebalance", "--leave-grace", LEAVE_GRACE]
     with LocalSwarm(workdir / f"swarm-{mode}") as local:
         started = time.perf_counter()
         local.start_dht()
-        local.start_peers(model_dir, spans(load_spec(model_dir).num_blocks), extra=extra, timeout=PEERS_UP_TIMEOUT)
+        peers = spans(load_spec(model_dir).num_blocks, replicas)
+        local.start_peers(model_dir, peers, extra=extra, timeout=PEERS_UP_TIMEOUT)
         up_s = time.perf_counter() - started
-        logger.info("%s: 4 peers on %s serve after %.1f s", mode, device, up_s)
+        logger.info("%s: %d peers on %s serve after %.1f s", mode, len(peers), device, up_s)
         model = swarm.SwarmModelForCausalLM.from_pretrained(
             model_dir,
             initial_peers=local.initial_peers,
@@ -139,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--workdir", type=Path, default=None, help="default: a new temporary folder")
     parser.add_argument("--json", type=Path, default=None, help="write a summary row per mode here")
+    parser.add_argument("--replicas", type=int, default=2, choices=[1, 2], help="peers on each half of the model")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("hivemind").setLevel(logging.WARNING)
@@ -152,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for mode in args.modes:
         try:
-            rows.append(run(mode, args.device, model_dir, args.steps, batches, workdir))
+            rows.append(run(mode, args.device, model_dir, args.steps, batches, workdir, args.replicas))
         except (LocalSwarmError, swarm.SwarmError) as error:  # a peer that did not serve, a client that gave up
             logger.exception("%s failed", mode)
             rows.append(dict(mode=mode, ok=False, figures={}, error=f"{type(error).__name__}: {error}"))

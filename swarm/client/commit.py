@@ -48,6 +48,7 @@ from swarm.net.waiting import Deadline, WaitLine
 logger = logging.getLogger(__name__)
 
 MAX_COMMIT_ROUNDS = 8
+LOST_GRACE = 10.0  # seconds a block without any current copy waits for its holders to restart (from_pretrained's)
 T = TypeVar("T")
 
 
@@ -69,7 +70,7 @@ class ReplicaSet:
         calls: PeerCalls,
         current: CurrentPeers,
         open_on: Callable[[PeerID], tuple[dict[int, int], dict[int, int]]],
-        lost_grace: float = 30.0,
+        lost_grace: float = LOST_GRACE,
     ):
         self.calls, self.current, self.open_on = calls, current, open_on
         # Seconds a block stays without any current copy before its newest survivor is declared current: its holders

@@ -25,7 +25,7 @@ from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPas
 from swarm.blocks import lora_config_from_wire, lora_config_to_wire
 from swarm.client.calls import Recovery
 from swarm.client.clipping import clip_factor
-from swarm.client.commit import StepsLost
+from swarm.client.commit import LOST_GRACE, StepsLost
 from swarm.client.export import save_peft_adapter
 from swarm.client.generation import SessionChain, generate_tokens, resolve_config
 from swarm.client.ledger import StepLedger
@@ -149,6 +149,7 @@ class SwarmModelForCausalLM(nn.Module):
         min_copies: int = 2,
         resume: str = "committed",
         unreachable_wait: float = 30.0,
+        lost_grace: float = LOST_GRACE,
         wire_dtype: str | None = None,
         compression: str = "none",
         is_trainable: bool = True,
@@ -165,6 +166,10 @@ class SwarmModelForCausalLM(nn.Module):
         hold, and the steps lost are reported in ``model.steps_lost``.
         ``unreachable_wait``: how long a peer that stopped answering but may be alive (frozen, cut off) is waited
         for as the possible holder of the only current state of a block; a peer whose process is gone is not.
+        ``lost_grace``: how long a block whose every current copy died (its peers' processes gone, no standby copy
+        at the step) waits for them to restart from their checkpoints before its newest surviving copy is declared
+        current; the steps in between are lost and listed in ``model.steps_lost``. A pause of the whole swarm costs
+        more than a step of one span's updates, and a restart on a loaded machine takes longer than this.
         ``trainer``: who trains this adapter (default: user@host); the same trainer takes its lease back at once
         after a restart, another one waits for the lease to expire.
         ``swarm_key``: the key file of a private swarm (``swarm keygen``).
@@ -212,7 +217,7 @@ class SwarmModelForCausalLM(nn.Module):
                 dht.shutdown()
                 raise
             lora_config, seed = lora_config_from_wire(recorded.lora), recorded.seed
-        options = SessionOptions(patience, spot_check, min_copies, resume, unreachable_wait, wire, chain)
+        options = SessionOptions(patience, spot_check, min_copies, resume, unreachable_wait, wire, chain, lost_grace)
         trainer = (trainer or f"{getpass.getuser()}@{socket.gethostname()}") if is_trainable else None
         identity_of_adapter = AdapterIdentity(adapter, lora_config_to_wire(lora_config), seed)
         session = open_session(spec, dht, identity, key, peers, identity_of_adapter, options, trainer)

@@ -18,7 +18,7 @@ from hivemind.p2p import PeerID
 from swarm.blocks import lora_config_from_wire, spans_text
 from swarm.client.calls import PeerCalls, PeerFailure, Recovery
 from swarm.client.clipping import step_norm
-from swarm.client.commit import ReplicaSet, StepsLost, commit, take_back_abandoned
+from swarm.client.commit import LOST_GRACE, ReplicaSet, StepsLost, commit, take_back_abandoned
 from swarm.client.copies import CopyKeeper
 from swarm.client.current import CurrentPeers
 from swarm.client.lease import AdapterLease
@@ -62,6 +62,7 @@ class SessionOptions:
     unreachable_wait: float = 30.0
     wire: WireFormat | None = None
     chain: bool = True
+    lost_grace: float = LOST_GRACE
 
 
 class TrainerTracking:
@@ -388,7 +389,7 @@ def open_session(
         calls = PeerCalls(transport, router, current, adapter.name, options.patience, options.wire)
         session_id = uuid.uuid4().hex[:16]
         replicas = ReplicaSet(
-            calls, current, _opener(calls, adapter, None if reading else session_id), lost_grace=options.patience / 2
+            calls, current, _opener(calls, adapter, None if reading else session_id), lost_grace=options.lost_grace
         )
         undo.callback(replicas.close)
         if reading:

@@ -144,7 +144,7 @@ def test_blocks_whose_every_copy_died_resume_from_the_survivor_and_report_the_lo
     model_dir = tiny_models["llama"]
     swarm = inprocess_swarm(standby_blocks=0)
     peers = swarm.start_peers({"a": "0:2", "b": "2:4"})
-    model = connect(swarm, model_dir, "lost", min_copies=1, patience=16.0)  # lost_grace: 8 s
+    model = connect(swarm, model_dir, "lost", min_copies=1, patience=16.0, lost_grace=8.0)
     try:
         model.save_adapter(tmp_path / "initial")
         train_steps(model, 2)
