@@ -155,24 +155,68 @@ def next_move(
     replication: int,
     max_blocks: int | None = None,
     pinned: Mapping[int, int] | None = None,
+    capacity: Mapping[str, int] | None = None,
 ) -> range | None:
     """This peer's move this round, or None: the `plan_move` one if it leaves no block without a server, else this
     peer's step of the `cover_plan` while some block has no server.
 
     `spans` holds every settled live peer's span, this one's (`me`) included; `pinned` counts, per block, the servers
     no plan moves (joining or moving peers). A move dropping a block nobody else serves is no move at all: the daemon
-    would load it, have `safe_to_drop` refuse it, and try again every round.
+    would load it, have `safe_to_drop` refuse it, and try again every round. With `capacity` (peer -> the blocks it
+    may grow to, as announced), a growth over orphaned blocks is left to the peer that covers one of them at least
+    cost (fewest blocks added, then smallest id), so that one peer takes them over instead of every one in reach.
     """
-    current = spans[me]
     counts = _counts(spans, num_blocks, pinned)
-    others = {b: c - (b in current) for b, c in enumerate(counts)}
-    target = plan_move(others, num_blocks, current, span_len, replication, max_blocks)
-    if target is not None and all(others[b] for b in current if b not in target):
+    target = _own_move(spans, me, counts, num_blocks, span_len, replication, max_blocks)
+    if target is not None:
+        grows = len(target) > len(spans[me])
+        if grows and capacity is not None and _outgrown(spans, me, target, counts, num_blocks, replication, capacity):
+            return None
         return target
     if 0 not in counts:
         return None
     plan = cover_plan(spans, num_blocks, replication, pinned)
     return plan[0][1] if plan and plan[0][0] == me else None
+
+
+def _own_move(
+    spans: Mapping[str, range],
+    peer: str,
+    counts: list[int],
+    num_blocks: int,
+    span_len: int,
+    replication: int,
+    max_blocks: int | None,
+) -> range | None:
+    """`peer`'s `plan_move` target, unless it drops a block nobody else serves."""
+    current = spans[peer]
+    others = {b: c - (b in current) for b, c in enumerate(counts)}
+    target = plan_move(others, num_blocks, current, span_len, replication, max_blocks)
+    return target if target is not None and all(others[b] for b in current if b not in target) else None
+
+
+def _outgrown(
+    spans: Mapping[str, range],
+    me: str,
+    target: range,
+    counts: list[int],
+    num_blocks: int,
+    replication: int,
+    capacity: Mapping[str, int],
+) -> bool:
+    """Whether another settled peer's own move serves one of the orphaned blocks `target` grows over, adding fewer
+    blocks than this growth does (ties: the smaller id). Each peer's move is judged as it judges it itself, with the
+    span it serves as its span length (the other peer's --num-blocks is not announced)."""
+    orphans = {b for b in target if counts[b] == 0}
+    mine = (len(target) - len(spans[me]), me)
+    for peer, span in spans.items():
+        room = capacity.get(peer, 0)
+        if peer == me:
+            continue
+        theirs = _own_move(spans, peer, counts, num_blocks, len(span), replication, max(len(span), room))
+        if theirs is not None and orphans.intersection(theirs) and (len(theirs) - len(span), peer) < mine:
+            return True
+    return False
 
 
 def cover_plan(

@@ -183,6 +183,7 @@ class PeerDaemon:
                 self.moving_to,
                 maddrs=self.maddrs,
                 digests=self._digests_of(self.serving),
+                max_blocks=self.max_blocks,
             )
             records.append((record, self.serving))
         if self.joining:
@@ -375,8 +376,17 @@ class PeerDaemon:
         spans, pinned = settled_spans(view, self.spec.num_blocks)
         me = self.identity.peer_id.to_base58()
         spans[me] = self.serving
+        capacity = {r.peer_id.to_base58(): r.max_blocks for records in view.records.values() for r in records}
         target = await asyncio.to_thread(  # a plan search may take a few hundred ms: not on the event loop
-            next_move, spans, me, self.spec.num_blocks, self.span_len, self.config.replication, self.max_blocks, pinned
+            next_move,
+            spans,
+            me,
+            self.spec.num_blocks,
+            self.span_len,
+            self.config.replication,
+            self.max_blocks,
+            pinned,
+            capacity,
         )
         if target is not None:
             await self._move(target)

@@ -49,6 +49,7 @@ class ServerRecord:
     announced_at: float = 0.0  # DHT time of the announcement: tells a peer that announced again after it was gone
     maddrs: list[str] = field(default_factory=list)  # where to dial it: direct, or through relays
     digests: dict[int, str] = field(default_factory=dict)  # block -> digest of its base weights (swarm/weights.py)
+    max_blocks: int = 0  # how many blocks it may grow to, to serve orphaned ones (0: not said; its span)
 
     @property
     def blocks(self) -> range:
@@ -80,6 +81,8 @@ class ServerRecord:
         }
         if self.moving_to is not None:
             value["moving_to"] = [self.moving_to.start, self.moving_to.stop]
+        if self.max_blocks:
+            value["max_blocks"] = self.max_blocks
         return value
 
     @classmethod
@@ -97,6 +100,7 @@ class ServerRecord:
                 announced_at=float(value.get("announced_at", 0.0)),
                 maddrs=_maddrs(value.get("maddrs", [])),
                 digests=read_digests(value.get("digests", {})),
+                max_blocks=int(value.get("max_blocks", 0)),
             )
         except (TypeError, KeyError, ValueError, AttributeError):
             logger.debug("ignoring a malformed record from %s", peer_id)

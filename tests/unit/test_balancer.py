@@ -338,3 +338,18 @@ def test_cover_plan_gives_up_past_its_state_budget():
     spans = {f"p{i}": range(s, s + 2) for i, s in enumerate(starts)}
     assert cover_plan(spans, 16, 2, max_states=3) == []
     assert cover_plan({"a": range(0, 2)}, 4, 2) == []  # not enough capacity: nothing to find
+
+
+def test_an_orphan_is_grown_over_by_the_nearest_peer_with_room_only():
+    # Both servers of [6, 8) died; A alone serves [0, 3), C alone [3, 6), so no move covers [6, 8). C reaches it
+    # adding 2 blocks, A adding 5; both have room. Only C grows: A leaves it to C instead of both taking it over.
+    spans = {"A": range(0, 3), "C": range(3, 6)}
+    room = {"A": 8, "C": 8}
+    moves = {p: next_move(spans, p, 8, 3, 2, max_blocks=8, capacity=room) for p in spans}
+    assert moves == {"A": None, "C": range(3, 8)}
+    # C has no room to grow: A grows (nobody waits on a peer that cannot take it).
+    room["C"] = 3
+    moves = {p: next_move(spans, p, 8, 3, 2, max_blocks=8 if p == "A" else 3, capacity=room) for p in spans}
+    assert moves == {"A": range(0, 8), "C": None}
+    # Without capacities (peers that do not announce them), every peer in reach grows, as before.
+    assert next_move(spans, "A", 8, 3, 2, max_blocks=8) == range(0, 8)

@@ -41,5 +41,7 @@ def test_records_carry_a_move_and_span_sizing_fits_the_model(tiny_models):
     record = ServerRecord(PeerID(b"x" * 8), ServerState.ONLINE, 0, 2, 1.0, {"a": 3}, moving_to=range(2, 4))
     back = ServerRecord.from_value(record.peer_id, record.to_value())
     assert back == record
+    roomy = ServerRecord(PeerID(b"x" * 8), ServerState.ONLINE, 0, 2, 1.0, max_blocks=6)
+    assert ServerRecord.from_value(roomy.peer_id, roomy.to_value()).max_blocks == 6
     config = PeerConfig(model=str(tiny_models["llama"]), initial_peers=[])
     assert blocks_that_fit(load_spec(tiny_models["llama"]), config) == 4  # a tiny model fits whole
