@@ -14,6 +14,7 @@ from hivemind import DHT
 from hivemind.p2p import PeerID
 
 from swarm.blocks import spans_text
+from swarm.client.paths import Candidate, fastest_chain
 from swarm.net.errors import PEER_ERRORS, SwarmUnavailableError
 from swarm.net.protocol import Method
 from swarm.net.records import ServerRecord, ServerState, read_servers
@@ -55,10 +56,12 @@ class PeerHealth:
 # not worth waiting for (a dial to a dead address would otherwise take libp2p ~20 s to give up).
 CONTROL_METHODS = frozenset({Method.OPEN, Method.INFO, Method.DIGEST, Method.REPLICATE, Method.FAST_FORWARD})
 FIRST_CONTROL_TIMEOUT = 10.0
+UNKNOWN_SPEED = 1e-3  # tokens/s assumed of a server that announces none: routed to only when nothing else serves
 
 
 class Router:
-    """The client's view of who serves what, refreshed from the DHT in the background.
+    """The client's view of who serves what, refreshed from the DHT in the background, and the chains it routes
+    micro-batches over: the fastest for each micro-batch, given the work already sent to each peer.
 
     Peers whose process is gone (the transport saw their connection close) are left out at once, whatever their
     records still say, until they announce again. A peer that stopped answering but keeps its connection (frozen,
@@ -82,7 +85,14 @@ class Router:
         refresh_every: float = 3.0,
         seed: int | None = None,
         weights: dict[int, str] | None = None,
+        tokens: int = 1024,
+        hop_seconds: float = 0.01,
+        work_per_forward: float = 3.0,
+        clock: Callable[[], float] = time.monotonic,
     ):
+        """``tokens``: the size of a micro-batch routes are estimated for; ``hop_seconds``: the latency of passing
+        activations to the next peer; ``work_per_forward``: how long a peer is kept busy by one micro-batch, in
+        forwards of it (a backward takes about two); ``clock``: the time work drains by (a simulation's)."""
         self.dht, self.transport, self.model, self.num_blocks = dht, transport, model, num_blocks
         self.unreachable_wait = unreachable_wait
         self.first_timeout, self.min_timeout = first_timeout, min_timeout
@@ -97,7 +107,10 @@ class Router:
         # announcements seen (a client whose folder holds no block tensors); peers with other weights are left out
         self.weights: dict[int, str] = dict(weights or {})
         self.random = random.Random(seed)
+        self.tokens, self.hop_seconds, self.work_per_forward, self.clock = tokens, hop_seconds, work_per_forward, clock
+        self.busy_until: dict[PeerID, float] = {}  # when the work this client routed to each peer should be done
         self._lock = threading.Lock()
+        self._booking = threading.Lock()  # micro-batches in flight route at once: each sees the others' work
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._fresh = threading.Event()
@@ -261,24 +274,39 @@ class Router:
         return [b for b in range(start, end) if not self.replicas(b, eligible_only)]
 
     def route(self, start: int = 0, end: int | None = None, prefer: PeerID | None = None) -> list[Hop]:
-        """Fewest hops; among servers reaching equally far, pick at random weighted by throughput."""
+        """The chain that should finish a micro-batch earliest (``paths.fastest_chain``), and its work booked on its
+        peers, so that the next micro-batch in flight goes to other replicas while these are busy: micro-batches
+        spread over a span's servers in proportion to their speed, and a slow peer gets less work, not none.
+        ``prefer`` (it holds this micro-batch's state, or the chain before could not reach it) costs nothing."""
         end = self.num_blocks if end is None else end
-        hops: list[Hop] = []
-        block = start
-        while block < end:
-            candidates = self.replicas(block)
-            if not candidates:
+        records = {r.peer_id: r for block in range(start, end) for r in self.replicas(block)}
+        with self._booking:
+            now = self.clock()
+            candidates = [self._candidate(r, now, prefer) for r in records.values()]
+            self.random.shuffle(candidates)  # equally fast servers share the work
+            planned = fastest_chain(candidates, start, end)
+            if planned is None:
                 raise NoRouteError(f"no live server for blocks {self.uncovered(start, end)}")
-            reach = max(min(r.end, end) for r in candidates)
-            farthest = [r for r in candidates if min(r.end, end) == reach]
-            preferred = [r for r in farthest if r.peer_id == prefer]
-            if preferred:
-                chosen = preferred[0]
-            else:
-                chosen = self.random.choices(farthest, weights=[max(r.throughput, 1e-3) for r in farthest])[0]
-            hops.append(Hop(chosen.peer_id, block, reach))
-            block = reach
-        return hops
+            for hop in planned:
+                work = (hop.finishes - hop.begins) * self.work_per_forward
+                self.busy_until[hop.peer_id] = now + hop.begins + work
+        return [Hop(hop.peer_id, hop.start, hop.end) for hop in planned]
+
+    def block_seconds(self, record: ServerRecord) -> float:
+        """Compute time of one block of a micro-batch on this server: what the client measured of its forwards
+        (link included), else what it announces (its tokens/s through its whole span)."""
+        measured = self._health(record.peer_id).seconds_per_unit.get(Method.FORWARD)
+        if measured is not None:
+            return measured * self.tokens
+        return self.tokens / (max(record.throughput, UNKNOWN_SPEED) * (record.end - record.start))
+
+    def _candidate(self, record: ServerRecord, now: float, prefer: PeerID | None) -> Candidate:
+        if record.peer_id == prefer:
+            return Candidate(record.peer_id, record.start, record.end, 0.0, 0.0, self.hop_seconds)
+        busy_for = max(0.0, self.busy_until.get(record.peer_id, now) - now)
+        return Candidate(
+            record.peer_id, record.start, record.end, self.block_seconds(record), busy_for, self.hop_seconds
+        )
 
     def wait_covered(self, patience: float, eligible_only: bool = False) -> None:
         """Wait up to ``patience`` seconds until every block has a live server."""
