@@ -4,7 +4,7 @@ swarm/testing/churn.py.
 
 Usage::
 
-    python scripts/bench_churn.py [--minutes 10] [--intervals 20 5] [--peers 6] [--layers 8] [--seed 0]
+    python scripts/bench_churn.py [--minutes 10] [--intervals 20 5] [--peers 6] [--layers 8] [--seeds 0 [1 ...]]
         [--workdir DIR]
 """
 
@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny Llama")
     parser.add_argument("--model", type=Path, default=None, help="an HF model folder instead of a tiny random Llama")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one churn run per seed and interval")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--no-baseline", action="store_true", help="skip the run without churn")
     args = parser.parse_args()
@@ -46,19 +46,22 @@ def main() -> None:
     model_dir = args.model or make_tiny_model(
         workdir / "model", layers=args.layers, hidden=args.hidden, intermediate=2 * args.hidden, seed=1
     )
-    plan = {} if args.no_baseline else {"no churn": None}
-    plan.update({f"1 event / {i:g} s": i for i in args.intervals})
+    plan = {} if args.no_baseline else {"no churn": (None, args.seeds[0])}
+    several = len(args.seeds) > 1
+    for interval in args.intervals:
+        for seed in args.seeds:
+            plan[f"1 event / {interval:g} s" + (f", seed {seed}" if several else "")] = (interval, seed)
     runs = {}
-    for index, (name, interval) in enumerate(plan.items()):
+    for index, (name, (interval, seed)) in enumerate(plan.items()):
         logs = workdir / f"run{index}" / "logs"
         logger.info("run %d/%d: %s, %.1f min (logs in %s)", index + 1, len(plan), name, args.minutes, logs)
         runs[name] = run_churn(
-            model_dir, workdir / f"run{index}", args.minutes * 60, interval, args.seed, args.peers, args.span
+            model_dir, workdir / f"run{index}", args.minutes * 60, interval, seed, args.peers, args.span
         )
     print(
         f"config: {args.peers} peers x {args.span} blocks of a {args.layers}-block model (hidden {args.hidden}), "
         "replication 2, "
-        f"{MICRO_BATCHES} micro-batches of 2x16 tokens per step, seed {args.seed}"
+        f"{MICRO_BATCHES} micro-batches of 2x16 tokens per step, seeds {' '.join(map(str, args.seeds))}"
     )
     print(report(runs))
     failed = [
