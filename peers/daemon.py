@@ -236,10 +236,12 @@ class PeerDaemon:
 
     async def _choose_span(self) -> range:
         """Pick the span that helps most; announce it as joining; look again, and yield to a smaller-id peer that
-        chose the same span at the same moment."""
+        chose the same span at the same moment. A peer restarting on the blocks its checkpoint holds goes at once:
+        it may hold their newest state, and a second server of them is no waste."""
         config, me = self.config, self.identity.peer_id
         held = await asyncio.to_thread(self.store.blocks) if self.store is not None else set()
-        await asyncio.sleep(self.rng.uniform(0.0, 1.0))
+        if not held:
+            await asyncio.sleep(self.rng.uniform(0.0, 1.0))  # fresh peers starting together spread out
         view = await self._observe()
         span = choose_span(
             view.coverage(me),
@@ -250,6 +252,11 @@ class PeerDaemon:
             self.rng,
             held,
         )
+        if held.issuperset(span):
+            self.joining = span
+            await self._announce()
+            logger.info("chose blocks %d:%d (its checkpoint holds them)", span.start, span.stop)
+            return span
         for _ in range(3):
             self.joining = span
             await self._announce()
