@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
 from peers.backend import SpanBackend
@@ -98,8 +99,6 @@ def measure_throughput(backend: SpanBackend, tokens: int = 128) -> float:
 def blocks_that_fit(spec: ModelSpec, config: PeerConfig) -> int:
     """How many blocks fit in 80% of the device's free memory (base weights, plus a margin for LoRA and
     activations): the default span length when neither --blocks nor --num-blocks is given."""
-    import psutil
-
     from swarm.blocks import DTYPES
 
     c = spec.config
@@ -437,6 +436,7 @@ class PeerDaemon:
 
     async def _serve(self, stop: asyncio.Event, embedded: bool) -> None:
         config = self.config
+        timeline = StartTimeline(psutil.Process().create_time() if not embedded else time.time())
         self.digests = await asyncio.to_thread(block_digests, self.spec)
         announce = list(config.announce_maddrs)
         relays = await choose_relays(
@@ -464,17 +464,27 @@ class PeerDaemon:
         except BaseException:
             self.dht.shutdown()
             raise
+        timeline.mark("join")
         if config.blocks is None:
             self.joining = await self._choose_span()
         else:
             self.joining = config.blocks
             await self._announce()
+        timeline.mark("choose")
         self.parts = self._assemble(await asyncio.to_thread(self._load, self.joining))
         me = self.identity.peer_id
         await self.parts.replicator.take_state(await self._observe(), self.joining)
         await self.parts.service.register(p2p)
         self.serving, self.joining, self.state = self.joining, None, ServerState.ONLINE
-        logger.info("serving blocks %d:%d of %s as %s", self.serving.start, self.serving.stop, self.spec.name, me)
+        timeline.mark("load and take state")
+        logger.info(
+            "serving blocks %d:%d of %s as %s (%s)",
+            self.serving.start,
+            self.serving.stop,
+            self.spec.name,
+            me,
+            timeline.text(),
+        )
         next_announce = 0.0
         while not stop.is_set():
             if time.monotonic() >= next_announce:
@@ -562,6 +572,24 @@ def _exit_now() -> None:
     logger.error("leaving took too long; exiting now")
     logging.shutdown()
     os._exit(1)
+
+
+class StartTimeline:
+    """When a peer's start reached each phase: what a restart costs, and where (printed when it serves)."""
+
+    def __init__(self, started: float):
+        self.started, self.imported = started, time.time()  # the daemon runs once its imports are done
+        self.marks: list[tuple[str, float]] = []
+
+    def mark(self, phase: str) -> None:
+        self.marks.append((phase, time.time()))
+
+    def text(self) -> str:
+        parts, last = [f"{self.imported - self.started:.1f} s to start Python and import"], self.imported
+        for phase, at in self.marks:
+            parts.append(f"{at - last:.1f} s to {phase}")
+            last = at
+        return f"{last - self.started:.1f} s after the process started: " + ", ".join(parts)
 
 
 def settled_spans(view: SwarmView, num_blocks: int) -> tuple[dict[str, range], dict[int, int]]:

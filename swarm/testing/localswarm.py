@@ -69,7 +69,7 @@ class Process:
     @property
     def peer_id(self) -> str:
         """The peer id a daemon printed once serving (``... serving blocks S:E of MODEL as PEER_ID``)."""
-        return self.wait_for_line("serving blocks", timeout=0.1).rsplit(" as ", 1)[1].strip()
+        return self.wait_for_line("serving blocks", timeout=0.1).rsplit(" as ", 1)[1].split()[0]
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM, then SIGKILL to the whole group (a frozen process is thawed first so it can die)."""
