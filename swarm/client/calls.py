@@ -14,7 +14,14 @@ from hivemind.proto import runtime_pb2
 from swarm.client.current import CurrentPeers
 from swarm.client.routing import Hop, Router
 from swarm.net.compression import WireFormat
-from swarm.net.errors import TRANSPORT_ERRORS, LeaseLostError, RemoteError, ReplyError, SwarmUnavailableError
+from swarm.net.errors import (
+    TRANSPORT_ERRORS,
+    LeaseLostError,
+    RemoteError,
+    ReplyError,
+    SwarmError,
+    SwarmUnavailableError,
+)
 from swarm.net.message import Message
 from swarm.net.protocol import PEER_STATE_ERRORS, ErrorKind, Reply, Request, method_of, read_reply
 from swarm.net.transport import Transport
@@ -22,7 +29,7 @@ from swarm.net.transport import Transport
 logger = logging.getLogger(__name__)
 
 
-class PeerFailure(Exception):
+class PeerFailure(SwarmError):
     """A peer failed or refused for its own reasons; the peer is banned and the work goes elsewhere."""
 
     def __init__(self, peer: PeerID, reason: str):

@@ -15,7 +15,7 @@ from hivemind.p2p import PeerID
 
 from swarm.blocks import spans_text
 from swarm.client.paths import Candidate, fastest_chain
-from swarm.net.errors import PEER_ERRORS, SwarmUnavailableError
+from swarm.net.errors import PEER_ERRORS, SwarmError, SwarmUnavailableError
 from swarm.net.protocol import Method
 from swarm.net.records import ServerRecord, ServerState, read_servers
 from swarm.net.transport import Transport
@@ -25,7 +25,7 @@ from swarm.net.waiting import Deadline, WaitLine
 logger = logging.getLogger(__name__)
 
 
-class NoRouteError(RuntimeError):
+class NoRouteError(SwarmError, RuntimeError):
     """Some blocks have no live server."""
 
 
