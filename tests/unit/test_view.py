@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hivemind.p2p import PeerID
 
-from peers.daemon import PeerConfig, blocks_that_fit
+from peers.daemon import PeerConfig, StartTimeline, blocks_that_fit
 from swarm.net.protocol import AdapterInfo, PeerInfo
 from swarm.net.records import ServerRecord, ServerState
 from swarm.net.view import SwarmView
@@ -45,3 +45,15 @@ def test_records_carry_a_move_and_span_sizing_fits_the_model(tiny_models):
     assert ServerRecord.from_value(roomy.peer_id, roomy.to_value()).max_blocks == 6
     config = PeerConfig(model=str(tiny_models["llama"]), initial_peers=[])
     assert blocks_that_fit(load_spec(tiny_models["llama"]), config) == 4  # a tiny model fits whole
+
+
+def test_a_peer_says_where_its_start_went(monkeypatch):
+    clock = iter([110.0, 112.5, 113.0, 114.25])
+    monkeypatch.setattr("peers.daemon.time.time", lambda: next(clock))
+    timeline = StartTimeline(started=100.0)  # imports done at 110
+    for phase in ("join", "choose", "load and take state"):
+        timeline.mark(phase)
+    assert timeline.text() == (
+        "14.2 s after the process started: 10.0 s to start Python and import, 2.5 s to join, 0.5 s to choose, "
+        "1.2 s to load and take state"
+    )
