@@ -77,6 +77,11 @@ class ChurnRun:
         times = [0.0, *self.commit_times]
         return sorted((b - a for a, b in zip(times, times[1:], strict=False)), reverse=True)[:3] or [self.seconds]
 
+    def pauses_over(self, seconds: float) -> list[tuple[float, float]]:
+        """Every wait between two commits longer than ``seconds``: (when it began, from the start; how long)."""
+        times = [0.0, *self.commit_times]
+        return [(a, b - a) for a, b in zip(times, times[1:], strict=False) if b - a > seconds]
+
     @property
     def parity(self) -> bool:
         """Equal to local peft (only expected when no step was lost: a lost step is an update some blocks missed)."""
@@ -89,6 +94,7 @@ class ChurnRun:
 
 
 CLIENT_PATIENCE = 120.0
+LONG_PAUSE = 5.0  # seconds between two commits that the report lists one by one
 
 
 def run_churn(
@@ -270,4 +276,7 @@ def report(runs: dict[str, ChurnRun]) -> str:
     for name, run in runs.items():
         if run.chaos:
             lines.append(f"{name}: events {dict(sorted(run.chaos.applied.items()))}")
+        if pauses := run.pauses_over(LONG_PAUSE):
+            listed = ", ".join(f"{length:.1f} s at {at:.0f} s" for at, length in pauses)
+            lines.append(f"{name}: pauses over {LONG_PAUSE:g} s: {listed} (read the client's log at those times)")
     return "\n".join(lines)
