@@ -285,6 +285,20 @@ class PeerDaemon:
         leaving = ServerRecord(me, ServerState.LEAVING, min(blocks, default=0), max(blocks, default=0) + 1, 0.0)
         await self._announce([(leaving, range(b, b + 1)) for b in blocks])
 
+    async def _withdraw_stale(self) -> None:
+        """Replace the records a previous life of this identity left on blocks it no longer serves (a crash leaves
+        them to expire) by leaving ones: a client would route and sync those blocks here until they did."""
+        me, keeping = self.identity.peer_id, set(self.joining or ()) | set(self.serving)
+        records = await asyncio.to_thread(read_servers, self.dht, self.spec.name, self.spec.num_blocks)
+        stale = sorted(
+            block
+            for block, found in records.items()
+            if block not in keeping and any(r.peer_id == me and r.state != ServerState.LEAVING for r in found)
+        )
+        if stale:
+            logger.info("withdrawing what a previous run of this peer announced: blocks %s", spans_text(stale))
+            await self._withdraw(stale)
+
     def _load(self, blocks: range) -> SpanBackend:
         """Build the backend (slow: runs in a thread while the event loop keeps the P2P connection alive)."""
         from swarm.blocks import DTYPES
@@ -470,6 +484,7 @@ class PeerDaemon:
         else:
             self.joining = config.blocks
             await self._announce()
+        await self._withdraw_stale()
         timeline.mark("choose")
         self.parts = self._assemble(await asyncio.to_thread(self._load, self.joining))
         me = self.identity.peer_id

@@ -166,7 +166,8 @@ class InProcessSwarm:
 
     def add_peer(self, blocks: str | None, name: str | None = None, wait: bool = True, **config) -> InProcessPeer:
         """Start a peer serving ``blocks`` (START:END; None: the span it chooses, as ``swarm peer`` without
-        ``--blocks``, of ``num_blocks`` blocks); by default wait until it serves."""
+        ``--blocks``, of ``num_blocks`` blocks); by default wait until it serves. Its identity file is named after
+        it unless ``identity`` says which (a peer restarted as itself)."""
         name = name or f"peer{len(self.peers)}"
         if name in self.peers:
             raise ValueError(f"there is a peer {name!r} already")
@@ -175,8 +176,7 @@ class InProcessSwarm:
             self.template,
             initial_peers=list(self.initial_peers),
             blocks=span,
-            identity=str(self.workdir / f"{name}.key"),
-            **config,
+            **{"identity": str(self.workdir / f"{name}.key"), **config},
         )
         peer = self.peers[name] = InProcessPeer(name, peer_config)
         peer.start()

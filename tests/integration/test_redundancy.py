@@ -13,6 +13,7 @@ import transformers
 from safetensors.torch import load_file
 
 from swarm.net.protocol import Method
+from swarm.net.records import ServerState, read_servers
 from swarm.testing.faults import Action, Fault
 from swarm.testing.inprocess import InProcessPeer, InProcessSwarm
 from swarm.testing.recipe import (
@@ -255,3 +256,24 @@ def test_both_servers_of_a_span_killed_and_a_third_current_copy_takes_it_over(in
     assert lost == []
     assert taker.daemon.serving == range(0, 4)
     assert_matches_local_peft(model_dir, tmp_path)
+
+
+def test_a_peer_restarted_on_other_blocks_withdraws_what_its_previous_run_announced(inprocess_swarm, tmp_path):
+    """Killed, a peer leaves its records to expire; restarted with the same identity on other blocks, it replaces
+    them by leaving ones before it serves, so that no client routes or syncs its old blocks there."""
+    swarm = inprocess_swarm()
+    identity = str(tmp_path / "volunteer.key")
+    swarm.start_peers({"b": "2:4"})
+    first = swarm.add_peer("0:2", "first-run", identity=identity)
+    first.kill()
+    first.stop()  # its loop gone, its claim on the identity released (a crashed process's lock dies with it)
+    again = swarm.add_peer("2:4", "second-run", identity=identity)
+    deadline = time.monotonic() + FIRED
+    while True:  # it serves before its first announcement as online reaches the DHT
+        records = read_servers(again.daemon.dht, again.daemon.spec.name, again.daemon.spec.num_blocks)
+        mine = {b: [r for r in found if r.peer_id == again.peer_id] for b, found in records.items()}
+        online = {b for b, found in mine.items() if any(r.state == ServerState.ONLINE for r in found)}
+        if {2, 3} <= online or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert online == {2, 3}, f"announced online: blocks {sorted(online)}"
