@@ -71,11 +71,14 @@ class ReplicaSet:
         current: CurrentPeers,
         open_on: Callable[[PeerID], tuple[dict[int, int], dict[int, int]]],
         lost_grace: float = LOST_GRACE,
+        long_grace: float = 30.0,
     ):
         self.calls, self.current, self.open_on = calls, current, open_on
         # Seconds a block stays without any current copy before its newest survivor is declared current: its holders
-        # may be restarting from their checkpoints, and a loss declared cannot be taken back.
-        self.lost_grace = lost_grace
+        # may be restarting from their checkpoints, and a loss declared cannot be taken back. A survivor one step
+        # behind (what a checkpoint every step can lose) is taken after lost_grace; an older one only after
+        # long_grace: restarting holders would bring back many steps it does not have.
+        self.lost_grace, self.long_grace = lost_grace, max(lost_grace, long_grace)
         self.orphaned: dict[int, float] = {}  # block -> since when no current copy is known
         # peers holding some blocks at the step being committed and others past it: see split_over()
         self.split: dict[PeerID, dict[int, int]] = {}
@@ -179,7 +182,8 @@ class ReplicaSet:
             if newest >= step:
                 continue
             since = self.orphaned.setdefault(block, now)
-            if not accept_losses and now - since < self.lost_grace:
+            grace = self.lost_grace if step - newest <= 1 else self.long_grace
+            if not accept_losses and now - since < grace:
                 if since == now:
                     orphaned[block] = newest
                 continue
@@ -207,7 +211,7 @@ class ReplicaSet:
                 spans_text(orphaned),
                 step,
                 sorted(set(orphaned.values())),
-                self.lost_grace,
+                self.lost_grace if all(step - newest <= 1 for newest in orphaned.values()) else self.long_grace,
             )
 
     def _sync(self, peer: PeerID, span: range, steps: dict[int, int], step: int) -> dict[int, int]:

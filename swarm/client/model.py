@@ -167,9 +167,10 @@ class SwarmModelForCausalLM(nn.Module):
         ``unreachable_wait``: how long a peer that stopped answering but may be alive (frozen, cut off) is waited
         for as the possible holder of the only current state of a block; a peer whose process is gone is not.
         ``lost_grace``: how long a block whose every current copy died (its peers' processes gone, no standby copy
-        at the step) waits for them to restart from their checkpoints before its newest surviving copy is declared
-        current; the steps in between are lost and listed in ``model.steps_lost``. A pause of the whole swarm costs
-        more than a step of one span's updates, and a restart on a loaded machine takes longer than this.
+        at the step) waits for them to restart from their checkpoints before its newest surviving copy, one step
+        behind, is declared current; that step is lost and listed in ``model.steps_lost`` (a pause of the whole
+        swarm costs more than one step of one span's updates). A survivor further behind is waited for up to half
+        the ``patience``: restarting holders would bring those steps back.
         ``trainer``: who trains this adapter (default: user@host); the same trainer takes its lease back at once
         after a restart, another one waits for the lease to expire.
         ``swarm_key``: the key file of a private swarm (``swarm keygen``).

@@ -389,7 +389,11 @@ def open_session(
         calls = PeerCalls(transport, router, current, adapter.name, options.patience, options.wire)
         session_id = uuid.uuid4().hex[:16]
         replicas = ReplicaSet(
-            calls, current, _opener(calls, adapter, None if reading else session_id), lost_grace=options.lost_grace
+            calls,
+            current,
+            _opener(calls, adapter, None if reading else session_id),
+            lost_grace=options.lost_grace,
+            long_grace=options.patience / 2,
         )
         undo.callback(replicas.close)
         if reading:
