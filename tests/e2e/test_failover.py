@@ -86,7 +86,7 @@ def test_client_raises_a_clear_error_when_every_replica_of_a_block_is_gone(tiny_
     model_dir = tiny_models["llama"]
     with LocalSwarm(tmp_path / "swarm") as local:
         local.start_dht()
-        local.start_peer(model_dir, "0:2")
+        local.start_peer(model_dir, "0:2", extra=["--max-blocks", "2"])  # no room to take 2:4 over
         last = local.start_peer(model_dir, "2:4")
         model = connect(local, model_dir, adapter="orphan", patience=5.0)
         try:
