@@ -22,6 +22,7 @@ from swarm.net.protocol import (
     RELAY_TIMEOUT,
     RELAY_TO,
     STREAMED_REPLIES,
+    HelloRequest,
     Reply,
     Request,
     method_of,
@@ -33,12 +34,19 @@ from swarm.net.security import SwarmKey
 from swarm.net.wire import DEFAULT_MAX_PAYLOAD_BYTES, PeerDoors, WireError, collect, decode, encode
 
 STREAM_ATTEMPTS = 3
+PROBE_EVERY = 1.0  # seconds a watched call runs before (and between) asking whether its peer answers at all
+PROBE_TIMEOUT = 3.0  # a peer that does not answer hello in this long is frozen or cut off, not merely busy
 
 logger = logging.getLogger(__name__)
 
 
 class PeerGoneError(ConnectionError):
     """The peer's connection closed (its process died, or its machine left the network): not merely slow."""
+
+
+class PeerFrozenError(TimeoutError):
+    """The peer keeps its connection but answers nothing, not even hello: frozen (SIGSTOP, a hung machine) or cut
+    off. Waiting for the call's own timeout would only wait longer."""
 
 
 class Transport:
@@ -65,24 +73,68 @@ class Transport:
         """A transport sharing the P2P daemon of a DHT, driven from synchronous code."""
         return cls(RemoteExpertWorker.run_coroutine(dht.replicate_p2p()), swarm_key)
 
-    def call(self, peer: PeerID, message: Message, timeout: float | None = None) -> Message:
-        """Send ``message`` and wait for the reply; a refusal becomes a RemoteError."""
-        return RemoteExpertWorker.run_coroutine(self.acall(peer, message, timeout))
+    def call(self, peer: PeerID, message: Message, timeout: float | None = None, watch: bool = False) -> Message:
+        """Send ``message`` and wait for the reply; a refusal becomes a RemoteError. ``watch``: see :meth:`acall`."""
+        return RemoteExpertWorker.run_coroutine(self.acall(peer, message, timeout, watch=watch))
 
     def ask(self, peer: PeerID, request: Request, timeout: float | None = None) -> Reply:
         """:meth:`aask`, from synchronous code."""
         return RemoteExpertWorker.run_coroutine(self.aask(peer, request, timeout))
 
-    async def aask(self, peer: PeerID, request: Request, timeout: float | None = None, direct: bool = False) -> Reply:
+    async def aask(
+        self, peer: PeerID, request: Request, timeout: float | None = None, direct: bool = False, watch: bool = False
+    ) -> Reply:
         """Send a typed request and read the typed reply: a refusal raises RemoteError, a reply that does not fit
         the method's schema ReplyError."""
-        return read_reply(request, await self.acall(peer, request.to_message(), timeout, direct))
+        return read_reply(request, await self.acall(peer, request.to_message(), timeout, direct, watch))
 
     async def acall(
-        self, peer: PeerID, message: Message, timeout: float | None = None, direct: bool = False
+        self,
+        peer: PeerID,
+        message: Message,
+        timeout: float | None = None,
+        direct: bool = False,
+        watch: bool = False,
     ) -> Message:
         """Call ``peer``; a peer behind NAT (announced only through relays) is called through one of its relays,
-        unless ``direct`` (what a relay itself does)."""
+        unless ``direct`` (what a relay itself does). ``watch``: while the reply is awaited, ask the peer every
+        ``PROBE_EVERY`` seconds whether it answers at all (hello); one that does not within ``PROBE_TIMEOUT`` is
+        given up at once (PeerFrozenError) instead of at the end of ``timeout``, which may be long (a chain's)."""
+        if not watch:
+            return await self._acall(peer, message, timeout, direct)
+        call = asyncio.ensure_future(self._acall(peer, message, timeout, direct))
+        probe: asyncio.Future | None = None
+        try:
+            while True:
+                waiting = {call} if probe is None else {call, probe}
+                await asyncio.wait(waiting, timeout=PROBE_EVERY, return_when=asyncio.FIRST_COMPLETED)
+                if call.done():
+                    return call.result()
+                if probe is None:
+                    probe = asyncio.ensure_future(self._answers(peer, direct))
+                elif probe.done():
+                    if not probe.result():
+                        raise PeerFrozenError(
+                            f"peer {peer} stopped answering (not even hello within {PROBE_TIMEOUT:.0f}s): frozen or "
+                            "cut off"
+                        )
+                    probe = None
+        finally:
+            for task in (call, probe):
+                if task is not None and not task.done():
+                    task.cancel()
+
+    async def _answers(self, peer: PeerID, direct: bool) -> bool:
+        """Whether the peer answers hello (a refusal is an answer too): alive, however busy."""
+        try:
+            await self._acall(peer, HelloRequest().to_message(), PROBE_TIMEOUT, direct)
+        except RemoteError:
+            return True
+        except TRANSPORT_ERRORS:
+            return False
+        return True
+
+    async def _acall(self, peer: PeerID, message: Message, timeout: float | None, direct: bool) -> Message:
         relays = [] if direct else self._relays(peer)
         if relays:
             return await self._call_relayed(peer, relays, message, timeout)
