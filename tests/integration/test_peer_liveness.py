@@ -1,5 +1,6 @@
-"""A frozen peer is given up as soon as it stops answering at all, a busy one is waited for: calls watch their peer
-(``Transport.acall(watch=True)``: hello every second while the reply is awaited)."""
+"""Telling a frozen peer from a busy one, and a restarted one from a dead one, over real P2P: calls watch their peer
+(``Transport.acall(watch=True)``: hello every second while the reply is awaited), and a peer found gone is dialed
+again once it may have restarted under the same id."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 import swarm
 from swarm.net.message import Message
-from swarm.net.transport import PROBE_EVERY, PROBE_TIMEOUT, PeerFrozenError
+from swarm.net.transport import GONE_RECHECK, PROBE_EVERY, PROBE_TIMEOUT, PeerFrozenError, PeerGoneError
 from swarm.testing.faults import Action, Fault
 
 INFO = {"method": "info"}
@@ -53,3 +54,17 @@ def test_a_busy_peer_that_still_answers_hello_is_waited_for(two_peers, cpu_load)
     reply = model.session.transport.call(peers["a"].peer_id, Message(INFO, []), timeout=120, watch=True)
     assert fault.fired.is_set() and reply.meta.get("start") == 0
     assert time.monotonic() - started >= busy_for
+
+
+def test_a_peer_found_gone_is_dialed_again_once_it_may_have_restarted(two_peers):
+    # A replica fetching gradients from a holder that restarted under the same id, before the holder's new record
+    # reached it: the churn hour's commit failed 8 rounds in a row on "peer ... is gone" while the holder served.
+    model, peers = two_peers
+    model.session.router.stop()  # no new records learned meanwhile: only the call itself may bring b back
+    transport, b = model.session.transport, peers["b"].peer_id
+    transport.gone[b] = time.time()  # just found gone: calls fail at once, no dial
+    with pytest.raises(PeerGoneError):
+        transport.call(b, Message(INFO, []), timeout=30)
+    transport.gone[b] = time.time() - GONE_RECHECK - 1  # found gone a while ago; b answers (it restarted)
+    assert transport.call(b, Message(INFO, []), timeout=30).meta.get("start") == 0
+    assert not transport.is_gone(b)
