@@ -1,5 +1,5 @@
-"""Links between peers: what a record may say of them, and how a peer measures its own (against a link simulated in
-the event loop: a round trip, and a payload at a bandwidth)."""
+"""Links between peers: what a record may say of them, what the client makes of them, and how a peer measures its
+own (against a link simulated in the event loop: a round trip, and a payload at a bandwidth)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 from hivemind.p2p import PeerID
 
 from peers.links import LinkProber
+from swarm.client.links import link_costs
 from swarm.net.errors import ErrorKind, RemoteError
 from swarm.net.protocol import PingReply, PingRequest
 from swarm.net.records import MAX_LINKS, Link, ServerRecord, ServerState, valid_value
@@ -52,6 +53,19 @@ def test_records_carry_links_and_drop_malformed_ones():
         assert not valid_value(bad), links_value
     most = {_peer(i).to_base58(): [0.004, 1e6] for i in range(MAX_LINKS)}
     assert len(ServerRecord.from_value(_peer(1), {**value, "links": most}).links) == MAX_LINKS
+
+
+def test_a_link_costs_its_half_round_trip_and_the_payload_at_its_bandwidth():
+    records = [
+        _record(1, {_peer(3): Link(0.1, 1e6)}, announced_at=1.0),
+        _record(1, {_peer(3): Link(9.0, 1.0)}, announced_at=0.5),  # an older announcement of the same peer
+        _record(2, {_peer(3): Link(0.02, 1e7), _peer(4): Link(0.2, 1e5)}),
+    ]
+    costs = link_costs(records, activation_bytes=1e6, hop_seconds=0.01)
+    assert costs.into[_peer(3)] == {_peer(1): pytest.approx(1.05), _peer(2): pytest.approx(0.11)}
+    assert costs.into[_peer(4)] == {_peer(2): pytest.approx(10.1)}
+    assert costs.default == pytest.approx(1.05)  # the median measured link
+    assert link_costs([_record(1, {})], 1e6, 0.01).default == 0.01  # nothing measured: every hop costs the same
 
 
 class _Links:
