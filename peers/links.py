@@ -5,7 +5,7 @@ A chain's hop from this peer goes to a server of the block right after its span.
 once when such a server appears that was never measured (a span changed, here or there), up to ``max_peers`` of them
 are timed, one after the other (at the same time they would share this peer's uplink): the round trip is the best
 of ``pings`` empty pings, the bandwidth ``payload`` bytes over the best ping that carries them, less that round trip.
-Only the direction the forward pass takes is measured; a backward takes the same links the other way.
+Only the direction the forward pass takes is measured (a backward crosses the same links the other way).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class LinkProber:
             self.measured_at[peer] = self.clock()
             try:
                 link = await self.measure_one(peer)
-            except PEER_ERRORS as e:  # gone, or a node that does not know ping: tried again next round
+            except PEER_ERRORS as e:  # gone, or a node that does not know ping: tried again next period
                 logger.debug("could not measure the link to %s: %s", peer, e)
                 self.links.pop(peer, None)
                 continue
