@@ -15,12 +15,14 @@ from pathlib import Path
 
 import psutil
 import torch
+from hivemind.p2p import PeerID
 
 from peers.backend import SpanBackend
 from peers.balancer import badness, choose_span, coverage_with, next_move, safe_to_drop
 from peers.checkpoints import CheckpointStore, CheckpointWriter
 from peers.claim import IN_USE_HINT, ProcessClaim, lock_path_of_checkpoints, lock_path_of_identity
 from peers.compute import Compute
+from peers.links import LinkProber
 from peers.peer_client import PeerClient
 from peers.replication import Replicator, StandbyPolicy
 from peers.service import PeerHooks, PeerService
@@ -123,6 +125,7 @@ class PeerParts:
     peers: PeerClient
     service: PeerService
     replicator: Replicator
+    links: LinkProber
 
 
 class PeerDaemon:
@@ -183,6 +186,7 @@ class PeerDaemon:
                 maddrs=self.maddrs,
                 digests=self._digests_of(self.serving),
                 max_blocks=self.max_blocks,
+                links=self.parts.links.announced() if self.parts is not None else {},
             )
             records.append((record, self.serving))
         if self.joining:
@@ -349,7 +353,8 @@ class PeerDaemon:
             config.max_payload_mb << 20,
             faults=self.faults,
         )
-        return PeerParts(backend, compute, peers, service, replicator)
+        links = LinkProber(self.transport, rng=random.Random(self.rng.random()))
+        return PeerParts(backend, compute, peers, service, replicator, links)
 
     async def _move(self, target: range) -> None:
         """Serve ``target`` instead of the current span without a gap: load it and take its state while still
@@ -384,10 +389,12 @@ class PeerDaemon:
         logger.info("now serving blocks %d:%d, %.0f tokens/s", target.start, target.stop, self.throughput)
 
     async def _balance_round(self) -> None:
-        """Free idle generation sessions, refresh standby copies, then move if that strictly helps the swarm or is this
-        peer's step of a plan that brings a block without a server back."""
+        """Free idle generation sessions, time the links to the next hops (in the background: peers/links.py),
+        refresh standby copies, then move if that strictly helps the swarm or is this peer's step of a plan that
+        brings a block without a server back."""
         await self.parts.compute(self.parts.backend.sessions.expire)
         view = await self._observe()
+        self.parts.links.start(self._next_hops(view))
         changed = await self.parts.replicator.refresh_standby(view, self.serving)
         for name in changed:
             await self._checkpoint(name)
@@ -410,6 +417,10 @@ class PeerDaemon:
         )
         if target is not None:
             await self._move(target)
+
+    def _next_hops(self, view: SwarmView) -> list[PeerID]:
+        """Where this peer's hops pass activations on: the live servers of the block after its span."""
+        return [r.peer_id for r in view.online(self.serving.stop, exclude=self.identity.peer_id)]
 
     async def _checkpoint(self, name: str) -> None:
         if self.writer is not None:
@@ -577,6 +588,7 @@ class PeerDaemon:
             await self._announce()
         await asyncio.sleep(self.config.leave_grace)
         await self.parts.compute(lambda: None)
+        await self.parts.links.close()
         if self.writer is not None:
             self.writer.close()
         await self.parts.service.unregister(p2p)

@@ -218,7 +218,9 @@ class SwarmModelForCausalLM(nn.Module):
                 dht.shutdown()
                 raise
             lora_config, seed = lora_config_from_wire(recorded.lora), recorded.seed
-        options = SessionOptions(patience, spot_check, min_copies, resume, unreachable_wait, wire, chain, lost_grace)
+        options = SessionOptions(
+            patience, spot_check, min_copies, resume, unreachable_wait, wire, chain, lost_grace, dtype
+        )
         trainer = (trainer or f"{getpass.getuser()}@{socket.gethostname()}") if is_trainable else None
         identity_of_adapter = AdapterIdentity(adapter, lora_config_to_wire(lora_config), seed)
         session = open_session(spec, dht, identity, key, peers, identity_of_adapter, options, trainer)

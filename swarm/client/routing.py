@@ -14,6 +14,7 @@ from hivemind import DHT
 from hivemind.p2p import PeerID
 
 from swarm.blocks import spans_text
+from swarm.client.links import LinkCosts, link_costs
 from swarm.client.paths import Candidate, fastest_chain
 from swarm.net.errors import PEER_ERRORS, SwarmError, SwarmUnavailableError
 from swarm.net.protocol import Method
@@ -87,16 +88,23 @@ class Router:
         weights: dict[int, str] | None = None,
         tokens: int = 1024,
         hop_seconds: float = 0.01,
+        bytes_per_token: float = 0.0,
+        chained: bool = True,
         work_per_forward: float = 3.0,
         clock: Callable[[], float] = time.monotonic,
     ):
         """``tokens``: the size of a micro-batch routes are estimated for; ``hop_seconds``: the latency of passing
-        activations to the next peer; ``work_per_forward``: how long a peer is kept busy by one micro-batch, in
-        forwards of it (a backward takes about two); ``clock``: the time work drains by (a simulation's)."""
+        activations to the next peer while no peer announces a measured link; ``bytes_per_token``: what one token's
+        activations weigh on the wire (hidden size x bytes per value), carried over each link; ``chained``: hops
+        pass activations peer to peer, over the links peers announce (else every hop goes through the client's own
+        link, unmeasured); ``work_per_forward``: how long a peer is kept busy by one micro-batch, in forwards of it
+        (a backward takes about two); ``clock``: the time work drains by (a simulation's)."""
         self.dht, self.transport, self.model, self.num_blocks = dht, transport, model, num_blocks
         self.unreachable_wait = unreachable_wait
         self.first_timeout, self.min_timeout = first_timeout, min_timeout
         self.min_ban, self.max_ban, self.refresh_every = min_ban, max_ban, refresh_every
+        self.tokens, self.hop_seconds, self.work_per_forward, self.clock = tokens, hop_seconds, work_per_forward, clock
+        self.activation_bytes, self.chained = tokens * bytes_per_token, chained
         self.servers: dict[int, list[ServerRecord]] = {}
         self.health: dict[PeerID, PeerHealth] = {}
         self.eligible = eligible  # whether a peer may be routed to (it holds the adapter at the client's step)
@@ -107,7 +115,6 @@ class Router:
         # announcements seen (a client whose folder holds no block tensors); peers with other weights are left out
         self.weights: dict[int, str] = dict(weights or {})
         self.random = random.Random(seed)
-        self.tokens, self.hop_seconds, self.work_per_forward, self.clock = tokens, hop_seconds, work_per_forward, clock
         self.busy_until: dict[PeerID, float] = {}  # when the work this client routed to each peer should be done
         self._lock = threading.Lock()
         self._booking = threading.Lock()  # micro-batches in flight route at once: each sees the others' work
@@ -118,6 +125,19 @@ class Router:
         self._thread: threading.Thread | None = None
 
     # --- the swarm's view -------------------------------------------------------------------------------------
+
+    @property
+    def servers(self) -> dict[int, list[ServerRecord]]:
+        """Every announcement per block, as of the last refresh."""
+        return self._servers
+
+    @servers.setter
+    def servers(self, servers: dict[int, list[ServerRecord]]) -> None:
+        """A new view, and what each link it announces costs, worked out once per view (a simulation sets views
+        here too)."""
+        self._servers = servers
+        records = (r for records in servers.values() for r in records) if self.chained else ()
+        self.links: LinkCosts = link_costs(records, self.activation_bytes, self.hop_seconds)
 
     def refresh(self) -> None:
         servers = read_servers(self.dht, self.model, self.num_blocks)
@@ -276,13 +296,15 @@ class Router:
     def route(self, start: int = 0, end: int | None = None, prefer: PeerID | None = None) -> list[Hop]:
         """The chain that should finish a micro-batch earliest (``paths.fastest_chain``), and its work booked on its
         peers, so that the next micro-batch in flight goes to other replicas while these are busy: micro-batches
-        spread over a span's servers in proportion to their speed, and a slow peer gets less work, not none.
-        ``prefer`` (it holds this micro-batch's state, or the chain before could not reach it) costs nothing."""
+        spread over a span's servers in proportion to their speed, and a slow peer gets less work, not none. A hop
+        costs its peer's compute and the transfer from the hop before, over the link that one measured to it
+        (``swarm.client.links``). ``prefer`` (it holds this micro-batch's state, or the chain before could not
+        reach it) costs no compute."""
         end = self.num_blocks if end is None else end
         records = {r.peer_id: r for block in range(start, end) for r in self.replicas(block)}
         with self._booking:
-            now = self.clock()
-            candidates = [self._candidate(r, now, prefer) for r in records.values()]
+            now, links = self.clock(), self.links
+            candidates = [self._candidate(r, now, prefer, links) for r in records.values()]
             self.random.shuffle(candidates)  # equally fast servers share the work
             planned = fastest_chain(candidates, start, end)
             if planned is None:
@@ -300,13 +322,13 @@ class Router:
             return measured * self.tokens
         return self.tokens / (max(record.throughput, UNKNOWN_SPEED) * (record.end - record.start))
 
-    def _candidate(self, record: ServerRecord, now: float, prefer: PeerID | None) -> Candidate:
+    def _candidate(self, record: ServerRecord, now: float, prefer: PeerID | None, links: LinkCosts) -> Candidate:
+        into = links.into.get(record.peer_id, {})
         if record.peer_id == prefer:
-            return Candidate(record.peer_id, record.start, record.end, 0.0, 0.0, self.hop_seconds)
+            return Candidate(record.peer_id, record.start, record.end, 0.0, 0.0, links.default, into)
         busy_for = max(0.0, self.busy_until.get(record.peer_id, now) - now)
-        return Candidate(
-            record.peer_id, record.start, record.end, self.block_seconds(record), busy_for, self.hop_seconds
-        )
+        block_seconds = self.block_seconds(record)
+        return Candidate(record.peer_id, record.start, record.end, block_seconds, busy_for, links.default, into)
 
     def wait_covered(self, patience: float, eligible_only: bool = False) -> None:
         """Wait up to ``patience`` seconds until every block has a live server."""

@@ -63,6 +63,7 @@ class SessionOptions:
     wire: WireFormat | None = None
     chain: bool = True
     lost_grace: float = LOST_GRACE
+    dtype: torch.dtype = torch.float32  # what the client computes in: hidden states travel in it unless ``wire`` casts
 
 
 class TrainerTracking:
@@ -384,6 +385,8 @@ def open_session(
             eligible=current.eligible,
             on_moved=current.forget,
             weights=pinned_weights(dht, spec, adapter.name),
+            bytes_per_token=spec.hidden_size * (options.wire or WireFormat()).value_bytes(options.dtype),
+            chained=options.chain,
         )
         undo.callback(router.stop)
         calls = PeerCalls(transport, router, current, adapter.name, options.patience, options.wire)

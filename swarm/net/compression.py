@@ -34,6 +34,12 @@ class WireFormat:
     def exact(self) -> bool:
         return self.dtype is None and self.compression == "none"
 
+    def value_bytes(self, computed: torch.dtype) -> float:
+        """What one value of a floating tensor computed in ``computed`` weighs on the wire."""
+        if self.compression == "blockwise8":
+            return 1 + 4 / BLOCKSIZE  # a byte, and a float32 scale per block
+        return torch.finfo(computed if self.dtype is None else WIRE_DTYPES[self.dtype]).bits / 8
+
     @property
     def compression_type(self) -> int:
         return COMPRESSIONS[self.compression]

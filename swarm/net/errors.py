@@ -130,6 +130,12 @@ class RequestError(SwarmError, ValueError):
     kind = ErrorKind.BAD_REQUEST
 
 
+class PayloadTooLargeError(RequestError):
+    """A request carries more than its method allows (the doors' own limit, ``--max-payload-mb``, is far larger)."""
+
+    kind = ErrorKind.TOO_LARGE
+
+
 class StaleStepError(RequestError):
     """The peer holds these blocks at another step than the request's."""
 

@@ -35,6 +35,7 @@ from swarm.net.errors import (
     BadGradientsError,
     ErrorKind,
     MissingGradientsError,
+    PayloadTooLargeError,
     RemoteError,
     ReplyError,
     RequestError,
@@ -49,6 +50,7 @@ class Method:
 
     HELLO = "hello"  # unauthenticated: public or private swarm, and the key id
     INFO = "info"  # what a peer serves and holds (the view's ping)
+    PING = "ping"  # answered at once: a link's round trip (empty) or bandwidth (with a payload)
     OPEN = "open"  # open or claim an adapter; its steps per block
     FORWARD = "forward"
     BACKWARD = "backward"
@@ -99,6 +101,7 @@ PEER_STATE_ERRORS = frozenset(
 FETCH_TIMEOUT = 3.0  # how long a replica waits for another's gradients before the client replays them
 SYNC_TIMEOUT = 60.0  # how long a state transfer between peers may take
 MAX_MADDRS = 16  # addresses a reachability question may name
+MAX_PING_BYTES = 1 << 20  # a ping's payload: enough to time a link, too little to load the node that answers
 
 
 # --- reading fields: each reader takes (meta, key) and raises RequestError on a value of the wrong shape -------------
@@ -325,7 +328,7 @@ def _span_tensors(message: Message, leading: int) -> tuple[list[torch.Tensor], t
     return tensors[:leading], mask
 
 
-# --- hello, info, reachable: any node ----------------------------------------------------------------------------
+# --- hello, info, ping, reachable: any node -----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -438,6 +441,39 @@ class ReachableRequest(Request):
 class ReachableReply(Reply):
     reachable: bool = wire(read_bool)
     why: str | None = wire(optional(read_text), default=None)
+
+
+@dataclass(frozen=True)
+class PingRequest(Request):
+    """Answered at once on the event loop, never behind compute: timed empty it is a link's round trip, timed with
+    ``payload`` (bytes, at most ``MAX_PING_BYTES``) it tells how fast activations reach this node. Tensors:
+    [payload?]."""
+
+    method: ClassVar[str] = Method.PING
+    payload: torch.Tensor | None = tensor(default=None)
+
+    def to_message(self) -> Message:
+        return Message(self.to_meta(), [] if self.payload is None else [self.payload])
+
+    @classmethod
+    def from_message(cls, message: Message) -> PingRequest:
+        tensors = _expect(message, (0, 1))
+        if not tensors:
+            return cls()
+        payload = tensors[0]
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            shape = tuple(payload.shape)
+            raise RequestError(f"a ping's payload must be a 1-D uint8 tensor, got {payload.dtype} {shape}")
+        if payload.numel() > MAX_PING_BYTES:
+            raise PayloadTooLargeError(
+                f"a ping's payload may carry at most {MAX_PING_BYTES} bytes, got {payload.numel()}"
+            )
+        return cls(payload)
+
+
+@dataclass(frozen=True)
+class PingReply(Reply):
+    received: int = wire(read_int)  # bytes of payload that arrived
 
 
 # --- training: open, forward, backward, commit, revert -----------------------------------------------------------
@@ -1058,6 +1094,7 @@ class MethodSpec:
 METHODS: dict[str, MethodSpec] = {
     Method.HELLO: MethodSpec(HelloRequest, HelloReply),
     Method.INFO: MethodSpec(InfoRequest, PeerInfo),
+    Method.PING: MethodSpec(PingRequest, PingReply),
     Method.OPEN: MethodSpec(OpenRequest, OpenReply),
     Method.FORWARD: MethodSpec(ForwardRequest, HiddenReply),
     Method.BACKWARD: MethodSpec(BackwardRequest, GradReply),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from enum import Enum
@@ -27,6 +28,16 @@ RECOVERIES_KEPT = 5  # recent recoveries a trainer publishes with its committed 
 MAX_MADDRS = 16
 MAX_DIGESTS = 1024  # blocks one record may name digests of
 DIGEST_HEX = re.compile(r"[0-9a-f]{64}")
+MAX_LINKS = 16  # next-hop peers one record may name a measured link to
+MAX_PEER_ID_CHARS = 64
+
+
+@dataclass(frozen=True)
+class Link:
+    """A peer's measured link to a peer that may be its next hop: round trip (s) and bandwidth (bytes/s) there."""
+
+    rtt: float
+    bandwidth: float
 
 
 class ServerState(str, Enum):
@@ -50,6 +61,7 @@ class ServerRecord:
     maddrs: list[str] = field(default_factory=list)  # where to dial it: direct, or through relays
     digests: dict[int, str] = field(default_factory=dict)  # block -> digest of its base weights (swarm/weights.py)
     max_blocks: int = 0  # how many blocks it may grow to, to serve orphaned ones (0: not said; its span)
+    links: dict[PeerID, Link] = field(default_factory=dict)  # next-hop peer -> its link from here (peers/links.py)
 
     @property
     def blocks(self) -> range:
@@ -83,6 +95,8 @@ class ServerRecord:
             value["moving_to"] = [self.moving_to.start, self.moving_to.stop]
         if self.max_blocks:
             value["max_blocks"] = self.max_blocks
+        if self.links:
+            value["links"] = write_links(self.links)
         return value
 
     @classmethod
@@ -101,6 +115,7 @@ class ServerRecord:
                 maddrs=_maddrs(value.get("maddrs", [])),
                 digests=read_digests(value.get("digests", {})),
                 max_blocks=int(value.get("max_blocks", 0)),
+                links=read_links(value.get("links", {})),
             )
         except (TypeError, KeyError, ValueError, AttributeError):
             logger.debug("ignoring a malformed record from %s", peer_id)
@@ -112,6 +127,31 @@ def _maddrs(value: object) -> list[str]:
     if not isinstance(value, list) or len(value) > MAX_MADDRS or not all(isinstance(m, str) for m in value):
         raise TypeError("maddrs must be a short list of strings")
     return list(value)
+
+
+def write_links(links: dict[PeerID, Link]) -> dict[str, list[float]]:
+    return {peer.to_base58(): [link.rtt, link.bandwidth] for peer, link in links.items()}
+
+
+def _positive(value: object) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{value!r} is not a finite positive number")
+    return float(value)
+
+
+def read_links(value: object) -> dict[PeerID, Link]:
+    """Measured links from a record; raises TypeError or ValueError on anything but a short map of peer id ->
+    [rtt seconds, bytes/s], both finite and positive."""
+    if not isinstance(value, dict) or len(value) > MAX_LINKS:
+        raise TypeError(f"links must map at most {MAX_LINKS} peer ids -> [rtt, bandwidth]")
+    links = {}
+    for peer, link in value.items():
+        if not isinstance(peer, str) or not 0 < len(peer) <= MAX_PEER_ID_CHARS:
+            raise TypeError(f"link to {peer!r}: not a peer id")
+        if not isinstance(link, list | tuple) or len(link) != 2:
+            raise TypeError(f"link to {peer}: {link!r} is not [rtt, bandwidth]")
+        links[PeerID.from_base58(peer)] = Link(*map(_positive, link))
+    return links
 
 
 def write_digests(digests: dict[int, str]) -> dict[str, str]:

@@ -22,6 +22,8 @@ from swarm.net.protocol import (
     HelloReply,
     HelloRequest,
     Method,
+    PingReply,
+    PingRequest,
     ReachableReply,
     ReachableRequest,
     Reply,
@@ -76,7 +78,11 @@ class Doorkeeper:
         self.faults = faults
         self.probe = ReachabilityProbe()
         self.me, self.relay = "", None  # set by register()
-        self.handlers: dict[str, Handler] = {Method.HELLO: self._hello, Method.REACHABLE: self._reachable}
+        self.handlers: dict[str, Handler] = {
+            Method.HELLO: self._hello,
+            Method.PING: self._ping,
+            Method.REACHABLE: self._reachable,
+        }
         self.arrivals: dict[tuple, lanes.Arrivals] = {}  # (caller, message id) -> lanes received so far
         self._settling: set[asyncio.Task] = set()
 
@@ -220,6 +226,11 @@ class Doorkeeper:
             return Message(e.meta, [])
         except TRANSPORT_ERRORS as e:
             return error_message(ErrorKind.UNREACHABLE, f"this relay cannot reach {target}: {type(e).__name__} {e}")
+
+    async def _ping(self, request: PingRequest) -> PingReply:
+        """Answered here, on the event loop: a caller timing its link to this node must not time this node's
+        compute queue."""
+        return PingReply(0 if request.payload is None else request.payload.numel())
 
     async def _reachable(self, request: ReachableRequest) -> ReachableReply:
         """Dial the asking peer back (``maddrs``), or, for a peer behind NAT (``relayed``), say whether this node

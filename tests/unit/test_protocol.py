@@ -44,6 +44,7 @@ EXAMPLES: dict[str, tuple[protocol.Request, protocol.Reply]] = {
         protocol.InfoRequest(),
         protocol.PeerInfo("tiny", 0, 2, "online", 12.5, {"run": ADAPTER}, [2, 3], "none/float32"),
     ),
+    Method.PING: (protocol.PingRequest(torch.randint(0, 256, (300,), dtype=torch.uint8)), protocol.PingReply(300)),
     Method.OPEN: (protocol.OpenRequest("run", LORA, 7, "s1"), protocol.OpenReply({0: 3}, {2: 2})),
     Method.FORWARD: (
         protocol.ForwardRequest("run", 0, 2, 3, HIDDEN, MASK, "mb-0", route=ROUTE),
@@ -195,6 +196,21 @@ def test_tensors_must_match_what_the_metadata_announces():
     grads, reply = EXAMPLES[Method.GRADS]
     with pytest.raises(ReplyError, match="expected 3 tensors"):
         read_reply(grads, Message(reply.to_message().meta, [GRAD]))
+
+
+def test_a_ping_carries_a_bounded_payload_of_bytes():
+    assert read_request(through_the_wire(protocol.PingRequest().to_message())).payload is None
+    largest = protocol.PingRequest(torch.zeros(protocol.MAX_PING_BYTES, dtype=torch.uint8))
+    assert read_request(through_the_wire(largest.to_message())).payload.numel() == protocol.MAX_PING_BYTES
+    oversized = protocol.PingRequest(torch.zeros(protocol.MAX_PING_BYTES + 1, dtype=torch.uint8))
+    with pytest.raises(RequestError, match="at most") as refused:
+        read_request(through_the_wire(oversized.to_message()))
+    assert refused.value.kind == ErrorKind.TOO_LARGE
+    for payload in (torch.zeros(8), torch.zeros(2, 4, dtype=torch.uint8)):
+        with pytest.raises(RequestError, match="1-D uint8"):
+            read_request(Message({protocol.METHOD: Method.PING}, [payload]))
+    with pytest.raises(RequestError, match="expected 0 or 1 tensors"):
+        read_request(Message({protocol.METHOD: Method.PING}, [torch.zeros(1, dtype=torch.uint8)] * 2))
 
 
 def test_unknown_methods_and_odd_values_are_refused():

@@ -1,15 +1,19 @@
-"""Route choice on hand-made swarms whose fastest chain is known: speed, hops, measured speed, work in flight."""
+"""Route choice on hand-made swarms whose fastest chain is known: speed, hops, measured speed, work in flight, the
+links between peers; and on small random ones, against every chain."""
 
 from __future__ import annotations
 
+import random
 from collections import Counter
+from dataclasses import replace
 
+import pytest
 from hivemind.p2p import PeerID
 
 from swarm.client.paths import Candidate, fastest_chain
 from swarm.client.routing import Router
 from swarm.net.protocol import Method
-from swarm.net.records import ServerRecord, ServerState
+from swarm.net.records import Link, ServerRecord, ServerState
 from swarm.net.transport import Transport
 
 
@@ -97,3 +101,108 @@ def test_work_in_flight_can_move_a_hop_off_a_long_span():
 def test_the_preferred_peer_takes_the_blocks_it_holds():
     router = _router({1: (0, 4, 1000.0), 2: (2, 4, 10.0)}, 4)
     assert _chain(router, start=2, prefer=_peer(2)) == [(2, 2, 4)]
+
+
+# --- links: a hop costs the transfer from the hop before, over the link that one announced -------------------------
+
+
+def _linked(router: Router, links: dict[int, dict[int, Link]]) -> Router:
+    """Peers i announce their links to peers j (i -> j -> Link) in every record: the router sees a new view."""
+    announced = {_peer(i): {_peer(j): link for j, link in to.items()} for i, to in links.items()}
+    router.servers = {
+        b: [replace(r, links=announced.get(r.peer_id, {})) for r in rs] for b, rs in router.servers.items()
+    }
+    return router
+
+
+NEAR, FAR = Link(rtt=0.002, bandwidth=1e9), Link(rtt=1.0, bandwidth=1e9)  # 1 ms, 0.5 s to pass on (small payloads)
+NARROW = Link(rtt=0.002, bandwidth=1e5)  # 4096-byte tokens x 100: 4 s
+
+
+def test_a_fast_peer_behind_a_slow_link_loses_to_a_slower_peer_close_by():
+    # 2 and 3 both serve 2:4 after 1: 2 in 0.25 s, 3 in 0.5 s. Unmeasured, 2 wins; 1's link to 2 takes 0.5 s more.
+    spans = {1: (0, 2, 200.0), 2: (2, 4, 400.0), 3: (2, 4, 200.0)}
+    assert _chain(_router(spans, 4)) == [(1, 0, 2), (2, 2, 4)]
+    assert _chain(_linked(_router(spans, 4), {1: {2: FAR, 3: NEAR}})) == [(1, 0, 2), (3, 2, 4)]
+    # the same by bandwidth: 100 tokens of 4096 bytes take 4 s at 100 kB/s, 0.4 ms at 1 GB/s
+    narrow = _linked(_router(spans, 4, bytes_per_token=4096), {1: {2: NARROW, 3: NEAR}})
+    assert _chain(narrow) == [(1, 0, 2), (3, 2, 4)]
+
+
+def test_an_unmeasured_link_costs_what_the_measured_ones_do():
+    # 1 measured only its link to 3: near. 2, unmeasured, is not taken for slow, nor 3 for being known.
+    spans = {1: (0, 2, 200.0), 2: (2, 4, 400.0), 3: (2, 4, 200.0)}
+    router = _linked(_router(spans, 4, bytes_per_token=4096), {1: {3: NEAR}})
+    assert router.links.default == pytest.approx(NEAR.rtt / 2 + 409600 / NEAR.bandwidth)
+    assert _chain(router) == [(1, 0, 2), (2, 2, 4)]
+
+
+def test_the_link_counts_from_the_peer_that_passes_on():
+    # 1 and 2 serve 0:2 alike; 3 serves 2:4. 1 is far from 3, 2 is near: the chain goes through 2, whoever is listed.
+    spans = {1: (0, 2, 200.0), 2: (0, 2, 200.0), 3: (2, 4, 200.0)}
+    for seed in range(5):
+        router = _linked(_router(spans, 4, seed=seed), {1: {3: FAR}, 2: {3: NEAR}})
+        assert _chain(router) == [(2, 0, 2), (3, 2, 4)]
+
+
+def test_without_links_a_payload_changes_no_choice():
+    spans = {1: (0, 3, 33.3), 2: (0, 1, 1000.0), 3: (1, 4, 200.0), 4: (3, 6, 100.0), 5: (4, 6, 500.0)}
+    assert _chain(_router(spans, 6, bytes_per_token=4096)) == _chain(_router(spans, 6))
+
+
+def test_client_driven_hops_ignore_the_peers_links():
+    spans = {1: (0, 2, 200.0), 2: (2, 4, 400.0), 3: (2, 4, 200.0)}
+    router = _linked(_router(spans, 4, chained=False), {1: {2: FAR, 3: NEAR}})
+    assert _chain(router) == [(1, 0, 2), (2, 2, 4)]
+
+
+def _finish(chain: list[tuple[Candidate, int, int]], start: int) -> float:
+    """When a chain of (candidate, start, stop) hops ends, by the same rules as fastest_chain."""
+    time, before = 0.0, None
+    for c, b, stop in chain:
+        assert b == start and c.start <= b < stop <= c.end
+        transfer = c.transfer if before is None else c.links.get(before, c.transfer)
+        time = max(time + transfer, c.busy_for) + (stop - b) * c.block_seconds
+        before, start = c.peer_id, stop
+    return time
+
+
+def _every_chain(candidates: list[Candidate], start: int, end: int):
+    if start == end:
+        yield []
+        return
+    for c in candidates:
+        if c.start <= start < c.end:
+            for stop in range(start + 1, min(c.end, end) + 1):
+                for rest in _every_chain(candidates, stop, end):
+                    yield [(c, start, stop), *rest]
+
+
+def test_the_fastest_chain_is_the_best_of_every_chain_on_small_swarms():
+    """Brute force over every chain (a peer handing on to itself included) on random swarms of 4-7 peers over 5
+    blocks, with random speeds, work in flight and measured links (fast and slow) between some of them."""
+    rng = random.Random(0)
+    for _ in range(300):
+        peers = range(1, rng.randint(4, 7) + 1)
+        spans = {i: sorted(rng.sample(range(6), 2)) for i in peers}
+        seconds = [0.001, 0.05, 0.3, 2.0]
+        links = {i: {j: rng.choice(seconds) for j in peers if j != i and rng.random() < 0.5} for i in peers}
+        candidates = [
+            Candidate(
+                _peer(i),
+                *spans[i],
+                block_seconds=rng.choice([0.05, 0.1, 0.2, 0.5]),
+                busy_for=rng.choice([0.0, 0.0, 0.3, 1.0]),
+                transfer=rng.choice([0.0, 0.01, 0.1]),
+                links={_peer(j): links[j][i] for j in peers if i in links[j]},
+            )
+            for i in peers
+        ]
+        best = min((_finish(chain, 0) for chain in _every_chain(candidates, 0, 5)), default=None)
+        found = fastest_chain(candidates, 0, 5)
+        if best is None:
+            assert found is None
+            continue
+        by_peer = {c.peer_id: c for c in candidates}
+        assert found[-1].finishes == pytest.approx(best)
+        assert _finish([(by_peer[h.peer_id], h.start, h.end) for h in found], 0) == pytest.approx(best)
