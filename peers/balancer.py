@@ -8,15 +8,17 @@ any one move that covers it leaves another block without one. `next_move` then f
 moves that ends with one more block covered, computed from the snapshot alone so that every peer agrees on it; only the
 plan's first mover moves, and the next round's plan is one move shorter.
 
-Throughput comes after coverage, growth and the replication deficit, never at their expense. A pipeline runs as fast
-as its slowest block, so the swarm's capacity is its least per-block throughput (the summed span throughput of the
-block's servers). A new peer takes the window whose weakest block is weakest. A settled peer moves for throughput only
-to relieve the weakest block, when that block has less than RELIEVE_BELOW of the mean block throughput and the move
-lifts the least throughput over the blocks it touches by more than MIN_GAIN (`relief_move`). Joining peers arrive
-about as often as peers leave and go to the weakest blocks for free, so a block only somewhat slow waits for them; a
-move costs loading time, during which the peer still serves its old span. Each such move raises the sorted vector of
-per-block throughputs (the blocks it touches all end above the weakest one before it, the others stay as they were)
-without raising the badness, and one peer per snapshot makes it: with consistent views peers cannot oscillate.
+Throughput comes after coverage, growth and replication: a peer moves for it only once every block has its replicas, and
+never at their expense (while some lack them, moves for replicas and for throughput would take turns: a plan's step
+moved back for throughput as soon as the plan is through). A pipeline runs as fast as its slowest block, so the swarm's
+capacity is its least per-block throughput (the summed span throughput of the block's servers). A new peer takes the
+window whose weakest block is weakest. A settled peer moves for throughput only to relieve the weakest block, when that
+block has less than RELIEVE_BELOW of the mean block throughput and the move lifts the least throughput over the blocks
+it touches by more than MIN_GAIN (`relief_move`). Joining peers arrive about as often as peers leave and go to the
+weakest blocks for free, so a block only somewhat slow waits for them; a move costs loading time, during which the peer
+still serves its old span. Each such move raises the sorted vector of per-block throughputs (the blocks it touches all
+end above the weakest one before it, the others stay as they were) without raising the badness, and one peer per
+snapshot makes it: with consistent views peers cannot oscillate.
 """
 
 from __future__ import annotations
@@ -173,8 +175,8 @@ def next_move(
     pinned_throughput: Mapping[int, float] | None = None,
 ) -> range | None:
     """This peer's move this round, or None: the `plan_move` one if it leaves no block without a server, else this
-    peer's step of the `cover_plan` while some block has no server, else, given `speeds`, the `relief_move` if it
-    falls to this peer.
+    peer's step of the `cover_plan` while some block has no server, else, given `speeds` and once every block has
+    its `replication` servers, the `relief_move` if it falls to this peer.
 
     `spans` holds every settled live peer's span, this one's (`me`) included; `pinned` counts, per block, the servers
     no plan moves (joining or moving peers). A move dropping a block nobody else serves is no move at all: the daemon
@@ -192,7 +194,7 @@ def next_move(
             return None
         return target
     if 0 not in counts:
-        if speeds is None:
+        if speeds is None or badness(counts, replication) != (0, 0):
             return None
         move = relief_move(spans, speeds, num_blocks, replication, pinned, pinned_throughput)
         return move[1] if move is not None and move[0] == me else None

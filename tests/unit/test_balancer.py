@@ -433,6 +433,13 @@ def test_relief_never_costs_coverage_or_replication():
     assert relief_move({"e": range(0, 2), "s": range(2, 6)}, {"e": 100.0, "s": 10.0}, 6, 1) is None
 
 
+def test_relief_waits_for_every_block_to_have_its_replicas():
+    # R=2: 4:6 and 6:8 have one server each, and no count move helps (a leaving 0:2 costs it a replica). a moving to
+    # 6:8 would keep the deficit and lift the slowest block, but replicas come first: nobody moves.
+    assert relief_move(RELIEF, FAST, 8, 2) == ("a", range(6, 8))
+    assert all(next_move(RELIEF, p, 8, 2, 2, speeds=FAST) is None for p in RELIEF)
+
+
 def test_a_peer_already_going_counts_so_others_do_not_pile_on():
     # a has announced its move to 6:8 (pinned, with its throughput): settled, b alone serves 0:2 at 100, and 6:8
     # will run at 130. Nobody else moves: no block is below 0.6 x the mean any more.
