@@ -183,8 +183,8 @@ def next_move(
     would load it, have `safe_to_drop` refuse it, and try again every round. With `capacity` (peer -> the blocks it
     may grow to, as announced), a growth over orphaned blocks is left to the peer that covers one of them at least
     cost (fewest blocks added, then smallest id), so that one peer takes them over instead of every one in reach.
-    `speeds` maps each peer in `spans` to its span throughput (tokens/s, as announced), `pinned_throughput` the blocks
-    to what the pinned servers will bring there; without `speeds` nobody moves for throughput.
+    `speeds` maps each peer in `spans` to its span throughput (tokens/s, as announced), `pinned_throughput` each block
+    to the throughput the pinned servers will bring there; without `speeds` nobody moves for throughput.
     """
     counts = _counts(spans, num_blocks, pinned)
     target = _own_move(spans, me, counts, num_blocks, span_len, replication, max_blocks)
@@ -233,8 +233,8 @@ def relief_move(
     It relieves the weakest block, if that block has less than `level` of the mean block throughput: some settled peer
     of span throughput x takes a window of its span's length holding that block, such that the least throughput over
     the blocks it leaves and enters, after the move, exceeds (1 + `gain`) x the weakest block's now. Among those moves,
-    the one leaving the swarm's weakest block strongest wins, then the one lifting the blocks it touches most, then
-    the one loading fewest blocks, then the smallest peer id and start. A move must not raise the badness (holes,
+    the one after which the swarm's weakest block is strongest wins, then the one lifting the blocks it touches most,
+    then the one loading fewest blocks, then the smallest peer id and start. A move must not raise the badness (holes,
     then replication deficit, counting `pinned` servers); `pinned_throughput` is what joining and moving peers will
     bring where they go, so that two peers do not both rush to the same block. Every peer computes the same move from
     the same snapshot and only its peer makes it.
