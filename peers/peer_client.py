@@ -51,11 +51,12 @@ class PeerClient:
             self.transport.addresses[peer] = list(hop.maddrs)
         timeout = route_timeout([hop, *request.route])
         try:
-            return await self.transport.aask(peer, request, timeout)
+            return await self.transport.aask(peer, request, timeout, watch=True)
         except RemoteError as e:
             raise ChainBroken(ChainFailure(hop.peer, e.kind, str(e))) from None
         except (asyncio.TimeoutError, TimeoutError) as e:
-            raise ChainBroken(ChainFailure(hop.peer, FailureKind.TIMEOUT, f"no answer in {timeout:.1f}s")) from e
+            reason = str(e) or f"no answer in {timeout:.1f}s"  # frozen (PeerFrozenError), or slower than its timeout
+            raise ChainBroken(ChainFailure(hop.peer, FailureKind.TIMEOUT, reason)) from e
         except TRANSPORT_ERRORS as e:
             reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             raise ChainBroken(ChainFailure(hop.peer, FailureKind.UNREACHABLE, reason)) from None

@@ -34,7 +34,7 @@ class PeerFailure(SwarmError):
 
     def __init__(self, peer: PeerID, reason: str):
         super().__init__(f"{peer}: {reason}")
-        self.peer = peer
+        self.peer, self.reason = peer, reason
 
 
 @dataclass
@@ -45,6 +45,7 @@ class Recovery:
     during: str
     step: int
     seconds: float
+    reason: str = ""  # what the peer did: the failure that was routed around
 
 
 class PeerCalls:
@@ -98,7 +99,7 @@ class PeerCalls:
         started = time.monotonic()
         timeout = floor + self.router.timeout(peer, method, units)
         try:
-            reply = self.transport.call(peer, Message(meta, tensors, compression), timeout)
+            reply = self.transport.call(peer, Message(meta, tensors, compression), timeout, watch=True)
         except RemoteError as e:
             if e.kind == ErrorKind.FENCED:
                 raise LeaseLostError(str(e)) from None
@@ -129,13 +130,18 @@ class PeerCalls:
         """The retry of one piece of work (a hop, a segment, a token) over whichever replicas are live."""
         return Attempts(self, during)
 
-    def recovered(self, failed: PeerID | None, during: str, step: int, since: float | None) -> None:
+    def recovered(self, failed: PeerID | None, during: str, step: int, since: float | None, reason: str = "") -> None:
         if failed is None or since is None:
             return
         seconds = time.monotonic() - since
-        self.recoveries.append(Recovery(failed, during, step, seconds))
+        self.recoveries.append(Recovery(failed, during, step, seconds, reason))
         logger.warning(
-            "recovered from the failure of peer %s during %s (step %d) in %.2fs", failed, during, step, seconds
+            "recovered from the failure of peer %s during %s (step %d) in %.2fs%s",
+            failed,
+            during,
+            step,
+            seconds,
+            f" ({reason})" if reason else "",
         )
 
 
@@ -148,11 +154,12 @@ class Attempts:
     def __init__(self, calls: PeerCalls, during: str):
         self.calls, self.during = calls, during
         self.last_failed: PeerID | None = None
+        self.last_reason = ""
         self.since: float | None = None
 
     def failed(self, error: PeerFailure, hop: Hop) -> None:
         """Note a failure on ``hop``; raise SwarmUnavailableError once the work has failed for ``patience``."""
-        self.last_failed, self.since = error.peer, self.since or time.monotonic()
+        self.last_failed, self.last_reason, self.since = error.peer, error.reason, self.since or time.monotonic()
         if time.monotonic() - self.since > self.calls.patience:
             raise SwarmUnavailableError(
                 f"blocks {hop.start}:{hop.end} have failed on every server tried for {self.calls.patience:.0f}s; "
@@ -161,5 +168,6 @@ class Attempts:
 
     def succeeded(self, step: int) -> None:
         """The work went through: a recovery, if it had failed; the next piece starts with a clean slate."""
-        self.calls.recovered(self.last_failed, self.during, step, self.since)
+        self.calls.recovered(self.last_failed, self.during, step, self.since, self.last_reason)
         self.last_failed = self.since = None
+        self.last_reason = ""

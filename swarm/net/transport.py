@@ -22,6 +22,7 @@ from swarm.net.protocol import (
     RELAY_TIMEOUT,
     RELAY_TO,
     STREAMED_REPLIES,
+    HelloRequest,
     Reply,
     Request,
     method_of,
@@ -33,12 +34,21 @@ from swarm.net.security import SwarmKey
 from swarm.net.wire import DEFAULT_MAX_PAYLOAD_BYTES, PeerDoors, WireError, collect, decode, encode
 
 STREAM_ATTEMPTS = 3
+PROBE_EVERY = 1.0  # seconds a watched call runs before (and between) asking whether its peer answers at all
+PROBE_TIMEOUT = 3.0  # a peer that does not answer hello in this long is frozen or cut off, not merely busy
+GONE_RECHECK = 3.0  # seconds after which a call to a peer found gone dials it once more (at most once that often)
+RECHECK_DIAL_TIMEOUT = 2.0
 
 logger = logging.getLogger(__name__)
 
 
 class PeerGoneError(ConnectionError):
     """The peer's connection closed (its process died, or its machine left the network): not merely slow."""
+
+
+class PeerFrozenError(TimeoutError):
+    """The peer keeps its connection but answers nothing, not even hello: frozen (SIGSTOP, a hung machine) or cut
+    off. Waiting for the call's own timeout would only wait longer."""
 
 
 class Transport:
@@ -50,6 +60,10 @@ class Transport:
     peer gone. Calls to a gone peer fail at once (libp2p would spend ~20 s on a dial and a peer-routing search)
     until the peer announces itself again (``learn``).
 
+    A peer may restart under the same id before its new record reaches this process (a ledger or a route names it
+    first): a call to a peer found gone more than ``GONE_RECHECK`` seconds ago dials it once more, briefly, and
+    brings it back if that works.
+
     A peer is dialed at the addresses from its own record (``learn``) before the first call, so reaching it never
     depends on libp2p's peer routing having found it; a peer behind NAT is reached through its relay.
     """
@@ -58,6 +72,7 @@ class Transport:
         self.p2p, self.swarm_key, self.max_payload_bytes = p2p, swarm_key, max_payload_bytes
         self.seen: set[PeerID] = set()  # peers this transport has had an answer from
         self.gone: dict[PeerID, float] = {}  # peer -> wall-clock time its connection was found closed
+        self.rechecked: dict[PeerID, float] = {}  # gone peer -> wall-clock time of the last dial that tried it again
         self.addresses: dict[PeerID, list[str]] = {}  # peer -> the multiaddrs it announced
 
     @classmethod
@@ -65,28 +80,72 @@ class Transport:
         """A transport sharing the P2P daemon of a DHT, driven from synchronous code."""
         return cls(RemoteExpertWorker.run_coroutine(dht.replicate_p2p()), swarm_key)
 
-    def call(self, peer: PeerID, message: Message, timeout: float | None = None) -> Message:
-        """Send ``message`` and wait for the reply; a refusal becomes a RemoteError."""
-        return RemoteExpertWorker.run_coroutine(self.acall(peer, message, timeout))
+    def call(self, peer: PeerID, message: Message, timeout: float | None = None, watch: bool = False) -> Message:
+        """Send ``message`` and wait for the reply; a refusal becomes a RemoteError. ``watch``: see :meth:`acall`."""
+        return RemoteExpertWorker.run_coroutine(self.acall(peer, message, timeout, watch=watch))
 
     def ask(self, peer: PeerID, request: Request, timeout: float | None = None) -> Reply:
         """:meth:`aask`, from synchronous code."""
         return RemoteExpertWorker.run_coroutine(self.aask(peer, request, timeout))
 
-    async def aask(self, peer: PeerID, request: Request, timeout: float | None = None, direct: bool = False) -> Reply:
+    async def aask(
+        self, peer: PeerID, request: Request, timeout: float | None = None, direct: bool = False, watch: bool = False
+    ) -> Reply:
         """Send a typed request and read the typed reply: a refusal raises RemoteError, a reply that does not fit
         the method's schema ReplyError."""
-        return read_reply(request, await self.acall(peer, request.to_message(), timeout, direct))
+        return read_reply(request, await self.acall(peer, request.to_message(), timeout, direct, watch))
 
     async def acall(
-        self, peer: PeerID, message: Message, timeout: float | None = None, direct: bool = False
+        self,
+        peer: PeerID,
+        message: Message,
+        timeout: float | None = None,
+        direct: bool = False,
+        watch: bool = False,
     ) -> Message:
         """Call ``peer``; a peer behind NAT (announced only through relays) is called through one of its relays,
-        unless ``direct`` (what a relay itself does)."""
+        unless ``direct`` (what a relay itself does). ``watch``: while the reply is awaited, ask the peer every
+        ``PROBE_EVERY`` seconds whether it answers at all (hello); one that does not within ``PROBE_TIMEOUT`` is
+        given up at once (PeerFrozenError) instead of at the end of ``timeout``, which may be long (a chain's)."""
+        if not watch:
+            return await self._acall(peer, message, timeout, direct)
+        call = asyncio.ensure_future(self._acall(peer, message, timeout, direct))
+        probe: asyncio.Future | None = None
+        try:
+            while True:
+                waiting = {call} if probe is None else {call, probe}
+                await asyncio.wait(waiting, timeout=PROBE_EVERY, return_when=asyncio.FIRST_COMPLETED)
+                if call.done():
+                    return call.result()
+                if probe is None:
+                    probe = asyncio.ensure_future(self._answers(peer, direct))
+                elif probe.done():
+                    if not probe.result():
+                        raise PeerFrozenError(
+                            f"peer {peer} stopped answering (not even hello within {PROBE_TIMEOUT:.0f}s): frozen or "
+                            "cut off"
+                        )
+                    probe = None
+        finally:
+            for task in (call, probe):
+                if task is not None and not task.done():
+                    task.cancel()
+
+    async def _answers(self, peer: PeerID, direct: bool) -> bool:
+        """Whether the peer answers hello (a refusal is an answer too): alive, however busy."""
+        try:
+            await self._acall(peer, HelloRequest().to_message(), PROBE_TIMEOUT, direct)
+        except RemoteError:
+            return True
+        except TRANSPORT_ERRORS:
+            return False
+        return True
+
+    async def _acall(self, peer: PeerID, message: Message, timeout: float | None, direct: bool) -> Message:
         relays = [] if direct else self._relays(peer)
         if relays:
             return await self._call_relayed(peer, relays, message, timeout)
-        if peer in self.gone:
+        if await self._still_gone(peer):
             raise self._mark_gone(peer)
         if peer in self.seen:
             if not await self.connected(peer):
@@ -107,7 +166,7 @@ class Transport:
     ) -> Message:
         """Hand the request to a relay, which passes it on over the connection the peer keeps to it. (libp2p's own
         relayed connections are reset after 128 KiB, far less than one request of activations.)"""
-        if peer in self.gone:
+        if await self._still_gone(peer):
             raise self._mark_gone(peer)
         wrapped = Message({**message.meta, RELAY_TO: peer.to_base58(), RELAY_TIMEOUT: timeout}, message.tensors)
         for relay in relays:
@@ -177,6 +236,29 @@ class Transport:
             relays.append(relay)
         return relays
 
+    async def _still_gone(self, peer: PeerID) -> bool:
+        """Whether calls to ``peer`` fail at once: its connection was found closed, and no dial since (one per
+        ``GONE_RECHECK`` seconds at most, none for a mark set ahead in time) reached it again."""
+        since = self.gone.get(peer)
+        if since is None:
+            return False
+        now = time.time()
+        if now - max(since, self.rechecked.get(peer, 0.0)) < GONE_RECHECK or peer not in self.addresses:
+            return True
+        self.rechecked[peer] = now
+        try:
+            await dial(self.p2p, peer, self.addresses[peer], timeout=RECHECK_DIAL_TIMEOUT)
+        except TRANSPORT_ERRORS:
+            return True
+        logger.info("peer %s answers again (restarted under the same id)", peer)
+        self._revive(peer)
+        return False
+
+    def _revive(self, peer: PeerID) -> None:
+        del self.gone[peer]
+        self.rechecked.pop(peer, None)
+        self.seen.discard(peer)
+
     def _mark_gone(self, peer: PeerID) -> PeerGoneError:
         self.gone.setdefault(peer, time.time())
         return PeerGoneError(f"peer {peer} is gone: its connection closed (process stopped or machine offline)")
@@ -196,8 +278,7 @@ class Transport:
                 self.addresses[peer] = record.maddrs
             gone_at = self.gone.get(peer)
             if gone_at is not None and record.announced_at > gone_at:
-                del self.gone[peer]
-                self.seen.discard(peer)
+                self._revive(peer)
 
     async def _stream(self, stub, parts: list[runtime_pb2.ExpertRequest]) -> Message:
         """Stream a request and decode the reply. A reply stream that closes early (nothing, or a tensor cut short:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import signal
 import threading
 import time
 from dataclasses import replace
@@ -100,17 +101,30 @@ class InProcessPeer:
         """Die like a crashed machine, from any thread (a fault fires it from the peer's own loop): SIGKILL its DHT
         process and P2P daemon, so that every connection drops at once, and drop its loop without leaving."""
         self.killed = True
-        dht = getattr(self.daemon, "dht", None)  # set once the daemon joined
-        if dht is not None and dht.is_alive():
-            try:
-                process = psutil.Process(dht.pid)
-                for child in process.children(recursive=True):  # p2pd
-                    child.kill()
-                process.kill()
-            except psutil.NoSuchProcess:
-                pass  # it died on its own meanwhile
+        self._signal_network(signal.SIGKILL)
         if self._served is not None:
             self._served.cancel()
+
+    def freeze(self) -> None:
+        """Hang like a frozen machine, seen from outside: SIGSTOP its DHT process and P2P daemon, so that nothing
+        it is sent is answered while its connections stay open. ``thaw()`` undoes it."""
+        self._signal_network(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self._signal_network(signal.SIGCONT)
+
+    def _signal_network(self, sig: int) -> None:
+        """Signal the peer's DHT process and its P2P daemon (its children), once the daemon has joined."""
+        dht = getattr(self.daemon, "dht", None)
+        if dht is None or not dht.is_alive():
+            return
+        try:
+            process = psutil.Process(dht.pid)
+            for child in process.children(recursive=True):  # p2pd
+                child.send_signal(sig)
+            process.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass  # it died on its own meanwhile
 
     def leave(self) -> None:
         """Ask the daemon to leave, as SIGTERM does (announce it, finish in-flight work, go); returns at once."""

@@ -27,11 +27,16 @@ Figures (after the first 15 min, the cold start; PNGs in ``--out``):
 - moves and aborted moves (refused by ``safe_to_drop`` after loading) per hour, and the moves started for throughput
   (every block served and the badness unchanged: ``relief_move``); the most moves in one epoch (the time between two
   membership changes: an arrival, a peer coming online, a departure).
-- a pipeline's throughput: the least over its hops of the hop's speed (a peer's tokens/s through one block divided by
-  the hop's blocks): tokens/s of a steady stream of micro-batches through the chain. routed: the mean over routes
-  drawn by ``Router.route()``; best: the widest chain over all chains. ideal: the summed per-block speed of all online
-  peers over the number of blocks, what every block would get if compute were spread evenly; capacity: the least over
-  blocks of its servers' summed span throughput. capacity / ideal tells how evenly spans spread compute (1: perfect).
+- routes: every ``route_s``, the time of a training step of ``micro_batches`` micro-batches, ``in_flight`` at once
+  (``swarm.testing.steps``: forward along each chain, backward back, peers working in turn), with each micro-batch
+  routed by ``Router.route()`` as it starts (it sees the work routed before it, so micro-batches spread over replicas),
+  against the same step with every micro-batch on the widest chain (the chain whose slowest hop is fastest: the best
+  single pipeline); tokens/s of the step. Also a single chain's own throughput for a steady stream (the least over
+  its hops of the hop's speed, a peer's tokens/s through one block divided by the hop's blocks): the chain the router
+  gives one micro-batch with nothing else booked (the fastest for that micro-batch) against the widest.
+- placement: ideal: the summed per-block speed of all online peers over the number of blocks, what every block would
+  get if compute were spread evenly; capacity: the least over blocks of its servers' summed span throughput.
+  capacity / ideal tells how evenly spans spread compute (1: perfect).
 
 Invariants (the exit status is 1 if one fails): no oscillation (a peer choosing to move back to a span it chose to
 leave in the same epoch); at most one move per peer of the population in an epoch; no stall (a block without a server
@@ -46,6 +51,7 @@ state is unchanged, and while every block has its replicas for every peer but th
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
@@ -74,6 +80,7 @@ from swarm.client.routing import NoRouteError, Router
 from swarm.net.protocol import PeerInfo
 from swarm.net.records import ServerRecord, ServerState
 from swarm.net.view import SwarmView
+from swarm.testing.steps import step_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +108,8 @@ class SimConfig:
     load_s: float = 10.0
     sample_s: float = 10.0
     route_s: float = 300.0
-    routes: int = 16  # routes drawn per throughput sample
+    micro_batches: int = 16  # in a step whose time is measured every route_s (swarm.testing.steps)
+    in_flight: int = 4  # of them at once: the client's default (SwarmModelForCausalLM.forward_backward)
     # call next_move in every round of every peer; by default rounds whose answer is known to be "stay" are skipped
     exact: bool = False
 
@@ -169,8 +177,10 @@ class Sample(NamedTuple):
 
 class Throughput(NamedTuple):
     at: float
-    routed: float
-    best: float
+    routed: float  # tokens/s of a step routed by Router.route(), micro-batch by micro-batch
+    widest: float  # tokens/s of the same step with every micro-batch on the widest chain
+    alone: float  # tokens/s of a steady stream through the chain Router.route() gives one micro-batch alone
+    best: float  # tokens/s of a steady stream through the widest chain
     capacity: float
     ideal: float
 
@@ -224,7 +234,8 @@ class Simulation:
         self.fresh = [0] * n  # new (joining) peers per block, which the balancer counts as the median settled one
         self._view: tuple[int, SwarmView, Settled] | None = None
         self._relieved: tuple[int, str | None] = (-1, None)  # (version, the peer relief_move names then)
-        self.router = Router(None, _NoTransport(), MODEL, n, seed=config.seed)
+        self.router = Router(None, _NoTransport(), MODEL, n, seed=config.seed, clock=lambda: self.route_clock)
+        self.route_clock = 0.0  # the time within a measured step at which the router routes a micro-batch
         self.stats = Stats()
 
     # --- the event loop ---------------------------------------------------------------------------------------
@@ -528,28 +539,56 @@ class Simulation:
 
     def _sample_throughput(self) -> None:
         self.at(self.now + self.config.route_s, self._sample_throughput)
-        view = self.view()
-        self.router.servers = view.records
+        config, view = self.config, self.view()
         speeds = {p.peer_id: p.speed for p in self.peers.values()}
-        try:
-            routes = [self.router.route() for _ in range(self.config.routes)]
-            routed = sum(min(speeds[h.peer_id] / len(h.blocks) for h in route) for route in routes) / len(routes)
-        except NoRouteError:
-            routed = 0.0
-        best = widest_chain(view, speeds, self.config.num_blocks)
-        ideal = sum(speeds[p.peer_id] for p in self.peers.values() if p.serving) / self.config.num_blocks
-        self.stats.throughput.append(Throughput(self.now, routed, best, min(self.throughput), ideal))
+        ideal = sum(speeds[p.peer_id] for p in self.peers.values() if p.serving) / config.num_blocks
+        widest = widest_chain(view, speeds, config.num_blocks)
+        if widest is None:
+            self.stats.throughput.append(Throughput(self.now, 0.0, 0.0, 0.0, 0.0, min(self.throughput), ideal))
+            return
+        self.router.servers, self.router.busy_until = view.records, {}  # a new step: no work booked yet
+        tokens = self.router.tokens
+
+        def hops(chain: list[tuple[PeerID, int]]) -> list[tuple[PeerID, float]]:
+            return [(peer, blocks * tokens / speeds[peer]) for peer, blocks in chain]
+
+        def routed_at(at: float) -> list[tuple[PeerID, float]]:
+            self.route_clock = at
+            return hops([(h.peer_id, len(h.blocks)) for h in self.router.route()])
+
+        def step_rate(chain_at) -> float:
+            return config.micro_batches * tokens / step_seconds(chain_at, config.micro_batches, config.in_flight)
+
+        routed = step_rate(routed_at)
+        alone = 0.0
+        with contextlib.suppress(NoRouteError):  # one micro-batch with nothing else booked
+            self.router.busy_until = {}
+            alone = min(speeds[h.peer_id] / len(h.blocks) for h in self.router.route())
+        on_widest = step_rate(lambda at: hops(widest))
+        best = min(speeds[peer] / blocks for peer, blocks in widest)
+        self.stats.throughput.append(Throughput(self.now, routed, on_widest, alone, best, min(self.throughput), ideal))
 
 
-def widest_chain(view: SwarmView, speeds: dict[PeerID, float], num_blocks: int) -> float:
-    """The best pipeline's throughput: over all chains of online servers through blocks [0, n), the greatest least hop
-    speed (dynamic programming from the last block back)."""
-    best = [0.0] * num_blocks + [float("inf")]
+def widest_chain(view: SwarmView, speeds: dict[PeerID, float], num_blocks: int) -> list[tuple[PeerID, int]] | None:
+    """The chain of online servers through blocks [0, n) whose slowest hop is fastest: the best pipeline for a steady
+    stream of micro-batches (dynamic programming from the last block back), as (peer, blocks) hops; None if some block
+    has no server."""
+    best: list[float] = [0.0] * num_blocks + [float("inf")]
+    step: list[tuple[PeerID, int] | None] = [None] * num_blocks
     for b in range(num_blocks - 1, -1, -1):
         for r in view.online(b):
             for end in range(b + 1, min(r.end, num_blocks) + 1):
-                best[b] = max(best[b], min(speeds[r.peer_id] / (end - b), best[end]))
-    return best[0]
+                rate = min(speeds[r.peer_id] / (end - b), best[end])
+                if rate > best[b]:
+                    best[b], step[b] = rate, (r.peer_id, end)
+    if step[0] is None:
+        return None
+    chain, b = [], 0
+    while b < num_blocks:
+        peer, end = step[b]
+        chain.append((peer, end - b))
+        b = end
+    return chain
 
 
 # --- the stall search ---------------------------------------------------------------------------------------------
@@ -650,7 +689,9 @@ def summary(config: SimConfig, stats: Stats, wall_s: float) -> dict[str, str]:
         "aborted moves / hour": f"{stats.aborted / config.hours:.1f}",
         "moves for throughput / hour": f"{stats.relief / config.hours:.1f}",
         "most moves in one epoch": str(max(stats.moves_per_epoch.values(), default=0)),
-        "routed / best pipeline": f"{_mean(t.routed / t.best for t in tput):.2f}",
+        f"step of {config.micro_batches}, routed / widest chain": f"{_mean(t.routed / t.widest for t in tput):.2f}",
+        "step, routed (tokens/s)": f"{_mean(t.routed for t in tput):.0f}",
+        "one chain alone / widest (stream)": f"{_mean(t.alone / t.best for t in tput):.2f}",
         "capacity / ideal": f"{_mean(t.capacity / t.ideal for t in tput):.2f}",
         "next_move calls (ms each)": f"{stats.decisions} ({1000 * stats.decision_s / max(1, stats.decisions):.2f})",
         "wall time (s)": f"{wall_s:.0f}",

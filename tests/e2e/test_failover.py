@@ -73,6 +73,8 @@ def test_training_survives_a_replica_failure(fault, tiny_models, tmp_path):
                     assert time.monotonic() < deadline, "the thawed replica never came back in sync"
                     time.sleep(1)
                 assert_replicas_identical(model)
+                reasons = [r.reason for r in model.recoveries if r.peer.to_base58() == victim[0].peer_id]
+                assert any("stopped answering" in r for r in reasons), model.recoveries  # its probes, not a timeout
             else:
                 assert victim[0].popen.wait(30) is not None
             assert model.recoveries or sig == signal.SIGTERM, "no recovery was recorded"

@@ -1,0 +1,70 @@
+"""Telling a frozen peer from a busy one, and a restarted one from a dead one, over real P2P: calls watch their peer
+(``Transport.acall(watch=True)``: hello every second while the reply is awaited), and a peer found gone is dialed
+again once it may have restarted under the same id."""
+
+from __future__ import annotations
+
+import time
+
+import peft
+import pytest
+
+import swarm
+from swarm.net.message import Message
+from swarm.net.transport import GONE_RECHECK, PROBE_EVERY, PROBE_TIMEOUT, PeerFrozenError, PeerGoneError
+from swarm.testing.faults import Action, Fault
+
+INFO = {"method": "info"}
+
+
+@pytest.fixture
+def two_peers(inprocess_swarm, tiny_models):
+    local = inprocess_swarm()
+    peers = local.start_peers({"a": "0:4", "b": "0:4"})
+    model = swarm.SwarmModelForCausalLM.from_pretrained(
+        tiny_models["llama"],
+        initial_peers=local.initial_peers,
+        adapter="frozen",
+        lora_config=peft.LoraConfig(r=4, target_modules=["q_proj"]),
+    )
+    try:
+        yield model, peers
+    finally:
+        for peer in peers.values():
+            peer.thaw()
+        model.shutdown()
+
+
+def test_a_frozen_peer_is_given_up_long_before_the_calls_timeout(two_peers, cpu_load):
+    model, peers = two_peers
+    transport = model.session.transport
+    peers["b"].freeze()
+    started = time.monotonic()
+    with pytest.raises(PeerFrozenError, match="stopped answering"):
+        transport.call(peers["b"].peer_id, Message(INFO, []), timeout=120, watch=True)
+    assert time.monotonic() - started < 60  # given up by its probes (~PROBE_EVERY + PROBE_TIMEOUT), not the 120 s
+    assert transport.call(peers["a"].peer_id, Message(INFO, []), timeout=60, watch=True)  # the others still answer
+
+
+def test_a_busy_peer_that_still_answers_hello_is_waited_for(two_peers, cpu_load):
+    model, peers = two_peers
+    busy_for = PROBE_EVERY + 2 * PROBE_TIMEOUT  # several probes come and go while the handler works
+    fault = peers["a"].faults.arm(Fault(Action.FREEZE, "info", freeze_for=busy_for))
+    started = time.monotonic()
+    reply = model.session.transport.call(peers["a"].peer_id, Message(INFO, []), timeout=120, watch=True)
+    assert fault.fired.is_set() and reply.meta.get("start") == 0
+    assert time.monotonic() - started >= busy_for
+
+
+def test_a_peer_found_gone_is_dialed_again_once_it_may_have_restarted(two_peers):
+    # A replica fetching gradients from a holder that restarted under the same id, before the holder's new record
+    # reached it: the churn hour's commit failed 8 rounds in a row on "peer ... is gone" while the holder served.
+    model, peers = two_peers
+    model.session.router.stop()  # no new records learned meanwhile: only the call itself may bring b back
+    transport, b = model.session.transport, peers["b"].peer_id
+    transport.gone[b] = time.time()  # just found gone: calls fail at once, no dial
+    with pytest.raises(PeerGoneError):
+        transport.call(b, Message(INFO, []), timeout=30)
+    transport.gone[b] = time.time() - GONE_RECHECK - 1  # found gone a while ago; b answers (it restarted)
+    assert transport.call(b, Message(INFO, []), timeout=30).meta.get("start") == 0
+    assert not transport.is_gone(b)
