@@ -7,6 +7,18 @@ A single move can stall short of coverage: 2-block peers at 0:2, 1:3, 3:5 and 6:
 any one move that covers it leaves another block without one. `next_move` then follows a plan, the shortest sequence of
 moves that ends with one more block covered, computed from the snapshot alone so that every peer agrees on it; only the
 plan's first mover moves, and the next round's plan is one move shorter.
+
+Throughput comes after coverage, growth and replication: a peer moves for it only once every block has its replicas, and
+never at their expense (while some lack them, moves for replicas and for throughput would take turns: a plan's step
+moved back for throughput as soon as the plan is through). A pipeline runs as fast as its slowest block, so the swarm's
+capacity is its least per-block throughput (the summed span throughput of the block's servers). A new peer takes the
+window whose weakest block is weakest. A settled peer moves for throughput only to relieve the weakest block, when that
+block has less than RELIEVE_BELOW of the mean block throughput and the move lifts the least throughput over the blocks
+it touches by more than MIN_GAIN (`relief_move`). Joining peers arrive about as often as peers leave and go to the
+weakest blocks for free, so a block only somewhat slow waits for them; a move costs loading time, during which the peer
+still serves its old span. Each such move raises the sorted vector of per-block throughputs (the blocks it touches all
+end above the weakest one before it, the others stay as they were) without raising the badness, and one peer per
+snapshot makes it: with consistent views peers cannot oscillate.
 """
 
 from __future__ import annotations
@@ -17,6 +29,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import lru_cache
 
 MAX_PLAN_STATES = 2000  # swarm states a plan search expands at most: a few hundred ms in the worst case
+RELIEVE_BELOW = 0.6  # a move relieves a block below this fraction of the mean block throughput; others wait for joins
+MIN_GAIN = 1 / 3  # ... and lifts the blocks it touches by a third: Petals moves for that gain (balance quality 0.75)
 
 
 def badness(counts: Sequence[int], replication: int) -> tuple[int, int]:
@@ -72,7 +86,8 @@ def choose_span(
 ) -> range:
     """Start-up span: the window that most reduces badness, then the one holding most of the blocks whose state this
     peer has on disk (``held``: a restarted peer serves again without copying state, and may hold the newest copy),
-    then the least loaded one.
+    then the one whose weakest block has the least `throughput` (then its second weakest, and so on): the swarm is as
+    fast as its slowest block, and a new peer lifts it at no cost.
 
     Remaining ties are broken at random so that peers starting at the same moment spread out instead of piling up.
     """
@@ -81,8 +96,8 @@ def choose_span(
     throughput, held = throughput or {}, held or set()
     bad = _badness_with(coverage, num_blocks, replication)
 
-    def key(w: range) -> tuple[tuple[int, int], int, float]:
-        return bad(w), -len(held.intersection(w)), sum(throughput.get(b, 0.0) for b in w)
+    def key(w: range) -> tuple[tuple[int, int], int, tuple[float, ...]]:
+        return bad(w), -len(held.intersection(w)), tuple(sorted(throughput.get(b, 0.0) for b in w))
 
     windows = _windows(num_blocks, min(span_len, num_blocks))
     best = min(key(w) for w in windows)
@@ -156,15 +171,20 @@ def next_move(
     max_blocks: int | None = None,
     pinned: Mapping[int, int] | None = None,
     capacity: Mapping[str, int] | None = None,
+    speeds: Mapping[str, float] | None = None,
+    pinned_throughput: Mapping[int, float] | None = None,
 ) -> range | None:
     """This peer's move this round, or None: the `plan_move` one if it leaves no block without a server, else this
-    peer's step of the `cover_plan` while some block has no server.
+    peer's step of the `cover_plan` while some block has no server, else, given `speeds` and once every block has
+    its `replication` servers, the `relief_move` if it falls to this peer.
 
     `spans` holds every settled live peer's span, this one's (`me`) included; `pinned` counts, per block, the servers
     no plan moves (joining or moving peers). A move dropping a block nobody else serves is no move at all: the daemon
     would load it, have `safe_to_drop` refuse it, and try again every round. With `capacity` (peer -> the blocks it
     may grow to, as announced), a growth over orphaned blocks is left to the peer that covers one of them at least
     cost (fewest blocks added, then smallest id), so that one peer takes them over instead of every one in reach.
+    `speeds` maps each peer in `spans` to its span throughput (tokens/s, as announced), `pinned_throughput` each block
+    to the throughput the pinned servers will bring there; without `speeds` nobody moves for throughput.
     """
     counts = _counts(spans, num_blocks, pinned)
     target = _own_move(spans, me, counts, num_blocks, span_len, replication, max_blocks)
@@ -174,9 +194,106 @@ def next_move(
             return None
         return target
     if 0 not in counts:
-        return None
+        if speeds is None or badness(counts, replication) != (0, 0):
+            return None
+        move = relief_move(spans, speeds, num_blocks, replication, pinned, pinned_throughput)
+        return move[1] if move is not None and move[0] == me else None
     plan = cover_plan(spans, num_blocks, replication, pinned)
     return plan[0][1] if plan and plan[0][0] == me else None
+
+
+def block_throughput(
+    spans: Mapping[str, range],
+    speeds: Mapping[str, float],
+    num_blocks: int,
+    pinned_throughput: Mapping[int, float] | None = None,
+) -> list[float]:
+    """Per block, the summed span throughput (tokens/s) of the peers in `spans` serving it, plus what joining and
+    moving peers will bring there (`pinned_throughput`)."""
+    flow = [(pinned_throughput or {}).get(b, 0.0) for b in range(num_blocks)]
+    for peer, span in spans.items():
+        for b in span:
+            if b < num_blocks:
+                flow[b] += speeds.get(peer, 0.0)
+    return flow
+
+
+def relief_move(
+    spans: Mapping[str, range],
+    speeds: Mapping[str, float],
+    num_blocks: int,
+    replication: int,
+    pinned: Mapping[int, int] | None = None,
+    pinned_throughput: Mapping[int, float] | None = None,
+    level: float = RELIEVE_BELOW,
+    gain: float = MIN_GAIN,
+) -> tuple[str, range] | None:
+    """The one move for throughput that this snapshot calls for, as (peer, window), or None.
+
+    It relieves the weakest block, if that block has less than `level` of the mean block throughput: some settled peer
+    of span throughput x takes a window of its span's length holding that block, such that the least throughput over
+    the blocks it leaves and enters, after the move, exceeds (1 + `gain`) x the weakest block's now. Among those moves,
+    the one after which the swarm's weakest block is strongest wins, then the one lifting the blocks it touches most,
+    then the one loading fewest blocks, then the smallest peer id and start. A move must not raise the badness (holes,
+    then replication deficit, counting `pinned` servers); `pinned_throughput` is what joining and moving peers will
+    bring where they go, so that two peers do not both rush to the same block. Every peer computes the same move from
+    the same snapshot and only its peer makes it.
+    """
+    counts = _counts(spans, num_blocks, pinned)
+    flow = block_throughput(spans, speeds, num_blocks, pinned_throughput)
+    weakest = min(range(num_blocks), key=flow.__getitem__)
+    floor = flow[weakest]
+    if floor >= level * sum(flow) / num_blocks or max(speeds.values(), default=0.0) <= gain * floor:
+        return None  # the common case, found at once: no block slow enough, or no peer fast enough to lift it
+    order = sorted(range(num_blocks), key=flow.__getitem__)
+    neutral = _neutral(counts, replication)
+    best: tuple[tuple[float, float, int, str, int], str, range] | None = None
+    for peer in sorted(spans):
+        span, speed = spans[peer], speeds.get(peer, 0.0)
+        if weakest in span or speed <= gain * floor:
+            continue
+        for start in range(max(0, weakest - len(span) + 1), min(weakest, num_blocks - len(span)) + 1):
+            window = range(start, start + len(span))
+            if not neutral(span, window):
+                continue
+            lifted = _lifted(flow, span, window, speed)
+            if lifted <= (1 + gain) * floor:
+                continue
+            rest = next((flow[b] for b in order if b not in span and b not in window), lifted)
+            key = (-min(lifted, rest), -lifted, len(window) - _overlap(span, window), peer, start)
+            if best is None or key < best[0]:
+                best = (key, peer, window)
+    return None if best is None else (best[1], best[2])
+
+
+def _lifted(flow: Sequence[float], span: range, window: range, speed: float) -> float:
+    """The least throughput over `span` and `window` once a peer of span throughput `speed` moved from one to the
+    other."""
+    return min(
+        [flow[b] - speed for b in span if b not in window]
+        + [flow[b] + speed for b in window if b not in span]
+        + [flow[b] for b in window if b in span]
+    )
+
+
+def _neutral(counts: Sequence[int], replication: int) -> Callable[[range, range], bool]:
+    """Whether a peer moving from one span to another of the same length leaves the badness as it is or lowers it:
+    no block it leaves is left without a server, and it leaves no more blocks short of `replication` servers than it
+    brings up to it (prefix sums: constant time per move)."""
+    alone = _prefix(c <= 1 for c in counts)
+    thin = _prefix(c <= replication for c in counts)
+    under = _prefix(c < replication for c in counts)
+
+    def of(span: range, window: range) -> bool:
+        if window.start > span.start:
+            left, entered = (span.start, min(window.start, span.stop)), (max(window.start, span.stop), window.stop)
+        else:
+            left, entered = (max(span.start, window.stop), span.stop), (window.start, min(span.start, window.stop))
+        if alone[left[1]] - alone[left[0]]:
+            return False
+        return thin[left[1]] - thin[left[0]] <= under[entered[1]] - under[entered[0]]
+
+    return of
 
 
 def _own_move(

@@ -8,17 +8,19 @@ import logging
 import os
 import random
 import signal
+import statistics
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 import torch
 from hivemind.p2p import PeerID
 
 from peers.backend import SpanBackend
-from peers.balancer import badness, choose_span, coverage_with, next_move, safe_to_drop
+from peers.balancer import badness, block_throughput, choose_span, coverage_with, next_move, safe_to_drop
 from peers.checkpoints import CheckpointStore, CheckpointWriter
 from peers.claim import IN_USE_HINT, ProcessClaim, lock_path_of_checkpoints, lock_path_of_identity
 from peers.compute import Compute
@@ -251,7 +253,7 @@ class PeerDaemon:
             self.spec.num_blocks,
             self.span_len,
             config.replication,
-            view.throughput(),
+            planned_throughput(view, self.spec.num_blocks, me),
             self.rng,
             held,
         )
@@ -266,8 +268,9 @@ class PeerDaemon:
             await asyncio.sleep(1.0 + self.rng.uniform(0.0, 1.0))
             view = await self._observe()
             coverage = view.coverage(me, joining_before=me)
+            throughput = planned_throughput(view, self.spec.num_blocks, me)
             best = choose_span(
-                coverage, self.spec.num_blocks, self.span_len, config.replication, view.throughput(), self.rng, held
+                coverage, self.spec.num_blocks, self.span_len, config.replication, throughput, self.rng, held
             )
             mine = badness(coverage_with(coverage, self.spec.num_blocks, span), config.replication)
             if mine <= badness(coverage_with(coverage, self.spec.num_blocks, best), config.replication):
@@ -390,8 +393,9 @@ class PeerDaemon:
 
     async def _balance_round(self) -> None:
         """Free idle generation sessions, time the links to the next hops (in the background: peers/links.py),
-        refresh standby copies, then move if that strictly helps the swarm or is this peer's step of a plan that
-        brings a block without a server back."""
+        refresh standby copies, then move if that strictly helps the swarm's coverage, is this peer's step of a plan
+        that brings a block without a server back, or relieves the slowest block (the span throughputs the peers
+        announce, this one's as last measured)."""
         await self.parts.compute(self.parts.backend.sessions.expire)
         view = await self._observe()
         self.parts.links.start(self._next_hops(view))
@@ -400,9 +404,9 @@ class PeerDaemon:
             await self._checkpoint(name)
         if not self.config.rebalance:
             return
-        spans, pinned = settled_spans(view, self.spec.num_blocks)
+        spans, pinned, speeds, pinned_throughput = settled_spans(view, self.spec.num_blocks)
         me = self.identity.peer_id.to_base58()
-        spans[me] = self.serving
+        spans[me], speeds[me] = self.serving, self.throughput
         capacity = {r.peer_id.to_base58(): r.max_blocks for records in view.records.values() for r in records}
         target = await asyncio.to_thread(  # a plan search may take a few hundred ms: not on the event loop
             next_move,
@@ -414,6 +418,8 @@ class PeerDaemon:
             self.max_blocks,
             pinned,
             capacity,
+            speeds,
+            pinned_throughput,
         )
         if target is not None:
             await self._move(target)
@@ -619,18 +625,32 @@ class StartTimeline:
         return f"{last - self.started:.1f} s after the process started: " + ", ".join(parts)
 
 
-def settled_spans(view: SwarmView, num_blocks: int) -> tuple[dict[str, range], dict[int, int]]:
-    """The view as ``next_move`` takes it: the span of each settled live peer (online on one span, not moving), which a
-    plan may move, and per block how many other live peers will serve it. A joining or moving peer counts where it is
-    going, not where it is leaving: two peers counting on each other to keep a block would both leave it."""
+class Settled(NamedTuple):
+    """The view as ``next_move`` takes it (see ``settled_spans``)."""
+
+    spans: dict[str, range]  # settled live peers (online on one span, not moving): a plan may move them
+    pinned: dict[int, int]  # per block, how many joining or moving live peers will serve it
+    speeds: dict[str, float]  # settled peers' span throughput (tokens/s through the whole span), as announced
+    pinned_throughput: dict[int, float]  # per block, the span throughput the joining and moving peers will bring
+
+
+def settled_spans(view: SwarmView, num_blocks: int, exclude: PeerID | None = None) -> Settled:
+    """The view as ``next_move`` takes it: each settled live peer's span and throughput, and per block how many other
+    live peers will serve it and with what throughput. A joining or moving peer counts where it is going, not where
+    it is leaving: two peers counting on each other to keep a block would both leave it, or both rush to the same
+    slow one. A moving peer keeps its speed (span throughput times span length) on the span it moves to; a joining
+    one has not measured it yet and counts as the median settled peer. ``exclude``: a peer left out (one choosing
+    its own span)."""
     online: dict = {}  # peer -> the spans it announces online
     going: dict = {}  # peer -> the blocks it is loading or moving to
+    rates: dict = {}  # peer -> (span throughput, span length) of an online record
     for records in view.records.values():
         for r in records:
-            if r.peer_id not in view.alive:
+            if r.peer_id not in view.alive or r.peer_id == exclude:
                 continue
             if r.state == ServerState.ONLINE:
                 online.setdefault(r.peer_id, set()).add(r.blocks)
+                rates[r.peer_id] = (r.throughput, len(r.blocks))
             target = {ServerState.ONLINE: r.moving_to, ServerState.JOINING: r.blocks}.get(r.state)
             if target is not None:
                 going.setdefault(r.peer_id, set()).update(b for b in target if b < num_blocks)
@@ -639,11 +659,26 @@ def settled_spans(view: SwarmView, num_blocks: int) -> tuple[dict[str, range], d
         for peer, spans in online.items()
         if peer not in going and len(spans) == 1 and (span := next(iter(spans))).stop <= num_blocks
     }
+    speeds = {peer.to_base58(): rates[peer][0] for peer in settled}
+    guess = statistics.median(speeds.values()) if speeds else 0.0
     pinned: dict[int, int] = {}
+    flow: dict[int, float] = {}
     for peer in (online.keys() - settled.keys()) | going.keys():
-        for b in going.get(peer) or {b for span in online.get(peer, ()) for b in span if b < num_blocks}:
+        blocks = going.get(peer) or {b for span in online.get(peer, ()) for b in span if b < num_blocks}
+        if not blocks:
+            continue
+        rate = rates[peer][0] * rates[peer][1] / len(blocks) if peer in rates else guess
+        for b in blocks:
             pinned[b] = pinned.get(b, 0) + 1
-    return {peer.to_base58(): span for peer, span in settled.items()}, pinned
+            flow[b] = flow.get(b, 0.0) + rate
+    return Settled({peer.to_base58(): span for peer, span in settled.items()}, pinned, speeds, flow)
+
+
+def planned_throughput(view: SwarmView, num_blocks: int, exclude: PeerID | None = None) -> dict[int, float]:
+    """Per block, the summed span throughput its live servers will give once joining and moving ones are where they
+    go (``exclude`` left out): what a new peer weighs, so that two peers joining one after the other spread out."""
+    settled = settled_spans(view, num_blocks, exclude)
+    return dict(enumerate(block_throughput(settled.spans, settled.speeds, num_blocks, settled.pinned_throughput)))
 
 
 def _others(view: SwarmView, block: int, me) -> list[tuple[str, bool]]:

@@ -4,10 +4,12 @@
 
 (this module is the simulation; the script prints its table and draws its figures)
 
-Real (imported, not copied): a new peer picks its span with ``choose_span``; every settled peer runs a balance round
-every ~5 s and calls ``next_move`` on what ``settled_spans`` makes of the records, as ``PeerDaemon._balance_round``
-does; a move hands its old blocks over only if ``safe_to_drop`` lets it, as ``PeerDaemon._move`` does; pipelines come
-from ``Router.route()``; the records are ``ServerRecord``s in a ``SwarmView``.
+Real (imported, not copied): a new peer picks its span with ``choose_span``, weighing the throughput
+``planned_throughput`` makes of the records; every settled peer runs a balance round every ~5 s and calls
+``next_move`` on what ``settled_spans`` makes of the records, span throughputs included, as
+``PeerDaemon._balance_round`` does; a move hands its old blocks over only if ``safe_to_drop`` lets it, as
+``PeerDaemon._move`` does; pipelines come from ``Router.route()``; the records are ``ServerRecord``s in a
+``SwarmView``.
 
 Simulated: the DHT (every record is seen by every peer at once: no propagation delay, no expiry), the clock, and the
 peers: a capacity in blocks (1-8, so that 100 peers hold ~3.5 copies of an 80-block model, near the 2 the balancer
@@ -22,8 +24,9 @@ Figures (after the first 15 min, the cold start; PNGs in ``--out``):
   replication: online servers per block (least served block, mean).
 - recovery after a burst: time from the burst until every block has an online server again, and until every block
   has ``--replication`` of them; 0 when the burst broke neither.
-- moves and aborted moves (refused by ``safe_to_drop`` after loading) per hour; the most moves in one epoch (the time
-  between two membership changes: an arrival, a peer coming online, a departure).
+- moves and aborted moves (refused by ``safe_to_drop`` after loading) per hour, and the moves started for throughput
+  (every block served and the badness unchanged: ``relief_move``); the most moves in one epoch (the time between two
+  membership changes: an arrival, a peer coming online, a departure).
 - routes: every ``route_s``, the time of a training step of ``micro_batches`` micro-batches, ``in_flight`` at once
   (``swarm.testing.steps``: forward along each chain, backward back, peers working in turn), with each micro-batch
   routed by ``Router.route()`` as it starts (it sees the work routed before it, so micro-batches spread over replicas),
@@ -39,7 +42,11 @@ Invariants (the exit status is 1 if one fails): no oscillation (a peer choosing 
 leave in the same epoch); at most one move per peer of the population in an epoch; no stall (a block without a server
 while every peer is settled, their capacity covers the model, and every round says stay); and the stall search:
 random placements of heterogeneous spans, played in rounds of ``next_move``, all reach full coverage, with no move that
-uncovers a block or raises the badness, and then stop moving.
+uncovers a block or raises the badness, and then stop moving (the unit tests also play it with random speeds: every
+move for throughput raises the sorted per-block throughputs).
+
+Rounds known to stay are skipped (``SimConfig.exact`` plays them all, to check that this changes nothing): while the
+state is unchanged, and while every block has its replicas for every peer but the one ``relief_move`` names.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ import heapq
 import itertools
 import logging
 import random
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,8 +65,17 @@ from typing import NamedTuple
 from hivemind.p2p import PeerID
 from tqdm import tqdm
 
-from peers.balancer import badness, choose_span, next_move, safe_to_drop
-from peers.daemon import _others, settled_spans
+from peers.balancer import (
+    MIN_GAIN,
+    RELIEVE_BELOW,
+    badness,
+    block_throughput,
+    choose_span,
+    next_move,
+    relief_move,
+    safe_to_drop,
+)
+from peers.daemon import Settled, _others, settled_spans
 from swarm.client.routing import NoRouteError, Router
 from swarm.net.protocol import PeerInfo
 from swarm.net.records import ServerRecord, ServerState
@@ -131,7 +148,8 @@ class Peer:
             online = ServerRecord(self.peer_id, ServerState.ONLINE, start, stop, tput, moving_to=self.moving_to)
             found.append((online, list(self.serving)))
         if self.joining:
-            joining = ServerRecord(self.peer_id, ServerState.JOINING, self.joining.start, self.joining.stop, 0.0)
+            tput = self.speed / len(self.serving) if self.serving else 0.0  # a new peer has not measured itself
+            joining = ServerRecord(self.peer_id, ServerState.JOINING, self.joining.start, self.joining.stop, tput)
             found.append((joining, [b for b in self.joining if b not in self.serving]))
         return found
 
@@ -173,6 +191,7 @@ class Stats:
     throughput: list[Throughput] = field(default_factory=list)
     moves: list[tuple[float, str, range, range]] = field(default_factory=list)
     aborted: int = 0
+    relief: int = 0  # moves started for throughput
     arrivals: int = 0
     departures: int = 0
     decisions: int = 0
@@ -211,7 +230,10 @@ class Simulation:
         self.planned = [0] * n  # servers per block, moving peers counted where they go: what the balancer counts
         self.online = [0] * n  # online servers per block: what clients can use
         self.throughput = [0.0] * n  # summed span throughput of the online servers per block
-        self._view: tuple[int, SwarmView, tuple[dict[str, range], dict[int, int]]] | None = None
+        self.known = [0.0] * n  # the same, moving peers counted where they go, new ones left out
+        self.fresh = [0] * n  # new (joining) peers per block, which the balancer counts as the median settled one
+        self._view: tuple[int, SwarmView, Settled] | None = None
+        self._relieved: tuple[int, str | None] = (-1, None)  # (version, the peer relief_move names then)
         self.router = Router(None, _NoTransport(), MODEL, n, seed=config.seed, clock=lambda: self.route_clock)
         self.route_clock = 0.0  # the time within a measured step at which the router routes a micro-batch
         self.stats = Stats()
@@ -251,8 +273,13 @@ class Simulation:
         for b in peer.joining or ():
             if b not in peer.serving:
                 self.coverage[b] += sign
-        for b in peer.serving if peer.joining is None else peer.joining:
+        going = peer.serving if peer.joining is None else peer.joining
+        for b in going:
             self.planned[b] += sign
+            if peer.serving:
+                self.known[b] += sign * peer.speed / len(going)
+            else:
+                self.fresh[b] += sign
 
     def _update(self, peer: Peer, **changes) -> None:
         self._count(peer, -1)
@@ -263,11 +290,15 @@ class Simulation:
 
     def _changed(self) -> None:
         self.version += 1
-        if not self._clean():
-            for peer in self.peers.values():
-                if peer.asleep:
-                    peer.asleep = False
-                    self._schedule_round(peer)
+        if self._clean():
+            mover = self.peers.get(self._relief() or "")
+            waking = [] if mover is None else [mover]
+        else:
+            waking = list(self.peers.values())
+        for peer in waking:
+            if peer.asleep:
+                peer.asleep = False
+                self._schedule_round(peer)
         self._track_bursts()
 
     def _track_bursts(self) -> None:
@@ -280,13 +311,56 @@ class Simulation:
                 burst.replicated_at = self.now
 
     def _clean(self) -> bool:
-        """Every block has its replicas: no round can move (no peer holds more than its capacity)."""
+        """Every block has its replicas: no round can move for coverage (no peer holds more than its capacity), only
+        the peer `_relief` names can move, for throughput."""
         return badness(self.planned, self.config.replication) == (0, 0)
+
+    def _relief(self) -> str | None:
+        """The peer that `relief_move` names in this state, if any (cached per version): the real one, on what
+        `settled_spans` makes of the records, unless `_may_relieve` rules every move out."""
+        if self._relieved[0] != self.version:
+            move = None
+            if self._may_relieve():
+                settled = self._snapshot()[1]
+                config = self.config
+                move = relief_move(
+                    settled.spans,
+                    settled.speeds,
+                    config.num_blocks,
+                    config.replication,
+                    settled.pinned,
+                    settled.pinned_throughput,
+                )
+            self._relieved = (self.version, None if move is None else move[0])
+        return self._relieved[1]
+
+    def _may_relieve(self) -> bool:
+        """False when `relief_move` is sure to find nothing, told from the running sums (most states, at once): no
+        settled peer is fast enough to lift the weakest block by MIN_GAIN, or that block is not below RELIEVE_BELOW of
+        the mean. The margins absorb rounding: the sums are made in another order than the balancer's."""
+        rates = self._rates()
+        if not rates or max(rates) <= MIN_GAIN * min(self.known) * (1 - 1e-9):
+            return False  # `known` leaves new peers out: it is at most the balancer's throughput
+        flow = self._planned_throughput(statistics.median(rates))
+        floor = min(flow)
+        return floor < RELIEVE_BELOW * sum(flow) / len(flow) * (1 + 1e-9) and max(rates) > MIN_GAIN * floor * (1 - 1e-9)
+
+    def _rates(self) -> list[float]:
+        """The settled peers' span throughputs."""
+        return [p.speed / len(p.serving) for p in self.peers.values() if p.settled]
+
+    def _planned_throughput(self, guess: float | None = None) -> list[float]:
+        """Per block, the throughput `planned_throughput` makes of the records: a new peer counts as the median
+        settled one (`guess`, computed when not given)."""
+        if guess is None:
+            rates = self._rates()
+            guess = statistics.median(rates) if rates else 0.0
+        return [known + fresh * guess for known, fresh in zip(self.known, self.fresh, strict=True)]
 
     def view(self) -> SwarmView:
         return self._snapshot()[0]
 
-    def _snapshot(self) -> tuple[SwarmView, tuple[dict[str, range], dict[int, int]]]:
+    def _snapshot(self) -> tuple[SwarmView, Settled]:
         """The records every peer reads this instant, and what settled_spans makes of them (cached per version)."""
         if self._view is None or self._view[0] != self.version:
             records: dict[int, list[ServerRecord]] = {b: [] for b in range(self.config.num_blocks)}
@@ -316,9 +390,8 @@ class Simulation:
             self.at(self.now + self.rng.expovariate(self._arrival_rate()), self._arrive, True)
         peer = self._new_peer()
         coverage = dict(enumerate(self.coverage))
-        span = choose_span(
-            coverage, config.num_blocks, peer.capacity, config.replication, dict(enumerate(self.throughput)), self.rng
-        )
+        throughput = dict(enumerate(self._planned_throughput()))
+        span = choose_span(coverage, config.num_blocks, peer.capacity, config.replication, throughput, self.rng)
         self.peers[peer.name] = peer
         self.alive[peer.peer_id] = PeerInfo(MODEL, span.start, span.stop, ServerState.JOINING.value, 0.0, {}, [])
         self.stats.arrivals += 1
@@ -358,14 +431,17 @@ class Simulation:
     def _schedule_round(self, peer: Peer) -> None:
         if not peer.round_pending:
             peer.round_pending = True
-            when = peer.phase + (int((self.now - peer.phase) // peer.interval) + 1) * peer.interval
-            self.at(when if when > self.now else when + peer.interval, self._round, peer)  # float rounding
+            # the next of phase + k x interval, always computed so: a woken peer's round falls at the very instant it
+            # would have, had it never slept (`when + interval` would round differently)
+            k = int((self.now - peer.phase) // peer.interval) + 1
+            k += peer.phase + k * peer.interval <= self.now  # float rounding
+            self.at(peer.phase + k * peer.interval, self._round, peer)
 
     def _round(self, peer: Peer) -> None:
         peer.round_pending = False
         if not self._present(peer) or not peer.settled:
             return
-        if not self.config.exact and self._clean():
+        if not self.config.exact and self._clean() and self._relief() != peer.name:
             peer.asleep = True
             return
         if self.config.exact or peer.decided != self.version:
@@ -378,10 +454,18 @@ class Simulation:
 
     def _decide(self, peer: Peer) -> range | None:
         config = self.config
-        spans, pinned = self._snapshot()[1]
+        spans, pinned, speeds, pinned_throughput = self._snapshot()[1]
         started = time.perf_counter()
         target = next_move(
-            spans, peer.name, config.num_blocks, peer.capacity, config.replication, peer.capacity, pinned
+            spans,
+            peer.name,
+            config.num_blocks,
+            peer.capacity,
+            config.replication,
+            peer.capacity,
+            pinned,
+            speeds=speeds,
+            pinned_throughput=pinned_throughput,
         )
         self.stats.decision_s += time.perf_counter() - started
         self.stats.decisions += 1
@@ -395,7 +479,10 @@ class Simulation:
             )
         peer.left[peer.serving] = self.epoch
         self.stats.moves_per_epoch[self.epoch] = self.stats.moves_per_epoch.get(self.epoch, 0) + 1
+        before = badness(self.planned, self.config.replication)
         self._update(peer, joining=target)
+        # every block served, badness unchanged: not for coverage nor replicas, so for throughput (relief_move)
+        self.stats.relief += before[0] == 0 and badness(self.planned, self.config.replication) == before
         loading = sum(1 for b in target if b not in peer.serving) * self.config.load_s + STATE_S
         self.at(self.now + loading, self._loaded, peer)
 
@@ -508,25 +595,40 @@ def widest_chain(view: SwarmView, speeds: dict[PeerID, float], num_blocks: int) 
 
 
 def settle(
-    spans: dict[str, range], num_blocks: int, replication: int, rng: random.Random, max_rounds: int = 100
+    spans: dict[str, range],
+    num_blocks: int,
+    replication: int,
+    rng: random.Random,
+    max_rounds: int = 100,
+    speeds: dict[str, float] | None = None,
 ) -> dict[str, range]:
     """Play balance rounds (each peer in random order, moving at once) until nobody moves; returns the final spans,
-    or raises AssertionError when a move uncovers a block or raises the badness, or it never settles."""
+    or raises AssertionError when a move uncovers a block or raises the badness, or it never settles. With `speeds`
+    (peer -> span throughput), a move that keeps the badness while every block has a server must raise the sorted
+    per-block throughputs (the weakest block first): the potential that keeps moves for throughput from cycling."""
     spans = dict(spans)
     for _ in range(max_rounds):
         moved = False
         for me in rng.sample(sorted(spans), len(spans)):
             counts = _counts(spans, num_blocks)
-            target = next_move(spans, me, num_blocks, len(spans[me]), replication, len(spans[me]))
+            target = next_move(spans, me, num_blocks, len(spans[me]), replication, len(spans[me]), speeds=speeds)
             if target is None:
                 continue
             assert all(counts[b] > 1 for b in spans[me] if b not in target), f"{me} uncovers a block: {spans}"
-            before, spans[me] = badness(counts, replication), target
-            assert badness(_counts(spans, num_blocks), replication) <= before, f"{me} made it worse: {spans}"
+            before, flow = badness(counts, replication), _sorted_flow(spans, num_blocks, speeds)
+            spans[me] = target
+            after = badness(_counts(spans, num_blocks), replication)
+            assert after <= before, f"{me} made it worse: {spans}"
+            if speeds is not None and after == before and 0 not in counts:
+                assert _sorted_flow(spans, num_blocks, speeds) > flow, f"{me} gained no throughput: {spans}"
             moved = True
         if not moved:
             return spans
     raise AssertionError(f"still moving after {max_rounds} rounds: {spans}")
+
+
+def _sorted_flow(spans: dict[str, range], num_blocks: int, speeds: dict[str, float] | None) -> list[float]:
+    return sorted(block_throughput(spans, speeds or {}, num_blocks))
 
 
 def _counts(spans: dict[str, range], num_blocks: int) -> list[int]:
@@ -548,14 +650,16 @@ def random_swarm(rng: random.Random, num_blocks: int, max_len: int) -> dict[str,
     return spans
 
 
-def stall_search(cases: int, seed: int) -> list[str]:
-    """Random placements that enough capacity can cover: every one must settle with every block served."""
+def stall_search(cases: int, seed: int, random_speeds: bool = False) -> list[str]:
+    """Random placements that enough capacity can cover: every one must settle with every block served. With
+    `random_speeds`, each peer has a random span throughput and may also move for it."""
     rng, failures = random.Random(seed), []
     for _ in range(cases):
         num_blocks, replication = rng.randint(2, 80), rng.randint(1, 3)
         spans = random_swarm(rng, num_blocks, rng.choice((2, 4, 8)))
+        speeds = {peer: 100.0 * rng.lognormvariate(0.0, 0.5) for peer in spans} if random_speeds else None
         try:
-            final = settle(spans, num_blocks, replication, rng)
+            final = settle(spans, num_blocks, replication, rng, speeds=speeds)
             assert 0 not in _counts(final, num_blocks), f"stalled at {final}"
         except AssertionError as e:
             failures.append(f"{num_blocks} blocks, R={replication}, from {spans}: {e}")
@@ -583,6 +687,7 @@ def summary(config: SimConfig, stats: Stats, wall_s: float) -> dict[str, str]:
         "every block >= R after (s)": ", ".join(_since(b, b.replicated_at) for b in stats.bursts) or "-",
         "moves / hour": f"{len(stats.moves) / config.hours:.1f}",
         "aborted moves / hour": f"{stats.aborted / config.hours:.1f}",
+        "moves for throughput / hour": f"{stats.relief / config.hours:.1f}",
         "most moves in one epoch": str(max(stats.moves_per_epoch.values(), default=0)),
         f"step of {config.micro_batches}, routed / widest chain": f"{_mean(t.routed / t.widest for t in tput):.2f}",
         "step, routed (tokens/s)": f"{_mean(t.routed for t in tput):.0f}",

@@ -9,12 +9,14 @@ import pytest
 
 from peers.balancer import (
     badness,
+    block_throughput,
     choose_span,
     choose_standby,
     cover_plan,
     coverage_with,
     next_move,
     plan_move,
+    relief_move,
     safe_to_drop,
 )
 
@@ -353,3 +355,143 @@ def test_an_orphan_is_grown_over_by_the_nearest_peer_with_room_only():
     assert moves == {"A": range(0, 8), "C": None}
     # Without capacities (peers that do not announce them), every peer in reach grows, as before.
     assert next_move(spans, "A", 8, 3, 2, max_blocks=8) == range(0, 8)
+
+
+# --- throughput: choose_span and relief_move ------------------------------------------------------------------------
+
+
+def test_choose_span_takes_the_window_whose_weakest_block_is_weakest():
+    # [4, 6) has the least summed throughput, but block 1 is the slowest: the swarm runs at its pace. Of the windows
+    # holding it, [1, 3) also holds the next slowest.
+    tput = {0: 100.0, 1: 20.0, 2: 60.0, 3: 100.0, 4: 35.0, 5: 35.0}
+    for seed in range(10):
+        assert choose_span({}, 6, 2, 1, throughput=tput, rng=random.Random(seed)) == range(1, 3)
+    tput[0] = 50.0
+    assert choose_span({}, 6, 2, 1, throughput=tput, rng=random.Random(0)) == range(0, 2)
+
+
+def _swarm(starts: dict[str, int], length: int = 2) -> dict[str, range]:
+    return {peer: range(start, start + length) for peer, start in starts.items()}
+
+
+# Six 2-block peers on 8 blocks: every block has a server (R=1), and blocks 6, 7 only a slow one.
+RELIEF = _swarm({"a": 0, "b": 0, "c": 2, "d": 2, "e": 4, "s": 6})
+FAST = {"a": 100.0, "b": 100.0, "c": 100.0, "d": 100.0, "e": 100.0, "s": 30.0}
+
+
+def test_a_fast_peer_on_strong_blocks_relieves_the_slowest_one():
+    # Blocks 6:8 run at 30 tokens/s, the mean is 132.5. a, b, c or d can leave two servers' blocks (200 tokens/s) for
+    # 6:8: the least over the blocks it touches goes from 30 to 100. Only a (smallest id) moves: one per snapshot.
+    assert relief_move(RELIEF, FAST, 8, 1) == ("a", range(6, 8))
+    moves = {p: next_move(RELIEF, p, 8, 2, 1, speeds=FAST) for p in RELIEF}
+    assert moves == {"a": range(6, 8), "b": None, "c": None, "d": None, "e": None, "s": None}
+    # Without speeds, nothing changes: every block has its replica.
+    assert all(next_move(RELIEF, p, 8, 2, 1) is None for p in RELIEF)
+    # Once a is there, nobody moves again: 0:2 and 4:6 at 100, 6:8 at 130, 2:4 at 200 (no block below 0.6 x mean).
+    after = {**RELIEF, "a": range(6, 8)}
+    assert all(next_move(after, p, 8, 2, 1, speeds=FAST) is None for p in after)
+
+
+def test_the_relief_that_leaves_the_swarm_strongest_wins():
+    # Block 6 is the slowest (30), block 5 next (50). From 0:2, a lifts both by taking 5:7; taking 6:8 would leave
+    # block 5 at 50. Both leave the blocks a touches at 100 at least: the swarm's weakest block after the move decides.
+    spans = {**_swarm({"a": 0, "b": 0, "c": 2, "d": 2, "f": 3, "e": 4, "s": 6}), "t": range(7, 8)}
+    speeds = {"a": 100.0, "b": 100.0, "c": 100.0, "d": 100.0, "f": 100.0, "e": 50.0, "s": 30.0, "t": 70.0}
+    assert block_throughput(spans, speeds, 8) == [200.0, 200.0, 200.0, 300.0, 150.0, 50.0, 30.0, 100.0]
+    assert relief_move(spans, speeds, 8, 1) == ("a", range(5, 7))
+    # Then the peer that leaves the blocks it touches strongest: c and d, faster, leave 2:4 at 150 and lift 6:8 to 180;
+    # a would leave 0:2 at 100. c has the smaller id.
+    assert relief_move(RELIEF, {**FAST, "c": 150.0, "d": 150.0}, 8, 1) == ("c", range(6, 8))
+
+
+def test_no_move_below_the_gain_or_above_the_level():
+    # Three peers on 0:2: any of them would lift 6:8 well past a third. At 90 tokens/s, with a mean of 147.5, 6:8 is
+    # not slow enough to be worth a move (below 0.6 x the mean is); at 80, with a mean of 145, it is.
+    spans = _swarm({"a": 0, "b": 0, "c": 0, "d": 2, "e": 4, "s": 6})
+    assert relief_move(spans, {p: 100.0 for p in spans} | {"s": 90.0}, 8, 1) is None
+    assert relief_move(spans, {p: 100.0 for p in spans} | {"s": 80.0}, 8, 1) == ("a", range(6, 8))
+    # Blocks 6:8 at 30, but the fast peers are only 39 tokens/s: a move would lift the blocks it touches to 39 at
+    # best, less than MIN_GAIN (a third) above 30.
+    slow = {p: 39.0 for p in RELIEF} | {"s": 30.0}
+    assert relief_move(RELIEF, slow, 8, 1) is None
+    # A gain above a third, on the same blocks, moves.
+    slow |= {"a": 41.0, "b": 41.0}
+    assert relief_move(RELIEF, slow, 8, 1) == ("a", range(6, 8))
+
+
+def test_relief_never_costs_coverage_or_replication():
+    # R=2 and every block has exactly two servers: 6:8 is slow, but any peer leaving its blocks would leave them
+    # short of replicas, so nobody moves for throughput.
+    spans = _swarm({"a": 0, "b": 0, "c": 2, "d": 2, "e": 4, "f": 4, "s": 6, "t": 6})
+    speeds = {p: 100.0 for p in spans} | {"s": 10.0, "t": 10.0}
+    assert relief_move(spans, speeds, 8, 2) is None
+    assert all(next_move(spans, p, 8, 2, 2, speeds=speeds) is None for p in spans)
+    # A third server on 0:2 can go: the blocks it leaves keep two.
+    spans["g"], speeds["g"] = range(0, 2), 100.0
+    assert relief_move(spans, speeds, 8, 2) == ("a", range(6, 8))
+    # A block nobody else serves is never left: e alone serves 0:2, however slow 2:6 is.
+    assert relief_move({"e": range(0, 2), "s": range(2, 6)}, {"e": 100.0, "s": 10.0}, 6, 1) is None
+
+
+def test_relief_waits_for_every_block_to_have_its_replicas():
+    # R=2: 4:6 and 6:8 have one server each, and no count move helps (a leaving 0:2 costs it a replica). a moving to
+    # 6:8 would keep the deficit and lift the slowest block, but replicas come first: nobody moves.
+    assert relief_move(RELIEF, FAST, 8, 2) == ("a", range(6, 8))
+    assert all(next_move(RELIEF, p, 8, 2, 2, speeds=FAST) is None for p in RELIEF)
+
+
+def test_a_peer_already_going_counts_so_others_do_not_pile_on():
+    # a has announced its move to 6:8 (pinned, with its throughput): settled, b alone serves 0:2 at 100, and 6:8
+    # will run at 130. Nobody else moves: no block is below 0.6 x the mean any more.
+    spans = {p: s for p, s in RELIEF.items() if p != "a"}
+    speeds = {p: v for p, v in FAST.items() if p != "a"}
+    pinned, flow = {6: 1, 7: 1}, {6: 100.0, 7: 100.0}
+    assert relief_move(spans, speeds, 8, 1, pinned, flow) is None
+    assert all(
+        next_move(spans, p, 8, 2, 1, pinned=pinned, speeds=speeds, pinned_throughput=flow) is None for p in spans
+    )
+    # Counting a as a server of 6:8 without its throughput, c would rush there too.
+    assert relief_move(spans, speeds, 8, 1, pinned) == ("c", range(6, 8))
+
+
+def _throughput_rounds(
+    spans: dict[str, range], speeds: dict[str, float], num_blocks: int, replication: int, rng: random.Random
+) -> tuple[dict[str, range], int]:
+    """Balance rounds with speeds: every move lowers the badness, or keeps it and raises the sorted per-block
+    throughputs (the weakest block first). Returns the spans once nobody moves, and the moves made for throughput."""
+    spans, relief = dict(spans), 0
+    for _ in range(200):
+        moved = False
+        for me in rng.sample(sorted(spans), len(spans)):
+            counts = _counts(spans, num_blocks)
+            target = next_move(spans, me, num_blocks, len(spans[me]), replication, len(spans[me]), speeds=speeds)
+            if target is None:
+                continue
+            before = badness(counts, replication), sorted(block_throughput(spans, speeds, num_blocks))
+            spans[me] = target
+            flow = sorted(block_throughput(spans, speeds, num_blocks))
+            after = badness(_counts(spans, num_blocks), replication), flow
+            assert after[0] <= before[0], f"{me} -> {target}: {spans}"
+            if after[0] == before[0] and 0 not in counts:
+                assert after[1] > before[1], f"{me} -> {target} gained no throughput: {spans}"
+                relief += 1
+            moved = True
+        if not moved:
+            return spans, relief
+    pytest.fail(f"still moving: {spans}")
+
+
+def test_random_speeds_reach_full_coverage_then_stop():
+    rng, relief = random.Random(11), 0
+    for case in range(200):
+        num_blocks, replication = rng.randint(2, 30), rng.randint(1, 3)
+        spans: dict[str, range] = {}
+        while sum(len(s) for s in spans.values()) < num_blocks or rng.random() < 0.5:
+            length = rng.randint(1, min(num_blocks, rng.choice((2, 4, 8))))
+            start = rng.randint(0, num_blocks - length)
+            spans[f"peer-{rng.randrange(10**6):06d}"] = range(start, start + length)
+        speeds = {peer: 100.0 * rng.lognormvariate(0.0, 0.5) for peer in spans}
+        final, moves = _throughput_rounds(spans, speeds, num_blocks, replication, rng)
+        assert 0 not in _counts(final, num_blocks), f"case {case}: {spans} stalled at {final}"
+        relief += moves
+    assert relief > 50  # the rule is exercised, not just the coverage moves
