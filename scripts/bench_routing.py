@@ -51,6 +51,7 @@ class Run:
     """One policy on one swarm: its step times and how many blocks of micro-batches each peer computed."""
 
     times: list[float] = field(default_factory=list)
+    passes: list[float] = field(default_factory=list)  # of each step, the forward and backward of its micro-batches
     blocks: Counter = field(default_factory=Counter)
 
 
@@ -117,10 +118,12 @@ def train(model_dir: Path, swarm_: LocalSwarm, policy: str, adapter: str, args: 
                 run.blocks.clear()
             started = time.perf_counter()
             model.train_step(batches, max_in_flight=args.in_flight)
+            passed = time.perf_counter()
             optimizer.step()
             optimizer.zero_grad()
             if index >= args.warmup:
                 run.times.append(time.perf_counter() - started)
+                run.passes.append(passed - started)
         logger.info("%s, %s: step times %s", adapter, policy, " ".join(f"{t:.2f}" for t in run.times))
     finally:
         model.shutdown()
@@ -152,7 +155,7 @@ def measure(model_dir: Path, replicas: int, args: argparse.Namespace, workdir: P
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quotas", type=float, nargs="+", default=[0.5, 0.25, 0.12], help="cores per replica")
+    parser.add_argument("--quotas", type=float, nargs="+", default=[0.4, 0.2, 0.1], help="cores per replica")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--batch", type=int, default=2)
@@ -180,15 +183,17 @@ def main() -> None:
     )
     base = {policy: statistics.median(results[1][0][policy].times) for policy in POLICIES}
     print(
-        "| replicas per span | " + " | ".join(f"{p}: step (s), speed-up" for p in POLICIES) + " | blocks per peer, "
-        f"{POLICIES[0]} / {POLICIES[1]} |"
+        "| replicas per span | "
+        + " | ".join(f"{p}: step (s), of it forward and backward (s), speed-up" for p in POLICIES)
+        + f" | blocks per peer, {POLICIES[0]} / {POLICIES[1]} |"
     )
     print("|---:|" + "---:|" * len(POLICIES) + "---|")
     for replicas, (runs, names) in results.items():
         cells = []
         for policy in POLICIES:
             median = statistics.median(runs[policy].times)
-            cells.append(f"{median:.2f}, {base[policy] / median:.2f}x")
+            passes = statistics.median(runs[policy].passes)
+            cells.append(f"{median:.2f}, {passes:.2f}, {base[policy] / median:.2f}x")
         shares = []
         for peer, name in sorted(names.items(), key=lambda item: item[1]):
             counts = [runs[p].blocks[PeerID.from_base58(peer)] for p in POLICIES]
