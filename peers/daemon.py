@@ -211,7 +211,7 @@ class PeerDaemon:
     async def _announce(self, records: list[tuple[ServerRecord, range]] | None = None) -> None:
         for record, blocks in records if records is not None else await self._records():
             await asyncio.to_thread(
-                announce, self.dht, self.spec.name, self.identity.owner, record, blocks, self.config.record_ttl, True
+                announce, self.dht, self.spec.name, self.identity.owner, record, blocks, self.config.record_ttl
             )
         await asyncio.to_thread(
             announce_model, self.dht, self.spec.name, self.spec.num_blocks, self.identity.owner, self.config.record_ttl
@@ -520,7 +520,10 @@ class PeerDaemon:
         next_announce = 0.0
         while not stop.is_set():
             if time.monotonic() >= next_announce:
-                await self._announce()
+                try:
+                    await self._announce()
+                except TimeoutError as e:  # the DHT is slow or restarting: serve on, and announce again soon
+                    logger.warning("announcing failed (will retry): %s", e)
                 next_announce = time.monotonic() + config.record_ttl / 3
             try:
                 await asyncio.wait_for(stop.wait(), timeout=config.balance_interval * self.rng.uniform(0.5, 1.5))

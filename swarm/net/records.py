@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import partial
+from typing import TypeVar
 
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
@@ -15,6 +16,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
+from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.serializer import MSGPackSerializer
 
 from swarm.net.addresses import only_relayed
@@ -22,6 +24,7 @@ from swarm.net.errors import DECODE_ERRORS
 from swarm.net.security import Identity, SwarmKey, SwarmKeyValidator, peer_id_of_owner
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RECORD_TTL = 30.0
 RECOVERIES_KEPT = 5  # recent recoveries a trainer publishes with its committed step
@@ -30,6 +33,18 @@ MAX_DIGESTS = 1024  # blocks one record may name digests of
 DIGEST_HEX = re.compile(r"[0-9a-f]{64}")
 MAX_LINKS = 16  # next-hop peers one record may name a measured link to
 MAX_PEER_ID_CHARS = 64
+DHT_CALL_TIMEOUT = 30.0  # a DHT read or write slower than this is given up (a record it writes would have expired)
+
+
+def settled(future: MPFuture[T], what: str, timeout: float = DHT_CALL_TIMEOUT) -> T:
+    """The result of a call into the DHT's process, waited for at most ``timeout``: a DHT shut down meanwhile (a peer
+    leaving, a test ending) never answers, and a thread left waiting on it forever keeps its process from exiting."""
+    try:
+        return future.result(timeout)
+    except TimeoutError:
+        future.cancel()
+        hint = "is this process's DHT still running?"
+        raise TimeoutError(f"the DHT did not {what} within {timeout:.0f}s ({hint})") from None
 
 
 @dataclass(frozen=True)
@@ -190,7 +205,8 @@ async def _store_model(_dht: DHT, node: DHTNode, owner: bytes, value: dict, ttl:
 
 
 def announce_model(dht: DHT, model: str, num_blocks: int, owner: bytes, ttl: float = RECORD_TTL):
-    return dht.run_coroutine(partial(_store_model, owner=owner, value=model_value(model, num_blocks), ttl=ttl))
+    store = partial(_store_model, owner=owner, value=model_value(model, num_blocks), ttl=ttl)
+    return settled(dht.run_coroutine(store, return_future=True), "store the model's record")
 
 
 async def _read_models(_dht: DHT, node: DHTNode) -> dict[str, int]:
@@ -210,7 +226,7 @@ async def _read_models(_dht: DHT, node: DHTNode) -> dict[str, int]:
 
 def read_models(dht: DHT) -> dict[str, int]:
     """Models announced in the swarm and their number of blocks."""
-    return dht.run_coroutine(_read_models)
+    return settled(dht.run_coroutine(_read_models, return_future=True), "read the models")
 
 
 async def _store(_dht: DHT, node: DHTNode, model: str, owner: bytes, value: dict, blocks: range, ttl: float) -> None:
@@ -219,14 +235,12 @@ async def _store(_dht: DHT, node: DHTNode, model: str, owner: bytes, value: dict
     await node.store_many(keys, [value] * len(keys), expiration, subkeys=[owner] * len(keys))
 
 
-def announce(
-    dht: DHT, model: str, owner: bytes, record: ServerRecord, blocks: range, ttl: float = RECORD_TTL, wait: bool = True
-):
+def announce(dht: DHT, model: str, owner: bytes, record: ServerRecord, blocks: range, ttl: float = RECORD_TTL) -> None:
     """Write (or refresh) this peer's record under every block it serves, as a subkey only its owner can sign
     (the owner marker); records expire after ``ttl``."""
     value = {**record.to_value(), "announced_at": get_dht_time()}
     store = partial(_store, model=model, owner=owner, value=value, blocks=blocks, ttl=ttl)
-    return dht.run_coroutine(store, return_future=not wait)
+    settled(dht.run_coroutine(store, return_future=True), "store this peer's records")
 
 
 async def _read(_dht: DHT, node: DHTNode, model: str, num_blocks: int) -> dict[int, list[ServerRecord]]:
@@ -251,7 +265,8 @@ async def _read(_dht: DHT, node: DHTNode, model: str, num_blocks: int) -> dict[i
 
 def read_servers(dht: DHT, model: str, num_blocks: int) -> dict[int, list[ServerRecord]]:
     """Every live announcement, per block."""
-    return dht.run_coroutine(partial(_read, model=model, num_blocks=num_blocks))
+    read = partial(_read, model=model, num_blocks=num_blocks)
+    return settled(dht.run_coroutine(read, return_future=True), "read the servers' records")
 
 
 # --- the adapter's committed step -------------------------------------------------------------------------------
@@ -321,7 +336,7 @@ def announce_committed(dht: DHT, model: str, adapter: str, owner: bytes, record:
 
 def read_committed(dht: DHT, model: str, adapter: str) -> CommittedRecord | None:
     """The newest committed step any trainer of this adapter wrote, or None if none is known to this swarm."""
-    found = dht.get(committed_key(model, adapter), latest=True)
+    found = settled(dht.get(committed_key(model, adapter), latest=True, return_future=True), "read the committed step")
     if found is None or not isinstance(found.value, dict):
         return None
     records = [CommittedRecord.from_value(item.value) for item in found.value.values()]
