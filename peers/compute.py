@@ -4,6 +4,7 @@ it, one at a time, so requests never interleave on the blocks and no reader sees
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -19,6 +20,16 @@ class Compute:
 
     async def __call__(self, fn: Callable[..., T], *args) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def timed(self, fn: Callable[..., T], *args) -> tuple[T, float]:
+        """``fn(*args)`` on the compute thread, and the seconds it ran there (the wait for the thread left out): what
+        a client routes by, since the wait is work it or others gave this peer, which they count on their own."""
+
+        def run() -> tuple[T, float]:
+            started = time.monotonic()
+            return fn(*args), time.monotonic() - started
+
+        return await self(run)
 
     def shutdown(self) -> None:
         """Drop queued work and stop (a peer that is killed or left does not finish what it had not started)."""

@@ -131,7 +131,7 @@ class PeerService(Doorkeeper):
     async def _forward(self, request: ForwardRequest) -> HiddenReply:
         """The span, then (in a chain) the rest of the route, passed on from here: the answer is the last hop's."""
         arrived = time.monotonic()
-        outputs = await self.compute(
+        outputs, spent = await self.compute.timed(
             self.backend.forward,
             request.adapter,
             request.blocks,
@@ -140,7 +140,7 @@ class PeerService(Doorkeeper):
             request.mask,
             request.micro_batch,
         )
-        carried, acks, failure = await self._chain_on(request, arrived, outputs, (), (), hidden=outputs)
+        carried, acks, failure = await self._chain_on(request, arrived, spent, outputs, (), (), hidden=outputs)
         return HiddenReply(carried, request.compression, acks, failure)
 
     async def _backward(self, request: BackwardRequest) -> GradReply:
@@ -162,46 +162,53 @@ class PeerService(Doorkeeper):
             norms = self.backend.grad_norms(name, blocks, step)
             return grad_inputs, norms, self.backend.grad_hashes(name, blocks, step, request.micro_batch)
 
-        grad_inputs, norms, hashes = await self.compute(backward)
+        (grad_inputs, norms, hashes), spent = await self.compute.timed(backward)
         carried, acks, failure = await self._chain_on(
-            request, arrived, grad_inputs, norms, hashes, grad=grad_inputs, hidden=None
+            request, arrived, spent, grad_inputs, norms, hashes, grad=grad_inputs, hidden=None
         )
         return GradReply(carried, request.compression, acks, failure)
 
     async def _infer(self, request: InferRequest) -> HiddenReply:
         arrived = time.monotonic()
-        outputs = await self.compute(self.backend.infer, request, request.hidden, request.mask)
-        carried, acks, failure = await self._chain_on(request, arrived, outputs, (), (), hidden=outputs)
+        outputs, spent = await self.compute.timed(self.backend.infer, request, request.hidden, request.mask)
+        carried, acks, failure = await self._chain_on(request, arrived, spent, outputs, (), (), hidden=outputs)
         return HiddenReply(carried, request.compression, acks, failure)
 
     async def _chain_on(
         self,
         request: ForwardRequest | BackwardRequest | InferRequest,
         arrived: float,
+        spent: float,
         result,
         norms: tuple[GradNorm, ...],
         hashes: tuple[tuple[int, str], ...],
         **onward,
     ) -> tuple[torch.Tensor | None, list[HopAck], ChainFailure | None]:
         """In a chain, hand the request on to the route's next hop with this hop's ``result`` (``onward``: the fields
-        that change). Returns what goes back: the tensor of the chain's end (or this hop's, where the chain broke),
-        the hops that ran (with ``norms`` and ``hashes``, this hop's gradient norms and the hashes of the
-        micro-batch's gradients after a backward), and where it broke."""
+        that change; ``spent``: this hop's compute time). Returns what goes back: the tensor of the chain's end (or
+        this hop's, where the chain broke), the hops that ran (with ``norms`` and ``hashes``, this hop's gradient
+        norms and the hashes of the micro-batch's gradients after a backward), and where it broke."""
         if not request.route:
-            return result, [self._ack(request.blocks, arrived, norms, hashes)], None
+            return result, [self._ack(request.blocks, arrived, spent, norms, hashes)], None
         hop, rest = request.route[0], request.route[1:]
         try:
             reply = await self.peers.pass_on(hop, replace(request, start=hop.start, end=hop.end, route=rest, **onward))
         except ChainBroken as e:  # the client goes on from this hop's result
-            return result, [self._ack(request.blocks, arrived, norms, hashes)], e.failure
+            return result, [self._ack(request.blocks, arrived, spent, norms, hashes)], e.failure
         carried = reply.grad_inputs if isinstance(reply, GradReply) else reply.outputs
-        return carried, [self._ack(request.blocks, arrived, norms, hashes), *reply.acks], reply.failure
+        return carried, [self._ack(request.blocks, arrived, spent, norms, hashes), *reply.acks], reply.failure
 
     def _ack(
-        self, blocks: range, arrived: float, norms: tuple[GradNorm, ...], hashes: tuple[tuple[int, str], ...]
+        self,
+        blocks: range,
+        arrived: float,
+        spent: float,
+        norms: tuple[GradNorm, ...],
+        hashes: tuple[tuple[int, str], ...],
     ) -> HopAck:
-        """This hop ran ``blocks``, in the seconds since the request arrived (the chain after it included)."""
-        return HopAck(self.me, blocks.start, blocks.stop, time.monotonic() - arrived, norms, hashes)
+        """This hop ran ``blocks``, in the seconds since the request arrived (the chain after it included), of them
+        ``spent`` computing."""
+        return HopAck(self.me, blocks.start, blocks.stop, time.monotonic() - arrived, norms, hashes, spent)
 
     async def _end_session(self, request: EndSessionRequest) -> EndSessionReply:
         return EndSessionReply(await self.compute(self.backend.sessions.end, request.session))

@@ -493,7 +493,8 @@ class RemoteStack:
             spent = time.monotonic() - started if index == 0 else ack.seconds  # the first's: the client's link too
             after = acks[index + 1].seconds if index + 1 < len(acks) else 0.0
             own = max(spent - after, 0.0)
-            self.router.succeeded(ran[index].peer_id, request.method, self._units(ran[index], tokens), own)
+            hop_units = self._units(ran[index], tokens)
+            self.router.succeeded(ran[index].peer_id, request.method, hop_units, own, ack.compute)
         return reply, ran
 
     def chain_failed(self, failure: ChainFailure, attempts: Attempts, at: Hop) -> PeerID | None:

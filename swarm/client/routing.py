@@ -45,18 +45,22 @@ class Hop:
 
 @dataclass
 class PeerHealth:
-    """What the client learned about one peer: failures in a row (since when), ban, and its speed per method."""
+    """What the client learned about one peer: failures in a row (since when), ban, and its speed per method: from
+    request to answer (what timeouts allow for), and computing alone (what routes are chosen by: the wait before is
+    work already given to the peer, which the router counts apart)."""
 
     failures: int = 0
     failing_since: float | None = None
     banned_until: float = 0.0
     seconds_per_unit: dict[str, float] = field(default_factory=dict)
+    compute_per_unit: dict[str, float] = field(default_factory=dict)
 
 
 # Small requests that never wait for compute beyond a moment: a peer that does not answer them within this time is
 # not worth waiting for (a dial to a dead address would otherwise take libp2p ~20 s to give up).
 CONTROL_METHODS = frozenset({Method.OPEN, Method.INFO, Method.DIGEST, Method.REPLICATE, Method.FAST_FORWARD})
 FIRST_CONTROL_TIMEOUT = 10.0
+MIN_COMPUTE_SHARE = 0.25  # the least share of a hop's measured time a peer's own word on its compute time is taken for
 UNKNOWN_SPEED = 1e-3  # tokens/s assumed of a server that announces none: routed to only when nothing else serves
 
 
@@ -234,15 +238,18 @@ class Router:
         self._health(peer).banned_until = float("inf")
         logger.error("peer %s is banned for good: %s", peer, reason)
 
-    def succeeded(self, peer: PeerID, method: str, units: float, seconds: float | None) -> None:
-        """The peer answered; ``seconds`` (None: not known, the answer of a whole chain) it took for ``units``."""
+    def succeeded(
+        self, peer: PeerID, method: str, units: float, seconds: float | None, compute: float | None = None
+    ) -> None:
+        """The peer answered; ``seconds`` (None: not known, the answer of a whole chain) it took for ``units``, of
+        them ``compute`` computing (None: it did not say)."""
         health = self._health(peer)
         health.failures, health.failing_since = 0, None
-        if seconds is None:
-            return
-        rate = seconds / max(units, 1.0)
-        old = health.seconds_per_unit.get(method)
-        health.seconds_per_unit[method] = rate if old is None else 0.7 * old + 0.3 * rate
+        for measured, rates in ((seconds, health.seconds_per_unit), (compute, health.compute_per_unit)):
+            if measured is not None:
+                rate = measured / max(units, 1.0)
+                old = rates.get(method)
+                rates[method] = rate if old is None else 0.7 * old + 0.3 * rate
 
     def timeout(self, peer: PeerID, method: str, units: float) -> float:
         """Generous before the first answer; afterwards a few times the peer's measured speed."""
@@ -315,9 +322,16 @@ class Router:
         return [Hop(hop.peer_id, hop.start, hop.end) for hop in planned]
 
     def block_seconds(self, record: ServerRecord) -> float:
-        """Compute time of one block of a micro-batch on this server: what the client measured of its forwards
-        (link included), else what it announces (its tokens/s through its whole span)."""
-        measured = self._health(record.peer_id).seconds_per_unit.get(Method.FORWARD)
+        """Compute time of one block of a micro-batch on this server: what it said its forwards took computing, else
+        what the client measured of them (its queue and link included), else what it announces (its tokens/s through
+        its whole span)."""
+        health = self._health(record.peer_id)
+        measured = health.seconds_per_unit.get(Method.FORWARD)
+        said = health.compute_per_unit.get(Method.FORWARD)
+        if said is not None and measured is not None:
+            # believed down to a part of what the client measured: a peer claiming to compute in no time would
+            # otherwise be sent every micro-batch
+            return max(said, measured * MIN_COMPUTE_SHARE) * self.tokens
         if measured is not None:
             return measured * self.tokens
         return self.tokens / (max(record.throughput, UNKNOWN_SPEED) * (record.end - record.start))

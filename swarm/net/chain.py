@@ -89,7 +89,8 @@ def write_route(route: list[ChainHop]) -> list:
 @dataclass(frozen=True)
 class HopAck:
     """A hop that ran: which peer, which blocks, and the seconds it spent from the request's arrival to its answer
-    (the chain after it included); after a backward, its blocks' accumulated gradient norms (see swarm/net/gradnorm.py)
+    (the chain after it included), and of them computing its own blocks (None from a peer that does not say); after a
+    backward, its blocks' accumulated gradient norms (see swarm/net/gradnorm.py)
     and the hash of each block's LoRA gradients of the micro-batch, as this hop holds them (swarm/net/gradhash.py).
     """
 
@@ -99,6 +100,7 @@ class HopAck:
     seconds: float
     norms: tuple[GradNorm, ...] = ()
     hashes: tuple[tuple[int, str], ...] = ()  # (block, gradient hash), after a backward
+    compute: float | None = None
 
     @property
     def blocks(self) -> range:
@@ -106,21 +108,24 @@ class HopAck:
 
 
 def _ack(entry: object) -> HopAck:
-    if not isinstance(entry, list) or len(entry) not in (4, 5, 6):
-        raise ValueError(f"{entry!r} is not [peer, start, end, seconds, norms?, hashes?]")
+    if not isinstance(entry, list) or len(entry) not in (4, 5, 6, 7):
+        raise ValueError(f"{entry!r} is not [peer, start, end, seconds, norms?, hashes?, compute?]")
     peer, start, end, seconds = entry[:4]
     norms = entry[4] if len(entry) >= 5 else []
-    hashes = entry[5] if len(entry) == 6 else []
+    hashes = entry[5] if len(entry) >= 6 else []
+    compute = entry[6] if len(entry) == 7 else None
     if not isinstance(peer, str) or not (_is_int(start) and _is_int(end) and 0 <= start < end):
         raise ValueError(f"{entry!r} is not [peer, start, end, seconds]")
-    if not isinstance(seconds, int | float) or isinstance(seconds, bool) or not 0 <= seconds < math.inf:
-        raise ValueError(f"{seconds!r} is not a duration")
+    for duration in (seconds,) if compute is None else (seconds, compute):
+        if not isinstance(duration, int | float) or isinstance(duration, bool) or not 0 <= duration < math.inf:
+            raise ValueError(f"{duration!r} is not a duration")
     if not isinstance(norms, list) or len(norms) > end - start:
         raise ValueError(f"{norms!r} is not a list of the hop's blocks' gradient norms")
     read = tuple(read_grad_norm(n) for n in norms)
     if any(n.block not in range(start, end) for n in read):
         raise ValueError(f"gradient norms {norms!r} name blocks outside the hop's {start}:{end}")
-    return HopAck(peer, start, end, float(seconds), read, _hashes(hashes, range(start, end)))
+    spent = None if compute is None else float(compute)
+    return HopAck(peer, start, end, float(seconds), read, _hashes(hashes, range(start, end)), spent)
 
 
 def _hashes(value: object, blocks: range) -> tuple[tuple[int, str], ...]:
@@ -143,7 +148,9 @@ def read_acks(meta: dict, key: str) -> list[HopAck]:
 
 def write_acks(acks: list[HopAck]) -> list:
     return [
-        [a.peer, a.start, a.end, a.seconds, [n.to_wire() for n in a.norms], [list(h) for h in a.hashes]] for a in acks
+        [a.peer, a.start, a.end, a.seconds, [n.to_wire() for n in a.norms], [list(h) for h in a.hashes]]
+        + ([] if a.compute is None else [a.compute])
+        for a in acks
     ]
 
 

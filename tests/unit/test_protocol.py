@@ -17,7 +17,7 @@ from hivemind.p2p import PeerID
 from peers.compute import Compute
 from peers.service import PeerService
 from swarm.net import protocol
-from swarm.net.chain import ChainFailure, ChainHop, HopAck
+from swarm.net.chain import ChainFailure, ChainHop, HopAck, read_acks, write_acks
 from swarm.net.errors import ErrorKind, MissingGradientsError, RemoteError, RequestError, SourceUnavailableError
 from swarm.net.gradnorm import GradNorm
 from swarm.net.message import Message
@@ -35,6 +35,7 @@ ROUTE = [ChainHop(OTHER.to_base58(), 2, 4, 3.5, ("/ip4/1.2.3.4/tcp/5",)), ChainH
 ACKS = [
     HopAck(PEER.to_base58(), 0, 2, 0.25, (GradNorm(1, "c0ffee", 4.0, 1.5),), ((0, "ab" * 32), (1, "cd" * 32))),
     HopAck(OTHER.to_base58(), 2, 4, 0.5),
+    HopAck(OTHER.to_base58(), 4, 6, 0.75, compute=0.125),
 ]
 BROKEN = ChainFailure(PEER.to_base58(), "timeout", "no answer in 3.5 s")
 
@@ -329,3 +330,12 @@ def test_a_chain_reply_with_a_garbled_failure_or_ack_is_the_peers_fault():
     for key, value in (("failure", ["peer", "timeout"]), ("acks", [["peer", 0, 2, -1.0]])):
         with pytest.raises(ReplyError, match="malformed forward reply"):
             read_reply(forward, Message({**message.meta, key: value}, message.tensors))
+
+
+def test_an_ack_says_its_compute_time_apart_and_one_from_an_older_peer_reads_without_it():
+    written = write_acks([HopAck(PEER.to_base58(), 0, 2, 0.5, compute=0.2)])
+    assert read_acks({"acks": written}, "acks")[0].compute == 0.2
+    older = read_acks({"acks": [written[0][:6]]}, "acks")[0]
+    assert (older.seconds, older.compute) == (0.5, None)
+    with pytest.raises(ValueError, match="not a duration"):
+        read_acks({"acks": [[*written[0][:6], -1.0]]}, "acks")

@@ -70,6 +70,22 @@ def test_measured_speed_overrides_the_announced_one():
     assert _chain(router)[0][0] == 2
 
 
+def test_a_fast_peer_whose_answers_waited_in_its_queue_is_routed_by_its_compute_time():
+    # 1 computes twice as fast as 2, but its answers took 4x longer: they waited behind work the router already
+    # counts as booked. Routed by the answers' time, it would look slower than 2; by its compute time, it is faster.
+    router = _router({1: (0, 2, 100.0), 2: (0, 2, 100.0)}, 2)
+    router.succeeded(_peer(1), Method.FORWARD, units=200, seconds=4.0, compute=1.0)
+    router.succeeded(_peer(2), Method.FORWARD, units=200, seconds=2.0, compute=2.0)
+    assert _chain(router)[0][0] == 1
+
+
+def test_a_peer_claiming_to_compute_in_no_time_is_believed_only_down_to_a_share_of_its_measured_time():
+    router = _router({1: (0, 2, 100.0), 2: (0, 2, 100.0)}, 2)
+    router.succeeded(_peer(1), Method.FORWARD, units=200, seconds=10.0, compute=0.0)  # counted as 2.5 s
+    router.succeeded(_peer(2), Method.FORWARD, units=200, seconds=2.0, compute=2.0)
+    assert _chain(router)[0][0] == 2
+
+
 def test_micro_batches_in_flight_spread_over_replicas_in_proportion_to_speed():
     clock = _Clock()
     # 400, 200 and 50 block-tokens/s: 0.5, 1 and 4 s a micro-batch
