@@ -252,11 +252,14 @@ class Router:
                 rates[method] = rate if old is None else 0.7 * old + 0.3 * rate
 
     def timeout(self, peer: PeerID, method: str, units: float) -> float:
-        """Generous before the first answer; afterwards a few times the peer's measured speed."""
+        """Generous before the first answer; afterwards a few times the peer's measured speed, plus the work this
+        client has routed to it and not seen done (the request waits behind it: a slow replica sent its share is
+        loaded, not failing). A peer that died or froze meanwhile is found by the call's watch, not by this."""
         rate = self._health(peer).seconds_per_unit.get(method)
         if rate is None:
             return min(self.first_timeout, FIRST_CONTROL_TIMEOUT) if method in CONTROL_METHODS else self.first_timeout
-        return max(self.min_timeout, 1.0 + 5.0 * rate * max(units, 1.0))
+        queued = max(0.0, self.busy_until.get(peer, 0.0) - self.clock())
+        return max(self.min_timeout, 1.0 + 5.0 * rate * max(units, 1.0) + queued)
 
     def usable(self, record: ServerRecord, eligible_only: bool = True) -> bool:
         """Online, not gone, not banned, and (unless told otherwise) eligible: holding the adapter at the client's

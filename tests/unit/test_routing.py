@@ -86,6 +86,18 @@ def test_a_peer_claiming_to_compute_in_no_time_is_believed_only_down_to_a_share_
     assert _chain(router)[0][0] == 2
 
 
+def test_a_peer_given_work_is_waited_for_longer_not_banned_for_being_loaded():
+    clock = _Clock()
+    router = _router({1: (0, 2, 100.0)}, 2, clock=clock, work_per_forward=3.0)
+    router.succeeded(_peer(1), Method.BACKWARD, units=200, seconds=4.0)
+    idle = router.timeout(_peer(1), Method.BACKWARD, 200)
+    for _ in range(4):  # four micro-batches routed to it, 1 s of forward each, 3 s with their backward: 12 s booked
+        router.route()
+    assert router.timeout(_peer(1), Method.BACKWARD, 200) == pytest.approx(idle + 12.0, rel=0.05)
+    clock.now = 20.0  # all of it done by now
+    assert router.timeout(_peer(1), Method.BACKWARD, 200) == idle
+
+
 def test_micro_batches_in_flight_spread_over_replicas_in_proportion_to_speed():
     clock = _Clock()
     # 400, 200 and 50 block-tokens/s: 0.5, 1 and 4 s a micro-batch
