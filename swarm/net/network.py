@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
+import time
 from pathlib import Path
 
+import psutil
 from hivemind import DHT
 from hivemind.p2p import P2P
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
@@ -23,6 +27,35 @@ logger = logging.getLogger(__name__)
 # to minutes for relay candidates. hivemind passes no such flags, so they ride on its reachability presets.
 RELAYED = "swarm-relayed"
 P2P.FORCE_REACHABILITY_MAPPING[RELAYED] = {"forceReachabilityPrivate": 1, "relayDiscovery": 0}
+
+
+ORPHAN_CHECK_EVERY = 1.0  # seconds between a DHT process's looks at whether the process that started it lives
+
+
+class OwnedDHT(DHT):
+    """hivemind's DHT, whose process (and the p2pd it runs) ends when the process that started it dies.
+
+    hivemind's DHT process holds both ends of its pipe, so it never learns that its parent is gone: after a SIGKILL of
+    the peer alone (the OOM killer's), it and its p2pd lived on with the peer's identity, and every restart of the
+    peer was refused as a second process with that identity."""
+
+    def __init__(self, *args, **kwargs):
+        self._owner = os.getpid()
+        super().__init__(*args, **kwargs)
+
+    def run(self) -> None:
+        threading.Thread(target=_end_with, args=(self._owner,), name="swarm-dht-owner", daemon=True).start()
+        super().run()
+
+
+def _end_with(owner: int) -> None:
+    """In the DHT's process: once ``owner`` is no longer its parent, kill its own children (p2pd) and exit."""
+    while os.getppid() == owner:
+        time.sleep(ORPHAN_CHECK_EVERY)
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    os._exit(0)
 
 
 def initial_peers_or_env(initial_peers: list[str] | None) -> list[str]:
@@ -58,7 +91,7 @@ def join_dht(
     if relays:
         kwargs.update(use_auto_relay=True, trusted_relays=relays, force_reachability=RELAYED)
     try:
-        return DHT(
+        return OwnedDHT(
             initial_peers=initial_peers,
             client_mode=client_mode or bool(relays),
             identity_path=str(identity.path),

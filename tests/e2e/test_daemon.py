@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 
+import psutil
 import pytest
 
 from peers.daemon import PeerConfig, PeerDaemon
@@ -92,3 +93,19 @@ def test_a_peer_exits_on_sigterm_or_sigint_to_it_or_to_its_whole_process_group(t
         assert code in (0, -sig), peer.tail()
         if target == "process":
             assert code == 0 and "left the swarm" in peer.log.read_text(), peer.tail()
+
+
+def test_a_peer_killed_alone_leaves_nothing_behind_and_restarts_under_its_identity(tiny_models, tmp_path):
+    """The OOM killer SIGKILLs the peer's own process, not its group. The DHT process and p2pd it started must end
+    too: left running, they kept its identity alive in the swarm and every restart was refused as a second process
+    with that identity."""
+    extra = ["--identity", str(tmp_path / "peer.key"), "--leave-grace", "1"]
+    with LocalSwarm(tmp_path) as local:
+        local.start_dht()
+        peer = local.start_peer(tiny_models["llama"], "0:4", name="first", extra=extra)
+        children = psutil.Process(peer.pid).children(recursive=True)
+        assert any("p2pd" in c.name() for c in children), [c.name() for c in children]
+        os.kill(peer.pid, signal.SIGKILL)
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, f"left running after the peer was killed: {[(c.pid, c.name()) for c in alive]}"
+        local.start_peer(tiny_models["llama"], "0:4", name="restarted", extra=extra, timeout=120)
