@@ -7,13 +7,14 @@ each time with a fresh adapter: once routed by the client's router (the fastest 
 work already routed: micro-batches in flight spread over replicas in proportion to speed), once by the router this
 project had before it (fewest hops; among the servers reaching farthest, one at random weighted by announced
 throughput), re-implemented here as the baseline. A step is ``model.train_step`` over ``--micro-batches``
-micro-batches, ``--in-flight`` at once, then ``optimizer.step()``. Printed: the median step time of each, the share
-of the blocks each peer computed, and the speed-up over one replica.
+micro-batches, ``--in-flight`` at once (default: as many as the client chooses, two per server), then
+``optimizer.step()``. Printed: the median step time of each, the share of the blocks each peer computed, and the
+speed-up over one replica.
 
 Usage::
 
     python scripts/bench_routing.py [--quotas 0.5 0.25 0.12] [--layers 4] [--hidden 256] [--batch 2] [--seq 128]
-        [--micro-batches 8] [--in-flight 4] [--steps 6] [--warmup 2] [--workdir DIR]
+        [--micro-batches 8] [--in-flight N] [--steps 6] [--warmup 2] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Run:
     times: list[float] = field(default_factory=list)
     passes: list[float] = field(default_factory=list)  # of each step, the forward and backward of its micro-batches
     blocks: Counter = field(default_factory=Counter)
+    in_flight: int = 0  # micro-batches in flight, as given or as the client chose
 
 
 def fewest_hops(router: Router, start: int = 0, end: int | None = None, prefer=None) -> list[Hop]:
@@ -118,6 +120,7 @@ def train(model_dir: Path, swarm_: LocalSwarm, policy: str, adapter: str, args: 
                 run.blocks.clear()
             started = time.perf_counter()
             model.train_step(batches, max_in_flight=args.in_flight)
+            run.in_flight = args.in_flight or model.in_flight()
             passed = time.perf_counter()
             optimizer.step()
             optimizer.zero_grad()
@@ -161,7 +164,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--in-flight", type=int, default=4)
+    parser.add_argument(
+        "--in-flight", type=int, default=None, help="micro-batches in flight (default: the client's choice)"
+    )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=None)
@@ -178,16 +183,17 @@ def main() -> None:
         results[replicas] = measure(model_dir, replicas, args, workdir / f"r{replicas}")
     print(
         f"config: 2 spans of a {args.layers}-block Llama (hidden {args.hidden}), {args.micro_batches} micro-batches "
-        f"of {args.batch}x{args.seq} tokens per step, {args.in_flight} in flight; replica k of each span limited to "
+        f"of {args.batch}x{args.seq} tokens per step, {args.in_flight or 'the client chooses how many'} in flight; "
+        "replica k of each span limited to "
         f"{', '.join(f'{q:g}' for q in args.quotas)} core(s); median of {args.steps} steps after {args.warmup}"
     )
     base = {policy: statistics.median(results[1][0][policy].times) for policy in POLICIES}
     print(
-        "| replicas per span | "
+        "| replicas per span | in flight | "
         + " | ".join(f"{p}: step (s), of it forward and backward (s), speed-up" for p in POLICIES)
         + f" | blocks per peer, {POLICIES[0]} / {POLICIES[1]} |"
     )
-    print("|---:|" + "---:|" * len(POLICIES) + "---|")
+    print("|---:|---:|" + "---:|" * len(POLICIES) + "---|")
     for replicas, (runs, names) in results.items():
         cells = []
         for policy in POLICIES:
@@ -199,7 +205,7 @@ def main() -> None:
             counts = [runs[p].blocks[PeerID.from_base58(peer)] for p in POLICIES]
             totals = [sum(runs[p].blocks.values()) or 1 for p in POLICIES]
             shares.append(f"{name}: {counts[0] / totals[0]:.0%} / {counts[1] / totals[1]:.0%}")
-        print(f"| {replicas} | " + " | ".join(cells) + " | " + "; ".join(shares) + " |")
+        print(f"| {replicas} | {runs[POLICIES[0]].in_flight} | " + " | ".join(cells) + " | " + "; ".join(shares) + " |")
 
 
 if __name__ == "__main__":

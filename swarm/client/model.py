@@ -459,12 +459,12 @@ class SwarmModelForCausalLM(nn.Module):
         self,
         micro_batches: Iterable[Mapping[str, torch.Tensor]],
         accumulation: int | None = None,
-        max_in_flight: int = 4,
+        max_in_flight: int | None = None,
         num_items_in_batch: int | None = None,
     ) -> torch.Tensor:
         """Forward and backward of the micro-batches of a step, up to ``max_in_flight`` of them in the swarm at once
-        (a pipeline: each span works on one micro-batch while the next span works on another). Commit with
-        ``optimizer.step()`` as usual.
+        (a pipeline: each span works on one micro-batch while the next span works on another; None: two per live
+        server, 4 to 32, so that replicas added make the step faster). Commit with ``optimizer.step()`` as usual.
 
         The loss is weighted per token, as transformers' Trainer does: the gradients are exactly those of
         ``for b in micro_batches: model(**b, num_items_in_batch=N).loss.backward()``, with ``N`` the label tokens of
@@ -506,7 +506,13 @@ class SwarmModelForCausalLM(nn.Module):
 
             return run
 
-        return torch.stack(run_pipelined(micro_batches, start, max_in_flight)).sum()
+        in_flight = self.in_flight() if max_in_flight is None else max_in_flight
+        return torch.stack(run_pipelined(micro_batches, start, in_flight)).sum()
+
+    def in_flight(self) -> int:
+        """How many micro-batches ``train_step`` (and ``SwarmTrainer``) keep in the swarm at once unless told: two
+        per live server, 4 to 32."""
+        return self.session.router.in_flight()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the adapter's LoRA gradients on every peer: returns the total norm

@@ -60,6 +60,7 @@ class PeerHealth:
 # not worth waiting for (a dial to a dead address would otherwise take libp2p ~20 s to give up).
 CONTROL_METHODS = frozenset({Method.OPEN, Method.INFO, Method.DIGEST, Method.REPLICATE, Method.FAST_FORWARD})
 FIRST_CONTROL_TIMEOUT = 10.0
+MIN_IN_FLIGHT, MAX_IN_FLIGHT = 4, 32  # micro-batches of a step in the swarm at once, when the user does not say
 MIN_COMPUTE_SHARE = 0.25  # the least share of a hop's measured time a peer's own word on its compute time is taken for
 UNKNOWN_SPEED = 1e-3  # tokens/s assumed of a server that announces none: routed to only when nothing else serves
 
@@ -298,6 +299,14 @@ class Router:
                 block: [r.peer_id for r in records if r.state == ServerState.ONLINE and self.may_hold_state(r.peer_id)]
                 for block, records in self.servers.items()
             }
+
+    def in_flight(self) -> int:
+        """How many micro-batches of a step to keep in the swarm at once: two per usable server, so that each has
+        the next one waiting while another travels (with one per server, replicas added made no step faster: each
+        micro-batch spends most of its time on the other hops), at least ``MIN_IN_FLIGHT``, at most
+        ``MAX_IN_FLIGHT`` (every micro-batch in flight holds activations on each peer of its chain)."""
+        servers = {r.peer_id for records in self.servers.values() for r in records if self.usable(r)}
+        return max(MIN_IN_FLIGHT, min(MAX_IN_FLIGHT, 2 * len(servers)))
 
     def uncovered(self, start: int = 0, end: int | None = None, eligible_only: bool = True) -> list[int]:
         end = self.num_blocks if end is None else end

@@ -133,7 +133,8 @@ class SwarmTrainerMixin:
     """The swarm-specific overrides of transformers' Trainer, shared by ``SwarmTrainer`` and ``SwarmSFTTrainer``.
 
     ``max_in_flight``: how many micro-batches of a gradient accumulation are in the swarm at once (a pipeline: each
-    span works on one micro-batch while the next works on another). The gradients are exactly those of Trainer's
+    span works on one micro-batch while the next works on another; None: ``model.in_flight()``, two per live
+    server). The gradients are exactly those of Trainer's
     sequential loop: micro-batch ids are taken in data order, and the peers sum in id order."""
 
     model: SwarmModelForCausalLM
@@ -143,7 +144,7 @@ class SwarmTrainerMixin:
         model: Any = None,
         args: transformers.TrainingArguments | None = None,
         *more,
-        max_in_flight: int = 4,
+        max_in_flight: int | None = None,
         **kwargs,
     ):
         check_model(model)
@@ -160,7 +161,7 @@ class SwarmTrainerMixin:
                 "SwarmTrainer's optimizer must be a swarm.RemoteOptimizer of this model (or None, to build one from "
                 f"the TrainingArguments), got {type(optimizer).__name__}"
             )
-        if max_in_flight < 1:
+        if max_in_flight is not None and max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self._max_in_flight = max_in_flight
         if args is not None:
@@ -219,7 +220,8 @@ class SwarmTrainerMixin:
 
                 return run
 
-            losses = run_pipelined(batches, start, self._max_in_flight)
+            in_flight = self.model.in_flight() if self._max_in_flight is None else self._max_in_flight
+            losses = run_pipelined(batches, start, in_flight)
             self._losses = deque(zip(batches, losses, strict=True))
         if self._losses and self._losses[0][0] is inputs:
             return self._losses.popleft()[1]

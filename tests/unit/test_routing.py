@@ -234,3 +234,15 @@ def test_the_fastest_chain_is_the_best_of_every_chain_on_small_swarms():
         by_peer = {c.peer_id: c for c in candidates}
         assert found[-1].finishes == pytest.approx(best)
         assert _finish([(by_peer[h.peer_id], h.start, h.end) for h in found], 0) == pytest.approx(best)
+
+
+def test_micro_batches_in_flight_grow_with_the_servers_a_step_can_keep_busy():
+    two = _router({1: (0, 2, 100.0), 2: (2, 4, 100.0)}, 4)
+    assert two.in_flight() == 4  # two per server
+    four = _router({1: (0, 2, 100.0), 2: (2, 4, 100.0), 3: (0, 2, 50.0), 4: (2, 4, 50.0)}, 4)
+    assert four.in_flight() == 8  # a replica per span added: each needs work waiting too
+    four.ban(_peer(3), "test")
+    assert four.in_flight() == 6  # only servers a route may use count
+    crowd = _router({i: (0, 4, 100.0) for i in range(1, 41)}, 4)
+    assert crowd.in_flight() == 32  # at most: each micro-batch in flight holds activations on its peers
+    assert _router({1: (0, 4, 100.0)}, 4).in_flight() == 4  # at least
