@@ -129,8 +129,11 @@ class InProcessPeer:
     def leave(self) -> None:
         """Ask the daemon to leave, as SIGTERM does (announce it, finish in-flight work, go); returns at once."""
         self.faults.release()
-        if self._thread.is_alive() and not self.killed:
-            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread.is_alive() and not self.killed and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._stop.set)
+            except RuntimeError:  # its loop closed meanwhile: the daemon is done already (it failed, or left)
+                pass
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
         """Leave and wait for it; killed if that hangs."""
