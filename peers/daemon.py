@@ -375,13 +375,18 @@ class PeerDaemon:
             await self._announce()
             await asyncio.sleep(1.0 + self.rng.uniform(0.0, 1.0))
             view = await self._observe()
+            # Peers deciding on one snapshot may all move to the same blocks (a churn test saw two leave 2:4 for 0:2
+            # at once, then both move back). Of peers moving at once, the smallest id goes on; the others count it
+            # where it goes and move only if that still calls for their move.
+            later = frozenset(p for p in movers(view) if p.to_bytes() > me.to_bytes())
+            if await self._decide_move(view, later) != target:
+                logger.info("not moving to %d:%d: a peer moving at the same time does", target.start, target.stop)
+                await self._cancel_move(old, target)
+                return
             unsafe = [b for b in handed_over if not safe_to_drop(b, _others(view, b, me), me.to_base58())]
             if unsafe:
                 logger.info("not moving: blocks %s would be left without a server; keeping them", unsafe)
-                self.moving_to, self.joining = None, None
-                await self.parts.compute(self.parts.backend.remove, [b for b in target if b not in old])
-                await self._announce()
-                await self._withdraw([b for b in target if b not in old])
+                await self._cancel_move(old, target)
                 return
         self.serving, self.joining, self.moving_to = target, None, None
         leaving = ServerRecord(me, ServerState.LEAVING, old.start, old.stop, self.throughput)
@@ -390,6 +395,13 @@ class PeerDaemon:
         await self.parts.compute(self.parts.backend.remove, handed_over)
         self.throughput = await self.parts.compute(measure_throughput, self.parts.backend)
         logger.info("now serving blocks %d:%d, %.0f tokens/s", target.start, target.stop, self.throughput)
+
+    async def _cancel_move(self, old: range, target: range) -> None:
+        """Stay on ``old``: drop what was loaded of ``target`` and the records announcing the move."""
+        self.moving_to, self.joining = None, None
+        await self.parts.compute(self.parts.backend.remove, [b for b in target if b not in old])
+        await self._announce()
+        await self._withdraw([b for b in target if b not in old])
 
     async def _balance_round(self) -> None:
         """Free idle generation sessions, time the links to the next hops (in the background: peers/links.py),
@@ -404,25 +416,16 @@ class PeerDaemon:
             await self._checkpoint(name)
         if not self.config.rebalance:
             return
-        spans, pinned, speeds, pinned_throughput = settled_spans(view, self.spec.num_blocks)
-        me = self.identity.peer_id.to_base58()
-        spans[me], speeds[me] = self.serving, self.throughput
-        capacity = {r.peer_id.to_base58(): r.max_blocks for records in view.records.values() for r in records}
-        target = await asyncio.to_thread(  # a plan search may take a few hundred ms: not on the event loop
-            next_move,
-            spans,
-            me,
-            self.spec.num_blocks,
-            self.span_len,
-            self.config.replication,
-            self.max_blocks,
-            pinned,
-            capacity,
-            speeds,
-            pinned_throughput,
-        )
+        target = await self._decide_move(view)
         if target is not None:
             await self._move(target)
+
+    async def _decide_move(self, view: SwarmView, yielding: frozenset[PeerID] = frozenset()) -> range | None:
+        placement = Placement(self.spec.num_blocks, self.span_len, self.config.replication, self.max_blocks)
+        me, serving, throughput = self.identity.peer_id, self.serving, self.throughput
+        return await asyncio.to_thread(  # a plan search may take a few hundred ms: not on the event loop
+            decide_move, view, me, serving, throughput, placement, yielding
+        )
 
     def _next_hops(self, view: SwarmView) -> list[PeerID]:
         """Where this peer's hops pass activations on: the live servers of the block after its span."""
@@ -637,13 +640,16 @@ class Settled(NamedTuple):
     pinned_throughput: dict[int, float]  # per block, the span throughput the joining and moving peers will bring
 
 
-def settled_spans(view: SwarmView, num_blocks: int, exclude: PeerID | None = None) -> Settled:
+def settled_spans(
+    view: SwarmView, num_blocks: int, exclude: PeerID | None = None, yielding: frozenset[PeerID] = frozenset()
+) -> Settled:
     """The view as ``next_move`` takes it: each settled live peer's span and throughput, and per block how many other
     live peers will serve it and with what throughput. A joining or moving peer counts where it is going, not where
     it is leaving: two peers counting on each other to keep a block would both leave it, or both rush to the same
     slow one. A moving peer keeps its speed (span throughput times span length) on the span it moves to; a joining
     one has not measured it yet and counts as the median settled peer. ``exclude``: a peer left out (one choosing
-    its own span)."""
+    its own span). ``yielding``: moving peers counted where they serve now, not where they go (they give way to the
+    peer asking: see ``PeerDaemon._move``)."""
     online: dict = {}  # peer -> the spans it announces online
     going: dict = {}  # peer -> the blocks it is loading or moving to
     rates: dict = {}  # peer -> (span throughput, span length) of an online record
@@ -651,11 +657,13 @@ def settled_spans(view: SwarmView, num_blocks: int, exclude: PeerID | None = Non
         for r in records:
             if r.peer_id not in view.alive or r.peer_id == exclude:
                 continue
+            if r.peer_id in yielding and r.state != ServerState.ONLINE:
+                continue
             if r.state == ServerState.ONLINE:
                 online.setdefault(r.peer_id, set()).add(r.blocks)
                 rates[r.peer_id] = (r.throughput, len(r.blocks))
             target = {ServerState.ONLINE: r.moving_to, ServerState.JOINING: r.blocks}.get(r.state)
-            if target is not None:
+            if target is not None and r.peer_id not in yielding:
                 going.setdefault(r.peer_id, set()).update(b for b in target if b < num_blocks)
     settled = {
         peer: span
@@ -682,6 +690,51 @@ def planned_throughput(view: SwarmView, num_blocks: int, exclude: PeerID | None 
     go (``exclude`` left out): what a new peer weighs, so that two peers joining one after the other spread out."""
     settled = settled_spans(view, num_blocks, exclude)
     return dict(enumerate(block_throughput(settled.spans, settled.speeds, num_blocks, settled.pinned_throughput)))
+
+
+def movers(view: SwarmView) -> set[PeerID]:
+    """Peers serving one span while moving to another (online there, and joining or ``moving_to`` elsewhere)."""
+    records = [r for records in view.records.values() for r in records]
+    online = {r.peer_id for r in records if r.state == ServerState.ONLINE}
+    going = {r.peer_id for r in records if r.moving_to is not None or r.state == ServerState.JOINING}
+    return online & going
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What a peer's move depends on besides the view: the model's size and the swarm's placement settings."""
+
+    num_blocks: int
+    span_len: int
+    replication: int
+    max_blocks: int | None
+
+
+def decide_move(
+    view: SwarmView,
+    me: PeerID,
+    serving: range,
+    throughput: float,
+    placement: Placement,
+    yielding: frozenset[PeerID] = frozenset(),
+) -> range | None:
+    """This peer's move (``next_move``) from the view, standing on ``serving``, its own moves left out."""
+    spans, pinned, speeds, pinned_throughput = settled_spans(view, placement.num_blocks, me, yielding)
+    mine = me.to_base58()
+    spans[mine], speeds[mine] = serving, throughput
+    capacity = {r.peer_id.to_base58(): r.max_blocks for records in view.records.values() for r in records}
+    return next_move(
+        spans,
+        mine,
+        placement.num_blocks,
+        placement.span_len,
+        placement.replication,
+        placement.max_blocks,
+        pinned,
+        capacity,
+        speeds,
+        pinned_throughput,
+    )
 
 
 def _others(view: SwarmView, block: int, me) -> list[tuple[str, bool]]:
