@@ -305,8 +305,7 @@ class Router:
         the next one waiting while another travels (with one per server, replicas added made no step faster: each
         micro-batch spends most of its time on the other hops), at least ``MIN_IN_FLIGHT``, at most
         ``MAX_IN_FLIGHT`` (every micro-batch in flight holds activations on each peer of its chain)."""
-        servers = {r.peer_id for records in self.servers.values() for r in records if self.usable(r)}
-        return max(MIN_IN_FLIGHT, min(MAX_IN_FLIGHT, 2 * len(servers)))
+        return max(MIN_IN_FLIGHT, min(MAX_IN_FLIGHT, 2 * len(self.live_servers())))
 
     def uncovered(self, start: int = 0, end: int | None = None, eligible_only: bool = True) -> list[int]:
         end = self.num_blocks if end is None else end
