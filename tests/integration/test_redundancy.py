@@ -58,12 +58,13 @@ def test_a_replica_whose_commit_reply_was_lost_counts_as_applied_and_is_not_aske
 
 
 def test_a_partial_commit_is_taken_back_and_redone_once(inprocess_swarm, tiny_models, tmp_path):
-    """Peer c serves all 4 blocks and computes every micro-batch (the shortest route); a and b, the other replicas
-    of 0:2 and 2:4, fetch the gradients from it at commit. The second fetch of step 0 loses its reply: c and the
+    """Peer c serves all 4 blocks and computes every micro-batch: it is the only chain (a and b, replicas of blocks
+    1 and 2, cannot start or end one, and a chain passes each peer once), whatever the router believes of their
+    speed. a and b fetch the gradients from c at commit. The second fetch of step 0 loses its reply: c and the
     first fetcher applied the step, the second fetcher could not. Both appliers take the step back (REVERT), the
     gradients are replayed, and the step is committed everywhere, to the same bits as once."""
     swarm = inprocess_swarm()
-    peers = swarm.start_peers({"c": "0:4", "a": "0:2", "b": "2:4"})
+    peers = swarm.start_peers({"c": "0:4", "a": "1:2", "b": "2:3"})
     fault = peers["c"].faults.arm(Fault(Action.DROP, Method.GRADS, nth=2))  # the second fetch of step 0
     train(swarm, tiny_models["llama"], tmp_path, "taken-back")
     assert fault.wait_fired(0)
@@ -75,9 +76,9 @@ def test_a_partial_commit_is_taken_back_and_redone_once(inprocess_swarm, tiny_mo
 def test_a_replica_killed_after_applying_mid_commit_leaves_the_others_to_apply_once(
     inprocess_swarm, tiny_models, tmp_path
 ):
-    """Peer c (all 4 blocks, and every micro-batch's gradients) applies step 1 and dies before it replies, while a
-    and b fetch its gradients: whatever they got before it died, lost gradients are replayed on them and each applies
-    the step once. Training goes on without c."""
+    """Peer c (all 4 blocks, and the gradients of the micro-batches routed through it) applies step 1 and dies
+    before it replies, while a and b fetch its gradients: whatever they got before it died, lost gradients are
+    replayed on them and each applies the step once. Training goes on without c."""
     swarm = inprocess_swarm()
     peers = swarm.start_peers({"c": "0:4", "a": "0:2", "b": "2:4"})
     fault = peers["c"].faults.arm(Fault(Action.KILL, Method.COMMIT, nth=2, after=True))
