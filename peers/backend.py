@@ -8,6 +8,7 @@ import itertools
 import logging
 import math
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
@@ -577,7 +578,7 @@ class SpanBackend:
             if grad_scale != 1.0:
                 for grad in summed:
                     grad.mul_(grad_scale)
-            state.undo = Undo(BlockState.of(state), state.grads, state.last_update)
+            state.undo = Undo(BlockState.of(state, with_before=False), state.grads, state.last_update)
             for lp, grad in zip(state.params, summed, strict=True):
                 lp.param.grad = grad
             for group in state.optimizer.param_groups:
@@ -697,7 +698,8 @@ class SpanBackend:
         for block, update in updates.items():
             held = adapter.standby.get(block)
             if held is not None and held.step == update.step:
-                adapter.standby[block] = update.apply_to(held)
+                advanced = adapter.standby[block] = update.apply_to(held)
+                advanced.before = replace(held, before=None)  # revertible like the server's state
                 done.append(block)
         return done
 

@@ -26,9 +26,13 @@ _BLOCK_FILE = re.compile(r"block-(\d+)\.safetensors(\.prev)?")
 _TMP = ".tmp-"
 
 
-def _digest(tensors: dict[str, torch.Tensor], step: int, block: int, adapter: str, meta: str) -> str:
-    """Covers every tensor byte and every field read back, so truncation or bit rot cannot go unnoticed."""
-    h = hashlib.sha256(json.dumps([step, block, adapter, meta]).encode())
+def _digest(
+    tensors: dict[str, torch.Tensor], step: int, block: int, adapter: str, meta: str, before_step: int | None
+) -> str:
+    """Covers every tensor byte and every field read back, so truncation or bit rot cannot go unnoticed (files
+    without a state before, as every file was before there were any, hash as they did)."""
+    fields = [step, block, adapter, meta] + ([before_step] if before_step is not None else [])
+    h = hashlib.sha256(json.dumps(fields).encode())
     for name in sorted(tensors):
         t = tensors[name]
         h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
@@ -60,15 +64,16 @@ def _read(path: Path, adapter: str, block: int) -> tuple[dict, BlockState]:
     (header_len,) = struct.unpack("<Q", data[:8])
     metadata = json.loads(data[8 : 8 + header_len])["__metadata__"]
     step, meta = int(metadata["step"]), metadata["meta"]
+    before_step = int(metadata["before_step"]) if "before_step" in metadata else None
     if (metadata["adapter"], int(metadata["block"])) != (adapter, block):
         raise ValueError(f"it holds block {metadata['block']} of adapter {metadata['adapter']!r}")
-    if _digest(tensors, step, block, adapter, meta) != metadata["sha256"]:
+    if _digest(tensors, step, block, adapter, meta, before_step) != metadata["sha256"]:
         raise ValueError("checksum mismatch")
     entries: dict[str, dict[str, torch.Tensor]] = {}
     for key in sorted(tensors):
         name, field = key.rsplit("::", 1)
         entries.setdefault(name, {})[field] = tensors[key]
-    return json.loads(meta), BlockState(step=step, tensors=entries)
+    return json.loads(meta), BlockState.from_fields(step, entries, before_step)
 
 
 class CheckpointStore:
@@ -94,12 +99,15 @@ class CheckpointStore:
             _fsync_dir(directory.parent)
         tensors = {
             f"{name}::{key}": t.detach().cpu().contiguous()
-            for name, entry in state.tensors.items()
+            for name, entry in state.fields().items()
             for key, t in entry.items()
         }
         meta_json = json.dumps(meta, sort_keys=True)
         metadata = {"format": "pt", "step": str(state.step), "block": str(block), "adapter": adapter, "meta": meta_json}
-        metadata["sha256"] = _digest(tensors, state.step, block, adapter, meta_json)
+        before_step = state.before.step if state.before is not None else None
+        if before_step is not None:
+            metadata["before_step"] = str(before_step)
+        metadata["sha256"] = _digest(tensors, state.step, block, adapter, meta_json, before_step)
         data = save_safetensors(tensors, metadata)
         path = directory / f"block-{block:05d}.safetensors"
         tmp = path.with_name(f"{path.name}{_TMP}{os.getpid()}-{next(self._counter)}")

@@ -56,6 +56,7 @@ class PeerConfig:
     blocks: range | None = None
     num_blocks: int | None = None
     max_blocks: int | None = None
+    throughput: float | None = None  # tokens/s through the span, announced as told instead of measured
     replication: int = 2
     rebalance: bool = True
     balance_interval: float = 5.0
@@ -328,9 +329,13 @@ class PeerDaemon:
             for name, (meta, states) in self.store.load().items():
                 backend.keep_standby(name, meta, states, keep=None)
                 logger.info("loaded checkpoint of adapter %r: steps %s", name, _steps_by_block(states))
-        self.throughput = measure_throughput(backend)
+        self.throughput = self._throughput(backend)
         logger.info("blocks %d:%d loaded, %.0f tokens/s", blocks.start, blocks.stop, self.throughput)
         return backend
+
+    def _throughput(self, backend: SpanBackend) -> float:
+        """What this peer announces of its speed: as its user told it (``--throughput``), else measured."""
+        return self.config.throughput if self.config.throughput is not None else measure_throughput(backend)
 
     def _assemble(self, backend: SpanBackend) -> PeerParts:
         """The compute thread, the replicator and the service around a loaded backend, each made with what it
@@ -393,7 +398,7 @@ class PeerDaemon:
         await self._announce([(leaving, range(b, b + 1)) for b in handed_over] + await self._records())
         await asyncio.sleep(self.config.leave_grace)
         await self.parts.compute(self.parts.backend.remove, handed_over)
-        self.throughput = await self.parts.compute(measure_throughput, self.parts.backend)
+        self.throughput = await self.parts.compute(self._throughput, self.parts.backend)
         logger.info("now serving blocks %d:%d, %.0f tokens/s", target.start, target.stop, self.throughput)
 
     async def _cancel_move(self, old: range, target: range) -> None:

@@ -37,7 +37,9 @@ class BlockAdapter:
 
     def take_back(self) -> bool:
         """Undo the last apply exactly (state, gradients, last update): a commit that reached this replica but
-        must wait for gradients replayed elsewhere. Redoing it yields the same bits. False if there is none."""
+        must wait for gradients replayed elsewhere. Redoing it yields the same bits. False if there is none. A state
+        that came from elsewhere (a move, a sync, a checkpoint) takes back to the state before, without the
+        micro-batch gradients: a redo fetches them or has them replayed."""
         undo, self.undo = self.undo, None
         if undo is None:
             return False
@@ -73,22 +75,54 @@ class Undo:
     last_update: BlockUpdate | None
 
 
+BEFORE = "before."  # the fields of BlockState.before, beside the state's own, on the wire and in checkpoints
+
+
 @dataclass
 class BlockState:
-    """A block's adapter state in transferable form: step, and per LoRA tensor its value and AdamW moments."""
+    """A block's adapter state in transferable form: step, and per LoRA tensor its value and AdamW moments.
+    ``before``: the state before the block's last apply, while that apply may still have to be taken back. It
+    travels with the state, so a copy (a move's, a sync's, a restart's from its checkpoint) can take the step back
+    like the replica it came from: a client replaying gradients lost in the middle of a commit needs every block of
+    the replay's chain at the step, and the only holders of some block may be such copies."""
 
     step: int
     tensors: dict[str, dict[str, torch.Tensor]]
+    before: BlockState | None = None
 
     @classmethod
-    def of(cls, state: BlockAdapter) -> BlockState:
+    def of(cls, state: BlockAdapter, with_before: bool = True) -> BlockState:
         tensors = {}
         for lp in state.params:
             entry = {"param": lp.param.detach().cpu().clone()}
             for key, value in state.optimizer.state.get(lp.param, {}).items():
                 entry[key] = value.detach().cpu().clone()
             tensors[lp.name] = entry
-        return cls(step=state.step, tensors=tensors)
+        before = state.undo.state if with_before and state.undo is not None else None
+        return cls(step=state.step, tensors=tensors, before=before)
+
+    def fields(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per LoRA tensor its fields, those of ``before`` among them under the prefix ``BEFORE``: one flat form."""
+        merged = {name: dict(entry) for name, entry in self.tensors.items()}
+        for name, entry in (self.before.tensors if self.before is not None else {}).items():
+            merged.setdefault(name, {}).update({BEFORE + key: tensor for key, tensor in entry.items()})
+        return merged
+
+    @classmethod
+    def from_fields(
+        cls, step: int, fields: dict[str, dict[str, torch.Tensor]], before_step: int | None = None
+    ) -> BlockState:
+        """The inverse of ``fields``: ``before_step`` says whether there is a state before, and its step."""
+
+        def part(before: bool) -> dict[str, dict[str, torch.Tensor]]:
+            picked = {
+                name: {key.removeprefix(BEFORE): t for key, t in entry.items() if key.startswith(BEFORE) == before}
+                for name, entry in fields.items()
+            }
+            return {name: entry for name, entry in picked.items() if entry}
+
+        before = None if before_step is None else cls(before_step, part(before=True))
+        return cls(step, part(before=False), before)
 
     def digest(self) -> str:
         """The same digest as the served block's (``BlockAdapter.digest``) holding this state."""
@@ -115,7 +149,8 @@ class BlockState:
         state.step = self.step
         state.grads.clear()
         state.last_update = None
-        state.undo = None
+        revertible = self.before is not None and self.before.step == self.step - 1
+        state.undo = Undo(self.before, {}, None) if revertible else None
 
 
 @dataclass
@@ -165,14 +200,15 @@ def pack_states(states: dict[int, BlockState]) -> tuple[list, torch.Tensor]:
     without LoRA tensors (left out by ``layers_to_transform``) still travels, as one empty entry named ""."""
     index, parts = [], []
     for block, state in sorted(states.items()):
-        if not state.tensors:
-            index.append([block, state.step, "", "", [0], "float32"])
-        for name, entry in sorted(state.tensors.items()):
-            for key, tensor in sorted(entry.items()):
-                index.append(
-                    [block, state.step, name, key, list(tensor.shape), str(tensor.dtype).removeprefix("torch.")]
-                )
-                parts.append(tensor.detach().reshape(-1).to(torch.float32))
+        parts_of = [(state, "")] + ([(state.before, BEFORE)] if state.before is not None else [])
+        for part, prefix in parts_of:
+            if not part.tensors:
+                index.append([block, part.step, "", prefix, [0], "float32"])
+            for name, entry in sorted(part.tensors.items()):
+                for key, tensor in sorted(entry.items()):
+                    dtype = str(tensor.dtype).removeprefix("torch.")
+                    index.append([block, part.step, name, prefix + key, list(tensor.shape), dtype])
+                    parts.append(tensor.detach().reshape(-1).to(torch.float32))
     return index, torch.cat(parts) if parts else torch.zeros(0)
 
 
@@ -180,15 +216,24 @@ def unpack_states(index: list, flat: torch.Tensor) -> dict[int, BlockState]:
     counts = [math.prod(int(x) for x in shape) for *_, shape, _ in index]
     if sum(counts) != flat.numel() or any(dtype not in STATE_DTYPES for *_, dtype in index):
         raise ValueError(f"a state index of {sum(counts)} values in {STATE_DTYPES} for a tensor of {flat.numel()}")
-    states: dict[int, BlockState] = {}
+    steps: dict[int, int] = {}
+    before_steps: dict[int, int] = {}
+    fields: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
     offset = 0
     for (block, step, name, key, shape, dtype), count in zip(index, counts, strict=True):
         tensor = flat[offset : offset + count].reshape(shape).to(getattr(torch, dtype)).clone()
         offset += count
-        state = states.setdefault(int(block), BlockState(step=int(step), tensors={}))
+        block, key = int(block), str(key)
+        (before_steps if key.startswith(BEFORE) else steps)[block] = int(step)
+        by_name = fields.setdefault(block, {})
         if name != "":
-            state.tensors.setdefault(str(name), {})[str(key)] = tensor
-    return states
+            by_name.setdefault(str(name), {})[key] = tensor
+    if set(fields) != set(steps):
+        raise ValueError(f"a state index with a state before but none of its own for blocks {set(fields) - set(steps)}")
+    return {
+        block: BlockState.from_fields(steps[block], by_name, before_steps.get(block))
+        for block, by_name in fields.items()
+    }
 
 
 @dataclass

@@ -84,6 +84,8 @@ class ReplicaSet:
         self.split: dict[PeerID, dict[int, int]] = {}
         self.standby: dict[PeerID, dict[int, int]] = {}  # peer -> block -> step of the standby copy it holds
         self.lost: list[StepsLost] = []
+        # the step whose lost gradients a commit is replaying: a replica found past it meanwhile is taken back
+        self.replaying: int | None = None
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="swarm-replicas")
         self._refreshing = threading.Lock()
 
@@ -161,6 +163,29 @@ class ReplicaSet:
                 self.current[peer] = step
             else:
                 logger.warning("peer %s holds steps %s, not %d; not using it", peer, sorted(set(steps.values())), step)
+        if self.replaying == step and (ahead := self.ahead_of(step)):
+            # a replay runs through every block at `step`: a replica that came back from its checkpoint, or moved
+            # onto blocks, past the step while the replay waited for a server of them takes it back like the others
+            logger.warning("taking step %d back on %d replica(s) found past it during a replay", step, len(ahead))
+            self.take_back(list(ahead), step)
+
+    def take_back(self, peers: list[PeerID], step: int) -> None:
+        """Revert ``peers``, all at once, from past ``step`` to it; they apply it again, to the same bits, once the
+        lost gradients are replayed. One that cannot is not current at ``step`` (it is opened again)."""
+
+        def attempt(peer: PeerID) -> None:
+            try:
+                reply = self.calls.ask(peer, RevertRequest(self.calls.adapter, step))
+            except (PeerFailure, RemoteError) as e:
+                logger.warning("peer %s could not take step %d back: %s", peer, step, e)
+                self.current.forget(peer)
+                return
+            if set(reply.steps.values()) == {step}:
+                self.current[peer] = step
+            else:
+                self.current.forget(peer)
+
+        self.each(attempt, peers)
 
     def _adopt_survivors(self, step: int, behind: dict[PeerID, dict[int, int]], accept_losses: bool) -> None:
         """For blocks that no announced peer could hold at ``step`` (none current, none unreachable) for
@@ -316,7 +341,7 @@ def commit(
                     uncovered,
                     step,
                 )
-                _take_back(calls, replicas, applied, step)
+                _take_back(replicas, applied, step)
             else:
                 waiting.update(f"blocks {spans_text(uncovered)} have no live replica at step {step}")
             patience.pause(1.0)
@@ -342,8 +367,12 @@ def commit(
                     applied.pop(peer, None)  # banned: its micro-batches count as departed, replayed next round
                 continue
         if missing:
-            _take_back(calls, replicas, applied, step)  # so that replays can run through their blocks at `step`
-            replay_lost(hops, ledger, missing)
+            _take_back(replicas, applied, step)  # so that replays can run through their blocks at `step`
+            replicas.replaying = step
+            try:
+                replay_lost(hops, ledger, missing)
+            finally:
+                replicas.replaying = None
             continue
         if all(any(b in span for span in applied.values()) for b in blocks):
             break
@@ -396,7 +425,7 @@ def _vote(
     if disputes:
         block, peers = disputes[0]
         logger.error("replicas %s of block %d disagree on step %d and nobody breaks the tie", peers, block, step)
-        _take_back(calls, replicas, applied, step)
+        _take_back(replicas, applied, step)
         raise ReplicasDisagreeError(block, step, tuple(p.to_base58() for p in peers))
 
 
@@ -510,33 +539,20 @@ def judge_accused(hops: RemoteStack, ledger: StepLedger, accused: list[tuple[Pee
     return banned
 
 
-def take_back_abandoned(calls: PeerCalls, replicas: ReplicaSet, step: int) -> None:
+def take_back_abandoned(replicas: ReplicaSet, step: int) -> None:
     """The user discarded gradients whose commit failed part-way: take the step back on the replicas that applied
     it, so they redo it with the gradients that will be committed instead. One that cannot (it restarted since) stays
     past the step and is never counted as having applied the new gradients (see ``StepLedger.tainted``)."""
     ahead = replicas.ahead_of(step)
     if ahead:
         logger.warning("taking step %d back on %d replica(s) that applied discarded gradients", step, len(ahead))
-        _take_back(calls, replicas, dict(ahead), step)
+        replicas.take_back(list(ahead), step)
 
 
-def _take_back(calls: PeerCalls, replicas: ReplicaSet, applied: dict[PeerID, range], step: int) -> None:
+def _take_back(replicas: ReplicaSet, applied: dict[PeerID, range], step: int) -> None:
     """Revert the replicas that applied ``step`` in a round where others could not (rare: a gradient holder died
     between two replicas' fetches). They apply it again, to the same bits, once the lost gradients are replayed."""
-
-    def attempt(peer: PeerID) -> None:
-        try:
-            reply = calls.ask(peer, RevertRequest(calls.adapter, step))
-        except (PeerFailure, RemoteError) as e:
-            logger.warning("peer %s could not take step %d back: %s", peer, step, e)
-            replicas.current.forget(peer)
-            return
-        if set(reply.steps.values()) == {step}:
-            replicas.current[peer] = step
-        else:
-            replicas.current.forget(peer)
-
-    replicas.each(attempt, list(applied))
+    replicas.take_back(list(applied), step)
     applied.clear()
 
 

@@ -301,7 +301,7 @@ class TrainingSession(AdapterSession):
     def discard_step(self) -> None:
         """Forget the micro-batches of the step in progress (their gradients are never committed)."""
         if self.ledger.committing:
-            take_back_abandoned(self.calls, self.replicas, self.ledger.step)
+            take_back_abandoned(self.replicas, self.ledger.step)
         self._set_ledger(self.ledger.discarded())
 
     def close(self) -> None:

@@ -40,6 +40,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _tokens_per_second(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < 1e12:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"expected a positive number of tokens per second, got {text!r}")
+    return value
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -192,6 +202,7 @@ def cmd_peer(args: argparse.Namespace) -> None:
             blocks=range(*args.blocks) if args.blocks else None,
             num_blocks=args.num_blocks,
             max_blocks=args.max_blocks,
+            throughput=args.throughput,
             replication=args.replication,
             rebalance=not args.no_rebalance,
             balance_interval=args.balance_interval,
@@ -258,6 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="blocks this peer may serve while it covers blocks nobody serves (default: what fits in memory; it "
         "shrinks back to its span once others serve them)",
+    )
+    peer.add_argument(
+        "--throughput",
+        type=_tokens_per_second,
+        default=None,
+        help="tokens/s through this peer's whole span, announced instead of measured at start (clients route by it "
+        "until they have timed this peer's work; a lower figure sends it less)",
     )
     peer.add_argument("--replication", type=_positive, default=2, help="target number of servers per block")
     peer.add_argument("--no-rebalance", action="store_true", help="never move to other blocks")

@@ -4,8 +4,11 @@ whatever fails, each step is applied exactly once, and the adapter ends equal to
 
 from __future__ import annotations
 
+import shutil
+import threading
 import time
 from pathlib import Path
+from shutil import ignore_patterns
 
 import peft
 import torch
@@ -15,7 +18,7 @@ from safetensors.torch import load_file
 from swarm.net.protocol import Method
 from swarm.net.records import ServerState, read_servers
 from swarm.testing.faults import Action, Fault
-from swarm.testing.inprocess import InProcessPeer, InProcessSwarm
+from swarm.testing.inprocess import InProcessPeer, InProcessPeerError, InProcessSwarm
 from swarm.testing.recipe import (
     HPARAMS,
     MAX_GRAD_NORM,
@@ -58,13 +61,13 @@ def test_a_replica_whose_commit_reply_was_lost_counts_as_applied_and_is_not_aske
 
 
 def test_a_partial_commit_is_taken_back_and_redone_once(inprocess_swarm, tiny_models, tmp_path):
-    """Peer c serves all 4 blocks and computes every micro-batch: it is the only chain (a and b, replicas of blocks
-    1 and 2, cannot start or end one, and a chain passes each peer once), whatever the router believes of their
-    speed. a and b fetch the gradients from c at commit. The second fetch of step 0 loses its reply: c and the
-    first fetcher applied the step, the second fetcher could not. Both appliers take the step back (REVERT), the
-    gradients are replayed, and the step is committed everywhere, to the same bits as once."""
+    """Peer c serves all 4 blocks and computes every micro-batch: a and b, the other replicas of 0:2 and 2:4,
+    announce a speed that no route takes them for (``--throughput``), so the test does not depend on how fast the
+    router believes each peer is. They fetch the gradients from c at commit. The second fetch of step 0 loses its
+    reply: c and the first fetcher applied the step, the second fetcher could not. Both appliers take the step back
+    (REVERT), the gradients are replayed, and the step is committed everywhere, to the same bits as once."""
     swarm = inprocess_swarm()
-    peers = swarm.start_peers({"c": "0:4", "a": "1:2", "b": "2:3"})
+    peers = {"c": swarm.add_peer("0:4", "c"), **swarm.start_peers({"a": "0:2", "b": "2:4"}, throughput=1.0)}
     fault = peers["c"].faults.arm(Fault(Action.DROP, Method.GRADS, nth=2))  # the second fetch of step 0
     train(swarm, tiny_models["llama"], tmp_path, "taken-back")
     assert fault.wait_fired(0)
@@ -85,6 +88,52 @@ def test_a_replica_killed_after_applying_mid_commit_leaves_the_others_to_apply_o
     train(swarm, tiny_models["llama"], tmp_path, "killed-mid-commit")
     assert fault.wait_fired(0) and peers["c"].killed
     assert peers["a"].backend.adapters["killed-mid-commit"].steps() == {0: STEPS, 1: STEPS}
+    assert_matches_local_peft(tiny_models["llama"], tmp_path)
+
+
+def test_a_replica_restarted_past_the_step_while_a_replay_waits_takes_the_step_back(
+    inprocess_swarm, tiny_models, tmp_path
+):
+    """Two failures in one commit, as the churn test met them. As in the test above, c computes every micro-batch
+    (a and b serve blocks 1 and 2 only, at a speed no route takes them for) and the second fetch of its gradients
+    (step 1) loses its reply, so the step is taken back and the gradients replayed, through every block at step 1.
+    But c dies as it is asked to take the step back, and restarts from its checkpoint, at step 2. The replay, waiting
+    for a server of blocks 0 and 3, finds c past the step and has it take the step back (its checkpoint keeps the
+    state before the apply): the step is redone, nothing is lost. Before, the restarted c could not take the step
+    back and the client waited out its patience (SwarmUnavailableError)."""
+    swarm = inprocess_swarm()
+    checkpoints = tmp_path / "c-checkpoints"
+    c = swarm.add_peer("0:4", "c", checkpoint_dir=str(checkpoints))
+    swarm.start_peers({"a": "1:2", "b": "2:3"}, throughput=1.0)
+    dropped = c.faults.arm(Fault(Action.DROP, Method.GRADS, nth=2, when=lambda meta: meta["step"] == 1))
+    c_dies = c.faults.arm(Fault(Action.KILL, Method.REVERT))
+    restarted: list[InProcessPeer] = []
+    errors: list[Exception] = []
+
+    def restart_c() -> None:
+        """c again, from its checkpoint, under another identity: in this process the dead c's locks live on in the
+        DHT processes forked since it took them (a restart as itself is tested end to end)."""
+        if not c_dies.wait_fired(FIRED):
+            return
+        deadline = time.monotonic() + FIRED
+        written = c.daemon.writer.written  # (adapter, block) -> step (the store's own load would discard writes)
+        while any(written.get(("restarted", b)) != 2 for b in range(4)):
+            if time.monotonic() > deadline:
+                return  # c's checkpoint of step 1 never came: the assertions below say so
+            time.sleep(0.05)
+        copied = shutil.copytree(checkpoints, tmp_path / "c-checkpoints-again", ignore=ignore_patterns(".peer.lock"))
+        try:
+            restarted.append(swarm.add_peer("0:4", "c-again", checkpoint_dir=str(copied)))
+        except InProcessPeerError as e:
+            errors.append(e)
+
+    restarter = threading.Thread(target=restart_c, daemon=True)
+    restarter.start()
+    train(swarm, tiny_models["llama"], tmp_path, "restarted", patience=40.0)
+    restarter.join(FIRED)
+    assert dropped.wait_fired(0) and c_dies.wait_fired(0) and restarted, errors
+    assert restarted[0].faults.calls[Method.REVERT] == 1, "the restarted replica was not asked to take the step back"
+    assert restarted[0].backend.adapters["restarted"].steps() == {b: STEPS for b in range(4)}
     assert_matches_local_peft(tiny_models["llama"], tmp_path)
 
 

@@ -128,9 +128,17 @@ def test_a_step_taken_back_is_redone_to_the_same_bits(tiny_models):
     assert backend.revert("a", 1) == {0: 1, 1: 1}, "nothing to take back twice"
     backend.apply("a", 1, {b: ["s:1:0"] for b in range(2)}, HPARAMS)
     assert backend.digests("a") == applied
+
+    other = _backend(tiny_models["llama"], range(0, 2))  # a peer that syncs from it, or moves onto its blocks
+    other.open_adapter("a", wire, seed=3, session="s")
     exported, _ = backend.export_state("a", range(0, 2))
-    backend.import_state("a", exported)
-    assert backend.revert("a", 1) == {0: 2, 1: 2}, "a state replaced since (by a sync) keeps no undo"
+    index, flat = pack_states(exported)
+    other.import_state("a", unpack_states(index, flat))
+    assert other.digests("a") == applied
+    assert other.revert("a", 1) == {0: 1, 1: 1}, "a copy takes the step back like the replica it came from"
+    assert other.digests("a") == before
+    assert other.micro_batch_grads("a", 1, {0: ["s:1:0"]}) == {0: {}}, "without the gradients: a redo fetches them"
+    assert other.revert("a", 1) == {0: 1, 1: 1}, "nothing to take back twice"
 
 
 def test_a_request_for_blocks_a_peer_no_longer_serves_sends_the_client_elsewhere(tiny_models):

@@ -75,6 +75,26 @@ def test_round_trip_of_several_adapters_and_blocks(tmp_path):
     assert CheckpointStore(tmp_path / "nothing here").blocks() == set()
 
 
+def test_the_state_before_the_last_apply_is_kept_and_checked(tmp_path):
+    """A peer restarted from its checkpoint can take back the step its last commit applied, as it could before it
+    died: the file keeps the state before that apply, under the same checksum."""
+    store = CheckpointStore(tmp_path / "ckpt")
+    state = make_state(4, 1)
+    state.before = make_state(3, 1)
+    store.save_block("a", 0, state, META)
+    store.save_block("a", 1, make_state(4, 2), META)  # committed long ago: nothing to take back
+    _, got = store.load()["a"]
+    assert_same(state, got[0])
+    assert_same(state.before, got[0].before)
+    assert got[1].before is None
+    path = block_file(store, "a", 0)
+    data = path.read_bytes()
+    path.write_bytes(data.replace(b'"before_step":"3"', b'"before_step":"2"'))
+    assert path.read_bytes() != data
+    assert not checkpoints._prev(path).exists()  # no older generation to fall back to
+    assert 0 not in store.load()["a"][1], "a tampered step before is caught by the checksum"
+
+
 @pytest.mark.parametrize("name", ["", ".", ".."])
 def test_refuses_names_that_are_no_directory(tmp_path, name):
     with pytest.raises(ValueError):

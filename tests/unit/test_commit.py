@@ -163,7 +163,7 @@ def test_a_replica_past_the_step_is_not_counted_for_gradients_that_replaced_disc
     replicas = ReplicaSet(stack, CurrentPeers(0, exact=True), open_on=stack.open_on)
     replicas.current[ahead] = 46
     try:
-        take_back_abandoned(stack, replicas, 45)  # what discard_step does first
+        take_back_abandoned(replicas, 45)  # what discard_step does first
     finally:
         replicas.close()
     assert stack.steps[ahead] == {2: 45, 3: 45} and replicas.current[ahead] == 45

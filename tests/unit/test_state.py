@@ -23,3 +23,19 @@ def test_states_pack_into_one_tensor_and_back_exactly():
                 assert torch.equal(back[block].tensors[name][key], tensor)
     with pytest.raises(ValueError):
         unpack_states(index, flat[:-1])
+
+
+def test_the_state_before_the_last_apply_travels_with_the_state():
+    """A copy of a block made while its last apply may still be taken back carries the state before it, so the copy
+    can take the step back too; a block without LoRA tensors keeps its step before as well."""
+    before = BlockState(4, {"a.lora_A.weight": {"param": torch.randn(4, 8), "exp_avg": torch.randn(4, 8)}})
+    after = BlockState(5, {"a.lora_A.weight": {"param": torch.randn(4, 8), "exp_avg": torch.randn(4, 8)}}, before)
+    bare = BlockState(5, {}, BlockState(4, {}))
+    back = unpack_states(*pack_states({0: after, 1: bare, 2: BlockState(5, {})}))
+    assert back[0].step == 5 and back[0].before is not None and back[0].before.step == 4
+    for key, tensor in after.tensors["a.lora_A.weight"].items():
+        assert torch.equal(back[0].tensors["a.lora_A.weight"][key], tensor)
+        assert torch.equal(back[0].before.tensors["a.lora_A.weight"][key], before.tensors["a.lora_A.weight"][key])
+    assert back[0].before.before is None
+    assert (back[1].step, back[1].tensors, back[1].before.step, back[1].before.tensors) == (5, {}, 4, {})
+    assert back[2].before is None
