@@ -35,6 +35,13 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one churn run per seed and interval")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--no-baseline", action="store_true", help="skip the run without churn")
+    parser.add_argument(
+        "--restart-nice",
+        type=int,
+        default=0,
+        help="niceness of a restarted peer until it serves (19: its start takes only idle CPU, as on a machine of "
+        "its own; 0: it competes with the running swarm for these cores)",
+    )
     args = parser.parse_args()
     if not 0 < args.minutes <= 60:
         parser.error("--minutes must be in (0, 60]")
@@ -56,7 +63,14 @@ def main() -> None:
         logs = workdir / f"run{index}" / "logs"
         logger.info("run %d/%d: %s, %.1f min (logs in %s)", index + 1, len(plan), name, args.minutes, logs)
         runs[name] = run_churn(
-            model_dir, workdir / f"run{index}", args.minutes * 60, interval, seed, args.peers, args.span
+            model_dir,
+            workdir / f"run{index}",
+            args.minutes * 60,
+            interval,
+            seed,
+            args.peers,
+            args.span,
+            args.restart_nice,
         )
     print(
         f"config: {args.peers} peers x {args.span} blocks of a {args.layers}-block model (hidden {args.hidden}), "

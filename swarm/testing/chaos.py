@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+import psutil
+
 from swarm.net.protocol import Method
 from swarm.testing.localswarm import LocalSwarm, Process
 
@@ -115,8 +117,13 @@ class Outage:
 class ChaosPeers:
     """Named peer processes of one model in a LocalSwarm: start, restart as themselves, read their spans."""
 
-    def __init__(self, local: LocalSwarm, model: Path, extra: list[str], workdir: Path):
+    def __init__(self, local: LocalSwarm, model: Path, extra: list[str], workdir: Path, restart_nice: int = 0):
+        """``restart_nice``: the niceness a restarted peer starts at, until it serves (``serving()``): on one shared
+        machine its start (imports, loading) then takes idle CPU rather than the running swarm's, as on its own
+        machine. 0 leaves restarts to compete, as they did."""
         self.local, self.model, self.extra, self.workdir = local, model, extra, workdir
+        self.restart_nice = restart_nice
+        self.niced: set[str] = set()  # restarted peers still at restart_nice
         self.processes: dict[str, Process] = {}
         self.restarts = itertools.count(1)
         self.restarted_at: dict[Path, float] = {}  # the log of each restarted process -> when it was started
@@ -128,10 +135,26 @@ class ChaosPeers:
         restart = name in self.processes
         log_name = f"{name}.{next(self.restarts)}" if restart else name
         started = time.time()
-        self.processes[name] = self.local.start_peer(self.model, blocks, name=log_name, extra=args, wait=False)
+        prefix = ["nice", "-n", str(self.restart_nice)] if restart and self.restart_nice else None
+        process = self.local.start_peer(self.model, blocks, name=log_name, extra=args, wait=False, prefix=prefix)
+        self.processes[name] = process
+        if prefix:
+            self.niced.add(name)
         if restart:
-            self.restarted_at[self.processes[name].log] = started
-        return self.processes[name]
+            self.restarted_at[process.log] = started
+        return process
+
+    def serving(self, name: str) -> None:
+        """``name`` serves again: back to the niceness of the others, with its DHT process and P2P daemon."""
+        if name not in self.niced:
+            return
+        self.niced.discard(name)
+        try:
+            root = psutil.Process(self.processes[name].pid)
+            for process in [root, *root.children(recursive=True)]:
+                process.nice(0)
+        except psutil.NoSuchProcess:
+            pass  # struck again meanwhile: its restart starts niced
 
     def restart_times(self) -> list[Restart]:
         """How long each restarted process took to join the swarm and to serve, read from its log."""
@@ -398,6 +421,7 @@ class ChaosDriver:
             restarted = self.peers.processes[outage.name].pid != outage.pid
             if restarted and self.peers.alive(outage.name) and "serving blocks" in self.peers.log_text(outage.name):
                 self._recovered(outage.name)
+                self.peers.serving(outage.name)
 
 
 def _span_text(blocks: range) -> str:

@@ -105,14 +105,17 @@ def run_churn(
     seed: int = 0,
     peers: int = 5,
     span: int = 2,
+    restart_nice: int = 0,
 ) -> ChurnRun:
-    """Train for ``seconds`` under chaos at mean ``interval`` (None: no chaos); compare with local peft."""
+    """Train for ``seconds`` under chaos at mean ``interval`` (None: no chaos); compare with local peft.
+    ``restart_nice``: see ``ChaosPeers``."""
     vocab = _vocab(model_dir)
     names = [f"peer{i}" for i in range(peers)]
     with LocalSwarm(workdir / "logs") as local, contextlib.ExitStack() as closing:
         closing.enter_context(_client_log(workdir / "logs" / "client.log"))
         local.start_dht()
-        fleet = ChaosPeers(local, model_dir, [*PEER_FLAGS, "--num-blocks", str(span)], workdir / "peers")
+        flags = [*PEER_FLAGS, "--num-blocks", str(span)]
+        fleet = ChaosPeers(local, model_dir, flags, workdir / "peers", restart_nice)
         for name in names:
             fleet.start(name)
         schedule = chaos_schedule(seed, seconds, interval, names) if interval else []
