@@ -9,10 +9,12 @@
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import hmac
 import os
 import secrets
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,9 +98,12 @@ class Identity:
 
     @classmethod
     def load_or_create(cls, path: str | Path | None) -> Identity:
-        """Load an identity file, creating it if needed; without a path, a fresh one in a temporary file."""
+        """Load an identity file, creating it if needed; without a path, a fresh one in a temporary file, removed
+        when the process exits (every client made one and left it behind)."""
         if path is None:
-            path = Path(tempfile.mkdtemp(prefix="swarm-identity-")) / "identity.key"
+            directory = tempfile.mkdtemp(prefix="swarm-identity-")
+            atexit.register(shutil.rmtree, directory, ignore_errors=True)
+            path = Path(directory) / "identity.key"
         path = Path(path)
         if not path.exists():
             _create_identity(path)

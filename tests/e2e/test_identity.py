@@ -5,7 +5,10 @@ identity and where the other process serves; the running one serves on."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from failover_helpers import connect, train
 
@@ -57,3 +60,12 @@ def test_two_processes_with_one_identity_never_both_serve_and_the_first_serves_o
             train(model, steps=1)  # both servers of 0:4 still answer: neither refusal disturbed the winner
         finally:
             model.shutdown()
+
+
+def test_a_client_without_an_identity_file_leaves_no_key_behind(tmp_path):
+    """Each client (and peer) started without --identity gets a fresh key in a temporary folder: it goes when the
+    process exits, or every run left one in the temporary directory."""
+    code = "from swarm.net.security import Identity; print(Identity.load_or_create(None).path)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    key = Path(out.stdout.strip().splitlines()[-1])
+    assert key.name == "identity.key" and not key.parent.exists()
