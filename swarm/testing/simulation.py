@@ -109,7 +109,7 @@ class SimConfig:
     sample_s: float = 10.0
     route_s: float = 300.0
     micro_batches: int = 16  # in a step whose time is measured every route_s (swarm.testing.steps)
-    in_flight: int = 4  # of them at once: the client's default (SwarmModelForCausalLM.forward_backward)
+    in_flight: int | None = None  # of them at once; None: as the client's default does (Router.in_flight)
     # call next_move in every round of every peer; by default rounds whose answer is known to be "stay" are skipped
     exact: bool = False
 
@@ -556,8 +556,10 @@ class Simulation:
             self.route_clock = at
             return hops([(h.peer_id, len(h.blocks)) for h in self.router.route()])
 
+        in_flight = config.in_flight or self.router.in_flight()
+
         def step_rate(chain_at) -> float:
-            return config.micro_batches * tokens / step_seconds(chain_at, config.micro_batches, config.in_flight)
+            return config.micro_batches * tokens / step_seconds(chain_at, config.micro_batches, in_flight)
 
         routed = step_rate(routed_at)
         alone = 0.0
