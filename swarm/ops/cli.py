@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from swarm.blocks import DTYPES, QUANT_MODES
@@ -40,24 +41,23 @@ def _positive(text: str) -> int:
     return value
 
 
-def _tokens_per_second(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < 1e12:  # also refuses nan and inf
-        raise argparse.ArgumentTypeError(f"expected a positive number of tokens per second, got {text!r}")
-    return value
+def _positive_number(unit: str, below: float) -> Callable[[str], float]:
+    """An option's parser: a number of ``unit`` in (0, ``below``), which also refuses nan and inf."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = 0.0
+        if not 0 < value < below:
+            raise argparse.ArgumentTypeError(f"expected a positive number of {unit}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < 1e6:  # also refuses nan and inf
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
+_tokens_per_second = _positive_number("tokens per second", 1e12)
+_positive_seconds = _positive_number("seconds", 1e6)
 
 
 def _initial_peers(args: argparse.Namespace, required: bool = True) -> list[str]:

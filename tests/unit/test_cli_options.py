@@ -14,3 +14,9 @@ def test_a_peer_may_announce_the_throughput_it_is_told_and_nothing_but_a_positiv
     for wrong in ("0", "-3", "nan", "inf", "fast"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["peer", "--model", "m", "--throughput", wrong])
+
+
+def test_the_monitor_refreshes_every_positive_number_of_seconds():
+    assert build_parser().parse_args(["monitor", "--refresh", "0.5"]).refresh == 0.5
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["monitor", "--refresh", "0"])
