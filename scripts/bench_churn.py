@@ -36,6 +36,13 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--no-baseline", action="store_true", help="skip the run without churn")
     parser.add_argument(
+        "--min-copies",
+        type=int,
+        default=2,
+        help="the client's min_copies: peers holding each block's new state before a step returns (3: a double "
+        "failure leaves a current copy)",
+    )
+    parser.add_argument(
         "--restart-nice",
         type=int,
         default=0,
@@ -71,10 +78,11 @@ def main() -> None:
             args.peers,
             args.span,
             args.restart_nice,
+            args.min_copies,
         )
     print(
         f"config: {args.peers} peers x {args.span} blocks of a {args.layers}-block model (hidden {args.hidden}), "
-        "replication 2, "
+        f"replication 2, min_copies {args.min_copies}, restarts at nice {args.restart_nice}, "
         f"{MICRO_BATCHES} micro-batches of 2x16 tokens per step, seeds {' '.join(map(str, args.seeds))}"
     )
     print(report(runs))

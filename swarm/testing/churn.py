@@ -106,9 +106,10 @@ def run_churn(
     peers: int = 5,
     span: int = 2,
     restart_nice: int = 0,
+    min_copies: int = 2,
 ) -> ChurnRun:
     """Train for ``seconds`` under chaos at mean ``interval`` (None: no chaos); compare with local peft.
-    ``restart_nice``: see ``ChaosPeers``."""
+    ``restart_nice``: see ``ChaosPeers``; ``min_copies``: the client's (``from_pretrained``)."""
     vocab = _vocab(model_dir)
     names = [f"peer{i}" for i in range(peers)]
     with LocalSwarm(workdir / "logs") as local, contextlib.ExitStack() as closing:
@@ -131,6 +132,7 @@ def run_churn(
             # Restarts take 25-40 s here (six peers and the client share two cores): a span whose servers are all
             # down twice in a row can outlast the default 60 s. The pause is reported (longest pauses).
             patience=CLIENT_PATIENCE,
+            min_copies=min_copies,
         )
         run = ChurnRun(seconds=0.0, steps=0)
         try:
