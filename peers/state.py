@@ -197,7 +197,8 @@ STATE_DTYPES = ("float32", "bfloat16", "float16")
 def pack_states(states: dict[int, BlockState]) -> tuple[list, torch.Tensor]:
     """Block states as one flat float32 tensor plus an index (block, step, name, key, shape, dtype): serializing
     one tensor costs a fraction of serializing hundreds of small ones, and float32 holds bf16/fp16 exactly. A block
-    without LoRA tensors (left out by ``layers_to_transform``) still travels, as one empty entry named ""."""
+    without LoRA tensors (left out by ``layers_to_transform``) still travels, as one empty entry named "". A state's
+    ``before`` travels beside it, its keys prefixed ``BEFORE``."""
     index, parts = [], []
     for block, state in sorted(states.items()):
         parts_of = [(state, "")] + ([(state.before, BEFORE)] if state.before is not None else [])
