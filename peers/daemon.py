@@ -44,6 +44,7 @@ from swarm.weights import block_digests
 logger = logging.getLogger(__name__)
 
 QUANT_BYTES = {"nf4": 0.55, "int8": 1.05}
+MIN_ROUND_GAP = 1.0  # seconds between the end of a balance round and one held early on a client's notice
 LEAVE_TIMEOUT = 20.0  # seconds past the leave grace after which a leaving peer exits whatever is stuck
 
 
@@ -157,6 +158,9 @@ class PeerDaemon:
         self.parts: PeerParts | None = None  # made by serve() once the blocks are loaded
         self.maddrs: list[str] = []  # where others dial this peer: direct, or through relays
         self.digests: dict[int, str] = {}  # block -> digest of its base weights in this folder; set by serve()
+        self.balance_now = asyncio.Event()  # a client found blocks without a server: hold the next round at once
+        self.woken_rounds = 0  # balance rounds held early on a client's notice
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _capacity(self) -> int:
         """The default --max-blocks: a peer told to serve fewer blocks than fit may take orphaned ones over, up to
@@ -350,6 +354,7 @@ class PeerDaemon:
             after_revert=self._checkpoint,
             on_committed=replicator.on_committed,
             on_replicate=replicator.hold,
+            on_unserved=self._on_unserved,
         )
         service = PeerService(
             backend,
@@ -475,6 +480,7 @@ class PeerDaemon:
 
     async def _serve(self, stop: asyncio.Event, embedded: bool) -> None:
         config = self.config
+        self._loop = asyncio.get_running_loop()
         timeline = StartTimeline(psutil.Process().create_time() if not embedded else time.time())
         self.digests = await asyncio.to_thread(block_digests, self.spec)
         announce = list(config.announce_maddrs)
@@ -525,7 +531,7 @@ class PeerDaemon:
             me,
             timeline.text(),
         )
-        next_announce = 0.0
+        next_announce, next_round, last_round = 0.0, self._next_round(), 0.0
         while not stop.is_set():
             if time.monotonic() >= next_announce:
                 try:
@@ -533,16 +539,46 @@ class PeerDaemon:
                 except TimeoutError as e:  # the DHT is slow or restarting: serve on, and announce again soon
                     logger.warning("announcing failed (will retry): %s", e)
                 next_announce = time.monotonic() + config.record_ttl / 3
+            woken = await self._sleep(stop, min(next_announce, next_round) - time.monotonic())
+            if stop.is_set():
+                break
+            if woken:  # at most one early round a second, however many notices come
+                await asyncio.sleep(max(0.0, last_round + MIN_ROUND_GAP - time.monotonic()))
+                self.woken_rounds += 1
+            elif time.monotonic() < next_round:
+                continue  # woken to announce
             try:
-                await asyncio.wait_for(stop.wait(), timeout=config.balance_interval * self.rng.uniform(0.5, 1.5))
-            except asyncio.TimeoutError:
-                try:
-                    await self._balance_round()
-                except PEER_ERRORS as e:
-                    logger.warning("balancing round failed (will retry): %s", e)
-                except Exception:  # the boundary of a background loop: the peer serves on, and retries next round
-                    logger.exception("balancing round failed (will retry)")
+                await self._balance_round()
+            except PEER_ERRORS as e:
+                logger.warning("balancing round failed (will retry): %s", e)
+            except Exception:  # the boundary of a background loop: the peer serves on, and retries next round
+                logger.exception("balancing round failed (will retry)")
+            last_round, next_round = time.monotonic(), self._next_round()
         await self._leave(p2p, exit_if_stuck=not embedded)
+
+    def _next_round(self) -> float:
+        """When the next balance round is due: jittered, so that peers started together do not look together."""
+        return time.monotonic() + self.config.balance_interval * self.rng.uniform(0.5, 1.5)
+
+    async def _sleep(self, stop: asyncio.Event, seconds: float) -> bool:
+        """Wait up to ``seconds`` for ``stop`` or a client's notice of unserved blocks; True if the notice came."""
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self.balance_now.wait())]
+        try:
+            await asyncio.wait(waits, timeout=max(0.0, seconds), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        woken = self.balance_now.is_set()
+        self.balance_now.clear()
+        return woken
+
+    def _on_unserved(self, model: str, blocks: list[int]) -> None:
+        """A client found ``blocks`` without a live server: look at the swarm now (it may be this peer's to take
+        them over). Notices for another model are ignored."""
+        if model != self.spec.name or self._loop is None:
+            return
+        logger.info("a client finds blocks %s without a live server: looking at the swarm now", spans_text(blocks))
+        self._loop.call_soon_threadsafe(self.balance_now.set)
 
     def _where_else_serving(self) -> str:
         """Where the other process with this identity serves, from its records (through a throwaway identity)."""

@@ -55,6 +55,7 @@ from swarm.net.protocol import (
     StepsReply,
     SyncRequest,
     TieBreakRequest,
+    UnservedRequest,
 )
 from swarm.net.security import SwarmKey
 from swarm.net.servicer import Doorkeeper, FaultHook
@@ -67,12 +68,13 @@ logger = logging.getLogger(__name__)
 class PeerHooks:
     """What the daemon does around requests, given to the service when it is made: checkpoint after a commit (and
     tell standby holders) or a revert (so that the checkpoint is not left ahead), pull a standby copy when its
-    server commits, hold the copies a trainer asks for."""
+    server commits, hold the copies a trainer asks for, look at the swarm now when a client finds blocks unserved."""
 
     after_commit: Callable[[str], Awaitable[None]]
     after_revert: Callable[[str], Awaitable[None]]
     on_committed: Callable[[str, dict, dict[int, int], PeerID], Awaitable[None]]
     on_replicate: Callable[[str, dict, int, list[tuple[range, PeerID]]], Awaitable[dict[int, int]]]
+    on_unserved: Callable[[str, list[int]], None]
 
 
 class PeerService(Doorkeeper):
@@ -109,6 +111,7 @@ class PeerService(Doorkeeper):
                 Method.TIEBREAK: self._tiebreak,
                 Method.FAST_FORWARD: self._fast_forward,
                 Method.COMMITTED: self._committed,
+                Method.UNSERVED: self._unserved,
                 Method.REPLICATE: self._replicate,
                 Method.INFER: self._infer,
                 Method.END_SESSION: self._end_session,
@@ -326,6 +329,11 @@ class PeerService(Doorkeeper):
         """A server of blocks this peer keeps on standby committed a step: pull the new state, in the background."""
         notice = self.hooks.on_committed(request.adapter, request.adapter_meta, request.steps, request.source)
         self.in_background(notice)
+        return Ack()
+
+    async def _unserved(self, request: UnservedRequest) -> Ack:
+        """A client found blocks without a live server: hold a balance round now (the daemon limits how often)."""
+        self.hooks.on_unserved(request.model, request.blocks)
         return Ack()
 
     async def _replicate(self, request: ReplicateRequest) -> StepsReply:

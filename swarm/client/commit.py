@@ -344,6 +344,8 @@ def commit(
                 _take_back(replicas, applied, step)
             else:
                 waiting.update(f"blocks {spans_text(uncovered)} have no live replica at step {step}")
+                if hops.unserved is not None:
+                    hops.unserved(calls.router.uncovered(eligible_only=False))
             patience.pause(1.0)
             calls.router.refresh()
             continue

@@ -105,7 +105,8 @@ class RemoteStack:
     """Runs blocks of one adapter through the swarm with retries, and records who holds which gradients.
 
     ``catch_up`` runs while a hop waits for a server: it brings new peers in (the trainer opens them and syncs
-    laggards; a reader looks for a newer committed step), so that they become eligible."""
+    laggards; a reader looks for a newer committed step), so that they become eligible. ``unserved`` is told the
+    blocks that have no live server at all meanwhile (it asks peers to take them over now)."""
 
     def __init__(
         self,
@@ -115,8 +116,9 @@ class RemoteStack:
         spot_check_tolerance: float = 1e-3,
         chain: bool = True,
         min_voters: int = 2,
+        unserved: Callable[[list[int]], None] | None = None,
     ):
-        self.calls, self.catch_up = calls, catch_up
+        self.calls, self.catch_up, self.unserved = calls, catch_up, unserved
         self.router, self.adapter, self.wire = calls.router, calls.adapter, calls.wire
         self.spot_check, self.spot_check_tolerance = spot_check, spot_check_tolerance
         self.chain, self.min_voters = chain, min_voters  # min_voters: replicas of a hop (itself included) to check it
@@ -126,7 +128,9 @@ class RemoteStack:
     def wait_route(self, start: int, end: int | None = None, prefer: PeerID | None = None) -> list[Hop]:
         """Hops over blocks [start, end) (to the last block when ``end`` is None), waiting up to the patience for
         servers to (re)join."""
-        return self.router.wait_route(start, end, prefer=prefer, patience=self.calls.patience, on_wait=self.catch_up)
+        return self.router.wait_route(
+            start, end, prefer=prefer, patience=self.calls.patience, on_wait=self.catch_up, on_missing=self.unserved
+        )
 
     def _span_ask(self, hop: Hop, request: ForwardRequest | BackwardRequest, tokens: torch.Tensor) -> Reply:
         """A forward or backward request; ``tokens`` (batch x length) sizes its timeout."""

@@ -368,9 +368,11 @@ class Router:
         prefer: PeerID | None = None,
         patience: float = 60.0,
         on_wait: Callable[[], None] | None = None,
+        on_missing: Callable[[list[int]], None] | None = None,
     ) -> list[Hop]:
         """A route, waiting up to ``patience`` seconds for missing blocks to get a server again; ``on_wait`` runs
-        between looks (the caller brings new peers in)."""
+        between looks (the caller brings new peers in), ``on_missing`` before each, with the blocks missing (the
+        caller tells peers to take them over)."""
 
         def attempt() -> list[Hop] | None:
             try:
@@ -378,7 +380,7 @@ class Router:
             except NoRouteError:
                 return None
 
-        return self._wait(attempt, start, end, patience, eligible_only=True, on_wait=on_wait)
+        return self._wait(attempt, start, end, patience, eligible_only=True, on_wait=on_wait, on_missing=on_missing)
 
     def _wait(
         self,
@@ -388,6 +390,7 @@ class Router:
         patience: float,
         eligible_only: bool,
         on_wait: Callable[[], None] | None = None,
+        on_missing: Callable[[list[int]], None] | None = None,
     ):
         result = attempt()
         if result is not None:
@@ -398,6 +401,8 @@ class Router:
         waiting = WaitLine("waiting for a server to (re)join", deadline, logger, logging.WARNING)
         while not deadline.passed:
             waiting.update(f"blocks {spans_text(missing)} have no live server since {since}")
+            if on_missing is not None:
+                on_missing(self.uncovered(start, end, eligible_only=False))
             deadline.pause(min(1.0, self.min_ban))
             try:
                 self.refresh()

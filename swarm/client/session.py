@@ -25,6 +25,7 @@ from swarm.client.lease import AdapterLease
 from swarm.client.ledger import StepLedger
 from swarm.client.remote import RemoteStack, spot_check_policy
 from swarm.client.routing import Router
+from swarm.client.unserved import UnservedNotice
 from swarm.lora_options import blocks_without_lora
 from swarm.net.compression import WireFormat
 from swarm.net.errors import AdapterStateLostError, SwarmUnavailableError, WeightsMismatchError
@@ -404,7 +405,8 @@ def open_session(
         else:
             catch_up = TrainerTracking(replicas, current)
         rate, voters = spot_check_policy(options.spot_check, private=swarm_key is not None)
-        hops = RemoteStack(calls, catch_up, rate, chain=options.chain, min_voters=voters)
+        unserved = UnservedNotice(transport, router, spec.name)
+        hops = RemoteStack(calls, catch_up, rate, chain=options.chain, min_voters=voters, unserved=unserved.send)
         parts = (spec, dht, transport, router, current, calls, replicas, hops, adapter, catch_up)
         session: AdapterSession
         if reading:

@@ -65,6 +65,7 @@ class Method:
     TIEBREAK = "tiebreak"  # apply a commit's ledger to this peer's standby copies, report the digests, keep nothing
     FAST_FORWARD = "fast_forward"  # declare an older state current (steps lost, reported)
     COMMITTED = "committed"  # notice to standby holders: a step was applied
+    UNSERVED = "unserved"  # notice from a client: blocks have no live server; look at the swarm now
     REPLICATE = "replicate"  # hold a copy of blocks' state at a step (durable ack)
     REACHABLE = "reachable"  # dial the asking peer back at the addresses it names (is it reachable from outside?)
     INFER = "infer"  # generation: new tokens through blocks, keys and values kept per session
@@ -989,6 +990,17 @@ class CommittedRequest(Request):
 
 
 @dataclass(frozen=True)
+class UnservedRequest(Request):
+    """A client found no live server of ``blocks`` of ``model``: a hint to hold a balance round now (a peer checks
+    the swarm itself before it moves), so that a block whose servers all died is taken over in a second, not at the
+    next round, seconds later."""
+
+    method: ClassVar[str] = Method.UNSERVED
+    model: str = wire(read_text)
+    blocks: list[int] = wire(read_blocks, list)
+
+
+@dataclass(frozen=True)
 class Ack(Reply):
     """A reply that says only 'received'."""
 
@@ -1109,6 +1121,7 @@ METHODS: dict[str, MethodSpec] = {
     Method.TIEBREAK: MethodSpec(TieBreakRequest, DigestReply),
     Method.FAST_FORWARD: MethodSpec(FastForwardRequest, FastForwardReply),
     Method.COMMITTED: MethodSpec(CommittedRequest, Ack),
+    Method.UNSERVED: MethodSpec(UnservedRequest, Ack),
     Method.REPLICATE: MethodSpec(ReplicateRequest, StepsReply),
     Method.REACHABLE: MethodSpec(ReachableRequest, ReachableReply),
     Method.INFER: MethodSpec(InferRequest, HiddenReply),

@@ -308,6 +308,33 @@ def test_both_servers_of_a_span_killed_and_a_third_current_copy_takes_it_over(in
     assert_matches_local_peft(model_dir, tmp_path)
 
 
+def test_a_span_left_without_a_server_is_taken_over_at_the_clients_notice(inprocess_swarm, tiny_models, tmp_path):
+    """Both servers of 2:4 die at once. Peer a serves 0:2, has room for the whole model and holds the client's third
+    copy of 2:4 (``min_copies=3``), but looks at the swarm by itself only once an hour. The client, finding 2:4
+    without a server, sends the live peers an ``unserved`` notice: a looks now and grows over 2:4 from that copy. No
+    step is lost and the adapter equals local peft. Without the notice the client waits out its patience and fails."""
+    model_dir = tiny_models["llama"]
+    swarm = inprocess_swarm()
+    servers = swarm.start_peers({"b1": "2:4", "b2": "2:4"})
+    taker = swarm.add_peer("0:2", "a", rebalance=True, balance_interval=3600.0)
+    model = connect(swarm, model_dir, "notice", patience=60.0, min_copies=3)
+    try:
+        model.save_adapter(tmp_path / "initial")
+        train_steps(model, 2)
+        wait_standby_at(taker, model.adapter, [2, 3], model.step)
+        for server in servers.values():
+            server.kill()
+        train_steps(model, STEPS)
+        model.save_adapter(tmp_path / "final")
+        lost = list(model.steps_lost)
+    finally:
+        model.shutdown()
+    assert lost == []
+    assert taker.daemon.serving == range(0, 4)
+    assert taker.daemon.woken_rounds >= 1
+    assert_matches_local_peft(model_dir, tmp_path)
+
+
 def test_a_peer_restarted_on_other_blocks_withdraws_what_its_previous_run_announced(inprocess_swarm, tmp_path):
     """Killed, a peer leaves its records to expire; restarted with the same identity on other blocks, it replaces
     them by leaving ones before it serves, so that no client routes or syncs its old blocks there."""

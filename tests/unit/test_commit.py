@@ -79,6 +79,9 @@ class _CommitRouter(_Router):
     def announced(self) -> dict[int, list[PeerID]]:
         return {b: [p for p, span in self.servers.items() if b in span] for b in range(self.num_blocks)}
 
+    def uncovered(self, eligible_only: bool = True) -> list[int]:
+        return [b for b in range(self.num_blocks) if not any(b in span for span in self.servers.values())]
+
 
 class _CommitStack:
     """Peers holding steps per block; OPEN reports them, COMMIT applies the step on every block of the peer, REVERT
@@ -92,6 +95,10 @@ class _CommitStack:
         self.router = _CommitRouter({p: range(min(held), max(held) + 1) for p, held in steps.items()})
         self.commits = []
         self.calls = self  # the fake is both the calls and the hops of a commit
+        self.notices: list[list[int]] = []  # blocks the commit told peers have no live server
+
+    def unserved(self, blocks: list[int]) -> None:
+        self.notices.append(blocks)
 
     def open_on(self, peer: PeerID) -> tuple[dict[int, int], dict[int, int]]:
         return dict(self.steps[peer]), {}
@@ -167,3 +174,21 @@ def test_a_replica_past_the_step_is_not_counted_for_gradients_that_replaced_disc
     finally:
         replicas.close()
     assert stack.steps[ahead] == {2: 45, 3: 45} and replicas.current[ahead] == 45
+
+
+def test_a_commit_waiting_for_blocks_without_any_server_tells_the_peers():
+    """Both servers of 2:4 died: the commit waits for a server, and meanwhile tells the live peers that 2:4 has none
+    (they look at the swarm at once: one of them takes the blocks over, rather than at its next balance round)."""
+    alive = PeerID(b"a" * 8)
+    stack = _CommitStack({alive: {0: 45, 1: 45}})
+    stack.patience = 1.0
+    replicas = ReplicaSet(stack, CurrentPeers(0, exact=True), open_on=stack.open_on)
+    ledger = StepLedger(step=45, session="s")
+    for block in range(4):
+        ledger.acknowledge("s:45:000000001", range(block, block + 1), alive, {block: "0" * 64})
+    try:
+        with pytest.raises(SwarmUnavailableError, match=r"blocks \[2, 3\] have had no live replica at step 45"):
+            commit(stack, replicas, ledger, HPARAMS)
+    finally:
+        replicas.close()
+    assert stack.notices and all(blocks == [2, 3] for blocks in stack.notices)

@@ -93,6 +93,7 @@ EXAMPLES: dict[str, tuple[protocol.Request, protocol.Reply]] = {
         protocol.FastForwardReply({1: 5}, {1: 2}),
     ),
     Method.COMMITTED: (protocol.CommittedRequest("run", LORA, 7, {0: 4}, OTHER), protocol.Ack()),
+    Method.UNSERVED: (protocol.UnservedRequest("tiny-llama", [0, 1, 2]), protocol.Ack()),
     Method.REPLICATE: (
         protocol.ReplicateRequest("run", LORA, 7, 4, [(range(0, 2), PEER), (range(2, 3), OTHER)]),
         protocol.StepsReply({0: 4, 1: 4, 2: 4}),
