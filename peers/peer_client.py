@@ -81,9 +81,11 @@ class PeerClient:
         self, peer: PeerID, name: str, blocks: range, held: dict[int, int] | None
     ) -> tuple[dict[int, BlockState], dict[int, BlockUpdate]]:
         """The state of ``blocks`` as another peer holds it, or, for blocks this peer ``held`` one step behind a
-        server, that server's last update (to apply with ``BlockUpdate.apply_to``)."""
+        server, that server's last update (to apply with ``BlockUpdate.apply_to``). A source that stops answering
+        altogether (frozen, cut off) is given up within seconds (``PeerFrozenError``), not at ``SYNC_TIMEOUT``: a
+        trainer's step waits on the copies made this way."""
         request = ExportRequest(name, blocks.start, blocks.stop, held)
-        reply = await self.transport.aask(peer, request, timeout=SYNC_TIMEOUT)
+        reply = await self.transport.aask(peer, request, timeout=SYNC_TIMEOUT, watch=True)
         try:
             states = unpack_states(reply.index, reply.states)
             packed = unpack_states(reply.update_index, reply.updates)

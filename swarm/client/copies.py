@@ -24,7 +24,7 @@ from swarm.net.protocol import ReplicateRequest
 
 logger = logging.getLogger(__name__)
 
-MAX_ROUNDS = 3  # a holder that fails is replaced by the next candidate, this many times per step
+MAX_ROUNDS = 3  # per step: a holder that fails is replaced; one whose source failed tries the next source
 
 
 class CopyKeeper:
@@ -50,14 +50,18 @@ class CopyKeeper:
         confirmed: dict[int, list[PeerID]] = {b: [] for b in range(num_blocks)}
         if self.min_copies > 1:
             candidates = sorted(self.calls.router.live_servers(eligible_only=False), key=lambda p: p.to_bytes())
-            asked: set[PeerID] = set()
-            for _ in range(MAX_ROUNDS):
-                plan = self._plan(servers, confirmed, [p for p in candidates if p not in asked])
+            failed: set[PeerID] = set()  # holders that did not answer; one that answered short may try another source
+            for attempt in range(MAX_ROUNDS):
+                plan = self._plan(servers, confirmed, [p for p in candidates if p not in failed])
                 if not plan:
                     break
-                asked.update(plan)
-                replies = self._pool.map(lambda item: self._replicate(*item, step, replicas), plan.items())
+                replies = self._pool.map(
+                    lambda item, attempt=attempt: self._replicate(*item, step, replicas, attempt), plan.items()
+                )
                 for (holder, blocks), held in zip(plan.items(), replies, strict=True):
+                    if held is None:
+                        failed.add(holder)
+                        continue
                     for block in blocks:
                         if held.get(block, -1) >= step:
                             confirmed[block].append(holder)
@@ -83,11 +87,16 @@ class CopyKeeper:
                 plan.setdefault(holder, []).append(block)
         return plan
 
-    def _replicate(self, holder: PeerID, blocks: list[int], step: int, replicas: dict[PeerID, range]) -> dict[int, int]:
-        """Ask ``holder`` to copy ``blocks`` at ``step`` from their replicas; returns the steps it holds."""
+    def _replicate(
+        self, holder: PeerID, blocks: list[int], step: int, replicas: dict[PeerID, range], attempt: int = 0
+    ) -> dict[int, int] | None:
+        """Ask ``holder`` to copy ``blocks`` at ``step`` from their replicas; returns the steps it holds (None: it did
+        not answer). Each ``attempt`` takes the next replica of a block as its source: the one before may be what
+        failed (frozen or gone since it applied the step)."""
         sources: list[tuple[range, PeerID]] = []
         for block in blocks:
-            source = min((p for p, span in replicas.items() if block in span), key=lambda p: p.to_bytes())
+            holders = sorted((p for p, span in replicas.items() if block in span), key=lambda p: p.to_bytes())
+            source = holders[attempt % len(holders)]
             if sources and sources[-1][0].stop == block and sources[-1][1] == source:
                 sources[-1] = (range(sources[-1][0].start, block + 1), source)
             else:
@@ -97,7 +106,7 @@ class CopyKeeper:
             reply = self.calls.ask(holder, request, units=len(blocks))
         except (PeerFailure, RemoteError) as e:
             logger.warning("peer %s could not hold a copy of blocks %s at step %d: %s", holder, blocks, step, e)
-            return {}
+            return None
         self.replicas.note_standby(holder, reply.steps)
         return reply.steps
 

@@ -335,6 +335,32 @@ def test_a_span_left_without_a_server_is_taken_over_at_the_clients_notice(inproc
     assert_matches_local_peft(model_dir, tmp_path)
 
 
+def test_a_copy_whose_source_dies_is_made_from_the_other_replica(inprocess_swarm, tiny_models, tmp_path):
+    """``min_copies=3`` over x, y (0:2) and z, w (2:4): at every step (step 0 as the adapter opens) a peer of the
+    other span copies the new state of each block from one of its replicas. The first source of 0:2 dies as it is
+    asked for the state of step 0: the holders, which answered without the copy, are asked again with the other
+    replica as the source, so step 0 is held three times all the same. (Before, the same source was named again,
+    or the holders were not asked again at all, and the step returned short of copies.)"""
+    model_dir = tiny_models["llama"]
+    swarm = inprocess_swarm(standby_blocks=0)  # no standby pulls: every export is a trainer's copy
+    peers = swarm.start_peers({"x": "0:2", "y": "0:2", "z": "2:4", "w": "2:4"})
+    first = min((peers["x"], peers["y"]), key=lambda peer: peer.peer_id.to_bytes())
+    fault = first.faults.arm(Fault(Action.KILL, Method.EXPORT))
+    model = connect(swarm, model_dir, "copy-source", min_copies=3)
+    try:
+        assert fault.wait_fired(0)
+        copies = model.copies
+        model.save_adapter(tmp_path / "initial")
+        train_steps(model, STEPS)
+        model.save_adapter(tmp_path / "final")
+        lost = list(model.steps_lost)
+    finally:
+        model.shutdown()
+    assert copies == {0: 3, 1: 3, 2: 3, 3: 3}
+    assert lost == []
+    assert_matches_local_peft(model_dir, tmp_path)
+
+
 def test_a_peer_restarted_on_other_blocks_withdraws_what_its_previous_run_announced(inprocess_swarm, tmp_path):
     """Killed, a peer leaves its records to expire; restarted with the same identity on other blocks, it replaces
     them by leaving ones before it serves, so that no client routes or syncs its old blocks there."""
