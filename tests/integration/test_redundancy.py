@@ -283,29 +283,37 @@ def wait_standby_at(peer: InProcessPeer, adapter: str, blocks: list[int], step: 
     raise AssertionError(f"peer {peer.name} holds no standby copy of blocks {blocks} at step {step}: {held}")
 
 
-def test_both_servers_of_a_span_killed_and_a_third_current_copy_takes_it_over(inprocess_swarm, tiny_models, tmp_path):
-    """Both servers of 2:4 die at once and stay dead; peer a serves 0:2, has room for the whole model and holds a
-    standby copy of 2:4 at the client's step: it grows to 0:4 from that copy (a takeover), nobody restarts, no step is
-    lost and the adapter equals local peft."""
-    model_dir = tiny_models["llama"]
-    swarm = inprocess_swarm()
+def _both_servers_of_2_4_killed(
+    swarm: InProcessSwarm, model_dir: Path, out: Path, adapter: str, balance_interval: float, **client
+) -> InProcessPeer:
+    """Peer a serves 0:2 with room for the whole model; b1 and b2 serve 2:4. Once a holds a copy of 2:4 at the
+    client's step (after 2 steps), b1 and b2 die at once and stay dead, and training goes on. Checks that a took 2:4
+    over, no step was lost and the adapter equals local peft; returns a."""
     servers = swarm.start_peers({"b1": "2:4", "b2": "2:4"})
-    taker = swarm.add_peer("0:2", "a", rebalance=True, balance_interval=1.0)
-    model = connect(swarm, model_dir, "third-copy", patience=60.0)
+    taker = swarm.add_peer("0:2", "a", rebalance=True, balance_interval=balance_interval)
+    model = connect(swarm, model_dir, adapter, patience=60.0, **client)
     try:
-        model.save_adapter(tmp_path / "initial")
+        model.save_adapter(out / "initial")
         train_steps(model, 2)
         wait_standby_at(taker, model.adapter, [2, 3], model.step)
         for server in servers.values():
             server.kill()
         train_steps(model, STEPS)
-        model.save_adapter(tmp_path / "final")
+        model.save_adapter(out / "final")
         lost = list(model.steps_lost)
     finally:
         model.shutdown()
     assert lost == []
     assert taker.daemon.serving == range(0, 4)
-    assert_matches_local_peft(model_dir, tmp_path)
+    assert_matches_local_peft(model_dir, out)
+    return taker
+
+
+def test_both_servers_of_a_span_killed_and_a_third_current_copy_takes_it_over(inprocess_swarm, tiny_models, tmp_path):
+    """Both servers of 2:4 die at once and stay dead; peer a serves 0:2, has room for the whole model and holds a
+    standby copy of 2:4 at the client's step: it grows to 0:4 from that copy (a takeover), nobody restarts, no step is
+    lost and the adapter equals local peft."""
+    _both_servers_of_2_4_killed(inprocess_swarm(), tiny_models["llama"], tmp_path, "third-copy", balance_interval=1.0)
 
 
 def test_a_span_left_without_a_server_is_taken_over_at_the_clients_notice(inprocess_swarm, tiny_models, tmp_path):
@@ -313,26 +321,10 @@ def test_a_span_left_without_a_server_is_taken_over_at_the_clients_notice(inproc
     copy of 2:4 (``min_copies=3``), but looks at the swarm by itself only once an hour. The client, finding 2:4
     without a server, sends the live peers an ``unserved`` notice: a looks now and grows over 2:4 from that copy. No
     step is lost and the adapter equals local peft. Without the notice the client waits out its patience and fails."""
-    model_dir = tiny_models["llama"]
-    swarm = inprocess_swarm()
-    servers = swarm.start_peers({"b1": "2:4", "b2": "2:4"})
-    taker = swarm.add_peer("0:2", "a", rebalance=True, balance_interval=3600.0)
-    model = connect(swarm, model_dir, "notice", patience=60.0, min_copies=3)
-    try:
-        model.save_adapter(tmp_path / "initial")
-        train_steps(model, 2)
-        wait_standby_at(taker, model.adapter, [2, 3], model.step)
-        for server in servers.values():
-            server.kill()
-        train_steps(model, STEPS)
-        model.save_adapter(tmp_path / "final")
-        lost = list(model.steps_lost)
-    finally:
-        model.shutdown()
-    assert lost == []
-    assert taker.daemon.serving == range(0, 4)
+    taker = _both_servers_of_2_4_killed(
+        inprocess_swarm(), tiny_models["llama"], tmp_path, "notice", balance_interval=3600.0, min_copies=3
+    )
     assert taker.daemon.woken_rounds >= 1
-    assert_matches_local_peft(model_dir, tmp_path)
 
 
 def test_a_copy_whose_source_dies_is_made_from_the_other_replica(inprocess_swarm, tiny_models, tmp_path):

@@ -150,6 +150,16 @@ def test_a_peer_holding_blocks_on_both_sides_of_a_commit_is_brought_in_by_taking
     assert stack.steps == {done: {0: 43, 1: 43}, split: {1: 43, 2: 43, 3: 43}}
 
 
+def _commit_gives_up_on_2_3(stack: _CommitStack, ledger: StepLedger) -> None:
+    """Commit step 45 over ``stack``'s peers: blocks 2 and 3 never get a replica at the step, so it gives up."""
+    replicas = ReplicaSet(stack, CurrentPeers(0, exact=True), open_on=stack.open_on)
+    try:
+        with pytest.raises(SwarmUnavailableError, match=r"blocks \[2, 3\] have had no live replica at step 45"):
+            commit(stack, replicas, ledger, HPARAMS)
+    finally:
+        replicas.close()
+
+
 def test_a_replica_past_the_step_is_not_counted_for_gradients_that_replaced_discarded_ones():
     """The other side of counting a replica past the step as applied: if the user discarded the gradients of a commit
     that failed part-way (zero_grad without a step) and trains the step again, a replica that applied the discarded
@@ -157,15 +167,10 @@ def test_a_replica_past_the_step_is_not_counted_for_gradients_that_replaced_disc
     ahead, behind = PeerID(b"x" * 8), PeerID(b"w" * 8)
     stack = _CommitStack({ahead: {2: 46, 3: 46}, behind: {0: 45, 1: 45}})
     stack.patience = 1.0
-    replicas = ReplicaSet(stack, CurrentPeers(0, exact=True), open_on=stack.open_on)
     ledger = StepLedger(step=45, session="s", committing=True).discarded()
     for block, holder in ((0, behind), (1, behind), (2, behind), (3, behind)):
         ledger.acknowledge("s:45:000000002", range(block, block + 1), holder, {block: "0" * 64})
-    try:
-        with pytest.raises(SwarmUnavailableError, match=r"blocks \[2, 3\] have had no live replica at step 45"):
-            commit(stack, replicas, ledger, HPARAMS)
-    finally:
-        replicas.close()
+    _commit_gives_up_on_2_3(stack, ledger)
     assert stack.commits == []
     replicas = ReplicaSet(stack, CurrentPeers(0, exact=True), open_on=stack.open_on)
     replicas.current[ahead] = 46
@@ -182,13 +187,8 @@ def test_a_commit_waiting_for_blocks_without_any_server_tells_the_peers():
     alive = PeerID(b"a" * 8)
     stack = _CommitStack({alive: {0: 45, 1: 45}})
     stack.patience = 1.0
-    replicas = ReplicaSet(stack, CurrentPeers(0, exact=True), open_on=stack.open_on)
     ledger = StepLedger(step=45, session="s")
     for block in range(4):
         ledger.acknowledge("s:45:000000001", range(block, block + 1), alive, {block: "0" * 64})
-    try:
-        with pytest.raises(SwarmUnavailableError, match=r"blocks \[2, 3\] have had no live replica at step 45"):
-            commit(stack, replicas, ledger, HPARAMS)
-    finally:
-        replicas.close()
+    _commit_gives_up_on_2_3(stack, ledger)
     assert stack.notices and all(blocks == [2, 3] for blocks in stack.notices)
