@@ -57,6 +57,11 @@ def main() -> None:
         handler.addFilter(lambda record: record.levelno >= logging.WARNING or record.name == logger.name)
     logger.setLevel(logging.INFO)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-churn-"))
+    used = sorted(p.name for p in workdir.glob("run*"))
+    if used:
+        # Peers restarting in a new run would load the old run's checkpoints of the same adapter: the client would
+        # resume past step 0, and the comparison with local peft (trained from step 0) would be wrong.
+        parser.error(f"{workdir} holds earlier runs ({', '.join(used)}): give an empty --workdir")
     model_dir = args.model or make_tiny_model(
         workdir / "model", layers=args.layers, hidden=args.hidden, intermediate=2 * args.hidden, seed=1
     )
