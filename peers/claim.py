@@ -13,12 +13,14 @@ import fcntl
 import json
 import os
 import socket
+import time
 from pathlib import Path
 
 from hivemind.p2p import PeerID
 
 from swarm.net.errors import IdentityInUseError
 
+HOLDER_WAIT = 2.0  # seconds a refused process waits for the lock's holder to write who it is (it does so at once)
 IN_USE_HINT = "stop that peer first, or give this one its own --identity and --checkpoint-dir"
 
 
@@ -45,7 +47,7 @@ class ProcessClaim:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _read_holder(fd)
+                holder = _wait_for_holder(fd)
                 os.close(fd)
                 self.release()
                 raise IdentityInUseError(self._in_use_message(path, holder)) from None
@@ -69,6 +71,17 @@ class ProcessClaim:
         where = " ".join(holder.get("maddrs") or []) or "(still starting: no address announced yet)"
         process = f"process {holder.get('pid', '?')} on {holder.get('host', '?')}"
         return f"identity {self.peer_id} is already in use by {process} at {where} (lock {path}): {IN_USE_HINT}"
+
+
+def _wait_for_holder(fd: int, patience: float = HOLDER_WAIT) -> dict:
+    """The holder as it wrote itself in the lock file. A process that took the lock a moment ago writes who it is
+    right after: wait that moment, so that the error names it, rather than "process ?"."""
+    deadline = time.monotonic() + patience
+    holder = _read_holder(fd)
+    while "pid" not in holder and time.monotonic() < deadline:
+        time.sleep(0.05)
+        holder = _read_holder(fd)
+    return holder
 
 
 def _read_holder(fd: int) -> dict:
