@@ -88,7 +88,7 @@ class CopyKeeper:
         return plan
 
     def _replicate(
-        self, holder: PeerID, blocks: list[int], step: int, replicas: dict[PeerID, range], attempt: int = 0
+        self, holder: PeerID, blocks: list[int], step: int, replicas: dict[PeerID, range], attempt: int
     ) -> dict[int, int] | None:
         """Ask ``holder`` to copy ``blocks`` at ``step`` from their replicas; returns the steps it holds (None: it did
         not answer). Each ``attempt`` takes the next replica of a block as its source: the one before may be what
