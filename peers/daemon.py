@@ -27,7 +27,7 @@ from peers.compute import Compute
 from peers.links import LinkProber
 from peers.peer_client import PeerClient
 from peers.replication import Replicator, StandbyPolicy
-from peers.service import PeerHooks, PeerService
+from peers.service import InfoDoors, PeerHooks, PeerService
 from swarm.blocks import spans_text
 from swarm.net.errors import PEER_ERRORS, IdentityInUseError, SwarmAccessError
 from swarm.net.network import check_access, join_dht, load_swarm_key
@@ -510,6 +510,8 @@ class PeerDaemon:
             self.dht.shutdown()
             raise
         timeline.mark("join")
+        joining_doors = InfoDoors(self.info, self.swarm_key, config.max_payload_mb << 20, faults=self.faults)
+        await joining_doors.register(p2p)
         if config.blocks is None:
             self.joining = await self._choose_span()
         else:
@@ -517,9 +519,14 @@ class PeerDaemon:
             await self._announce()
         await self._withdraw_stale()
         timeline.mark("choose")
-        self.parts = self._assemble(await asyncio.to_thread(self._load, self.joining))
+        announcing = asyncio.create_task(self._keep_announcing())
+        try:
+            self.parts = self._assemble(await asyncio.to_thread(self._load, self.joining))
+            await self.parts.replicator.take_state(await self._observe(), self.joining)
+        finally:
+            announcing.cancel()
         me = self.identity.peer_id
-        await self.parts.replicator.take_state(await self._observe(), self.joining)
+        await joining_doors.unregister(p2p)
         await self.parts.service.register(p2p)
         self.serving, self.joining, self.state = self.joining, None, ServerState.ONLINE
         timeline.mark("load and take state")
@@ -555,6 +562,16 @@ class PeerDaemon:
                 logger.exception("balancing round failed (will retry)")
             last_round, next_round = time.monotonic(), self._next_round()
         await self._leave(p2p, exit_if_stuck=not embedded)
+
+    async def _keep_announcing(self) -> None:
+        """Announce the joining record again while the span loads: a load longer than the record's lifetime (a
+        big span from a slow disk) would otherwise leave others without a trace of this peer's choice."""
+        while True:
+            await asyncio.sleep(self.config.record_ttl / 3)
+            try:
+                await self._announce()
+            except TimeoutError as e:
+                logger.warning("announcing failed (will retry): %s", e)
 
     def _next_round(self) -> float:
         """When the next balance round is due: jittered, so that peers started together do not look together."""

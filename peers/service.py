@@ -77,7 +77,27 @@ class PeerHooks:
     on_unserved: Callable[[str, list[int]], None]
 
 
-class PeerService(Doorkeeper):
+class InfoDoors(Doorkeeper):
+    """The doors of a peer that answer ``info``. Opened alone while the peer chooses and loads its span, so that
+    other peers count it where it is going (a joiner's choice, the balancer's rounds) instead of taking its joining
+    record for a dead peer's until it serves; the peer then closes them and opens ``PeerService``."""
+
+    def __init__(
+        self,
+        info: Callable[[], Awaitable[PeerInfo]],
+        swarm_key: SwarmKey | None = None,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        faults: FaultHook | None = None,
+    ):
+        super().__init__(swarm_key, max_payload_bytes, faults=faults)
+        self.info = info
+        self.handlers[Method.INFO] = self._info
+
+    async def _info(self, request: InfoRequest) -> PeerInfo:
+        return await self.info()
+
+
+class PeerService(InfoDoors):
     """The doors of a peer. Every request is validated; a refused request never stops the peer."""
 
     def __init__(
@@ -91,12 +111,11 @@ class PeerService(Doorkeeper):
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         faults: FaultHook | None = None,
     ):
-        super().__init__(swarm_key, max_payload_bytes, faults=faults)
-        self.backend, self.info, self.peers = backend, info, peers
+        super().__init__(info, swarm_key, max_payload_bytes, faults=faults)
+        self.backend, self.peers = backend, peers
         self.compute, self.hooks = compute, hooks
         self.handlers.update(
             {
-                Method.INFO: self._info,
                 Method.OPEN: self._open,
                 Method.FORWARD: self._forward,
                 Method.BACKWARD: self._backward,
@@ -118,9 +137,6 @@ class PeerService(Doorkeeper):
             }
         )
         self._background: set[asyncio.Task] = set()
-
-    async def _info(self, request: InfoRequest) -> PeerInfo:
-        return await self.info()
 
     async def _open(self, request: OpenRequest) -> OpenReply:
         def open_adapter() -> OpenReply:

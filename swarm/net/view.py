@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from hivemind import DHT
 from hivemind.p2p import PeerID
-from hivemind.utils import get_dht_time
 
 from swarm.net.errors import PEER_ERRORS, RequestError
 from swarm.net.protocol import InfoRequest, PeerInfo
@@ -22,9 +21,6 @@ from swarm.net.transport import Transport
 logger = logging.getLogger(__name__)
 
 PING_TIMEOUT = 3.0
-# A peer answers `info` only once it serves, so a peer still choosing or loading its span is known by its record
-# alone: a joining record this fresh counts for another joiner's choice, so that peers starting together spread out.
-FRESH_JOINER_S = 15.0
 
 
 @dataclass
@@ -33,7 +29,6 @@ class SwarmView:
 
     records: dict[int, list[ServerRecord]]
     alive: dict[PeerID, PeerInfo]
-    taken_at: float | None = None  # DHT time the records were read (None: silent joiners never count)
 
     def _live(self, block: int, states: tuple[ServerState, ...], exclude: PeerID | None) -> list[ServerRecord]:
         return [
@@ -46,27 +41,17 @@ class SwarmView:
         return self._live(block, (ServerState.ONLINE,), exclude)
 
     def coverage(self, exclude: PeerID, joining_before: PeerID | None = None) -> dict[int, int]:
-        """Live servers per block other than ``exclude``; joining peers count too (they will serve soon), and so
-        do silent ones that announced within ``FRESH_JOINER_S`` (they answer once they serve). With
+        """Live servers per block other than ``exclude``; joining peers count too (they will serve soon). With
         ``joining_before``, only joiners with a smaller id count: two peers that chose the same span at once
         settle it by id (the larger one chooses again)."""
         counts = {}
         for block in self.records:
             online = len(self.online(block, exclude))
-            joining = [
-                r
-                for r in self.records[block]
-                if r.state == ServerState.JOINING
-                and r.peer_id != exclude
-                and (r.peer_id in self.alive or self._fresh(r))
-            ]
+            joining = self._live(block, (ServerState.JOINING,), exclude)
             if joining_before is not None:
                 joining = [r for r in joining if r.peer_id.to_bytes() < joining_before.to_bytes()]
             counts[block] = online + len(joining)
         return counts
-
-    def _fresh(self, record: ServerRecord) -> bool:
-        return self.taken_at is not None and self.taken_at - record.announced_at <= FRESH_JOINER_S
 
     def throughput(self) -> dict[int, float]:
         return {block: sum(r.throughput for r in self.online(block)) for block in self.records}
@@ -117,7 +102,6 @@ async def observe(
 ) -> SwarmView:
     """Read the records, then ping every peer they name (except ``me``) at once; with ``weights``, only the peers
     whose blocks have those digests (see ``same_weights``)."""
-    taken_at = get_dht_time()
     records = await asyncio.to_thread(read_servers, dht, model, num_blocks)
     if weights is not None:
         records = same_weights(records, weights)
@@ -133,4 +117,4 @@ async def observe(
 
     answers = await asyncio.gather(*(ping(peer) for peer in peers))
     alive = {peer: info for peer, info in zip(peers, answers, strict=True) if info is not None}
-    return SwarmView(records=records, alive=alive, taken_at=taken_at)
+    return SwarmView(records=records, alive=alive)

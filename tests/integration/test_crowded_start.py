@@ -5,10 +5,16 @@ now, not where its peer served a moment ago."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+
 import pytest
 from safetensors.torch import load_file
 
+from peers.daemon import settled_spans
 from swarm.net.records import ServerState
+from swarm.net.view import SwarmView
 from swarm.testing.recipe import assert_matches_local_peft, connect, train
 from swarm.testing.tiny import make_tiny_model
 
@@ -32,3 +38,37 @@ def test_six_peers_started_at_once_then_save_right_after_from_pretrained(inproce
     finally:
         model.shutdown()
     assert_matches_local_peft(model_dir, tmp_path, steps=2)
+
+
+def test_a_peer_still_loading_answers_as_joining_and_keeps_its_record(inprocess_swarm, tmp_path):
+    """Others count a loading peer where it is going (a joiner's choice, the balancer's pins), however long its load
+    takes: it answers ``info`` as joining, and its joining record outlives the record lifetime. Before, a peer
+    answered only once it served, so two peers starting together each took the other's record for a dead peer's."""
+    model_dir = make_tiny_model(tmp_path / "model", layers=4, seed=1)
+    ttl = 3.0
+    local = inprocess_swarm(model=model_dir, record_ttl=ttl, balance_interval=1.0)
+    first = local.add_peer("0:2", "first")
+    slow = local.add_peer(None, "slow", wait=False, num_blocks=2)
+    loaded = threading.Event()  # a slow disk: the load waits until the test has looked
+    load = slow.daemon._load
+    slow.daemon._load = lambda blocks: (loaded.wait(60.0), load(blocks))[1]
+
+    def look() -> SwarmView:
+        return asyncio.run_coroutine_threadsafe(first.daemon._observe(), first._loop).result(30.0)
+
+    try:
+        deadline = time.monotonic() + 60.0
+        while slow.daemon.joining is None:
+            assert time.monotonic() < deadline, "the slow peer never chose its span"
+            time.sleep(0.1)
+        time.sleep(2 * ttl)  # longer than its first announcement lives
+        view = look()
+        assert slow.peer_id in view.alive, "a loading peer does not answer info"
+        assert view.alive[slow.peer_id].state == ServerState.JOINING.value
+        assert [r.state for r in view.records[2] if r.peer_id == slow.peer_id] == [ServerState.JOINING]
+        assert view.coverage(exclude=first.peer_id) == {0: 0, 1: 0, 2: 1, 3: 1}
+        assert settled_spans(view, 4).pinned == {2: 1, 3: 1}
+    finally:
+        loaded.set()
+    slow.wait_serving()
+    assert slow.daemon.serving == range(2, 4)

@@ -8,7 +8,7 @@ from hivemind.p2p import PeerID
 from peers.daemon import PeerConfig, StartTimeline, blocks_that_fit
 from swarm.net.protocol import AdapterInfo, PeerInfo
 from swarm.net.records import ServerRecord, ServerState
-from swarm.net.view import FRESH_JOINER_S, SwarmView
+from swarm.net.view import SwarmView
 from swarm.ops.status import render
 from swarm.spec import load_spec
 
@@ -35,20 +35,6 @@ def test_view_counts_only_live_peers_and_settles_joiners_by_id():
     table = render("m", 4, view, replication=2)
     assert "unreachable" in table and "UNCOVERED blocks 2-3" in table
     assert "copies: a@5: 1  (one failure would lose it)" in table  # block 0: served at 5 by one live peer
-
-
-def test_a_silent_joiner_counts_for_other_joiners_while_its_record_is_fresh():
-    """Peers answer `info` only once they serve: two peers starting together must still see each other's choice."""
-    quick, slow, me = (PeerID(bytes([i]) * 8) for i in (1, 2, 9))
-    records = {
-        2: [ServerRecord(quick, ServerState.JOINING, 2, 3, 0.0, announced_at=1000.0)],
-        3: [ServerRecord(slow, ServerState.JOINING, 3, 4, 0.0, announced_at=1000.0 - FRESH_JOINER_S - 1)],
-    }
-    view = SwarmView(records, {}, taken_at=1000.0 + 2)
-    assert view.coverage(exclude=me) == {2: 1, 3: 0}  # the joiner that crashed long ago holds no block
-    assert view.coverage(exclude=me, joining_before=me) == {2: 1, 3: 0}  # a smaller id: the larger one yields
-    assert view.coverage(exclude=quick, joining_before=quick) == {2: 0, 3: 0}
-    assert SwarmView(records, {}).coverage(exclude=me) == {2: 0, 3: 0}  # no read time: only answering peers count
 
 
 def test_records_carry_a_move_and_span_sizing_fits_the_model(tiny_models):
