@@ -4,6 +4,7 @@ copies and checkpoints of adapter state, move to where the swarm needs it, leave
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -11,6 +12,7 @@ import signal
 import statistics
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -376,8 +378,9 @@ class PeerDaemon:
         logger.info("moving from blocks %d:%d to %d:%d", old.start, old.stop, target.start, target.stop)
         self.joining = target
         await self._announce()
-        layers = await asyncio.to_thread(self.parts.backend.load_layers, target)
-        await self.parts.replicator.take_state(await self._observe(), target)
+        async with self._announcing():
+            layers = await asyncio.to_thread(self.parts.backend.load_layers, target)
+            await self.parts.replicator.take_state(await self._observe(), target)
         await self.parts.compute(self.parts.backend.install, layers)
         handed_over = [b for b in old if b not in target]
         if handed_over:
@@ -519,12 +522,9 @@ class PeerDaemon:
             await self._announce()
         await self._withdraw_stale()
         timeline.mark("choose")
-        announcing = asyncio.create_task(self._keep_announcing())
-        try:
+        async with self._announcing():
             self.parts = self._assemble(await asyncio.to_thread(self._load, self.joining))
             await self.parts.replicator.take_state(await self._observe(), self.joining)
-        finally:
-            announcing.cancel()
         me = self.identity.peer_id
         await joining_doors.unregister(p2p)
         await self.parts.service.register(p2p)
@@ -563,15 +563,25 @@ class PeerDaemon:
             last_round, next_round = time.monotonic(), self._next_round()
         await self._leave(p2p, exit_if_stuck=not embedded)
 
-    async def _keep_announcing(self) -> None:
-        """Announce the joining record again while the span loads: a load longer than the record's lifetime (a
-        big span from a slow disk) would otherwise leave others without a trace of this peer's choice."""
-        while True:
-            await asyncio.sleep(self.config.record_ttl / 3)
-            try:
-                await self._announce()
-            except TimeoutError as e:
-                logger.warning("announcing failed (will retry): %s", e)
+    @contextlib.asynccontextmanager
+    async def _announcing(self) -> AsyncIterator[None]:
+        """Announce this peer's records every ``record_ttl / 3`` while it loads blocks (joining, or moving while it
+        serves its old span): a load longer than a record's lifetime (a big span from a slow disk) would otherwise
+        let its records expire, and others would take its blocks for unserved and its choice for nobody's."""
+
+        async def keep_announcing() -> None:
+            while True:
+                await asyncio.sleep(self.config.record_ttl / 3)
+                try:
+                    await self._announce()
+                except TimeoutError as e:
+                    logger.warning("announcing failed (will retry): %s", e)
+
+        task = asyncio.create_task(keep_announcing())
+        try:
+            yield
+        finally:
+            task.cancel()
 
     def _next_round(self) -> float:
         """When the next balance round is due: jittered, so that peers started together do not look together."""

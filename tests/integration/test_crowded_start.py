@@ -72,3 +72,39 @@ def test_a_peer_still_loading_answers_as_joining_and_keeps_its_record(inprocess_
         loaded.set()
     slow.wait_serving()
     assert slow.daemon.serving == range(2, 4)
+
+
+def test_a_peer_moving_keeps_its_records_while_it_loads(inprocess_swarm, tmp_path):
+    """A move loads its new blocks while the peer serves its old ones, inside its balance round: however long the
+    load, the old span stays announced online (clients keep routing there) and the new one as joining."""
+    model_dir = make_tiny_model(tmp_path / "model", layers=4, seed=1)
+    ttl = 3.0
+    local = inprocess_swarm(model=model_dir, record_ttl=ttl, balance_interval=1.0)
+    first = local.add_peer("0:2", "first")
+    mover = local.add_peer("2:4", "mover", rebalance=True)
+    loaded = threading.Event()  # a slow disk: the load waits until the test has looked
+    backend = mover.backend
+    load = backend.load_layers
+    backend.load_layers = lambda blocks: (loaded.wait(60.0), load(blocks))[1]
+    moves = iter([range(0, 4)])  # its next round decides this move, and no other
+
+    async def decide(view, yielding=frozenset()):
+        return next(moves, None)
+
+    mover.daemon._decide_move = decide
+    try:
+        deadline = time.monotonic() + 60.0
+        while mover.daemon.joining is None:
+            assert time.monotonic() < deadline, "the move never started"
+            time.sleep(0.1)
+        time.sleep(2 * ttl)  # longer than its first announcements live
+        view = asyncio.run_coroutine_threadsafe(first.daemon._observe(), first._loop).result(30.0)
+        states = {b: [r.state for r in view.records.get(b, []) if r.peer_id == mover.peer_id] for b in range(4)}
+        online, joining = [ServerState.ONLINE], [ServerState.JOINING]
+        assert states == {0: joining, 1: joining, 2: online, 3: online}
+    finally:
+        loaded.set()
+    deadline = time.monotonic() + 60.0
+    while mover.daemon.serving != range(0, 4):
+        assert time.monotonic() < deadline, "the move did not finish"
+        time.sleep(0.1)
