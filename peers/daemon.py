@@ -569,9 +569,10 @@ class PeerDaemon:
         serves its old span): a load longer than a record's lifetime (a big span from a slow disk) would otherwise
         let its records expire, and others would take its blocks for unserved and its choice for nobody's."""
 
+        done = asyncio.Event()
+
         async def keep_announcing() -> None:
-            while True:
-                await asyncio.sleep(self.config.record_ttl / 3)
+            while not await _wait_for(done, self.config.record_ttl / 3):
                 try:
                     await self._announce()
                 except TimeoutError as e:
@@ -581,7 +582,8 @@ class PeerDaemon:
         try:
             yield
         finally:
-            task.cancel()
+            done.set()
+            await task  # an announcement under way lands before the caller announces what comes next, not after
 
     def _next_round(self) -> float:
         """When the next balance round is due: jittered, so that peers started together do not look together."""
@@ -672,6 +674,15 @@ class PeerDaemon:
         if self.writer is not None:
             self.writer.close()
         await self.parts.service.unregister(p2p)
+
+
+async def _wait_for(event: asyncio.Event, seconds: float) -> bool:
+    """Whether ``event`` was set within ``seconds``."""
+    try:
+        await asyncio.wait_for(event.wait(), seconds)
+    except asyncio.TimeoutError:
+        return False
+    return True
 
 
 def _exit_now() -> None:
