@@ -667,7 +667,10 @@ class SpanBackend:
 
     def keep_standby(self, name: str, meta: dict, states: dict[int, BlockState], keep: set[int] | None) -> None:
         """Store newer standby copies of blocks; forget copies outside ``keep`` (None: forget nothing). A served
-        block behind its copy (fresh from a checkpoint or a takeover) starts from the copy."""
+        block is left as it is: only the trainer changes it (commit, sync, revert). A copy pulled in the background,
+        or the newest state a move takes, may be a step the trainer has since taken back: loaded into a served block,
+        it put the peer past the step behind the trainer's back, and a replay waited for that step forever (an
+        hour of churn stalled so). A block not served yet starts from its copy when it is installed."""
         adapter = self.adapters.get(name)
         created = adapter is None
         lora, seed = lora_and_seed(meta)
@@ -676,14 +679,9 @@ class SpanBackend:
         elif adapter.config_wire != lora or adapter.seed != seed:
             raise RequestError(f"adapter {name!r} exists here with another LoRA config or seed")
         for block, state in states.items():
-            served = adapter.blocks.get(block)
-            if served is None:
-                held = adapter.standby.get(block)
-                if held is None or held.step <= state.step:
-                    adapter.standby[block] = state
-            elif served.step < state.step:
-                state.load_into(served)
-                self._forget_forwards(name)  # only then: a plain refresh must not drop graphs kept for backward
+            held = adapter.standby.get(block)
+            if block not in adapter.blocks and (held is None or held.step <= state.step):
+                adapter.standby[block] = state
         if keep is not None:
             for block in [b for b in adapter.standby if b not in keep]:
                 del adapter.standby[block]

@@ -271,6 +271,12 @@ class ReplicaSet:
                 self._drop_source(source, str(e))
                 continue  # the same blocks, from another source
             steps = reply.steps
+            if any(steps.get(b) != step for b in range(block, end)):
+                # the source was not at the step after all (its state moved since it was found current): ask it
+                # again before offering it, and take these blocks from another source
+                self.current.forget(source)
+                self.standby.pop(source, None)
+                raise CommitError(f"{source} held blocks {block}:{end} at other steps than {step}; not a source")
             logger.info("peer %s synced blocks %d:%d to step %d from %s", peer, block, end, step, source)
             block = end
         return steps

@@ -48,6 +48,24 @@ def test_standby_copies_take_over_exactly_and_moves_keep_state(tiny_models):
     assert sorted(other.layers) == [2, 3] and set(other.adapters["a"].standby_steps()) == {0, 1}
 
 
+def test_a_copy_never_changes_a_served_block_behind_the_trainers_back(tiny_models):
+    """Only the trainer moves a served block (commit, sync, revert): a newer copy, pulled in the background or taken
+    by a move, may be a step the trainer has taken back. Loaded into served blocks, it once left a peer past the step
+    the trainer replayed, and the replay waited for that step until its patience ran out."""
+    wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    ahead, served = _backend(tiny_models["llama"], range(2, 4)), _backend(tiny_models["llama"], range(1, 4))
+    for backend in (ahead, served):
+        backend.open_adapter("a", wire, seed=3, session="s")
+    for step in range(2):
+        _train_one_step(ahead, "a", range(2, 4), step)
+    _train_one_step(served, "a", range(1, 4), 0)
+    before = served.digests("a")
+    exported, _ = ahead.export_state("a", range(2, 4))
+    served.keep_standby("a", {"lora": wire, "seed": 3}, exported, keep=None)
+    assert served.adapters["a"].steps() == {1: 1, 2: 1, 3: 1} and served.digests("a") == before
+    assert served.adapters["a"].standby_steps() == {}, "a served block keeps no second copy"
+
+
 def test_a_copy_one_step_behind_catches_up_from_the_last_update_exactly(tiny_models):
     import peft
 

@@ -10,7 +10,7 @@ from hivemind.p2p import PeerID
 from swarm.client.commit import ReplicaSet, commit, take_back_abandoned
 from swarm.client.current import CurrentPeers
 from swarm.client.ledger import StepLedger
-from swarm.net.errors import SwarmUnavailableError
+from swarm.net.errors import CommitError, SwarmUnavailableError
 from swarm.net.protocol import (
     CommitReply,
     CommitRequest,
@@ -70,6 +70,31 @@ def test_a_takeover_holding_part_of_its_span_current_syncs_only_the_rest():
         replicas.close()
     assert stack.sent == [(mover, stayer.to_base58(), 3, 4)]
     assert steps == {2: 1, 3: 1}
+
+
+def test_a_source_found_past_the_step_by_a_sync_is_no_longer_counted_current():
+    """A peer counted current at step 1533 whose blocks moved to 1534 since (an hour of churn saw a move load a
+    step the trainer had taken back into the blocks it served) is a source that syncs nobody down: the sync fails,
+    and the source is asked again before it is offered or routed to. Before, the client synced from it every second
+    and logged success while the peer stayed past the step, until its patience ran out."""
+    split, source = PeerID(b"p" * 8), PeerID(b"s" * 8)
+
+    class _AheadSource(_Stack):
+        def ask(self, peer: PeerID, request: SyncRequest) -> StepsReply:
+            super().ask(peer, request)
+            return StepsReply({0: 1, 1: 2, 2: 2})  # the source exported its blocks at step 2
+
+    stack = _AheadSource(_Router({split: range(0, 3), source: range(1, 4)}))
+    replicas = ReplicaSet(stack, CurrentPeers(0, exact=True), open_on=lambda peer: ({}, {}))
+    try:
+        replicas.current[source] = 1
+        replicas.note_standby(source, {1: 1, 2: 1})
+        with pytest.raises(CommitError, match="not a source"):
+            replicas._sync(split, range(0, 3), {0: 1, 1: 2, 2: 2}, step=1)
+        assert source not in replicas.current and source not in replicas.standby
+    finally:
+        replicas.close()
+    assert stack.sent == [(split, source.to_base58(), 1, 3)]
 
 
 class _CommitRouter(_Router):
