@@ -665,12 +665,21 @@ class SpanBackend:
         self._forget_forwards(name)
         return adapter.steps()
 
-    def keep_standby(self, name: str, meta: dict, states: dict[int, BlockState], keep: set[int] | None) -> None:
+    def keep_standby(
+        self,
+        name: str,
+        meta: dict,
+        states: dict[int, BlockState],
+        keep: set[int] | None,
+        trainer_step: int | None = None,
+    ) -> None:
         """Store newer standby copies of blocks; forget copies outside ``keep`` (None: forget nothing). A served
-        block is left as it is: only the trainer changes it (commit, sync, revert). A copy pulled in the background,
-        or the newest state a move takes, may be a step the trainer has since taken back: loaded into a served block,
-        it put the peer past the step behind the trainer's back, and a replay waited for that step forever (an
-        hour of churn stalled so). A block not served yet starts from its copy when it is installed."""
+        block changes only as the trainer says: a copy at ``trainer_step`` (the step the trainer asked this peer to
+        hold: a peer handing the block over is asked as a holder) replaces a served state behind it; any other
+        copy leaves served blocks alone. A copy pulled in the background, or the newest state a move takes, may hold
+        a step the trainer has since taken back: loaded into served blocks, it put a peer past the step the trainer
+        replayed, behind its back, and the replay waited for that step until its patience ran out (an hour of churn
+        stalled so). A block not served yet starts from its copy when it is installed."""
         adapter = self.adapters.get(name)
         created = adapter is None
         lora, seed = lora_and_seed(meta)
@@ -679,9 +688,12 @@ class SpanBackend:
         elif adapter.config_wire != lora or adapter.seed != seed:
             raise RequestError(f"adapter {name!r} exists here with another LoRA config or seed")
         for block, state in states.items():
-            held = adapter.standby.get(block)
-            if block not in adapter.blocks and (held is None or held.step <= state.step):
+            served, held = adapter.blocks.get(block), adapter.standby.get(block)
+            if served is None and (held is None or held.step <= state.step):
                 adapter.standby[block] = state
+            elif served is not None and state.step == trainer_step and served.step < state.step:
+                state.load_into(served)
+                self._forget_forwards(name)  # only then: a plain refresh must not drop graphs kept for backward
         if keep is not None:
             for block in [b for b in adapter.standby if b not in keep]:
                 del adapter.standby[block]

@@ -88,7 +88,7 @@ class Replicator:
             states = {b: state for part, _ in fetched for b, state in part.items() if state.step >= step}
             updates = {b: update for _, part in fetched for b, update in part.items() if update.step + 1 >= step}
             if states or updates:
-                await self._store(name, meta, states, updates, keep=None)
+                await self._store(name, meta, states, updates, keep=None, trainer_step=step)
                 held = await self.compute(self._held, name)
         if states or updates:
             task = asyncio.ensure_future(self.on_refreshed(name))  # checkpoint in the background
@@ -185,10 +185,16 @@ class Replicator:
             return {}, {}
 
     async def _store(
-        self, name: str, meta: dict, states: dict[int, BlockState], updates: dict[int, BlockUpdate], keep
+        self,
+        name: str,
+        meta: dict,
+        states: dict[int, BlockState],
+        updates: dict[int, BlockUpdate],
+        keep: set[int] | None,
+        trainer_step: int | None = None,
     ) -> None:
         def store() -> None:
-            self.backend.keep_standby(name, meta, states, keep)
+            self.backend.keep_standby(name, meta, states, keep, trainer_step)
             if updates:
                 self.backend.apply_updates(name, updates)
 

@@ -49,8 +49,9 @@ def test_standby_copies_take_over_exactly_and_moves_keep_state(tiny_models):
 
 
 def test_a_copy_never_changes_a_served_block_behind_the_trainers_back(tiny_models):
-    """Only the trainer moves a served block (commit, sync, revert): a newer copy, pulled in the background or taken
-    by a move, may be a step the trainer has taken back. Loaded into served blocks, it once left a peer past the step
+    """Only the trainer moves a served block (commit, sync, revert, or a copy it asks for at its step: a peer
+    handing the block over is asked as a holder): a newer copy, pulled in the background or taken by a move, may be
+    a step the trainer has taken back. Loaded into served blocks, it once left a peer past the step
     the trainer replayed, and the replay waited for that step until its patience ran out."""
     wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     ahead, served = _backend(tiny_models["llama"], range(2, 4)), _backend(tiny_models["llama"], range(1, 4))
@@ -64,6 +65,8 @@ def test_a_copy_never_changes_a_served_block_behind_the_trainers_back(tiny_model
     served.keep_standby("a", {"lora": wire, "seed": 3}, exported, keep=None)
     assert served.adapters["a"].steps() == {1: 1, 2: 1, 3: 1} and served.digests("a") == before
     assert served.adapters["a"].standby_steps() == {}, "a served block keeps no second copy"
+    served.keep_standby("a", {"lora": wire, "seed": 3}, exported, keep=None, trainer_step=2)  # the trainer's hold
+    assert served.adapters["a"].steps() == {1: 1, 2: 2, 3: 2} and served.digests("a")[2] == ahead.digests("a")[2]
 
 
 def test_a_copy_one_step_behind_catches_up_from_the_last_update_exactly(tiny_models):
