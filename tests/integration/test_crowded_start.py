@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 from safetensors.torch import load_file
@@ -15,9 +17,11 @@ from safetensors.torch import load_file
 from peers.daemon import settled_spans
 from swarm.net.records import ServerState
 from swarm.net.view import SwarmView
+from swarm.testing.inprocess import InProcessPeer
 from swarm.testing.recipe import assert_matches_local_peft, connect, train
 from swarm.testing.tiny import make_tiny_model
 
+T = TypeVar("T")
 PEERS, SPAN, LAYERS = 6, 3, 8  # as scripts/bench_churn.py starts them: 18 block copies over 8 blocks
 
 
@@ -40,29 +44,40 @@ def test_six_peers_started_at_once_then_save_right_after_from_pretrained(inproce
     assert_matches_local_peft(model_dir, tmp_path, steps=2)
 
 
+TTL = 3.0  # a record lifetime that a test can outlast twice
+
+
+def _gated(load: Callable[[range], T], gate: threading.Event) -> Callable[[range], T]:
+    """A slow disk: ``load`` waits until the test opens ``gate``."""
+    return lambda blocks: (gate.wait(60.0), load(blocks))[1]
+
+
+def _wait_until(condition: Callable[[], bool], failure: str) -> None:
+    deadline = time.monotonic() + 60.0
+    while not condition():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.1)
+
+
+def _view_while_loading(peer: InProcessPeer, observer: InProcessPeer) -> SwarmView:
+    """What ``observer`` sees once ``peer`` is loading blocks and its first records would have expired twice."""
+    _wait_until(lambda: peer.daemon.joining is not None, "the peer never started loading")
+    time.sleep(2 * TTL)
+    return asyncio.run_coroutine_threadsafe(observer.daemon._observe(), observer._loop).result(30.0)
+
+
 def test_a_peer_still_loading_answers_as_joining_and_keeps_its_record(inprocess_swarm, tmp_path):
     """Others count a loading peer where it is going (a joiner's choice, the balancer's pins), however long its load
     takes: it answers ``info`` as joining, and its joining record outlives the record lifetime. Before, a peer
     answered only once it served, so two peers starting together each took the other's record for a dead peer's."""
     model_dir = make_tiny_model(tmp_path / "model", layers=4, seed=1)
-    ttl = 3.0
-    local = inprocess_swarm(model=model_dir, record_ttl=ttl, balance_interval=1.0)
+    local = inprocess_swarm(model=model_dir, record_ttl=TTL, balance_interval=1.0)
     first = local.add_peer("0:2", "first")
     slow = local.add_peer(None, "slow", wait=False, num_blocks=2)
-    loaded = threading.Event()  # a slow disk: the load waits until the test has looked
-    load = slow.daemon._load
-    slow.daemon._load = lambda blocks: (loaded.wait(60.0), load(blocks))[1]
-
-    def look() -> SwarmView:
-        return asyncio.run_coroutine_threadsafe(first.daemon._observe(), first._loop).result(30.0)
-
+    loaded = threading.Event()
+    slow.daemon._load = _gated(slow.daemon._load, loaded)
     try:
-        deadline = time.monotonic() + 60.0
-        while slow.daemon.joining is None:
-            assert time.monotonic() < deadline, "the slow peer never chose its span"
-            time.sleep(0.1)
-        time.sleep(2 * ttl)  # longer than its first announcement lives
-        view = look()
+        view = _view_while_loading(slow, first)
         assert slow.peer_id in view.alive, "a loading peer does not answer info"
         assert view.alive[slow.peer_id].state == ServerState.JOINING.value
         assert [r.state for r in view.records[2] if r.peer_id == slow.peer_id] == [ServerState.JOINING]
@@ -78,14 +93,11 @@ def test_a_peer_moving_keeps_its_records_while_it_loads(inprocess_swarm, tmp_pat
     """A move loads its new blocks while the peer serves its old ones, inside its balance round: however long the
     load, the old span stays announced online (clients keep routing there) and the new one as joining."""
     model_dir = make_tiny_model(tmp_path / "model", layers=4, seed=1)
-    ttl = 3.0
-    local = inprocess_swarm(model=model_dir, record_ttl=ttl, balance_interval=1.0)
+    local = inprocess_swarm(model=model_dir, record_ttl=TTL, balance_interval=1.0)
     first = local.add_peer("0:2", "first")
     mover = local.add_peer("2:4", "mover", rebalance=True)
-    loaded = threading.Event()  # a slow disk: the load waits until the test has looked
-    backend = mover.backend
-    load = backend.load_layers
-    backend.load_layers = lambda blocks: (loaded.wait(60.0), load(blocks))[1]
+    loaded = threading.Event()
+    mover.backend.load_layers = _gated(mover.backend.load_layers, loaded)
     moves = iter([range(0, 4)])  # its next round decides this move, and no other
 
     async def decide(view, yielding=frozenset()):
@@ -93,18 +105,10 @@ def test_a_peer_moving_keeps_its_records_while_it_loads(inprocess_swarm, tmp_pat
 
     mover.daemon._decide_move = decide
     try:
-        deadline = time.monotonic() + 60.0
-        while mover.daemon.joining is None:
-            assert time.monotonic() < deadline, "the move never started"
-            time.sleep(0.1)
-        time.sleep(2 * ttl)  # longer than its first announcements live
-        view = asyncio.run_coroutine_threadsafe(first.daemon._observe(), first._loop).result(30.0)
+        view = _view_while_loading(mover, first)
         states = {b: [r.state for r in view.records.get(b, []) if r.peer_id == mover.peer_id] for b in range(4)}
         online, joining = [ServerState.ONLINE], [ServerState.JOINING]
         assert states == {0: joining, 1: joining, 2: online, 3: online}
     finally:
         loaded.set()
-    deadline = time.monotonic() + 60.0
-    while mover.daemon.serving != range(0, 4):
-        assert time.monotonic() < deadline, "the move did not finish"
-        time.sleep(0.1)
+    _wait_until(lambda: mover.daemon.serving == range(0, 4), "the move did not finish")
