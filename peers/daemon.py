@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -38,6 +39,7 @@ from swarm.net.reachability import choose_relays, verify_relayed
 from swarm.net.records import RECORD_TTL, ServerRecord, ServerState, announce, announce_model, read_servers
 from swarm.net.security import Identity
 from swarm.net.servicer import FaultHook
+from swarm.net.suspects import suspect
 from swarm.net.transport import Transport
 from swarm.net.view import SwarmView, observe
 from swarm.spec import ModelSpec, load_spec
@@ -504,7 +506,7 @@ class PeerDaemon:
             where = await asyncio.to_thread(self._where_else_serving)
             raise IdentityInUseError(f"{e}, {where}: {IN_USE_HINT}") from None
         p2p = await self.dht.replicate_p2p()
-        self.transport = Transport(p2p, self.swarm_key)
+        self.transport = Transport(p2p, self.swarm_key, on_unresponsive=partial(suspect, self.dht))
         try:
             await check_access(self.transport, config.initial_peers)
             self.maddrs = await self._addresses(p2p, relays)

@@ -6,7 +6,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from functools import partial
 
 from hivemind import DHT
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
@@ -31,6 +32,7 @@ from swarm.net.protocol import (
 )
 from swarm.net.records import ServerRecord
 from swarm.net.security import SwarmKey
+from swarm.net.suspects import suspect
 from swarm.net.wire import DEFAULT_MAX_PAYLOAD_BYTES, PeerDoors, WireError, collect, decode, encode
 
 STREAM_ATTEMPTS = 3
@@ -68,8 +70,15 @@ class Transport:
     depends on libp2p's peer routing having found it; a peer behind NAT is reached through its relay.
     """
 
-    def __init__(self, p2p: P2P, swarm_key: SwarmKey | None = None, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES):
+    def __init__(
+        self,
+        p2p: P2P,
+        swarm_key: SwarmKey | None = None,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        on_unresponsive: Callable[[PeerID], None] | None = None,
+    ):
         self.p2p, self.swarm_key, self.max_payload_bytes = p2p, swarm_key, max_payload_bytes
+        self.on_unresponsive = on_unresponsive  # told of each peer a call timed out on while still connected
         self.seen: set[PeerID] = set()  # peers this transport has had an answer from
         self.gone: dict[PeerID, float] = {}  # peer -> wall-clock time its connection was found closed
         self.rechecked: dict[PeerID, float] = {}  # gone peer -> wall-clock time of the last dial that tried it again
@@ -78,7 +87,8 @@ class Transport:
     @classmethod
     def for_dht(cls, dht: DHT, swarm_key: SwarmKey | None = None) -> Transport:
         """A transport sharing the P2P daemon of a DHT, driven from synchronous code."""
-        return cls(RemoteExpertWorker.run_coroutine(dht.replicate_p2p()), swarm_key)
+        p2p = RemoteExpertWorker.run_coroutine(dht.replicate_p2p())
+        return cls(p2p, swarm_key, on_unresponsive=partial(suspect, dht))
 
     def call(self, peer: PeerID, message: Message, timeout: float | None = None, watch: bool = False) -> Message:
         """Send ``message`` and wait for the reply; a refusal becomes a RemoteError. ``watch``: see :meth:`acall`."""
@@ -157,6 +167,8 @@ class Transport:
         except TRANSPORT_ERRORS as e:
             if not await self.connected(peer):
                 raise self._mark_gone(peer) from e
+            if isinstance(e, TimeoutError) and self.on_unresponsive is not None:
+                self.on_unresponsive(peer)  # connected but silent: frozen or cut off, or too busy to be asked now
             raise
         self.seen.add(peer)
         return reply

@@ -1,6 +1,6 @@
 """Telling a frozen peer from a busy one, and a restarted one from a dead one, over real P2P: calls watch their peer
 (``Transport.acall(watch=True)``: hello every second while the reply is awaited), and a peer found gone is dialed
-again once it may have restarted under the same id."""
+again once it may have restarted under the same id; a peer found frozen is kept out of this process's DHT lookups."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 import swarm
 from swarm.net.message import Message
+from swarm.net.suspects import is_suspected
 from swarm.net.transport import GONE_RECHECK, PROBE_EVERY, PROBE_TIMEOUT, PeerFrozenError, PeerGoneError
 from swarm.testing.faults import Action, Fault
 
@@ -44,6 +45,20 @@ def test_a_frozen_peer_is_given_up_long_before_the_calls_timeout(two_peers, cpu_
         transport.call(peers["b"].peer_id, Message(INFO, []), timeout=120, watch=True)
     assert time.monotonic() - started < 60  # given up by its probes (~PROBE_EVERY + PROBE_TIMEOUT), not the 120 s
     assert transport.call(peers["a"].peer_id, Message(INFO, []), timeout=60, watch=True)  # the others still answer
+
+
+def test_a_peer_found_frozen_is_left_out_of_the_dht_lookups(two_peers):
+    # Each DHT lookup that asks a frozen peer waits hivemind's 3 s RPC timeout: in the churn hour a takeover's first
+    # announcement waited 6 s on two frozen peers before it loaded anything.
+    model, peers = two_peers
+    model.session.router.stop()  # no lookups of its own meanwhile: only the transport may have told the DHT
+    session, a, b = model.session, peers["a"].peer_id, peers["b"].peer_id
+    assert session.transport.call(a, Message(INFO, []), timeout=60)
+    peers["b"].freeze()
+    with pytest.raises(TimeoutError):
+        session.transport.call(b, Message(INFO, []), timeout=2)
+    assert is_suspected(session.dht, b)
+    assert not is_suspected(session.dht, a)
 
 
 def test_a_busy_peer_that_still_answers_hello_is_waited_for(two_peers, cpu_load):
