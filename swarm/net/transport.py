@@ -24,6 +24,7 @@ from swarm.net.protocol import (
     RELAY_TO,
     STREAMED_REPLIES,
     HelloRequest,
+    Method,
     Reply,
     Request,
     method_of,
@@ -36,6 +37,9 @@ from swarm.net.suspects import suspect
 from swarm.net.wire import DEFAULT_MAX_PAYLOAD_BYTES, PeerDoors, WireError, collect, decode, encode
 
 STREAM_ATTEMPTS = 3
+# What a live peer answers within seconds however busy (its event loop, a read of its state): a timeout of one of
+# these says frozen or cut off, where a forward's or a commit's may only say loaded.
+LIVENESS_METHODS = frozenset({Method.HELLO, Method.INFO})
 PROBE_EVERY = 1.0  # seconds a watched call runs before (and between) asking whether its peer answers at all
 PROBE_TIMEOUT = 3.0  # a peer that does not answer hello in this long is frozen or cut off, not merely busy
 GONE_RECHECK = 3.0  # seconds after which a call to a peer found gone dials it once more (at most once that often)
@@ -167,8 +171,8 @@ class Transport:
         except TRANSPORT_ERRORS as e:
             if not await self.connected(peer):
                 raise self._mark_gone(peer) from e
-            if isinstance(e, TimeoutError) and self.on_unresponsive is not None:
-                self.on_unresponsive(peer)  # connected but silent: frozen or cut off, or too busy to be asked now
+            if isinstance(e, TimeoutError) and method_of(message.meta) in LIVENESS_METHODS and self.on_unresponsive:
+                self.on_unresponsive(peer)  # connected, yet silent to what any live peer answers in moments
             raise
         self.seen.add(peer)
         return reply
