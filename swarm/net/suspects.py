@@ -2,9 +2,9 @@
 
 A frozen peer (SIGSTOP, a laptop gone to sleep, a link cut without a reset) keeps its connections open, so every DHT
 lookup that asks it waits hivemind's RPC timeout (3 s) before trying others; two frozen peers made a churn run's
-takeover wait 6 s on its first announcement (BENCHMARKS.md). The transport knows first: a call or a hello probe to
-the peer timed out. hivemind's own blacklist then keeps the peer out of lookups for a while, growing on each repeat,
-and clears it when the peer answers the DHT again."""
+takeover wait 6 s on its first announcement (BENCHMARKS.md). The transport knows first: a ``hello`` or ``info`` to
+the peer timed out while its connection stayed open. hivemind's own blacklist then keeps the peer out of lookups for
+a while, growing on each repeat, and clears it when the peer answers the DHT again."""
 
 from __future__ import annotations
 

@@ -82,7 +82,7 @@ class Transport:
         on_unresponsive: Callable[[PeerID], None] | None = None,
     ):
         self.p2p, self.swarm_key, self.max_payload_bytes = p2p, swarm_key, max_payload_bytes
-        self.on_unresponsive = on_unresponsive  # told of each peer a call timed out on while still connected
+        self.on_unresponsive = on_unresponsive  # told of each peer a hello or info timed out on, still connected
         self.seen: set[PeerID] = set()  # peers this transport has had an answer from
         self.gone: dict[PeerID, float] = {}  # peer -> wall-clock time its connection was found closed
         self.rechecked: dict[PeerID, float] = {}  # gone peer -> wall-clock time of the last dial that tried it again

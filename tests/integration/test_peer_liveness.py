@@ -47,7 +47,7 @@ def test_a_frozen_peer_is_given_up_long_before_the_calls_timeout(two_peers, cpu_
     assert transport.call(peers["a"].peer_id, Message(INFO, []), timeout=60, watch=True)  # the others still answer
 
 
-def test_a_peer_found_frozen_is_left_out_of_the_dht_lookups(two_peers):
+def test_a_peer_found_frozen_is_left_out_of_the_dht_lookups(two_peers, cpu_load):
     # Each DHT lookup that asks a frozen peer waits hivemind's 3 s RPC timeout: in the churn hour a takeover's first
     # announcement waited 6 s on two frozen peers before it loaded anything.
     model, peers = two_peers
