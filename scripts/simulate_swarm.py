@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 from swarm.testing.simulation import WARMUP_S, SimConfig, Simulation, Stats, stall_search, summary  # noqa: E402
 
 logger = logging.getLogger("simulate_swarm")
+STREAM_S, STREAM_MAX_PEERS = 1800.0, 200  # the saturated stream, measured by default in the smaller runs only
 
 
 def print_table(rows: dict[str, dict[str, str]]) -> None:
@@ -96,6 +97,13 @@ def main() -> int:
     parser.add_argument("--load-s", type=float, default=10.0, help="seconds to load one block")
     parser.add_argument("--stall-cases", type=int, default=1000, help="random placements for the stall search")
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="folder for the PNGs")
+    parser.add_argument(
+        "--stream-s",
+        type=float,
+        default=None,
+        help="measure a saturated stream every this many simulated seconds, 0: never "
+        f"(default: {STREAM_S:g} in runs of at most {STREAM_MAX_PEERS} peers, else never: it takes minutes there)",
+    )
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args()
     if not args.no_plots and importlib.util.find_spec("matplotlib") is None:
@@ -120,6 +128,7 @@ def main() -> int:
             bursts=args.bursts,
             lifetime_h=args.lifetime_h,
             load_s=args.load_s,
+            stream_s=args.stream_s if args.stream_s is not None else STREAM_S * (peers <= STREAM_MAX_PEERS),
         )
         logger.info("simulating %d peers for %g hours", peers, args.hours)
         started = time.perf_counter()

@@ -37,6 +37,11 @@ Figures (after the first 15 min, the cold start; PNGs in ``--out``):
 - placement: ideal: the summed per-block speed of all online peers over the number of blocks, what every block would
   get if compute were spread evenly; capacity: the least over blocks of its servers' summed span throughput.
   capacity / ideal tells how evenly spans spread compute (1: perfect).
+- saturated stream (every ``stream_s``; the script measures it in runs of at most 200 peers): many micro-batches at
+  once, two per serving peer and ``stream_waves`` times that many in all, as a crowd of clients would send, each routed
+  by ``Router.route()`` as it starts (one router stands for the crowd: it sees all their work); its tokens/s against
+  the ideal's, a micro-batch costing every block a forward and a backward. Where the even split of ``capacity`` leaves
+  a peer's time idle on blocks others cover, routes that follow the flow plan (``swarm.client.flowplan``) use it.
 
 Invariants (the exit status is 1 if one fails): no oscillation (a peer choosing to move back to a span it chose to
 leave in the same epoch); at most one move per peer of the population in an epoch; no stall (a block without a server
@@ -91,6 +96,7 @@ SPEED_PER_CAPACITY = 250.0  # median tokens/s through one block, per block of ca
 STATE_S = 2.0  # taking the adapter state of a span from a replica
 HANDOFF_S = 1.5  # announcing the move and looking again before handing blocks over (PeerDaemon._move)
 WARMUP_S = 900.0  # the cold start, left out of the summary
+STREAM_BACKWARD_COST = 2.0  # a backward costs two forwards (``step_seconds``' default)
 
 
 @dataclass
@@ -110,6 +116,12 @@ class SimConfig:
     route_s: float = 300.0
     micro_batches: int = 16  # in a step whose time is measured every route_s (swarm.testing.steps)
     in_flight: int | None = None  # of them at once; None: as the client's default does (Router.in_flight)
+    # every stream_s, a stream that saturates the swarm (many clients' work at once): stream_in_flight micro-batches
+    # per server at once, stream_waves times that many in all, routed by Router.route(); 0: not measured (a route
+    # costs ~7 ms at 100 peers and ~70 ms at 1000, so a sample takes ~10 s and ~10 min)
+    stream_s: float = 0.0
+    stream_in_flight: int = 2
+    stream_waves: int = 8
     # call next_move in every round of every peer; by default rounds whose answer is known to be "stay" are skipped
     exact: bool = False
 
@@ -185,10 +197,19 @@ class Throughput(NamedTuple):
     ideal: float
 
 
+class Stream(NamedTuple):
+    """A saturating stream's tokens/s, routed and as the flow bound allows, against the ideal's (``_sample_stream``)."""
+
+    at: float
+    routed: float
+    ideal: float
+
+
 @dataclass
 class Stats:
     samples: list[Sample] = field(default_factory=list)
     throughput: list[Throughput] = field(default_factory=list)
+    streams: list[Stream] = field(default_factory=list)
     moves: list[tuple[float, str, range, range]] = field(default_factory=list)
     aborted: int = 0
     relief: int = 0  # moves started for throughput
@@ -253,6 +274,8 @@ class Simulation:
             self.at(WARMUP_S + (end - WARMUP_S) * (k + 0.5) / config.bursts, self._burst)
         self.at(0.0, self._sample)
         self.at(WARMUP_S, self._sample_throughput)
+        if config.stream_s > 0:
+            self.at(WARMUP_S, self._sample_stream)
         bar = tqdm(total=int(end), unit="sim s", disable=not progress, leave=False, mininterval=1.0)
         while self.events and self.events[0][0] <= end:
             when, _, action, args = heapq.heappop(self.events)
@@ -570,6 +593,29 @@ class Simulation:
         best = min(speeds[peer] / blocks for peer, blocks in widest)
         self.stats.throughput.append(Throughput(self.now, routed, on_widest, alone, best, min(self.throughput), ideal))
 
+    def _sample_stream(self) -> None:
+        """The tokens/s of training micro-batches pushed through the swarm as fast as it takes them, every one
+        routed by ``Router.route()`` as it starts, against the ideal: every online peer's speed spread evenly over the
+        blocks, a micro-batch costing each block a forward and a backward (``1 + backward_cost`` forwards)."""
+        self.at(self.now + self.config.stream_s, self._sample_stream)
+        config, view = self.config, self.view()
+        serving = [p for p in self.peers.values() if p.serving]
+        if any(not view.online(b) for b in range(config.num_blocks)):
+            return
+        speeds = {p.peer_id: p.speed for p in serving}
+        self.router.servers, self.router.busy_until = view.records, {}
+        tokens = self.router.tokens
+
+        def routed_at(at: float) -> list[tuple[PeerID, float]]:
+            self.route_clock = at
+            return [(h.peer_id, len(h.blocks) * tokens / speeds[h.peer_id]) for h in self.router.route()]
+
+        in_flight = config.stream_in_flight * len(serving)
+        micro_batches = config.stream_waves * in_flight
+        routed = micro_batches * tokens / step_seconds(routed_at, micro_batches, in_flight, STREAM_BACKWARD_COST)
+        ideal = sum(speeds.values()) / config.num_blocks / (1.0 + STREAM_BACKWARD_COST)
+        self.stats.streams.append(Stream(self.now, routed, ideal))
+
 
 def widest_chain(view: SwarmView, speeds: dict[PeerID, float], num_blocks: int) -> list[tuple[PeerID, int]] | None:
     """The chain of online servers through blocks [0, n) whose slowest hop is fastest: the best pipeline for a steady
@@ -695,6 +741,9 @@ def summary(config: SimConfig, stats: Stats, wall_s: float) -> dict[str, str]:
         "step, routed (tokens/s)": f"{_mean(t.routed for t in tput):.0f}",
         "one chain alone / widest (stream)": f"{_mean(t.alone / t.best for t in tput):.2f}",
         "capacity / ideal": f"{_mean(t.capacity / t.ideal for t in tput):.2f}",
+        "saturated stream, routed / ideal": f"{_mean(st.routed / st.ideal for st in stats.streams):.2f}"
+        if stats.streams
+        else "-",
         "next_move calls (ms each)": f"{stats.decisions} ({1000 * stats.decision_s / max(1, stats.decisions):.2f})",
         "wall time (s)": f"{wall_s:.0f}",
         "invariants": "ok" if not stats.failures else f"{len(stats.failures)} FAILED",

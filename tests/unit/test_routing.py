@@ -246,3 +246,27 @@ def test_micro_batches_in_flight_grow_with_the_servers_a_step_can_keep_busy():
     crowd = _router({i: (0, 4, 100.0) for i in range(1, 41)}, 4)
     assert crowd.in_flight() == 32  # at most: each micro-batch in flight holds activations on its peers
     assert _router({1: (0, 4, 100.0)}, 4).in_flight() == 4  # at least
+
+
+def test_a_saturated_stream_follows_the_flow_plan_and_an_idle_swarm_the_fastest_chain():
+    # 1 holds 0:4 at 0.1 s a block, 2 holds 0:3 at 1 s a block; block 3 is only on 1. The largest flow sends 1/3
+    # micro-batch/s through 2's 0:3 and on through 1's block 3, and 2.42/s through 1 alone: 12 % of micro-batches
+    # take 2 (test_flowplan.py). Routed at once, the first take the fastest chain (1 alone); once it would wait more
+    # than twice what it computes, the rest follow the plan's chains in their shares.
+    clock = _Clock()
+    router = _router({1: (0, 4, 250.0), 2: (0, 3, 100.0 / 3)}, 4, clock=clock)  # 0.4 s and 3 s a micro-batch
+    first = [tuple(_chain(router)) for _ in range(10)]
+    assert first[0] == ((1, 0, 4),)
+    chains = Counter(tuple(_chain(router)) for _ in range(200))
+    whole, through_2 = ((1, 0, 4),), ((2, 0, 3), (1, 3, 4))
+    assert set(chains) == {whole, through_2}, chains
+    assert chains[through_2] / 200 == pytest.approx(1 / 3 / 2.75, abs=0.02), chains
+    clock.now = 1000.0  # the work is done: one micro-batch alone takes the fastest chain again
+    assert _chain(router) == [(1, 0, 4)]
+
+
+def test_the_preferred_peer_is_kept_when_the_stream_is_saturated():
+    router = _router({1: (0, 4, 1000.0), 2: (2, 4, 100.0)}, 4)
+    for _ in range(50):
+        router.route()
+    assert _chain(router, start=2, prefer=_peer(2)) == [(2, 2, 4)]
