@@ -326,8 +326,8 @@ class Router:
         spread over a span's servers in proportion to their speed, and a slow peer gets less work, not none. A hop
         costs its peer's compute and the transfer from the hop before, over the link that one measured to it
         (``swarm.client.links``). ``prefer`` (it holds this micro-batch's state, or the chain before could not
-        reach it) costs no compute. Once every server has work queued (a saturated stream), micro-batches follow
-        the swarm's flow plan instead (``_follow_plan``)."""
+        reach it) costs no compute. When even the fastest chain would wait behind booked work more than twice what it
+        computes (a saturated stream), micro-batches follow the swarm's flow plan instead (``_follow_plan``)."""
         end = self.num_blocks if end is None else end
         records = {r.peer_id: r for block in range(start, end) for r in self.replicas(block)}
         with self._booking:
@@ -348,10 +348,10 @@ class Router:
         return [Hop(hop.peer_id, hop.start, hop.end) for hop in planned]
 
     def _follow_plan(self, candidates: list[Candidate], start: int, end: int, now: float) -> list[Hop] | None:
-        """Every server has work queued: the stream saturates them, and what counts is how many micro-batches go
-        through, not how soon this one does. Route it over the flow plan's next chain (``swarm.client.flowplan``),
-        each chain taking its share of micro-batches in turn (smooth weighted round robin), so that servers get
-        work where it is needed, in proportion to their speed. None if no plan covers the blocks."""
+        """The stream saturates the servers: what counts is how many micro-batches go through, not how soon this one
+        does. Route it over the flow plan's next chain (``swarm.client.flowplan``), each chain taking its share of
+        micro-batches in turn (smooth weighted round robin), so that servers get work where it is needed, in
+        proportion to their speed. None if no plan covers the blocks."""
         made_for = (start, end) + tuple(
             sorted((c.peer_id.to_bytes(), c.start, c.end, _speed_step(c.block_seconds)) for c in candidates)
         )
