@@ -41,7 +41,8 @@ Figures (after the first 15 min, the cold start; PNGs in ``--out``):
   once, two per serving peer and ``stream_waves`` times that many in all, as a crowd of clients would send, each routed
   by ``Router.route()`` as it starts (one router stands for the crowd: it sees all their work); its tokens/s against
   the ideal's, a micro-batch costing every block a forward and a backward. Where the even split of ``capacity`` leaves
-  a peer's time idle on blocks others cover, routes that follow the flow plan (``swarm.client.flowplan``) use it.
+  a peer's time idle on blocks others cover, routes that follow the flow plan (``swarm.client.flowplan``) use it;
+  the largest flow (that plan's rate, pipelines always full) is what the placement allows any routes.
 
 Invariants (the exit status is 1 if one fails): no oscillation (a peer choosing to move back to a span it chose to
 leave in the same epoch); at most one move per peer of the population in an epoch; no stall (a block without a server
@@ -81,6 +82,7 @@ from peers.balancer import (
     safe_to_drop,
 )
 from peers.daemon import Settled, _others, settled_spans
+from swarm.client.flowplan import Server, plan_flow
 from swarm.client.routing import NoRouteError, Router
 from swarm.net.protocol import PeerInfo
 from swarm.net.records import ServerRecord, ServerState
@@ -198,10 +200,11 @@ class Throughput(NamedTuple):
 
 
 class Stream(NamedTuple):
-    """A saturating stream's tokens/s, routed and as the flow bound allows, against the ideal's (``_sample_stream``)."""
+    """A saturating stream's tokens/s, routed and as the largest flow allows, and the ideal's (``_sample_stream``)."""
 
     at: float
     routed: float
+    bound: float
     ideal: float
 
 
@@ -614,7 +617,10 @@ class Simulation:
         micro_batches = config.stream_waves * in_flight
         routed = micro_batches * tokens / step_seconds(routed_at, micro_batches, in_flight, STREAM_BACKWARD_COST)
         ideal = sum(speeds.values()) / config.num_blocks / (1.0 + STREAM_BACKWARD_COST)
-        self.stats.streams.append(Stream(self.now, routed, ideal))
+        servers = [Server(p.peer_id, p.serving.start, p.serving.stop, tokens / p.speed) for p in serving]
+        plan = plan_flow(servers, 0, config.num_blocks)
+        bound = plan.rate * tokens / (1.0 + STREAM_BACKWARD_COST) if plan else 0.0
+        self.stats.streams.append(Stream(self.now, routed, bound, ideal))
 
 
 def widest_chain(view: SwarmView, speeds: dict[PeerID, float], num_blocks: int) -> list[tuple[PeerID, int]] | None:
@@ -742,6 +748,9 @@ def summary(config: SimConfig, stats: Stats, wall_s: float) -> dict[str, str]:
         "one chain alone / widest (stream)": f"{_mean(t.alone / t.best for t in tput):.2f}",
         "capacity / ideal": f"{_mean(t.capacity / t.ideal for t in tput):.2f}",
         "saturated stream, routed / ideal": f"{_mean(st.routed / st.ideal for st in stats.streams):.2f}"
+        if stats.streams
+        else "-",
+        "  the largest flow / ideal": f"{_mean(st.bound / st.ideal for st in stats.streams):.2f}"
         if stats.streams
         else "-",
         "next_move calls (ms each)": f"{stats.decisions} ({1000 * stats.decision_s / max(1, stats.decisions):.2f})",
