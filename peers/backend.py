@@ -578,7 +578,8 @@ class SpanBackend:
             if grad_scale != 1.0:
                 for grad in summed:
                     grad.mul_(grad_scale)
-            state.undo = Undo(BlockState.of(state, with_before=False), state.grads, state.last_update)
+            before = BlockState.of(state, with_before=False)
+            state.undo = Undo(before, state.grads, state.last_update)
             for lp, grad in zip(state.params, summed, strict=True):
                 lp.param.grad = grad
             for group in state.optimizer.param_groups:
@@ -588,7 +589,7 @@ class SpanBackend:
             state.optimizer.step()
             state.optimizer.zero_grad(set_to_none=True)
             grads = {lp.name: grad.detach().cpu() for lp, grad in zip(state.params, summed, strict=True)}
-            state.last_update = BlockUpdate(step, grads, hparams)
+            state.last_update = BlockUpdate(step, grads, hparams, before.digest())
             state.grads = {}
             state.step += 1
         self._forget_forwards(name)
@@ -702,12 +703,22 @@ class SpanBackend:
 
     def apply_updates(self, name: str, updates: dict[int, BlockUpdate]) -> list[int]:
         """Bring standby copies one step forward with their servers' last updates; returns the blocks updated (a
-        copy that is not at the update's step is left as it is: its holder pulls the whole state next time)."""
+        copy that is not at the update's step is left as it is: its holder pulls the whole state next time). A copy
+        at the step but not in the server's bits (``BlockUpdate.fits``) is dropped, so the next pull brings it whole."""
         adapter = self.adapter(name)
         done = []
         for block, update in updates.items():
             held = adapter.standby.get(block)
-            if held is not None and held.step == update.step:
+            if held is not None and held.step == update.step and not update.fits(held):
+                logger.warning(
+                    "adapter %r block %d: the standby copy at step %d differs from its server's state; dropped, to be "
+                    "pulled whole",
+                    name,
+                    block,
+                    held.step,
+                )
+                del adapter.standby[block]
+            elif held is not None and held.step == update.step:
                 advanced = adapter.standby[block] = update.apply_to(held)
                 advanced.before = replace(held, before=None)  # revertible like the server's state
                 done.append(block)

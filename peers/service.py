@@ -320,7 +320,8 @@ class PeerService(InfoDoors):
         index, flat = pack_states(states)
         update_index, update_flat = pack_states({block: u.as_state() for block, u in updates.items()})
         hparams = {block: u.hparams for block, u in updates.items()}
-        return ExportReply(index, update_index, hparams, flat, update_flat)
+        bases = {block: u.base for block, u in updates.items() if u.base}
+        return ExportReply(index, update_index, hparams, bases, flat, update_flat)
 
     async def _sync(self, request: SyncRequest) -> StepsReply:
         """Pull the adapter state of some blocks from a current replica, so this peer can serve them again."""

@@ -162,6 +162,13 @@ class BlockUpdate:
     step: int
     grads: dict[str, torch.Tensor]
     hparams: OptimizerHParams
+    base: str = ""  # the digest of the state it was applied to on its server ("": not known, not checked)
+
+    def fits(self, state: BlockState) -> bool:
+        """Whether it takes ``state`` where it took the server's: the same step and, when the base is known, the
+        same bits. A copy at the right step from another lineage (a step the server took back and redid with
+        other gradients) would silently drift from the servers, and its holder break a vote when it takes over."""
+        return state.step == self.step and (not self.base or state.digest() == self.base)
 
     def apply_to(self, state: BlockState) -> BlockState:
         if state.step != self.step or set(state.tensors) != set(self.grads):
@@ -187,8 +194,8 @@ class BlockUpdate:
         return BlockState(self.step, {name: {"grad": grad} for name, grad in self.grads.items()})
 
     @classmethod
-    def from_state(cls, state: BlockState, hparams: OptimizerHParams) -> BlockUpdate:
-        return cls(state.step, {name: entry["grad"] for name, entry in state.tensors.items()}, hparams)
+    def from_state(cls, state: BlockState, hparams: OptimizerHParams, base: str = "") -> BlockUpdate:
+        return cls(state.step, {name: entry["grad"] for name, entry in state.tensors.items()}, hparams, base)
 
 
 STATE_DTYPES = ("float32", "bfloat16", "float16")

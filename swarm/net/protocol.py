@@ -858,13 +858,15 @@ def _hparams(value: object) -> OptimizerHParams:
 @dataclass(frozen=True)
 class ExportReply(Reply):
     """Packed block states (``index`` over the flat tensor ``states``) and packed last updates (``update_index`` over
-    ``updates``) with their AdamW settings per block. Tensors: [states, updates]. (Packing: peers.state.)"""
+    ``updates``) with their AdamW settings and the digest of the state each was applied to (``bases``) per block.
+    Tensors: [states, updates]. (Packing: peers.state.)"""
 
     index: list = wire(read_list)
     update_index: list = wire(read_list)
     hparams: dict[int, OptimizerHParams] = wire(
         by_blocks(_hparams, "AdamW settings"), lambda hp: {str(b): h.to_meta() for b, h in hp.items()}
     )
+    bases: dict[int, str] = wire(by_blocks(_string, "digest"), by_block)
     states: torch.Tensor = tensor()
     updates: torch.Tensor = tensor()
 

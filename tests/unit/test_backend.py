@@ -84,7 +84,10 @@ def test_a_copy_one_step_behind_catches_up_from_the_last_update_exactly(tiny_mod
         states, updates = server.export_state("a", range(2, 4), held=holder.adapters["a"].standby_steps())
         assert states == {} and sorted(updates) == [2, 3]
         index, flat = pack_states({block: update.as_state() for block, update in updates.items()})  # the wire form
-        back = {b: BlockUpdate.from_state(u, updates[b].hparams) for b, u in unpack_states(index, flat).items()}
+        back = {
+            b: BlockUpdate.from_state(u, updates[b].hparams, updates[b].base)
+            for b, u in unpack_states(index, flat).items()
+        }
         assert holder.apply_updates("a", back) == [2, 3]
     for block in (2, 3):  # the same AdamW on the same gradients: the copy equals the server's state bit for bit
         copy, served = holder.adapters["a"].standby[block], BlockState.of(server.adapters["a"].blocks[block])
@@ -94,6 +97,40 @@ def test_a_copy_one_step_behind_catches_up_from_the_last_update_exactly(tiny_mod
             assert all(torch.equal(copy.tensors[name][key], tensor) for key, tensor in entry.items()), name
     states, updates = server.export_state("a", range(2, 4), held={2: 1, 3: 1})
     assert sorted(states) == [2, 3] and updates == {}, "a copy two steps behind gets the whole state"
+
+
+def test_a_copy_from_a_step_its_server_took_back_and_redid_otherwise_is_dropped_not_brought_forward(tiny_models):
+    """A copy follows its server's last apply of step 1; the server takes step 1 back and redoes it with other
+    gradients (a replay). The copy is at the right step in other bits: brought forward by the next update it would
+    drift from the servers for good (seen under churn: the copy took the block over and broke the replicas' vote).
+    It is dropped instead, and the next pull brings the whole state."""
+    import peft
+
+    wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    server, holder = _backend(tiny_models["llama"], range(2, 4)), _backend(tiny_models["llama"], range(0, 2))
+    server.open_adapter("a", wire, seed=3, session="s")
+    _train_one_step(server, "a", range(2, 4), 0)
+    holder.keep_standby("a", {"lora": wire, "seed": 3}, server.export_state("a", range(2, 4))[0], keep={2, 3})
+    _train_one_step(server, "a", range(2, 4), 1)
+    _, updates = server.export_state("a", range(2, 4), held=holder.adapters["a"].standby_steps())
+    assert holder.apply_updates("a", updates) == [2, 3]
+    server.revert("a", 1)
+    hidden = torch.randn(1, 6, server.spec.hidden_size, generator=torch.Generator().manual_seed(99))
+    server.forward("a", range(2, 4), 1, hidden, None, "s:1:1")
+    server.backward("a", range(2, 4), 1, "s:1:1", hidden, None, torch.ones_like(hidden))
+    server.apply("a", 1, {b: ["s:1:0", "s:1:1"] for b in range(2, 4)}, HPARAMS)
+    _train_one_step(server, "a", range(2, 4), 2)
+    held = holder.adapters["a"].standby_steps()
+    assert held == {2: 2, 3: 2}
+    _, updates = server.export_state("a", range(2, 4), held=held)
+    assert sorted(updates) == [2, 3] and all(u.base for u in updates.values())
+    assert holder.apply_updates("a", updates) == [], "a copy in other bits is not brought forward"
+    assert holder.adapters["a"].standby_steps() == {}
+    states, updates = server.export_state("a", range(2, 4), held=holder.adapters["a"].standby_steps())
+    assert sorted(states) == [2, 3] and updates == {}
+    holder.keep_standby("a", {"lora": wire, "seed": 3}, states, keep={2, 3})
+    for block in (2, 3):
+        assert holder.adapters["a"].standby[block].digest() == server.digests("a")[block]
 
 
 def test_fast_forward_declares_an_older_state_current_and_reports_the_loss(tiny_models):

@@ -77,7 +77,9 @@ EXAMPLES: dict[str, tuple[protocol.Request, protocol.Reply]] = {
     ),
     Method.EXPORT: (
         protocol.ExportRequest("run", 0, 2, {0: 2}),
-        protocol.ExportReply([[1, 3, "q", "a", [2], "float32"]], [], {0: HPARAMS}, torch.randn(2), torch.zeros(0)),
+        protocol.ExportReply(
+            [[1, 3, "q", "a", [2], "float32"]], [], {0: HPARAMS}, {0: "ab" * 32}, torch.randn(2), torch.zeros(0)
+        ),
     ),
     Method.SYNC: (protocol.SyncRequest("run", OTHER, 0, 2), protocol.StepsReply({0: 3, 1: 3})),
     Method.STATE: (protocol.StateRequest("run"), protocol.StateReply({0: {"q.lora_A": GRAD}, 1: {"q.lora_B": HIDDEN}})),
