@@ -404,7 +404,11 @@ def _vote(
     ``applied``; two that disagree alone are judged by a standby copy holder that applies the same ledger
     (``TieBreakRequest``). Without one, the step is taken back everywhere and ReplicasDisagreeError raised."""
     calls, step = hops.calls, ledger.step
-    for peer in [p for p in applied if p not in votes]:  # counted without a reply of this call (it was lost)
+    # Asked again: a replica counted without a reply of this call (it was lost), and one whose reply lacks blocks it
+    # counts for (it moved onto them in the middle of the commit, after it replied for its old span). A reply read
+    # for blocks it never covered made honest replicas disagree under churn.
+    unheard = [p for p in applied if p not in votes or not set(applied[p]).issubset(votes[p].digests)]
+    for peer in unheard:
         try:
             votes[peer] = CommitReply({}, calls.ask(peer, DigestRequest(calls.adapter)).digests)
         except (PeerFailure, RemoteError) as e:
