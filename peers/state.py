@@ -59,11 +59,16 @@ def state_digest(step: int, tensors: Iterable[tuple[str, torch.Tensor, dict[str,
     h = hashlib.sha256(str(step).encode())
     for name, param, moments in tensors:
         h.update(name.encode())
-        h.update(param.detach().cpu().contiguous().numpy().tobytes())
+        h.update(_raw_bytes(param))
         for key, value in sorted(moments.items()):
             h.update(key.encode())
-            h.update(value.detach().cpu().contiguous().numpy().tobytes())
+            h.update(_raw_bytes(value))
     return h.hexdigest()
+
+
+def _raw_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor's bytes in any dtype (numpy has no bfloat16; LoRA kept in bf16 hashes too)."""
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 @dataclass

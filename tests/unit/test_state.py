@@ -39,3 +39,18 @@ def test_the_state_before_the_last_apply_travels_with_the_state():
     assert back[0].before.before is None
     assert (back[1].step, back[1].tensors, back[1].before.step, back[1].before.tensors) == (5, {}, 4, {})
     assert back[2].before is None
+
+
+def test_a_state_kept_in_bf16_has_a_digest_and_fp32_digests_are_the_raw_bytes():
+    """Digests hash raw bytes: LoRA kept in bf16 (numpy has no bfloat16) is hashed too, and an fp32 state's digest
+    is the sha256 over the same bytes as before (digests on disk and on the wire stay valid)."""
+    import hashlib
+
+    param = torch.randn(2, 3)
+    fp32 = BlockState(4, {"q": {"param": param, "step": torch.tensor(4.0)}})
+    expected = hashlib.sha256(b"4")
+    for chunk in (b"q", param.numpy().tobytes(), b"step", torch.tensor(4.0).numpy().tobytes()):
+        expected.update(chunk)
+    assert fp32.digest() == expected.hexdigest()
+    bf16 = BlockState(4, {"q": {"param": param.bfloat16(), "step": torch.tensor(4.0)}})
+    assert bf16.digest() != fp32.digest()
