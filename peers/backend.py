@@ -709,7 +709,9 @@ class SpanBackend:
         done = []
         for block, update in updates.items():
             held = adapter.standby.get(block)
-            if held is not None and held.step == update.step and not update.fits(held):
+            if held is None or held.step != update.step:
+                continue
+            if not update.fits(held):
                 logger.warning(
                     "adapter %r block %d: the standby copy at step %d differs from its server's state; dropped, to be "
                     "pulled whole",
@@ -718,10 +720,10 @@ class SpanBackend:
                     held.step,
                 )
                 del adapter.standby[block]
-            elif held is not None and held.step == update.step:
-                advanced = adapter.standby[block] = update.apply_to(held)
-                advanced.before = replace(held, before=None)  # revertible like the server's state
-                done.append(block)
+                continue
+            advanced = adapter.standby[block] = update.apply_to(held)
+            advanced.before = replace(held, before=None)  # revertible like the server's state
+            done.append(block)
         return done
 
     def fast_forward(self, name: str, blocks: range, step: int) -> dict[int, int]:

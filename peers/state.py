@@ -170,10 +170,10 @@ class BlockUpdate:
     base: str = ""  # the digest of the state it was applied to on its server ("": not known, not checked)
 
     def fits(self, state: BlockState) -> bool:
-        """Whether it takes ``state`` where it took the server's: the same step and, when the base is known, the
-        same bits. A copy at the right step from another lineage (a step the server took back and redid with
-        other gradients) would silently drift from the servers, and its holder break a vote when it takes over."""
-        return state.step == self.step and (not self.base or state.digest() == self.base)
+        """Whether ``state``, at the update's step, holds the server's bits (when the base is known). A copy at the
+        right step from another lineage (a step the server took back and redid with other gradients) would silently
+        drift from the servers, and its holder break a vote when it takes over."""
+        return not self.base or state.digest() == self.base
 
     def apply_to(self, state: BlockState) -> BlockState:
         if state.step != self.step or set(state.tensors) != set(self.grads):
