@@ -155,7 +155,7 @@ class ReplicaSet:
         for peer, steps in behind.items():
             try:
                 if any(s != step for s in steps.values()):
-                    steps = self._sync(peer, servers[peer], steps, step)
+                    steps = behind[peer] = self._sync(peer, servers[peer], steps, step, behind)
             except (PeerFailure, RemoteError, CommitError) as e:
                 logger.warning("peer %s cannot be brought to step %d yet: %s", peer, step, e)
                 continue
@@ -239,10 +239,14 @@ class ReplicaSet:
                 self.lost_grace if all(step - newest <= 1 for newest in orphaned.values()) else self.long_grace,
             )
 
-    def _sync(self, peer: PeerID, span: range, steps: dict[int, int], step: int) -> dict[int, int]:
+    def _sync(
+        self, peer: PeerID, span: range, steps: dict[int, int], step: int, partial: dict[PeerID, dict[int, int]]
+    ) -> dict[int, int]:
         """Pull the state of the blocks of ``span`` that ``peer`` holds behind ``step`` (``steps``) from current
         copies, one source per stretch of blocks. A block it already holds at ``step`` (a takeover that started from
-        its own standby copy) needs no source."""
+        its own standby copy) needs no source. ``partial``: the steps of live peers holding only some of their blocks
+        at ``step``; those blocks are a source too. Two survivors resumed on one block each of the span they both
+        serve, each waiting for the other to be current, stalled a churn run until the client's patience ran out."""
         block = span.start
         while block < span.stop:
             if steps.get(block) == step:
@@ -253,6 +257,12 @@ class ReplicaSet:
                 for p, s in self.calls.router.live_servers().items()
                 if p != peer and self.current.get(p) == step and s.start <= block < s.stop
             ]
+            for holder, held in partial.items():
+                end = block
+                while held.get(end) == step:
+                    end += 1
+                if end > block:
+                    sources.append((holder, end))
             for holder in self.standby_holders(block, step):
                 end = block
                 while end < span.stop and self.standby[holder].get(end) == step:
@@ -262,7 +272,8 @@ class ReplicaSet:
             if not sources:
                 raise CommitError(f"no current copy of block {block} to sync peer {peer} from")
             source, source_end = max(sources, key=lambda item: item[1])
-            end = min(source_end, span.stop)
+            stop = min(source_end, span.stop)
+            end = next((b for b in range(block, stop) if steps.get(b) == step), stop)  # not what it holds already
             try:
                 reply = self.calls.ask(peer, SyncRequest(self.calls.adapter, source, block, end))
             except RemoteError as e:

@@ -65,7 +65,7 @@ def test_a_takeover_holding_part_of_its_span_current_syncs_only_the_rest():
     try:
         replicas.current[stayer] = 1
         replicas.note_standby(stayer, {3: 1})
-        steps = replicas._sync(mover, range(2, 4), {2: 1, 3: 0}, step=1)
+        steps = replicas._sync(mover, range(2, 4), {2: 1, 3: 0}, step=1, partial={})
     finally:
         replicas.close()
     assert stack.sent == [(mover, stayer.to_base58(), 3, 4)]
@@ -90,11 +90,34 @@ def test_a_source_found_past_the_step_by_a_sync_is_no_longer_counted_current():
         replicas.current[source] = 1
         replicas.note_standby(source, {1: 1, 2: 1})
         with pytest.raises(CommitError, match="not a source"):
-            replicas._sync(split, range(0, 3), {0: 1, 1: 2, 2: 2}, step=1)
+            replicas._sync(split, range(0, 3), {0: 1, 1: 2, 2: 2}, step=1, partial={})
         assert source not in replicas.current and source not in replicas.standby
     finally:
         replicas.close()
     assert stack.sent == [(split, source.to_base58(), 1, 3)]
+
+
+def test_two_survivors_each_current_on_one_block_of_their_span_sync_each_other():
+    """Every current copy of blocks 2:4 died. The client resumed block 2 from one server of 2:4 and block 3 from the
+    other (each the newest survivor of its block), so each holds one block at the step and the other behind. Each is
+    the other's source. Before, a source had to hold its whole span at the step: neither was, nothing synced, and a
+    churn run in CI waited until the client's patience ran out ("no current copy of block 3 to sync ... from")."""
+    first, second, head = PeerID(b"a" * 8), PeerID(b"b" * 8), PeerID(b"h" * 8)
+
+    class _Announcing(_Router):
+        def announced(self) -> dict[int, list[PeerID]]:
+            return {b: [p for p, span in self.servers.items() if b in span] for b in range(self.num_blocks)}
+
+    stack = _Stack(_Announcing({head: range(0, 2), first: range(2, 4), second: range(2, 4)}))
+    held = {head: {0: 1, 1: 1}, first: {2: 1, 3: 0}, second: {2: 0, 3: 1}}
+    replicas = ReplicaSet(stack, CurrentPeers(0, exact=True), open_on=lambda peer: (held[peer], {}))
+    try:
+        replicas.refresh(1)
+        assert replicas.peers(1) == {head: range(0, 2), first: range(2, 4), second: range(2, 4)}
+    finally:
+        replicas.close()
+    assert sorted(stack.sent) == sorted([(first, second.to_base58(), 3, 4), (second, first.to_base58(), 2, 3)])
+    assert replicas.lost == []
 
 
 class _CommitRouter(_Router):
