@@ -23,10 +23,10 @@ from swarm.lora_options import (
     has_lora,
 )
 from swarm.net.errors import AdapterConfigError
+from swarm.precision import DTYPE_NAMES, QUANT_MODES
 from swarm.spec import ModelSpec
 
-QUANT_MODES = ("none", "int8", "nf4")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 PATTERN_UNMATCHED = "The following (rank|alpha)_pattern keys did not match"
 LORA_FIELDS = ("r", "lora_alpha", "target_modules", "lora_dropout", "bias", "use_rslora", "fan_in_fan_out")
 

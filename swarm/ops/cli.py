@@ -13,9 +13,9 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from swarm.blocks import DTYPES, QUANT_MODES
 from swarm.net.errors import MULTIADDR_ERRORS, SwarmError, UsageError
 from swarm.net.records import RECORD_TTL
+from swarm.precision import DTYPE_NAMES, QUANT_MODES
 
 if TYPE_CHECKING:  # the heavy imports stay inside the commands
     from hivemind import DHT
@@ -296,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument(
         "--quant", choices=QUANT_MODES, default=None, help="base weights: default nf4 on CUDA, none on CPU"
     )
-    peer.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    peer.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     peer.add_argument(
         "--activation-cache-mb", type=int, default=1024, help="memory for forward graphs kept for backward"
     )
