@@ -145,8 +145,10 @@ class Replicator:
                         "adapter %r block %d: no surviving state anywhere; starting from the init", name, block
                     )
                 elif trainer is not None and step < trainer:
+                    # not a loss yet: the trainer syncs this peer from a current replica, or declares the loss
                     logger.warning(
-                        "adapter %r block %d: newest surviving state is step %d, trainer at %d: %d step(s) lost",
+                        "adapter %r block %d: the newest state found is step %d, the trainer's is %d: %d step(s) "
+                        "behind until the trainer syncs it from a current replica (lost only if none survives)",
                         name,
                         block,
                         step,
