@@ -257,18 +257,11 @@ class ReplicaSet:
                 for p, s in self.calls.router.live_servers().items()
                 if p != peer and self.current.get(p) == step and s.start <= block < s.stop
             ]
-            for holder, held in partial.items():
-                end = block
-                while held.get(end) == step:
-                    end += 1
-                if end > block:
-                    sources.append((holder, end))
-            for holder in self.standby_holders(block, step):
-                end = block
-                while end < span.stop and self.standby[holder].get(end) == step:
-                    end += 1
-                sources.append((holder, end))
-            sources = [(p, end) for p, end in sources if p != peer]
+            sources += [(holder, _run_end(held, block, step)) for holder, held in partial.items()]
+            sources += [
+                (holder, _run_end(self.standby[holder], block, step)) for holder in self.standby_holders(block, step)
+            ]
+            sources = [(p, end) for p, end in sources if p != peer and end > block]
             if not sources:
                 raise CommitError(f"no current copy of block {block} to sync peer {peer} from")
             source, source_end = max(sources, key=lambda item: item[1])
@@ -585,3 +578,11 @@ def replay_lost(hops: RemoteStack, ledger: StepLedger, missing: dict[int, list[s
     logger.warning("replaying %d segment(s) whose gradients died with a peer (step %d)", len(plan), ledger.step)
     for micro_batch, segment in plan:
         hops.replay(micro_batch, segment, ledger.masks.get(micro_batch), ledger)
+
+
+def _run_end(held: dict[int, int], block: int, step: int) -> int:
+    """The end of the stretch of blocks from ``block`` that ``held`` (block -> step) has at ``step``."""
+    end = block
+    while held.get(end) == step:
+        end += 1
+    return end
