@@ -29,6 +29,7 @@ from peers.claim import IN_USE_HINT, ProcessClaim, lock_path_of_checkpoints, loc
 from peers.compute import Compute
 from peers.links import LinkProber
 from peers.peer_client import PeerClient
+from peers.pullers import RecentPullers
 from peers.replication import Replicator, StandbyPolicy
 from peers.service import InfoDoors, PeerHooks, PeerService
 from swarm.blocks import spans_text
@@ -134,6 +135,7 @@ class PeerParts:
     service: PeerService
     replicator: Replicator
     links: LinkProber
+    pullers: RecentPullers  # who pulled copies of these blocks lately: told of each commit with the view's watchers
 
 
 class PeerDaemon:
@@ -360,18 +362,20 @@ class PeerDaemon:
             on_replicate=replicator.hold,
             on_unserved=self._on_unserved,
         )
+        pullers = RecentPullers()
         service = PeerService(
             backend,
             compute,
             self.info,
             peers,
             hooks,
+            pullers,
             self.swarm_key,
             config.max_payload_mb << 20,
             faults=self.faults,
         )
         links = LinkProber(self.transport, rng=random.Random(self.rng.random()))
-        return PeerParts(backend, compute, peers, service, replicator, links)
+        return PeerParts(backend, compute, peers, service, replicator, links, pullers)
 
     async def _move(self, target: range) -> None:
         """Serve ``target`` instead of the current span without a gap: load it and take its state while still
@@ -454,16 +458,18 @@ class PeerDaemon:
 
     async def _after_commit(self, name: str) -> None:
         """A step was applied here: checkpoint it (in the background) and tell the peers keeping standby copies
-        of these blocks, so they pull the new state now rather than at their next round."""
-        await self._checkpoint(name)
+        of these blocks, so they pull the new state now rather than at their next round (told first: a copy one
+        step behind when both servers die is a step the trainer must wait for or lose)."""
         backend = self.parts.backend
         config, seed, steps = await self.parts.compute(
             lambda: (backend.adapter(name).config_wire, backend.adapter(name).seed, backend.adapter(name).steps())
         )
         steps = {block: step for block, step in steps.items() if block in self.serving}
         notice = CommittedRequest(name, config, seed, steps, self.identity.peer_id)
-        for peer in self.view.watchers(list(steps)) if self.view is not None else ():
+        watchers = self.view.watchers(list(steps)) if self.view is not None else []
+        for peer in dict.fromkeys([*watchers, *self.parts.pullers.of(steps)]):
             self.parts.service.in_background(self.parts.peers.notify_committed(peer, notice))
+        await self._checkpoint(name)
 
     # --- the life of a peer -----------------------------------------------------------------------------------
 

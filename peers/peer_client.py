@@ -78,13 +78,19 @@ class PeerClient:
         return states
 
     async def fetch_state_or_updates(
-        self, peer: PeerID, name: str, blocks: range, held: dict[int, int] | None
+        self,
+        peer: PeerID,
+        name: str,
+        blocks: range,
+        held: dict[int, int] | None,
+        watcher: PeerID | None = None,
     ) -> tuple[dict[int, BlockState], dict[int, BlockUpdate]]:
         """The state of ``blocks`` as another peer holds it, or, for blocks this peer ``held`` one step behind a
         server, that server's last update (to apply with ``BlockUpdate.apply_to``). A source that stops answering
         altogether (frozen, cut off) is given up within seconds (``PeerFrozenError``), not at ``SYNC_TIMEOUT``: a
-        trainer's step waits on the copies made this way."""
-        request = ExportRequest(name, blocks.start, blocks.stop, held)
+        trainer's step waits on the copies made this way. With ``watcher`` (this peer), the source tells it of its
+        next commits of these blocks (``peers/pullers.py``)."""
+        request = ExportRequest(name, blocks.start, blocks.stop, held, watcher)
         reply = await self.transport.aask(peer, request, timeout=SYNC_TIMEOUT, watch=True)
         try:
             states = unpack_states(reply.index, reply.states)

@@ -178,10 +178,13 @@ class Replicator:
         self, name: str, peer: PeerID, span: range
     ) -> tuple[dict[int, BlockState], dict[int, BlockUpdate]]:
         """The state of ``span`` from ``peer``; for blocks this peer keeps a standby copy of one step behind, the
-        peer's last update instead (a third of the bytes). Nothing, logged, if the peer does not answer."""
+        peer's last update instead (a third of the bytes). Nothing, logged, if the peer does not answer. ``peer``
+        tells this one of its next commits of ``span``, so that the copy follows them."""
         held = await self.compute(self._standby_steps, name)
         try:
-            return await self.peers.fetch_state_or_updates(peer, name, span, {b: held[b] for b in span if b in held})
+            return await self.peers.fetch_state_or_updates(
+                peer, name, span, {b: held[b] for b in span if b in held}, watcher=self.me
+            )
         except (*PEER_ERRORS, RequestError) as e:  # gone, refused, or a malformed export
             logger.warning("could not copy adapter %r blocks %s from %s: %s", name, spans_text(span), peer, e)
             return {}, {}

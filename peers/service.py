@@ -15,6 +15,7 @@ from hivemind.p2p import PeerID
 from peers.backend import SpanBackend
 from peers.compute import Compute
 from peers.peer_client import ChainBroken, PeerClient
+from peers.pullers import RecentPullers
 from peers.state import GradsByBlock, pack_states
 from swarm.blocks import lora_config_from_wire
 from swarm.net.chain import ChainFailure, HopAck
@@ -107,13 +108,14 @@ class PeerService(InfoDoors):
         info: Callable[[], Awaitable[PeerInfo]],
         peers: PeerClient,
         hooks: PeerHooks,
+        pullers: RecentPullers,
         swarm_key: SwarmKey | None = None,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         faults: FaultHook | None = None,
     ):
         super().__init__(info, swarm_key, max_payload_bytes, faults=faults)
         self.backend, self.peers = backend, peers
-        self.compute, self.hooks = compute, hooks
+        self.compute, self.hooks, self.pullers = compute, hooks, pullers
         self.handlers.update(
             {
                 Method.OPEN: self._open,
@@ -315,8 +317,10 @@ class PeerService(InfoDoors):
 
     async def _export(self, request: ExportRequest) -> ExportReply:
         """State of blocks; with ``held`` (block -> the step of the asker's copy), the last update of served blocks
-        held one step behind instead of their whole state."""
+        held one step behind instead of their whole state. A ``watcher`` is told of the next commits here."""
         states, updates = await self.compute(self.backend.export_state, request.adapter, request.blocks, request.held)
+        if request.watcher is not None:
+            self.pullers.note(request.watcher, request.blocks)
         index, flat = pack_states(states)
         update_index, update_flat = pack_states({block: u.as_state() for block, u in updates.items()})
         hparams = {block: u.hparams for block, u in updates.items()}

@@ -834,7 +834,8 @@ class GradsReply(Reply):
 @dataclass(frozen=True)
 class ExportRequest(Request):
     """The state of blocks [start, end) (served or standby). With ``held`` (block -> the step of the asker's copy),
-    the last update of served blocks held one step behind instead of their whole state."""
+    the last update of served blocks held one step behind instead of their whole state. With ``watcher``, the asker
+    is told of this peer's commits of those blocks for a while (``CommittedRequest``)."""
 
     method: ClassVar[str] = Method.EXPORT
     adapter: str = wire(read_adapter)
@@ -842,6 +843,10 @@ class ExportRequest(Request):
     end: int = wire(read_int)
     held: dict[int, int] | None = wire(
         optional(read_steps), lambda held: None if held is None else by_block(held), default=None
+    )
+    # the asker keeps copies of these blocks and asks to be told of this peer's next commits (PeerService._export)
+    watcher: PeerID | None = wire(
+        optional(read_peer), lambda peer: None if peer is None else peer.to_base58(), default=None
     )
 
     @property

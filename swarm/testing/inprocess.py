@@ -97,6 +97,11 @@ class InProcessPeer:
                 raise InProcessPeerError(f"peer {self.name} did not serve within {timeout:.0f}s")
             time.sleep(0.05)
 
+    def look_now(self) -> None:
+        """Have the daemon hold a balance round now, as a client's ``unserved`` notice does (it refreshes its standby
+        copies, and moves if its config lets it); ``daemon.woken_rounds`` counts it once held."""
+        self._loop.call_soon_threadsafe(self.daemon.balance_now.set)
+
     def kill(self) -> None:
         """Die like a crashed machine, from any thread (a fault fires it from the peer's own loop): SIGKILL its DHT
         process and P2P daemon, so that every connection drops at once, and drop its loop without leaving."""

@@ -327,6 +327,29 @@ def test_a_span_left_without_a_server_is_taken_over_at_the_clients_notice(inproc
     assert taker.daemon.woken_rounds >= 1
 
 
+def test_a_standby_copy_follows_each_commit_of_a_server_whose_view_does_not_know_its_holder(
+    inprocess_swarm, tiny_models, tmp_path
+):
+    """Servers b1 and b2 of 2:4 look at the swarm once an hour, so their views never learn that peer a keeps a
+    standby copy of 2:4. a pulls it once (a balance round), naming itself: from then on the server it pulled from
+    tells it of every commit, and its copy follows each step within seconds (before, it stayed where it was until
+    a's next round, and a double failure of 2:4 in between found no current copy)."""
+    swarm = inprocess_swarm(balance_interval=3600.0)
+    swarm.start_peers({"b1": "2:4", "b2": "2:4"})
+    holder = swarm.add_peer("0:2", "a")
+    model = connect(swarm, tiny_models["llama"], "pullers", min_copies=1)
+    try:
+        train_steps(model, 1)
+        holder.look_now()
+        wait_standby_at(holder, model.adapter, [2, 3], model.step)
+        for step in range(2, 5):
+            train_steps(model, step)
+            wait_standby_at(holder, model.adapter, [2, 3], model.step)
+    finally:
+        model.shutdown()
+    assert holder.daemon.woken_rounds == 1
+
+
 def test_a_copy_whose_source_dies_is_made_from_the_other_replica(inprocess_swarm, tiny_models, tmp_path):
     """``min_copies=3`` over x, y (0:2) and z, w (2:4): at every step (step 0 as the adapter opens) a peer of the
     other span copies the new state of each block from one of its replicas. The first source of 0:2 dies as it is

@@ -76,7 +76,7 @@ EXAMPLES: dict[str, tuple[protocol.Request, protocol.Reply]] = {
         protocol.GradsReply({0: {"mb-0": [GRAD, HIDDEN], "mb-1": [GRAD]}}),
     ),
     Method.EXPORT: (
-        protocol.ExportRequest("run", 0, 2, {0: 2}),
+        protocol.ExportRequest("run", 0, 2, {0: 2}, OTHER),
         protocol.ExportReply(
             [[1, 3, "q", "a", [2], "float32"]], [], {0: HPARAMS}, {0: "ab" * 32}, torch.randn(2), torch.zeros(0)
         ),
@@ -247,7 +247,7 @@ def test_refusals_carry_what_the_caller_acts_on():
 
 def _handlers() -> dict:
     door, compute = Doorkeeper(), Compute()
-    service = PeerService(backend=None, compute=compute, info=lambda: None, peers=None, hooks=None)
+    service = PeerService(backend=None, compute=compute, info=lambda: None, peers=None, hooks=None, pullers=None)
     try:
         return {"doorkeeper": door.handlers, "peer": service.handlers}
     finally:
