@@ -51,7 +51,8 @@ class Replicator:
         self.backend, self.compute, self.peers, self.me, self.policy = backend, compute, peers, me, policy
         self.on_refreshed = on_refreshed  # a copy changed: checkpoint it
         self.standby: list[int] = []
-        self.pinned: dict[str, set[int]] = {}  # adapter -> blocks its trainer asked this peer to hold copies of
+        # adapter -> block -> the step its trainer last asked this peer to hold a copy at (see on_committed)
+        self.pinned: dict[str, dict[int, int]] = {}
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
 
@@ -69,18 +70,23 @@ class Replicator:
 
     async def _refresh_adapter(self, view: SwarmView, name: str, meta: dict) -> bool:
         held = await self.compute(self._standby_steps, name)
+        pins = self.pinned.get(name, {})
+        for block in list(pins):
+            newest = view.newest(name, block, self.me)
+            if newest is not None and _lapsed(pins, block, newest[0]):
+                del pins[block]
         wanted = {}
         for block in self.standby:
             newest = view.newest(name, block, self.me)
             if newest is not None and (block not in held or newest[0] - held[block] >= self.policy.every):
                 wanted[block] = newest
-        return await self._pull(name, meta, wanted, keep=set(self.standby) | self.pinned.get(name, set()))
+        return await self._pull(name, meta, wanted, keep=set(self.standby) | set(pins))
 
     async def hold(self, name: str, meta: dict, step: int, sources: list[tuple[range, PeerID]]) -> dict[int, int]:
         """The trainer's request: hold copies of these blocks at ``step`` (at least), pulled from ``sources``, before
         it acknowledges the step. Pinned: kept whatever this peer's own standby choice. Returns the steps held."""
         blocks = [block for span, _ in sources for block in span]
-        self.pinned.setdefault(name, set()).update(blocks)
+        self.pinned.setdefault(name, {}).update(dict.fromkeys(blocks, step))
         async with self._lock:
             held = await self.compute(self._held, name)
             todo = [(span, peer) for span, peer in sources if any(held.get(b, -1) < step for b in span)]
@@ -109,16 +115,21 @@ class Replicator:
     async def on_committed(self, name: str, meta: dict, steps: dict[int, int], source: PeerID) -> None:
         """A server committed a step (``steps``: its blocks' new steps): pull the blocks kept here on standby,
         unless this peer's copy is fewer than ``every`` steps behind (or another replica's notice brought it). Not
-        the blocks the trainer pinned: it has them copied once the replicas' vote is in, and until then the copy at
-        the step before may have to break a tie between two replicas (``SpanBackend.tiebreak``)."""
+        the blocks the trainer pinned at the step before: it has them copied once the replicas' vote is in, and
+        until then the copy at the step before may have to break a tie between two replicas
+        (``SpanBackend.tiebreak``). A pin the trainer did not renew at that step has lapsed (the block has enough
+        replicas again): the copy follows the commits again, where it stayed behind for good before."""
         async with self._lock:
             held = await self.compute(self._standby_steps, name)
-            pinned = self.pinned.get(name, set())
+            pins = self.pinned.get(name, {})
+            for block, step in steps.items():
+                if _lapsed(pins, block, step):
+                    del pins[block]
             wanted = {
                 block: (step, source)
                 for block, step in steps.items()
                 if block in self.standby
-                and block not in pinned
+                and block not in pins
                 and step - held.get(block, -self.policy.every) >= self.policy.every
             }
             if wanted:
@@ -204,3 +215,9 @@ class Replicator:
                 self.backend.apply_updates(name, updates)
 
         await self.compute(store)
+
+
+def _lapsed(pins: dict[int, int], block: int, step: int) -> bool:
+    """Whether the trainer's pin of ``block`` is over, now that a replica is at ``step``: it pinned the copy at the
+    step it had just committed, and pins it again at the next step only while the block lacks replicas."""
+    return block in pins and step > pins[block] + 1

@@ -350,6 +350,30 @@ def test_a_standby_copy_follows_each_commit_of_a_server_whose_view_does_not_know
     assert holder.daemon.woken_rounds == 1
 
 
+def test_a_copy_the_trainer_stops_asking_for_follows_the_commits_again(inprocess_swarm, tiny_models, tmp_path):
+    """z is the only server of 2:4, so the trainer has a peer of 0:2 hold a copy of 2:4 at every step (a pin: that
+    copy waits for the trainer, so that it can break a tie in the replicas' vote). Then w joins on 2:4: the trainer
+    needs no copy any more and stops asking. The holder keeps 2:4 on standby (its balance round chose it), and its
+    copy follows each commit again; before, a block pinned once was left out of the commit notices for good, and
+    stayed up to a balance round behind."""
+    swarm = inprocess_swarm(balance_interval=3600.0)
+    peers = swarm.start_peers({"x": "0:2", "y": "0:2", "z": "2:4"})
+    model = connect(swarm, tiny_models["llama"], "lapsed-pin", min_copies=2)
+    try:
+        train_steps(model, 1)
+        holder = next(p for p in (peers["x"], peers["y"]) if p.backend.adapters[model.adapter].standby_steps())
+        swarm.add_peer("2:4", "w")
+        train_steps(model, 3)  # the trainer brings w in and pins no copy of 2:4 from now on
+        assert model.copies == {0: 2, 1: 2, 2: 2, 3: 2}
+        holder.look_now()
+        wait_standby_at(holder, model.adapter, [2, 3], model.step)
+        for step in range(4, 7):
+            train_steps(model, step)
+            wait_standby_at(holder, model.adapter, [2, 3], model.step)
+    finally:
+        model.shutdown()
+
+
 def test_a_copy_whose_source_dies_is_made_from_the_other_replica(inprocess_swarm, tiny_models, tmp_path):
     """``min_copies=3`` over x, y (0:2) and z, w (2:4): at every step (step 0 as the adapter opens) a peer of the
     other span copies the new state of each block from one of its replicas. The first source of 0:2 dies as it is
