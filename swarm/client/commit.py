@@ -149,6 +149,7 @@ class ReplicaSet:
                 self.current[peer] = min(steps.values())  # a peer at step + 1 applied `step`: see ahead_of()
             else:
                 behind[peer] = steps
+        self._learn_standby(step, [p for p in servers if p not in unknown])
         if behind:
             self._adopt_survivors(step, behind, accept_losses)
         self.split = {p: steps for p, steps in behind.items() if {step, step + 1} <= set(steps.values())}
@@ -168,6 +169,20 @@ class ReplicaSet:
             # onto blocks, past the step while the replay waited for a server of them takes it back like the others
             logger.warning("taking step %d back on %d replica(s) found past it during a replay", step, len(ahead))
             self.take_back(list(ahead), step)
+
+    def _learn_standby(self, step: int, unasked: list[PeerID]) -> None:
+        """When some block has neither a current server nor a known standby copy at ``step``, ask the live peers
+        not opened in this refresh (current ones) which copies they keep. Their standby copies follow the commits of
+        other peers, but the client hears of them only when it opens them: a churn run declared 44 steps of a block
+        lost, from a restarted peer's checkpoint, while a current peer held a copy of that block at the step."""
+        servers = self.peers(step)
+        lacking = [
+            block
+            for block in range(self.calls.router.num_blocks)
+            if not any(block in span for span in servers.values()) and not self.standby_holders(block, step)
+        ]
+        if lacking and unasked:
+            self.open_many(unasked)
 
     def take_back(self, peers: list[PeerID], step: int) -> None:
         """Revert ``peers``, all at once, from past ``step`` to it; they apply it again, to the same bits, once the

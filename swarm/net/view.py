@@ -72,13 +72,18 @@ class SwarmView:
         return {name: a.meta for info in self.alive.values() for name, a in info.adapters.items()}
 
     def newest(self, name: str, block: int, exclude: PeerID) -> tuple[int, PeerID] | None:
-        """The newest state of (adapter, block) on another live peer, served or standby, and who holds it."""
+        """The newest state of (adapter, block) on another live peer, served or standby, and who holds it: a server
+        of the block before a standby holder at the same step, because a copy pulled from a server is told of its
+        next commits (``peers/pullers.py``), and one pulled from another copy is not."""
         found = [
-            (step, peer)
+            (step, block in info.adapters[name].steps, peer)
             for peer, info in self.alive.items()
             if peer != exclude and name in info.adapters and (step := info.adapters[name].step_of(block)) is not None
         ]
-        return max(found, key=lambda item: item[0]) if found else None
+        if not found:
+            return None
+        step, _, peer = max(found, key=lambda item: item[:2])
+        return step, peer
 
     def trainer_step(self, name: str) -> int | None:
         """The adapter's newest committed step on any live server: what its trainer is at."""

@@ -120,6 +120,39 @@ def test_two_survivors_each_current_on_one_block_of_their_span_sync_each_other()
     assert replicas.lost == []
 
 
+def test_a_span_that_lost_every_server_syncs_from_a_current_peers_standby_copy():
+    """Both servers of 2:4 died; one came back from its checkpoint at step 1 while the client is at 5. Peer head,
+    current on 0:2 (so the client does not open it again), keeps a standby copy of 2:4 that followed every commit.
+    The client asks the peers it did not open which copies they keep, and syncs the restarted peer from head's:
+    nothing lost. Before, it knew head's copies only from when it last opened head, and declared steps lost from
+    the checkpoint while a current copy lived."""
+    head, back = PeerID(b"h" * 8), PeerID(b"k" * 8)
+
+    class _Announcing(_Router):
+        def announced(self) -> dict[int, list[PeerID]]:
+            return {b: [p for p, span in self.servers.items() if b in span] for b in range(self.num_blocks)}
+
+    served = {head: {0: 5, 1: 5}, back: {2: 1, 3: 1}}
+    standby = {head: {2: 5, 3: 5}, back: {}}
+
+    class _Syncing(_Stack):
+        def ask(self, peer: PeerID, request: SyncRequest) -> StepsReply:
+            self.sent.append((peer, request.source.to_base58(), request.start, request.end))
+            served[peer].update({b: standby[request.source][b] for b in request.blocks})
+            return StepsReply(dict(served[peer]))
+
+    stack = _Syncing(_Announcing({head: range(0, 2), back: range(2, 4)}))
+    replicas = ReplicaSet(stack, CurrentPeers(0, exact=True), open_on=lambda peer: (served[peer], standby[peer]))
+    replicas.current[head] = 5
+    try:
+        replicas.refresh(5)
+        assert replicas.peers(5) == {head: range(0, 2), back: range(2, 4)}
+    finally:
+        replicas.close()
+    assert stack.sent == [(back, head.to_base58(), 2, 4)]
+    assert replicas.lost == []
+
+
 class _CommitRouter(_Router):
     def refresh(self) -> None:
         pass

@@ -37,6 +37,22 @@ def test_view_counts_only_live_peers_and_settles_joiners_by_id():
     assert "copies: a@5: 1  (one failure would lose it)" in table  # block 0: served at 5 by one live peer
 
 
+def test_the_newest_copy_is_taken_from_a_server_before_a_standby_holder_at_the_same_step():
+    """A copy pulled from a server follows its commits (it names itself as a watcher); one pulled from another
+    standby holder, which never commits, would not."""
+    holder, server, older = (PeerID(bytes([i]) * 8) for i in (9, 1, 5))
+    meta = {"lora": {}, "seed": 0}
+    infos = {
+        holder: PeerInfo("m", 4, 6, "online", 1.0, {"a": AdapterInfo(meta, {4: 7, 5: 7}, {0: 7})}, [0]),
+        server: PeerInfo("m", 0, 2, "online", 1.0, {"a": AdapterInfo(meta, {0: 7, 1: 7}, {})}, []),
+        older: PeerInfo("m", 2, 4, "online", 1.0, {"a": AdapterInfo(meta, {2: 7, 3: 7}, {0: 6})}, [0]),
+    }
+    for order in (list(infos), list(reversed(infos))):
+        view = SwarmView({}, {peer: infos[peer] for peer in order})
+        assert view.newest("a", 0, exclude=older) == (7, server)
+    assert SwarmView({}, {holder: infos[holder], older: infos[older]}).newest("a", 0, exclude=server) == (7, holder)
+
+
 def test_records_carry_a_move_and_span_sizing_fits_the_model(tiny_models):
     record = ServerRecord(PeerID(b"x" * 8), ServerState.ONLINE, 0, 2, 1.0, {"a": 3}, moving_to=range(2, 4))
     back = ServerRecord.from_value(record.peer_id, record.to_value())
