@@ -9,7 +9,6 @@ import subprocess
 import time
 
 import psutil
-import pytest
 
 from peers.daemon import PeerConfig, PeerDaemon
 from swarm.net.network import join_dht
@@ -74,25 +73,28 @@ def test_a_peer_that_gives_up_blocks_it_announced_as_joining_withdraws_them(tiny
             daemon.dht.shutdown()
 
 
-@pytest.mark.parametrize("target", ["process-group", "process"])
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_peer_exits_on_sigterm_or_sigint_to_it_or_to_its_whole_process_group(target, sig, tiny_models, tmp_path):
+SIGNALS = [(sig, target) for sig in (signal.SIGTERM, signal.SIGINT) for target in ("process-group", "process")]
+
+
+def test_a_peer_exits_on_sigterm_or_sigint_to_it_or_to_its_whole_process_group(tiny_models, tmp_path):
     """Sent to the group (systemd's stop, ``kill -- -PGID``), the signal stops the peer's P2P daemon and DHT
-    process too: the peer must exit anyway, within its leave grace plus a bound."""
+    process too: the peer must exit anyway, within its leave grace plus a bound. One peer per signal and target,
+    started and signalled together (one swarm for the four cases: each peer costs its imports, not a swarm)."""
     with LocalSwarm(tmp_path) as local:
         local.start_dht()
-        peer = local.start_peer(tiny_models["llama"], "0:2", extra=["--leave-grace", "1"])
-        if target == "process-group":
-            os.killpg(peer.pid, sig)
-        else:
-            os.kill(peer.pid, sig)
-        try:
-            code = peer.popen.wait(40)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the peer did not exit after {sig!r} to its {target}:\n{peer.tail()}") from None
-        assert code in (0, -sig), peer.tail()
-        if target == "process":
-            assert code == 0 and "left the swarm" in peer.log.read_text(), peer.tail()
+        names = {f"{sig.name.lower()}-{target}": (sig, target) for sig, target in SIGNALS}
+        peers = local.start_peers(tiny_models["llama"], dict.fromkeys(names, "0:2"), extra=["--leave-grace", "1"])
+        for name, (sig, target) in names.items():
+            (os.killpg if target == "process-group" else os.kill)(peers[name].pid, sig)
+        for name, (sig, target) in names.items():
+            peer = peers[name]
+            try:
+                code = peer.popen.wait(40)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"the peer did not exit after {sig!r} to its {target}:\n{peer.tail()}") from None
+            assert code in (0, -sig), (name, peer.tail())
+            if target == "process":
+                assert code == 0 and "left the swarm" in peer.log.read_text(), (name, peer.tail())
 
 
 def test_a_peer_killed_alone_leaves_nothing_behind_and_restarts_under_its_identity(tiny_models, tmp_path):
