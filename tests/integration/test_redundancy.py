@@ -340,14 +340,20 @@ def test_a_standby_copy_follows_each_commit_of_a_server_whose_view_does_not_know
     model = connect(swarm, tiny_models["llama"], "pullers", min_copies=1)
     try:
         train_steps(model, 1)
-        holder.look_now()
-        wait_standby_at(holder, model.adapter, [2, 3], model.step)
-        for step in range(2, 5):
-            train_steps(model, step)
-            wait_standby_at(holder, model.adapter, [2, 3], model.step)
+        _look_then_follow(model, holder, steps=3)
     finally:
         model.shutdown()
     assert holder.daemon.woken_rounds == 1
+
+
+def _look_then_follow(model, holder: InProcessPeer, steps: int) -> None:
+    """``holder`` holds a balance round (it pulls its standby copies of 2:4 once); then its copy must be at the
+    client's step after each of ``steps`` more steps, where only commit notices can bring it (no more rounds)."""
+    holder.look_now()
+    wait_standby_at(holder, model.adapter, [2, 3], model.step)
+    for step in range(model.step + 1, model.step + 1 + steps):
+        train_steps(model, step)
+        wait_standby_at(holder, model.adapter, [2, 3], model.step)
 
 
 def test_a_copy_the_trainer_stops_asking_for_follows_the_commits_again(inprocess_swarm, tiny_models, tmp_path):
@@ -365,11 +371,7 @@ def test_a_copy_the_trainer_stops_asking_for_follows_the_commits_again(inprocess
         swarm.add_peer("2:4", "w")
         train_steps(model, 3)  # the trainer brings w in and pins no copy of 2:4 from now on
         assert model.copies == {0: 2, 1: 2, 2: 2, 3: 2}
-        holder.look_now()
-        wait_standby_at(holder, model.adapter, [2, 3], model.step)
-        for step in range(4, 7):
-            train_steps(model, step)
-            wait_standby_at(holder, model.adapter, [2, 3], model.step)
+        _look_then_follow(model, holder, steps=3)
     finally:
         model.shutdown()
 
