@@ -466,8 +466,9 @@ class PeerDaemon:
         )
         steps = {block: step for block, step in steps.items() if block in self.serving}
         notice = CommittedRequest(name, config, seed, steps, self.identity.peer_id)
-        watchers = self.view.watchers(list(steps)) if self.view is not None else []
-        for peer in dict.fromkeys([*watchers, *self.parts.pullers.of(steps)]):
+        blocks = list(steps)
+        watchers = self.view.watchers(blocks) if self.view is not None else []
+        for peer in dict.fromkeys([*watchers, *self.parts.pullers.of(blocks)]):
             self.parts.service.in_background(self.parts.peers.notify_committed(peer, notice))
         await self._checkpoint(name)
 

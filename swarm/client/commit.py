@@ -175,14 +175,17 @@ class ReplicaSet:
         not opened in this refresh (current ones) which copies they keep. Their standby copies follow the commits of
         other peers, but the client hears of them only when it opens them: a churn run declared 44 steps of a block
         lost, from a restarted peer's checkpoint, while a current peer held a copy of that block at the step."""
-        servers = self.peers(step)
-        lacking = [
+        if unasked and self._uncopied(step):
+            self.open_many(unasked)
+
+    def _uncopied(self, step: int) -> set[int]:
+        """Blocks that neither a current server nor a known standby copy holds at ``step``."""
+        current = self.peers(step)
+        return {
             block
             for block in range(self.calls.router.num_blocks)
-            if not any(block in span for span in servers.values()) and not self.standby_holders(block, step)
-        ]
-        if lacking and unasked:
-            self.open_many(unasked)
+            if not any(block in span for span in current.values()) and not self.standby_holders(block, step)
+        }
 
     def take_back(self, peers: list[PeerID], step: int) -> None:
         """Revert ``peers``, all at once, from past ``step`` to it; they apply it again, to the same bits, once the
@@ -206,12 +209,12 @@ class ReplicaSet:
         """For blocks that no announced peer could hold at ``step`` (none current, none unreachable) for
         ``lost_grace`` seconds, declare the newest surviving copy current: its updates since are lost, and that is
         reported."""
-        current = self.peers(step)
+        uncopied = self._uncopied(step)
         announced = self.calls.router.announced()
         now = time.monotonic()
         orphaned: dict[int, int] = {}  # block -> its newest survivor's step, for blocks orphaned just now
         for block in range(self.calls.router.num_blocks):
-            if any(block in span for span in current.values()) or self.standby_holders(block, step):
+            if block not in uncopied:
                 self.orphaned.pop(block, None)
                 continue  # a current copy lives: laggards sync from it
             unknown = [p for p in announced.get(block, []) if p not in behind and self.current.get(p) != step]
