@@ -20,7 +20,7 @@ from hivemind.p2p import PeerID
 from swarm.client.calls import PeerCalls, PeerFailure
 from swarm.client.commit import ReplicaSet
 from swarm.net.errors import RemoteError
-from swarm.net.protocol import ReplicateRequest
+from swarm.net.protocol import PingRequest, ReplicateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ class CopyKeeper:
         self.lora, self.seed = lora, seed  # the adapter's identity, sent so a new holder can create it
         self.holders: dict[int, list[PeerID]] = {}  # block -> standby holders, kept from step to step
         self.copies: dict[int, int] = {}  # block -> peers holding the last acknowledged state
+        self.unconfirmed: set[int] = set()  # blocks holders were asked to copy at the last step, and none did
         self._short: dict[int, int] | None = None  # the shortfall last warned about
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="swarm-copies")
 
@@ -48,6 +49,7 @@ class CopyKeeper:
         num_blocks = self.calls.router.num_blocks
         servers = {b: [p for p, span in replicas.items() if b in span] for b in range(num_blocks)}
         confirmed: dict[int, list[PeerID]] = {b: [] for b in range(num_blocks)}
+        asked: set[int] = set()
         if self.min_copies > 1:
             candidates = sorted(self.calls.router.live_servers(eligible_only=False), key=lambda p: p.to_bytes())
             failed: set[PeerID] = set()  # holders that did not answer; one that answered short may try another source
@@ -55,6 +57,7 @@ class CopyKeeper:
                 plan = self._plan(servers, confirmed, [p for p in candidates if p not in failed])
                 if not plan:
                     break
+                asked.update(b for blocks in plan.values() for b in blocks)
                 replies = self._pool.map(
                     lambda item, attempt=attempt: self._replicate(*item, step, replicas, attempt), plan.items()
                 )
@@ -67,8 +70,28 @@ class CopyKeeper:
                             confirmed[block].append(holder)
             self.holders = {b: holders for b, holders in confirmed.items() if holders}
         self.copies = {b: len(servers[b]) + len(confirmed[b]) for b in range(num_blocks) if servers[b]}
+        self.unconfirmed = {b for b in asked if not confirmed[b]}
         self._warn_if_short(step)
         return self.copies
+
+    def died_uncopied(self, replicas: dict[PeerID, range]) -> list[int]:
+        """Blocks whose new state nobody holds any more: no holder could copy it (``unconfirmed``), and none of
+        ``replicas`` (those that applied it) answers a ping now. Their servers died after applying the step and
+        before a holder copied it (a holder that found its source gone answers without the copy): the step must be
+        committed again, from the copies of the step before, or it is lost at the next step."""
+        suspects = {p: span for p, span in replicas.items() if any(b in span for b in self.unconfirmed)}
+        if not suspects:
+            return []
+        answered = dict(zip(suspects, self._pool.map(self._answers, suspects), strict=True))
+        return sorted(b for b in self.unconfirmed if not any(answered[p] for p, span in suspects.items() if b in span))
+
+    def _answers(self, peer: PeerID) -> bool:
+        try:
+            self.calls.ask(peer, PingRequest())
+        except (PeerFailure, RemoteError) as e:
+            logger.warning("peer %s, which applied the step, does not answer: %s", peer, e)
+            return False
+        return True
 
     def _plan(
         self, servers: dict[int, list[PeerID]], confirmed: dict[int, list[PeerID]], candidates: list[PeerID]

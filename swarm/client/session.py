@@ -41,6 +41,9 @@ from swarm.weights import block_digests, differing
 logger = logging.getLogger(__name__)
 
 RESUME_MODES = ("committed", "latest")
+# per step: how many times a step whose new state died with every peer that applied it, before a copy was made, is
+# committed again (a churn run lost such a step: declared lost after lost_grace at the next one)
+RECOMMITS = 2
 
 
 @dataclass(frozen=True)
@@ -280,9 +283,21 @@ class TrainingSession(AdapterSession):
             logger.warning("optimizer step with no backward since the last step: nothing to commit")
             return self.step
         self.router.wait_fresh(timeout=self.router.refresh_every)
-        applied = commit(self.hops, self.replicas, self.ledger, hparams)
-        self._set_ledger(self.ledger.next())
-        self.copies.ensure(self.step, applied)
+        ledger = self.ledger
+        for attempt in range(RECOMMITS + 1):
+            applied = commit(self.hops, self.replicas, ledger, hparams)
+            self._set_ledger(ledger.next())
+            self.copies.ensure(self.step, applied)
+            died = self.copies.died_uncopied(applied) if attempt < RECOMMITS else []
+            if not died:
+                break
+            logger.warning(
+                "blocks %s of step %d died with every peer that applied it, before any copy was made: committing "
+                "the step again on the peers left, from the copies of the step before",
+                spans_text(died),
+                ledger.step,
+            )
+            self._set_ledger(ledger)
         recent = [
             {"peer": r.peer.to_base58(), "during": r.during, "step": r.step, "seconds": round(r.seconds, 2)}
             for r in self.recoveries[-RECOVERIES_KEPT:]

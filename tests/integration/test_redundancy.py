@@ -402,6 +402,37 @@ def test_a_copy_whose_source_dies_is_made_from_the_other_replica(inprocess_swarm
     assert_matches_local_peft(model_dir, tmp_path)
 
 
+def test_a_step_whose_only_server_dies_before_it_is_copied_is_committed_again(inprocess_swarm, tiny_models, tmp_path):
+    """x is the only server of 0:2 and z of 2:4, which has room for the whole model; with ``min_copies=2`` each keeps
+    a copy of the other's blocks at every step. x applies step 1 and dies as z asks it for that state, so no peer
+    holds 0:2 at step 2. The client finds x gone and commits step 1 again: z grows over 0:2 from its copy at step 1,
+    takes its own step back, the gradients that died with x are replayed on it and it applies the step. Nothing is
+    lost and the adapter equals local peft. Before, the step was acknowledged with a single copy and declared lost at
+    the next one, after ``lost_grace``."""
+    model_dir, adapter = tiny_models["llama"], "recommitted"
+    swarm = inprocess_swarm(standby_blocks=0)  # no standby pulls: every export is a trainer's copy
+    x = swarm.add_peer("0:2", "x")
+    z = swarm.add_peer("2:4", "z", rebalance=True, balance_interval=1.0)
+
+    def applied_step_1(meta: dict) -> bool:
+        state = x.backend.adapters.get(adapter)
+        return state is not None and set(state.steps().values()) == {2}
+
+    fault = x.faults.arm(Fault(Action.KILL, Method.EXPORT, when=applied_step_1))
+    model = connect(swarm, model_dir, adapter, min_copies=2, patience=60.0)
+    try:
+        model.save_adapter(tmp_path / "initial")
+        train_steps(model, STEPS)
+        model.save_adapter(tmp_path / "final")
+        lost = list(model.steps_lost)
+    finally:
+        model.shutdown()
+    assert fault.wait_fired(0) and x.killed
+    assert lost == []
+    assert z.daemon.serving == range(0, 4)
+    assert_matches_local_peft(model_dir, tmp_path)
+
+
 def test_a_peer_restarted_on_other_blocks_withdraws_what_its_previous_run_announced(inprocess_swarm, tmp_path):
     """Killed, a peer leaves its records to expire; restarted with the same identity on other blocks, it replaces
     them by leaving ones before it serves, so that no client routes or syncs its old blocks there."""
