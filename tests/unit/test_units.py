@@ -14,11 +14,12 @@ from hivemind.proto import runtime_pb2
 
 import swarm
 from swarm.blocks import add_lora, load_block, lora_config_from_wire, lora_config_to_wire
+from swarm.client.calls import PeerFailure
 from swarm.client.copies import CopyKeeper
 from swarm.client.ledger import Segment, StepLedger
 from swarm.client.routing import NoRouteError, Router
 from swarm.net.errors import AdapterConfigError, ModelFolderError, RequestError
-from swarm.net.protocol import Held, OpenRequest
+from swarm.net.protocol import Held, OpenRequest, PingRequest
 from swarm.net.records import CommittedRecord, ServerRecord, ServerState, valid_value
 from swarm.net.transport import Transport
 from swarm.net.wire import Message, WireError, decode, encode
@@ -129,6 +130,31 @@ def test_copy_plan_spreads_holders_keeps_previous_ones_and_skips_servers():
     assert keeper._plan(servers, confirmed, [a]) == {a: [2]}, "a server of a block never holds its standby copy"
     with pytest.raises(ValueError, match="min_copies"):
         CopyKeeper(calls=None, replicas=None, min_copies=0, lora={}, seed=0)
+
+
+def test_blocks_no_holder_could_copy_died_when_none_of_their_servers_answers():
+    """After a step, blocks no holder could copy are checked: their servers are pinged (only theirs), and the blocks
+    whose every server is silent died with the step (it is committed again); one answering server keeps them."""
+    a, b, c = (PeerID(bytes([i]) * 34) for i in (1, 2, 3))
+    pinged: list[PeerID] = []
+
+    class Calls:
+        def ask(self, peer: PeerID, request: PingRequest) -> None:
+            pinged.append(peer)
+            if peer != c:
+                raise PeerFailure(peer, "gone")
+
+    keeper = CopyKeeper(calls=Calls(), replicas=None, min_copies=2, lora={}, seed=0)
+    try:
+        applied = {a: range(0, 2), b: range(2, 3), c: range(3, 4)}
+        keeper.unconfirmed = {0, 1, 3}
+        assert keeper.died_uncopied(applied) == [0, 1], "block 3 lives on c"
+        assert sorted(pinged, key=lambda p: p.to_bytes()) == [a, c], "b's blocks were copied: b is not asked"
+        keeper.unconfirmed = set()
+        assert keeper.died_uncopied(applied) == []
+        assert len(pinged) == 2
+    finally:
+        keeper.close()
 
 
 def test_committed_records_are_schema_checked():
