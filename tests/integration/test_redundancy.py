@@ -15,6 +15,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from swarm.client.commit import StepsLost
 from swarm.net.protocol import Method
 from swarm.net.records import ServerState, read_servers
 from swarm.testing.faults import Action, Fault
@@ -33,14 +34,17 @@ from swarm.testing.recipe import train as train_steps
 FIRED = 60.0  # seconds a test waits to see its fault fire (it fires within a step or two)
 
 
-def train(swarm: InProcessSwarm, model_dir: Path, out: Path, adapter: str, steps: int = STEPS, **client) -> None:
+def train(
+    swarm: InProcessSwarm, model_dir: Path, out: Path, adapter: str, steps: int = STEPS, **client
+) -> list[StepsLost]:
     """Train ``steps`` through the swarm (replicas checked identical after each), saving the adapter before and
-    after in ``out/initial`` and ``out/final``."""
+    after in ``out/initial`` and ``out/final``; returns the steps the client reported lost."""
     model = connect(swarm, model_dir, adapter, **client)
     try:
         model.save_adapter(out / "initial")
         train_steps(model, steps)
         model.save_adapter(out / "final")
+        return list(model.steps_lost)
     finally:
         model.shutdown()
 
@@ -419,14 +423,7 @@ def test_a_step_whose_only_server_dies_before_it_is_copied_is_committed_again(in
         return state is not None and set(state.steps().values()) == {2}
 
     fault = x.faults.arm(Fault(Action.KILL, Method.EXPORT, when=applied_step_1))
-    model = connect(swarm, model_dir, adapter, min_copies=2, patience=60.0)
-    try:
-        model.save_adapter(tmp_path / "initial")
-        train_steps(model, STEPS)
-        model.save_adapter(tmp_path / "final")
-        lost = list(model.steps_lost)
-    finally:
-        model.shutdown()
+    lost = train(swarm, model_dir, tmp_path, adapter, min_copies=2, patience=60.0)
     assert fault.wait_fired(0) and x.killed
     assert lost == []
     assert z.daemon.serving == range(0, 4)
