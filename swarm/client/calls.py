@@ -120,6 +120,14 @@ class PeerCalls:
         """Whether this client may reach ``peer`` itself (see ``Transport.likely_reachable``)."""
         return RemoteExpertWorker.run_coroutine(self.transport.likely_reachable(peer))
 
+    def answers(self, peer: PeerID) -> bool:
+        """Whether ``peer`` answers hello (alive, however busy: ``Transport.answers``); one that does not is banned
+        and its step forgotten, like a failed call."""
+        if RemoteExpertWorker.run_coroutine(self.transport.answers(peer)):
+            return True
+        self.peer_failed(peer, "it does not answer hello")
+        return False
+
     def peer_failed(self, peer: PeerID, reason: str) -> PeerFailure:
         """Ban the peer for a while and forget its step; the work goes elsewhere."""
         self.router.ban(peer, reason)

@@ -20,7 +20,7 @@ from hivemind.p2p import PeerID
 from swarm.client.calls import PeerCalls, PeerFailure
 from swarm.client.commit import ReplicaSet
 from swarm.net.errors import RemoteError
-from swarm.net.protocol import PingRequest, ReplicateRequest
+from swarm.net.protocol import ReplicateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -76,22 +76,15 @@ class CopyKeeper:
 
     def died_uncopied(self, replicas: dict[PeerID, range]) -> list[int]:
         """Blocks whose new state nobody holds any more: no holder could copy it (``unconfirmed``), and none of
-        ``replicas`` (those that applied it) answers a ping now. Their servers died after applying the step and
-        before a holder copied it (a holder that found its source gone answers without the copy): the step must be
-        committed again, from the copies of the step before, or it is lost at the next step."""
+        ``replicas`` (those that applied it) answers hello now (those that do not are banned). Their servers died
+        after applying the step and before a holder copied it (a holder that found its source gone answers without
+        the copy): the step must be committed again, from the copies of the step before, or it is lost at the next
+        step."""
         suspects = {p: span for p, span in replicas.items() if any(b in span for b in self.unconfirmed)}
         if not suspects:
             return []
-        answered = dict(zip(suspects, self._pool.map(self._answers, suspects), strict=True))
+        answered = dict(zip(suspects, self._pool.map(self.calls.answers, suspects), strict=True))
         return sorted(b for b in self.unconfirmed if not any(answered[p] for p, span in suspects.items() if b in span))
-
-    def _answers(self, peer: PeerID) -> bool:
-        try:
-            self.calls.ask(peer, PingRequest())
-        except (PeerFailure, RemoteError) as e:
-            logger.warning("peer %s, which applied the step, does not answer: %s", peer, e)
-            return False
-        return True
 
     def _plan(
         self, servers: dict[int, list[PeerID]], confirmed: dict[int, list[PeerID]], candidates: list[PeerID]

@@ -132,7 +132,7 @@ class Transport:
                 if call.done():
                     return call.result()
                 if probe is None:
-                    probe = asyncio.ensure_future(self._answers(peer, direct))
+                    probe = asyncio.ensure_future(self.answers(peer, direct))
                 elif probe.done():
                     if not probe.result():
                         raise PeerFrozenError(
@@ -145,7 +145,7 @@ class Transport:
                 if task is not None and not task.done():
                     task.cancel()
 
-    async def _answers(self, peer: PeerID, direct: bool) -> bool:
+    async def answers(self, peer: PeerID, direct: bool = False) -> bool:
         """Whether the peer answers hello (a refusal is an answer too): alive, however busy."""
         try:
             await self._acall(peer, HelloRequest().to_message(), PROBE_TIMEOUT, direct)
