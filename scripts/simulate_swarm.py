@@ -104,6 +104,12 @@ def main() -> int:
         help="measure a saturated stream every this many simulated seconds, 0: never "
         f"(default: {STREAM_S:g} in runs of at most {STREAM_MAX_PEERS} peers, else never: it takes minutes there)",
     )
+    parser.add_argument(
+        "--stream-in-flight",
+        type=int,
+        default=SimConfig.stream_in_flight,
+        help="micro-batches of the saturated stream in flight at once, per serving peer",
+    )
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args()
     if not args.no_plots and importlib.util.find_spec("matplotlib") is None:
@@ -129,6 +135,7 @@ def main() -> int:
             lifetime_h=args.lifetime_h,
             load_s=args.load_s,
             stream_s=args.stream_s if args.stream_s is not None else STREAM_S * (peers <= STREAM_MAX_PEERS),
+            stream_in_flight=args.stream_in_flight,
         )
         logger.info("simulating %d peers for %g hours", peers, args.hours)
         started = time.perf_counter()

@@ -35,14 +35,16 @@ Figures (after the first 15 min, the cold start; PNGs in ``--out``):
   its hops of the hop's speed, a peer's tokens/s through one block divided by the hop's blocks): the chain the router
   gives one micro-batch with nothing else booked (the fastest for that micro-batch) against the widest.
 - placement: ideal: the summed per-block speed of all online peers over the number of blocks, what every block would
-  get if compute were spread evenly; capacity: the least over blocks of its servers' summed span throughput.
-  capacity / ideal tells how evenly spans spread compute (1: perfect).
+  get if compute were spread evenly; capacity: the least over blocks of its servers' summed span throughput, each
+  peer's time split evenly over the blocks of its span. capacity / ideal tells how evenly spans spread compute (1:
+  perfect); routes need not split a peer's time evenly, so it understates what a placement can deliver (below).
 - saturated stream (every ``stream_s``; the script measures it in runs of at most 200 peers): many micro-batches at
-  once, two per serving peer and ``stream_waves`` times that many in all, as a crowd of clients would send, each routed
-  by ``Router.route()`` as it starts (one router stands for the crowd: it sees all their work); its tokens/s against
-  the ideal's, a micro-batch costing every block a forward and a backward. Where the even split of ``capacity`` leaves
-  a peer's time idle on blocks others cover, routes that follow the flow plan (``swarm.client.flowplan``) use it;
-  the largest flow (that plan's rate, pipelines always full) is what the placement allows any routes.
+  once, ``stream_in_flight`` per serving peer and ``stream_waves`` times that many in all, as a crowd of clients would
+  send, each routed by ``Router.route()`` as it starts (one router stands for the crowd: it sees all their work); its
+  tokens/s against the ideal's, a micro-batch costing every block a forward and a backward, the fill and the drain of
+  the run included. Where the even split of ``capacity`` leaves a peer's time idle on blocks others cover, routes that
+  follow the flow plan (``swarm.client.flowplan``) use it; the largest flow (that plan's rate, pipelines always full)
+  is what the placement allows any routes, so it is the placement's capacity as routes see it.
 
 Invariants (the exit status is 1 if one fails): no oscillation (a peer choosing to move back to a span it chose to
 leave in the same epoch); at most one move per peer of the population in an epoch; no stall (a block without a server
@@ -122,7 +124,10 @@ class SimConfig:
     # per server at once, stream_waves times that many in all, routed by Router.route(); 0: not measured (a route
     # costs ~7 ms at 100 peers and ~70 ms at 1000, so a sample takes ~10 s and ~10 min)
     stream_s: float = 0.0
-    stream_in_flight: int = 2
+    # a stream saturates only if it keeps the plan's pipelines full: a chain of ~23 hops at 100 peers holds about as
+    # many micro-batches as it has hops (Little's law), so 2 per server left them part empty (0.75-0.77 of the ideal
+    # with the largest flow at 0.87-0.89) and 4 fill them (0.84-0.85; 8: 0.85-0.86)
+    stream_in_flight: int = 4
     stream_waves: int = 8
     # call next_move in every round of every peer; by default rounds whose answer is known to be "stay" are skipped
     exact: bool = False
@@ -746,8 +751,8 @@ def summary(config: SimConfig, stats: Stats, wall_s: float) -> dict[str, str]:
         f"step of {config.micro_batches}, routed / widest chain": f"{_mean(t.routed / t.widest for t in tput):.2f}",
         "step, routed (tokens/s)": f"{_mean(t.routed for t in tput):.0f}",
         "one chain alone / widest (stream)": f"{_mean(t.alone / t.best for t in tput):.2f}",
-        "capacity / ideal": f"{_mean(t.capacity / t.ideal for t in tput):.2f}",
-        "saturated stream, routed / ideal": f"{_mean(st.routed / st.ideal for st in stats.streams):.2f}"
+        "capacity / ideal (even split)": f"{_mean(t.capacity / t.ideal for t in tput):.2f}",
+        f"saturated stream ({config.stream_in_flight} per server), routed / ideal": f"{_mean(st.routed / st.ideal for st in stats.streams):.2f}"
         if stats.streams
         else "-",
         "  the largest flow / ideal": f"{_mean(st.bound / st.ideal for st in stats.streams):.2f}"

@@ -113,8 +113,8 @@ def test_routed_steps_beat_the_widest_chain():
 
 def test_a_saturated_stream_following_the_flow_plan_beats_fastest_chains(monkeypatch):
     # Many micro-batches at once: each routed to the chain that finishes it first, long hops on fast peers starve
-    # the blocks few peers hold; following the flow plan gives each peer work where it is needed (0.73-0.78 of the
-    # ideal against 0.59-0.65 in seeds 0-3).
+    # the blocks few peers hold; following the flow plan gives each peer work where it is needed, and 100 peers
+    # deliver over 0.8 of the ideal (0.80-0.86 against 0.61-0.69 in seeds 0-3, fill and drain included).
     def stream(seed: int) -> float:
         config = sim.SimConfig(peers=100, hours=0.25, seed=seed, bursts=0, route_s=1e9, stream_s=1e9, stream_waves=4)
         (sample,) = sim.Simulation(config).run().streams
@@ -123,4 +123,4 @@ def test_a_saturated_stream_following_the_flow_plan_beats_fastest_chains(monkeyp
     planned = stream(1)
     monkeypatch.setattr(routing, "SATURATED", float("inf"))  # every micro-batch on its fastest chain
     fastest = stream(1)
-    assert planned > 0.7 and planned > fastest + 0.1, (planned, fastest)
+    assert planned > 0.8 and planned > fastest + 0.1, (planned, fastest)
