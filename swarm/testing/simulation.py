@@ -752,12 +752,8 @@ def summary(config: SimConfig, stats: Stats, wall_s: float) -> dict[str, str]:
         "step, routed (tokens/s)": f"{_mean(t.routed for t in tput):.0f}",
         "one chain alone / widest (stream)": f"{_mean(t.alone / t.best for t in tput):.2f}",
         "capacity / ideal (even split)": f"{_mean(t.capacity / t.ideal for t in tput):.2f}",
-        f"saturated stream ({config.stream_in_flight} per server), routed / ideal": f"{_mean(st.routed / st.ideal for st in stats.streams):.2f}"
-        if stats.streams
-        else "-",
-        "  the largest flow / ideal": f"{_mean(st.bound / st.ideal for st in stats.streams):.2f}"
-        if stats.streams
-        else "-",
+        f"saturated stream ({config.stream_in_flight} per server), routed / ideal": _stream_mean(stats, "routed"),
+        "  the largest flow / ideal": _stream_mean(stats, "bound"),
         "next_move calls (ms each)": f"{stats.decisions} ({1000 * stats.decision_s / max(1, stats.decisions):.2f})",
         "wall time (s)": f"{wall_s:.0f}",
         "invariants": "ok" if not stats.failures else f"{len(stats.failures)} FAILED",
@@ -766,6 +762,13 @@ def summary(config: SimConfig, stats: Stats, wall_s: float) -> dict[str, str]:
 
 def _since(burst: Burst, at: float | None) -> str:
     return "never" if at is None else f"{at - burst.at:.0f}"
+
+
+def _stream_mean(stats: Stats, field: str) -> str:
+    """The mean over the stream samples of ``field`` (a ``Stream`` field) against the ideal, or "-" if none."""
+    if not stats.streams:
+        return "-"
+    return f"{_mean(getattr(st, field) / st.ideal for st in stats.streams):.2f}"
 
 
 def _mean(values) -> float:
