@@ -19,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from swarm.testing.chaos import chaos_schedule  # noqa: E402
 from swarm.testing.churn import MICRO_BATCHES, logger, report, run_churn  # noqa: E402
 from swarm.testing.tiny import make_tiny_model  # noqa: E402
 
@@ -43,6 +44,12 @@ def main() -> None:
         "failure leaves a current copy)",
     )
     parser.add_argument(
+        "--shadow",
+        action="store_true",
+        help="add a control run without churn, beside peer starts in a swarm of their own at the moments the first "
+        "churn run starts peers (each killed once it serves): what the CPU of restarts alone costs",
+    )
+    parser.add_argument(
         "--restart-nice",
         type=int,
         default=0,
@@ -65,25 +72,30 @@ def main() -> None:
     model_dir = args.model or make_tiny_model(
         workdir / "model", layers=args.layers, hidden=args.hidden, intermediate=2 * args.hidden, seed=1
     )
-    plan = {} if args.no_baseline else {"no churn": (None, args.seeds[0])}
+    plan = {} if args.no_baseline else {"no churn": (None, args.seeds[0], False)}
+    if args.shadow:
+        plan["no churn, starts beside"] = (args.intervals[0], args.seeds[0], True)
     several = len(args.seeds) > 1
     for interval in args.intervals:
         for seed in args.seeds:
-            plan[f"1 event / {interval:g} s" + (f", seed {seed}" if several else "")] = (interval, seed)
+            plan[f"1 event / {interval:g} s" + (f", seed {seed}" if several else "")] = (interval, seed, False)
     runs = {}
-    for index, (name, (interval, seed)) in enumerate(plan.items()):
+    names = [f"peer{i}" for i in range(args.peers)]
+    for index, (name, (interval, seed, shadow)) in enumerate(plan.items()):
         logs = workdir / f"run{index}" / "logs"
         logger.info("run %d/%d: %s, %.1f min (logs in %s)", index + 1, len(plan), name, args.minutes, logs)
+        schedule = chaos_schedule(seed, args.minutes * 60, interval, names) if shadow else None
         runs[name] = run_churn(
             model_dir,
             workdir / f"run{index}",
             args.minutes * 60,
-            interval,
+            None if shadow else interval,
             seed,
             args.peers,
             args.span,
             args.restart_nice,
             args.min_copies,
+            schedule,
         )
     print(
         f"config: {args.peers} peers x {args.span} blocks of a {args.layers}-block model (hidden {args.hidden}), "

@@ -72,6 +72,16 @@ def _since(started: float, at: float | None) -> float | None:
     return None if at is None else at - started
 
 
+def start_times(started_at: dict[Path, float]) -> list[Restart]:
+    """Per started process (its log -> when it was started): seconds to joining the DHT and to serving."""
+    times = []
+    for log, started in started_at.items():
+        text = log.read_text(errors="replace") if log.exists() else ""
+        joined, serving = _logged_at(text, JOINED_LINE), _logged_at(text, SERVING_LINE)
+        times.append(Restart(log.stem, _since(started, joined), _since(started, serving)))
+    return times
+
+
 @dataclass(frozen=True)
 class ChaosEvent:
     """One scheduled fault. ``phase``: wait (at most ``PHASE_WAIT`` s) for the client to send that method, then
@@ -158,12 +168,7 @@ class ChaosPeers:
 
     def restart_times(self) -> list[Restart]:
         """How long each restarted process took to join the swarm and to serve, read from its log."""
-        times = []
-        for log, started in self.restarted_at.items():
-            text = log.read_text(errors="replace") if log.exists() else ""
-            joined, serving = _logged_at(text, JOINED_LINE), _logged_at(text, SERVING_LINE)
-            times.append(Restart(log.stem, _since(started, joined), _since(started, serving)))
-        return times
+        return start_times(self.restarted_at)
 
     def alive(self, name: str) -> bool:
         return self.processes[name].popen.poll() is None
@@ -439,3 +444,52 @@ def count_moves(logs: list[Path]) -> tuple[int, int, int]:
             takeovers += int(d) - int(c) > int(b) - int(a)
         torn += text.count(TORN_WRITE_LINE)
     return moves, takeovers, torn
+
+
+# Peer starts each event causes: a crash, a clean leave or a freeze ending in SIGKILL restarts its peer, a double
+# crash two, a join starts one; a freeze that thaws starts none.
+STARTS = {"kill": 1, "term": 1, "double-kill": 2, "join": 1}
+
+
+class ShadowStarts:
+    """Peer processes started in a swarm of their own at the moments a chaos schedule would start peers, each killed
+    once it serves: a control run's load. It costs the machine what a restart costs (imports, loading, joining a DHT,
+    a P2P daemon), while the training swarm sees no failure, so a run beside it tells how much of churn's cost on a
+    shared machine is the CPU of restarts alone."""
+
+    def __init__(self, local: LocalSwarm, model: Path, schedule: list[ChaosEvent], blocks: str, delay: float = 2.0):
+        self.local, self.model, self.blocks = local, model, blocks
+        starts = [e.at + delay for e in schedule for _ in range(STARTS.get(e.kind, int(not e.thaw)))]
+        self.starts = sorted(starts)
+        self.started_at: dict[Path, float] = {}  # each start's log -> when it was started
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="shadow-starts", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.thread.ident is not None:  # started
+            self.thread.join(timeout=30.0)
+
+    def restart_times(self) -> list[Restart]:
+        """How long each start took to join its DHT and to serve, read from its log."""
+        return start_times(self.started_at)
+
+    def _run(self) -> None:
+        begun, pending, live = time.monotonic(), list(self.starts), []
+        while not self.stopping.is_set() and (pending or live):
+            if pending and time.monotonic() - begun >= pending[0]:
+                pending.pop(0)
+                name = f"shadow{len(self.started_at) + 1}"
+                started = time.time()
+                process = self.local.start_peer(self.model, self.blocks, name=name, wait=False)
+                self.started_at[process.log] = started
+                live.append(process)
+            for process in [p for p in live if SERVING_LINE in p.log.read_text(errors="replace")]:
+                process.stop()
+                live.remove(process)
+            self.stopping.wait(0.2)
+        for process in live:
+            process.stop()

@@ -32,7 +32,16 @@ from tqdm.auto import tqdm
 
 import swarm
 from swarm.net.protocol import method_of
-from swarm.testing.chaos import ChaosDriver, ChaosPeers, ChurnStats, Restart, chaos_schedule, count_moves
+from swarm.testing.chaos import (
+    ChaosDriver,
+    ChaosEvent,
+    ChaosPeers,
+    ChurnStats,
+    Restart,
+    ShadowStarts,
+    chaos_schedule,
+    count_moves,
+)
 from swarm.testing.localswarm import LocalSwarm
 
 logger = logging.getLogger(__name__)
@@ -107,9 +116,11 @@ def run_churn(
     span: int = 2,
     restart_nice: int = 0,
     min_copies: int = 2,
+    shadow: list[ChaosEvent] | None = None,
 ) -> ChurnRun:
     """Train for ``seconds`` under chaos at mean ``interval`` (None: no chaos); compare with local peft.
-    ``restart_nice``: see ``ChaosPeers``; ``min_copies``: the client's (``from_pretrained``)."""
+    ``restart_nice``: see ``ChaosPeers``; ``min_copies``: the client's (``from_pretrained``); ``shadow``: a schedule
+    whose peer starts happen in a swarm of their own (``ShadowStarts``) while this one trains."""
     vocab = _vocab(model_dir)
     names = [f"peer{i}" for i in range(peers)]
     with LocalSwarm(workdir / "logs") as local, contextlib.ExitStack() as closing:
@@ -123,6 +134,7 @@ def run_churn(
         driver = ChaosDriver(fleet, schedule, target_size=peers)
         closing.callback(driver.close)  # runs last: after the peers it restarted are stopped
         closing.callback(local.close)
+        shadows = _shadow_starts(closing, workdir / "logs" / "shadow", model_dir, shadow or [], span)
         model = swarm.SwarmModelForCausalLM.from_pretrained(
             model_dir,
             initial_peers=local.initial_peers,
@@ -139,12 +151,14 @@ def run_churn(
             model.save_adapter(workdir / "initial")
             _hook(model, driver)
             driver.start()
+            shadows.start()
             started = time.monotonic()
             try:
                 _train(model, vocab, started + seconds, run, started)
             finally:
                 run.seconds = time.monotonic() - started
                 driver.stop()
+                shadows.stop()
                 run.steps = model.step
                 run.steps_lost = sum(e.steps for e in model.steps_lost)
                 run.lost_reports = [str(e) for e in model.steps_lost]
@@ -156,10 +170,23 @@ def run_churn(
             model.shutdown()
         run.chaos = driver.stats
         run.moves, run.takeovers, run.torn_writes = count_moves(fleet.logs())
-        run.restarts = fleet.restart_times()
+        run.restarts = fleet.restart_times() + shadows.restart_times()
     if run.error is None:
         run.max_abs_diff = _diff_to_local(model_dir, workdir, run.steps, vocab)
     return run
+
+
+def _shadow_starts(
+    closing: contextlib.ExitStack, logs: Path, model_dir: Path, schedule: list[ChaosEvent], span: int
+) -> ShadowStarts:
+    """The starts of ``schedule`` in a swarm of their own (a bootstrap node of its own, only if there are any),
+    closed with ``closing``."""
+    local = closing.enter_context(LocalSwarm(logs))
+    if schedule:
+        local.start_dht()
+    shadows = ShadowStarts(local, model_dir, schedule, f"0:{span}")
+    closing.callback(shadows.stop)
+    return shadows
 
 
 @contextlib.contextmanager
