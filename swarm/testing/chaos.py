@@ -446,8 +446,8 @@ def count_moves(logs: list[Path]) -> tuple[int, int, int]:
     return moves, takeovers, torn
 
 
-# Peer starts each event causes: a crash, a clean leave or a freeze ending in SIGKILL restarts its peer, a double
-# crash two, a join starts one; a freeze that thaws starts none.
+# Peer starts each event causes: a crash, a clean leave or a freeze ending in SIGKILL (after its hold) restarts its
+# peer, a double crash two, a join starts one; a freeze that thaws starts none.
 STARTS = {"kill": 1, "term": 1, "double-kill": 2, "join": 1}
 
 
@@ -459,8 +459,11 @@ class ShadowStarts:
 
     def __init__(self, local: LocalSwarm, model: Path, schedule: list[ChaosEvent], blocks: str, delay: float = 2.0):
         self.local, self.model, self.blocks = local, model, blocks
-        starts = [e.at + delay for e in schedule for _ in range(STARTS.get(e.kind, int(not e.thaw)))]
-        self.starts = sorted(starts)
+        self.starts = sorted(
+            e.at + (e.hold if e.kind == "freeze" else 0.0) + delay
+            for e in schedule
+            for _ in range(STARTS.get(e.kind, int(not e.thaw)))
+        )
         self.started_at: dict[Path, float] = {}  # each start's log -> when it was started
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="shadow-starts", daemon=True)

@@ -12,10 +12,22 @@ from __future__ import annotations
 import itertools
 import signal
 from datetime import datetime
+from pathlib import Path
 
 import pytest
 
-from swarm.testing.chaos import MOVE, PHASES, ChaosDriver, ChaosEvent, ChaosPeers, ChurnStats, Outage, chaos_schedule
+from swarm.testing.chaos import (
+    MOVE,
+    PHASES,
+    ChaosDriver,
+    ChaosEvent,
+    ChaosPeers,
+    ChurnStats,
+    Outage,
+    ShadowStarts,
+    chaos_schedule,
+)
+from swarm.testing.localswarm import LocalSwarm
 
 
 def test_a_schedule_comes_from_its_seed_alone_and_has_every_kind_of_fault():
@@ -114,3 +126,19 @@ def test_restart_times_are_read_from_each_restarted_process_log(tmp_path):
     assert times["peer2.4"].joined == pytest.approx(23.58)
     assert times["peer2.4"].serving == pytest.approx(29.827)
     assert times["peer3.5"].serving is None
+
+
+def test_a_control_run_starts_a_peer_wherever_the_churn_run_would():
+    # A crash or a clean leave restarts one peer 2 s later, a double crash two, a freeze only when it ends in SIGKILL
+    # (after its hold), a join starts one: the control run's load is the churn run's starts, without its failures.
+    schedule = [
+        ChaosEvent(1.0, "kill", ("a",)),
+        ChaosEvent(2.0, "double-kill", ("a", "b")),
+        ChaosEvent(3.0, "freeze", ("a",), thaw=True),
+        ChaosEvent(4.0, "freeze", ("b",), hold=1.5, thaw=False),
+        ChaosEvent(5.0, "join"),
+        ChaosEvent(6.0, "term", ("c",)),
+    ]
+    starts = ShadowStarts(LocalSwarm(Path("/nonexistent")), Path("/nonexistent"), schedule, "0:3", delay=2.0)
+    assert starts.starts == [3.0, 4.0, 4.0, 7.0, 7.5, 8.0]
+    starts.stop()  # never started: nothing to wait for
