@@ -162,7 +162,9 @@ class Transport:
         if await self._still_gone(peer):
             raise self._mark_gone(peer)
         if peer in self.seen:
-            if not await self.connected(peer):
+            # its connection closed: dead, or restarted while this process did not call it (a clean leave, then a
+            # restart: a churn run waited 10 s for the restarted peer's next announcement, having called it gone)
+            if not await self.connected(peer) and not await self._redial(peer):
                 raise self._mark_gone(peer)
         elif peer in self.addresses and not await self._dial(peer):
             raise self._mark_gone(peer)
@@ -262,13 +264,22 @@ class Transport:
         if now - max(since, self.rechecked.get(peer, 0.0)) < GONE_RECHECK or peer not in self.addresses:
             return True
         self.rechecked[peer] = now
+        if not await self._redial(peer):
+            return True
+        self._revive(peer)
+        return False
+
+    async def _redial(self, peer: PeerID) -> bool:
+        """Dial ``peer`` once, briefly, at the addresses of its newest record: whether it answers again after its
+        connection closed (a peer restarted under the same id, perhaps on another port)."""
+        if peer not in self.addresses:
+            return False
         try:
             await dial(self.p2p, peer, self.addresses[peer], timeout=RECHECK_DIAL_TIMEOUT)
         except TRANSPORT_ERRORS:
-            return True
+            return False
         logger.info("peer %s answers again (restarted under the same id)", peer)
-        self._revive(peer)
-        return False
+        return True
 
     def _revive(self, peer: PeerID) -> None:
         del self.gone[peer]

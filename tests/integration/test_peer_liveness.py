@@ -4,12 +4,15 @@ again once it may have restarted under the same id; a peer found frozen is kept 
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import peft
 import pytest
+from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 
 import swarm
+from swarm.net.addresses import hang_up
 from swarm.net.message import Message
 from swarm.net.suspects import is_suspected
 from swarm.net.transport import GONE_RECHECK, PROBE_EVERY, PROBE_TIMEOUT, PeerFrozenError, PeerGoneError
@@ -83,3 +86,33 @@ def test_a_peer_found_gone_is_dialed_again_once_it_may_have_restarted(two_peers)
     transport.gone[b] = time.time() - GONE_RECHECK - 1  # found gone a while ago; b answers (it restarted)
     assert transport.call(b, Message(INFO, []), timeout=30).meta.get("start") == 0
     assert not transport.is_gone(b)
+
+
+def test_a_peer_that_restarted_unseen_is_called_not_found_gone(inprocess_swarm, tiny_models, cpu_load):
+    # A churn run: a peer left cleanly (no call failed on it), came back under the same id on another port, and the
+    # client's first call found the old connection closed and called the peer gone; it stayed out of every route
+    # until its next announcement (10 s).
+    local = inprocess_swarm()
+    peers = local.start_peers({"a": "0:4", "b": "0:4"})
+    model = swarm.SwarmModelForCausalLM.from_pretrained(
+        tiny_models["llama"],
+        initial_peers=local.initial_peers,
+        adapter="restarted",
+        lora_config=peft.LoraConfig(r=4, target_modules=["q_proj"]),
+    )
+    try:
+        session, b = model.session, peers["b"].peer_id
+        assert session.transport.call(b, Message(INFO, []), timeout=60)  # answered: the client knows its connection
+        peers["b"].stop()  # a clean leave: nothing the client sends fails meanwhile
+        # the same key under another name: the client's DHT process, forked while b ran, inherited b's lock on
+        # b.key (in one process only; peers are processes of their own)
+        again = shutil.copy(local.workdir / "b.key", local.workdir / "b-again.key")
+        assert local.add_peer("0:4", "b-again", identity=str(again)).peer_id == b
+        session.router.refresh()  # its new record, with its new address
+        # no connection to it yet (its DHT may have dialed this client's meanwhile: not in the churn run)
+        RemoteExpertWorker.run_coroutine(hang_up(session.transport.p2p, b))
+        assert not RemoteExpertWorker.run_coroutine(session.transport.connected(b))
+        assert session.transport.call(b, Message(INFO, []), timeout=60).meta.get("start") == 0
+        assert not session.transport.is_gone(b)
+    finally:
+        model.shutdown()
