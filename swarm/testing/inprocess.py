@@ -110,26 +110,37 @@ class InProcessPeer:
         if self._served is not None:
             self._served.cancel()
 
-    def freeze(self) -> None:
+    def freeze(self, timeout: float = 10.0) -> None:
         """Hang like a frozen machine, seen from outside: SIGSTOP its DHT process and P2P daemon, so that nothing
-        it is sent is answered while its connections stay open. ``thaw()`` undoes it."""
-        self._signal_network(signal.SIGSTOP)
+        it is sent is answered while its connections stay open; returns once both are stopped (a test calling it
+        next must find it frozen). ``thaw()`` undoes it."""
+        stopped = self._signal_network(signal.SIGSTOP)
+        if len(stopped) < 2:
+            raise InProcessPeerError(f"peer {self.name} has no DHT process and P2P daemon to freeze: {stopped}")
+        deadline = time.monotonic() + timeout
+        while not all(process.status() == psutil.STATUS_STOPPED for process in stopped):
+            if time.monotonic() > deadline:
+                states = {process.pid: process.status() for process in stopped}
+                raise InProcessPeerError(f"peer {self.name} did not freeze within {timeout:.0f}s: {states}")
+            time.sleep(0.01)
 
     def thaw(self) -> None:
         self._signal_network(signal.SIGCONT)
 
-    def _signal_network(self, sig: int) -> None:
-        """Signal the peer's DHT process and its P2P daemon (its children), once the daemon has joined."""
+    def _signal_network(self, sig: int) -> list[psutil.Process]:
+        """Signal the peer's DHT process and its P2P daemon (its children), once the daemon has joined; returns the
+        processes signalled."""
         dht = getattr(self.daemon, "dht", None)
         if dht is None or not dht.is_alive():
-            return
+            return []
         try:
             process = psutil.Process(dht.pid)
-            for child in process.children(recursive=True):  # p2pd
-                child.send_signal(sig)
-            process.send_signal(sig)
+            signalled = [*process.children(recursive=True), process]  # p2pd, then the DHT process
+            for each in signalled:
+                each.send_signal(sig)
         except psutil.NoSuchProcess:
-            pass  # it died on its own meanwhile
+            return []  # it died on its own meanwhile
+        return signalled
 
     def leave(self) -> None:
         """Ask the daemon to leave, as SIGTERM does (announce it, finish in-flight work, go); returns at once."""
