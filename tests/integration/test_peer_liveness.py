@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from pathlib import Path
 
 import peft
 import pytest
@@ -17,20 +18,26 @@ from swarm.net.message import Message
 from swarm.net.suspects import is_suspected
 from swarm.net.transport import GONE_RECHECK, PROBE_EVERY, PROBE_TIMEOUT, PeerFrozenError, PeerGoneError
 from swarm.testing.faults import Action, Fault
+from swarm.testing.inprocess import InProcessSwarm
 
 INFO = {"method": "info"}
 
 
-@pytest.fixture
-def two_peers(inprocess_swarm, tiny_models):
-    local = inprocess_swarm()
+def serve_two_peers(local: InProcessSwarm, model_dir: Path) -> tuple[swarm.SwarmModelForCausalLM, dict]:
+    """Peers a and b, both serving every block of the tiny llama, and a trainer connected to them."""
     peers = local.start_peers({"a": "0:4", "b": "0:4"})
     model = swarm.SwarmModelForCausalLM.from_pretrained(
-        tiny_models["llama"],
+        model_dir,
         initial_peers=local.initial_peers,
-        adapter="frozen",
+        adapter="liveness",
         lora_config=peft.LoraConfig(r=4, target_modules=["q_proj"]),
     )
+    return model, peers
+
+
+@pytest.fixture
+def two_peers(inprocess_swarm, tiny_models):
+    model, peers = serve_two_peers(inprocess_swarm(), tiny_models["llama"])
     try:
         yield model, peers
     finally:
@@ -93,13 +100,7 @@ def test_a_peer_that_restarted_unseen_is_called_not_found_gone(inprocess_swarm, 
     # client's first call found the old connection closed and called the peer gone; it stayed out of every route
     # until its next announcement (10 s).
     local = inprocess_swarm()
-    peers = local.start_peers({"a": "0:4", "b": "0:4"})
-    model = swarm.SwarmModelForCausalLM.from_pretrained(
-        tiny_models["llama"],
-        initial_peers=local.initial_peers,
-        adapter="restarted",
-        lora_config=peft.LoraConfig(r=4, target_modules=["q_proj"]),
-    )
+    model, peers = serve_two_peers(local, tiny_models["llama"])
     try:
         session, b = model.session, peers["b"].peer_id
         assert session.transport.call(b, Message(INFO, []), timeout=60)  # answered: the client knows its connection
