@@ -19,7 +19,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from swarm.testing.chaos import chaos_schedule  # noqa: E402
 from swarm.testing.churn import MICRO_BATCHES, logger, report, run_churn  # noqa: E402
 from swarm.testing.tiny import make_tiny_model  # noqa: E402
 
@@ -80,22 +79,20 @@ def main() -> None:
         for seed in args.seeds:
             plan[f"1 event / {interval:g} s" + (f", seed {seed}" if several else "")] = (interval, seed, False)
     runs = {}
-    names = [f"peer{i}" for i in range(args.peers)]
     for index, (name, (interval, seed, shadow)) in enumerate(plan.items()):
         logs = workdir / f"run{index}" / "logs"
         logger.info("run %d/%d: %s, %.1f min (logs in %s)", index + 1, len(plan), name, args.minutes, logs)
-        schedule = chaos_schedule(seed, args.minutes * 60, interval, names) if shadow else None
         runs[name] = run_churn(
             model_dir,
             workdir / f"run{index}",
             args.minutes * 60,
-            None if shadow else interval,
+            interval,
             seed,
             args.peers,
             args.span,
             args.restart_nice,
             args.min_copies,
-            schedule,
+            shadow,
         )
     print(
         f"config: {args.peers} peers x {args.span} blocks of a {args.layers}-block model (hidden {args.hidden}), "

@@ -116,11 +116,11 @@ def run_churn(
     span: int = 2,
     restart_nice: int = 0,
     min_copies: int = 2,
-    shadow: list[ChaosEvent] | None = None,
+    shadow: bool = False,
 ) -> ChurnRun:
     """Train for ``seconds`` under chaos at mean ``interval`` (None: no chaos); compare with local peft.
-    ``restart_nice``: see ``ChaosPeers``; ``min_copies``: the client's (``from_pretrained``); ``shadow``: a schedule
-    whose peer starts happen in a swarm of their own (``ShadowStarts``) while this one trains."""
+    ``restart_nice``: see ``ChaosPeers``; ``min_copies``: the client's (``from_pretrained``); ``shadow``: strike
+    nothing, and start peers in a swarm of their own where the schedule would start them (``ShadowStarts``)."""
     vocab = _vocab(model_dir)
     names = [f"peer{i}" for i in range(peers)]
     with LocalSwarm(workdir / "logs") as local, contextlib.ExitStack() as closing:
@@ -131,10 +131,10 @@ def run_churn(
         for name in names:
             fleet.start(name)
         schedule = chaos_schedule(seed, seconds, interval, names) if interval else []
-        driver = ChaosDriver(fleet, schedule, target_size=peers)
+        driver = ChaosDriver(fleet, [] if shadow else schedule, target_size=peers)
         closing.callback(driver.close)  # runs last: after the peers it restarted are stopped
         closing.callback(local.close)
-        shadows = _shadow_starts(closing, workdir / "logs" / "shadow", model_dir, shadow or [], span)
+        shadows = _shadow_starts(closing, workdir / "logs" / "shadow", model_dir, schedule if shadow else [], span)
         model = swarm.SwarmModelForCausalLM.from_pretrained(
             model_dir,
             initial_peers=local.initial_peers,
