@@ -173,6 +173,8 @@ def next_move(
     capacity: Mapping[str, int] | None = None,
     speeds: Mapping[str, float] | None = None,
     pinned_throughput: Mapping[int, float] | None = None,
+    relieve_below: float = RELIEVE_BELOW,
+    min_gain: float = MIN_GAIN,
 ) -> range | None:
     """This peer's move this round, or None: the `plan_move` one if it leaves no block without a server, else this
     peer's step of the `cover_plan` while some block has no server, else, given `speeds` and once every block has
@@ -196,7 +198,7 @@ def next_move(
     if 0 not in counts:
         if speeds is None or badness(counts, replication) != (0, 0):
             return None
-        move = relief_move(spans, speeds, num_blocks, replication, pinned, pinned_throughput)
+        move = relief_move(spans, speeds, num_blocks, replication, pinned, pinned_throughput, relieve_below, min_gain)
         return move[1] if move is not None and move[0] == me else None
     plan = cover_plan(spans, num_blocks, replication, pinned)
     return plan[0][1] if plan and plan[0][0] == me else None

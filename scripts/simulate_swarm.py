@@ -110,6 +110,18 @@ def main() -> int:
         default=SimConfig.stream_in_flight,
         help="micro-batches of the saturated stream in flight at once, per serving peer",
     )
+    parser.add_argument(
+        "--relieve-below",
+        type=float,
+        default=SimConfig.relieve_below,
+        help="a settled peer moves to relieve the weakest block below this fraction of the mean block throughput",
+    )
+    parser.add_argument(
+        "--min-gain",
+        type=float,
+        default=SimConfig.min_gain,
+        help="... if the move lifts the blocks it touches by this fraction",
+    )
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args()
     if not args.no_plots and importlib.util.find_spec("matplotlib") is None:
@@ -136,6 +148,8 @@ def main() -> int:
             load_s=args.load_s,
             stream_s=args.stream_s if args.stream_s is not None else STREAM_S * (peers <= STREAM_MAX_PEERS),
             stream_in_flight=args.stream_in_flight,
+            relieve_below=args.relieve_below,
+            min_gain=args.min_gain,
         )
         logger.info("simulating %d peers for %g hours", peers, args.hours)
         started = time.perf_counter()

@@ -129,6 +129,10 @@ class SimConfig:
     # with the largest flow at 0.87-0.89) and 4 fill them (0.84-0.85; 8: 0.85-0.86)
     stream_in_flight: int = 4
     stream_waves: int = 8
+    # relief_move's rule: a settled peer moves to relieve the weakest block below this fraction of the mean block
+    # throughput, if the move lifts the blocks it touches by this gain (the daemon's constants unless swept)
+    relieve_below: float = RELIEVE_BELOW
+    min_gain: float = MIN_GAIN
     # call next_move in every round of every peer; by default rounds whose answer is known to be "stay" are skipped
     exact: bool = False
 
@@ -361,20 +365,22 @@ class Simulation:
                     config.replication,
                     settled.pinned,
                     settled.pinned_throughput,
+                    config.relieve_below,
+                    config.min_gain,
                 )
             self._relieved = (self.version, None if move is None else move[0])
         return self._relieved[1]
 
     def _may_relieve(self) -> bool:
         """False when `relief_move` is sure to find nothing, told from the running sums (most states, at once): no
-        settled peer is fast enough to lift the weakest block by MIN_GAIN, or that block is not below RELIEVE_BELOW of
-        the mean. The margins absorb rounding: the sums are made in another order than the balancer's."""
-        rates = self._rates()
-        if not rates or max(rates) <= MIN_GAIN * min(self.known) * (1 - 1e-9):
+        settled peer is fast enough to lift the weakest block by the rule's gain, or that block is not below the rule's
+        level of the mean. The margins absorb rounding: the sums are made in another order than the balancer's."""
+        rates, level, gain = self._rates(), self.config.relieve_below, self.config.min_gain
+        if not rates or max(rates) <= gain * min(self.known) * (1 - 1e-9):
             return False  # `known` leaves new peers out: it is at most the balancer's throughput
         flow = self._planned_throughput(statistics.median(rates))
         floor = min(flow)
-        return floor < RELIEVE_BELOW * sum(flow) / len(flow) * (1 + 1e-9) and max(rates) > MIN_GAIN * floor * (1 - 1e-9)
+        return floor < level * sum(flow) / len(flow) * (1 + 1e-9) and max(rates) > gain * floor * (1 - 1e-9)
 
     def _rates(self) -> list[float]:
         """The settled peers' span throughputs."""
@@ -497,6 +503,8 @@ class Simulation:
             pinned,
             speeds=speeds,
             pinned_throughput=pinned_throughput,
+            relieve_below=config.relieve_below,
+            min_gain=config.min_gain,
         )
         self.stats.decision_s += time.perf_counter() - started
         self.stats.decisions += 1

@@ -410,10 +410,15 @@ def test_no_move_below_the_gain_or_above_the_level():
     spans = _swarm({"a": 0, "b": 0, "c": 0, "d": 2, "e": 4, "s": 6})
     assert relief_move(spans, {p: 100.0 for p in spans} | {"s": 90.0}, 8, 1) is None
     assert relief_move(spans, {p: 100.0 for p in spans} | {"s": 80.0}, 8, 1) == ("a", range(6, 8))
+    # next_move passes its own level on: at 0.7, 90 against the mean of 147.5 is slow enough.
+    at_90 = {p: 100.0 for p in spans} | {"s": 90.0}
+    assert next_move(spans, "a", 8, 2, 1, speeds=at_90) is None
+    assert next_move(spans, "a", 8, 2, 1, speeds=at_90, relieve_below=0.7) == range(6, 8)
     # Blocks 6:8 at 30, but the fast peers are only 39 tokens/s: a move would lift the blocks it touches to 39 at
-    # best, less than MIN_GAIN (a third) above 30.
+    # best, less than MIN_GAIN (a third) above 30; a gain of a fifth is enough.
     slow = {p: 39.0 for p in RELIEF} | {"s": 30.0}
     assert relief_move(RELIEF, slow, 8, 1) is None
+    assert next_move(RELIEF, "a", 8, 2, 1, speeds=slow, min_gain=0.2) == range(6, 8)
     # A gain above a third, on the same blocks, moves.
     slow |= {"a": 41.0, "b": 41.0}
     assert relief_move(RELIEF, slow, 8, 1) == ("a", range(6, 8))

@@ -43,6 +43,17 @@ def test_skipping_idle_rounds_changes_nothing(replication):
     assert fast.relief == exact.relief and (fast.relief > 0) == (replication == 1)
 
 
+def test_the_relief_rule_is_the_configured_one():
+    # R=1 gives every block its replicas most of the time (moves for throughput happen); a level of 0 relieves no
+    # block, and a higher level than the daemon's relieves more.
+    config = dict(peers=40, hours=0.4, seed=0, bursts=1, replication=1)
+    default = sim.Simulation(sim.SimConfig(**config)).run()
+    never = sim.Simulation(sim.SimConfig(**config, relieve_below=0.0)).run()
+    eager = sim.Simulation(sim.SimConfig(**config, relieve_below=0.9, min_gain=0.1)).run()
+    assert never.relief == 0 < default.relief < eager.relief
+    assert never.failures == default.failures == eager.failures == []
+
+
 class _CheckedSimulation(sim.Simulation):
     """Checks, at every decision, that the simulation's running counts are what the records say."""
 
