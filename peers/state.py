@@ -282,12 +282,15 @@ class SavedBytes:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Count the tensor and keep it detached: a hooked node holding a saved output itself (RMSNorm's rsqrt) forms
+        a cycle through C++ that Python's gc cannot see, so a graph whose backward skipped that node (a backward for
+        the LoRA gradients only, as at a chain's head) would never be freed, and the peer grows with every step."""
         storage = tensor.untyped_storage()
         pointer = storage.data_ptr()
         if pointer not in self.exclude and pointer not in self.seen:
             self.seen.add(pointer)
             self.bytes += storage.nbytes()
-        return tensor
+        return tensor.detach()
 
     def __enter__(self) -> SavedBytes:
         self._hooks.__enter__()

@@ -3,12 +3,14 @@ forwards, and refusals the client routes around."""
 
 from __future__ import annotations
 
+import gc
+
 import peft
 import pytest
 import torch
 
 from peers.backend import SpanBackend
-from peers.state import BlockState, BlockUpdate, pack_states, unpack_states
+from peers.state import BlockState, BlockUpdate, SavedBytes, pack_states, unpack_states
 from swarm.blocks import lora_config_to_wire
 from swarm.net.errors import ErrorKind, MissingForwardError, NotServedError, RequestError
 from swarm.net.protocol import PEER_STATE_ERRORS, OptimizerHParams
@@ -227,6 +229,29 @@ def test_a_cached_forward_is_counted_at_what_autograd_keeps(tiny_models):
     output = hidden.numel() * hidden.element_size()
     assert one > 8 * output, (one, output)  # a block keeps many hidden-sized tensors, not the output alone
     assert 3.5 * one <= four <= 4.5 * one, (one, four)
+
+
+def test_forward_graphs_are_freed_after_a_backward_for_the_lora_gradients_only(tiny_models):
+    """A chain's head computes no input gradient: its backward leaves the graph's input branch unexecuted. A graph
+    kept with hooked saved tensors that form a cycle through C++ outlived its step, and the head grew by every
+    micro-batch's activations, forever (a peer alone on its span: +46 KB a step at hidden 64). After a step's
+    commit nothing of its graphs may be left."""
+    backend = _backend(tiny_models["llama"], range(0, 2))
+    backend.open_adapter("a", lora_config_to_wire(peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])), 0, "s")
+    hidden = torch.randn(2, 8, backend.spec.hidden_size)
+
+    def live_graphs() -> int:
+        gc.collect()
+        return sum(isinstance(o, SavedBytes) for o in gc.get_objects())
+
+    for step in range(3):
+        for mb in (f"s:{step}:0", f"s:{step}:1"):
+            backend.forward("a", range(0, 2), step, hidden, None, mb)
+            backend.backward("a", range(0, 2), step, mb, None, None, torch.ones_like(hidden), input_grad=False)
+        backend.forward("a", range(0, 2), step, hidden, None, f"s:{step}:2")  # a forward whose backward never came
+        backend.apply("a", step, {b: [f"s:{step}:0", f"s:{step}:1"] for b in range(2)}, HPARAMS)
+        assert backend.cache.bytes == 0
+        assert live_graphs() == 0, f"step {step}: forward graphs outlived their commit"
 
 
 def test_a_commit_of_blocks_held_but_no_longer_served_is_refused_not_applied(tiny_models):
