@@ -191,6 +191,17 @@ class SpanBackend:
             f"(its folder {self.spec.name!r} holds another model under the same name); route elsewhere"
         )
 
+    def store_use(self) -> dict[str, int]:
+        """Bytes in use, and bounds, of the stores that requests fill: what a peer reports of its memory."""
+        return dict(
+            kept_inputs=self.kept.bytes,
+            kept_inputs_max=self.kept.max_bytes,
+            activation_cache=self.cache.bytes,
+            activation_cache_max=self.cache.max_bytes,
+            inference=self.sessions.reserved,
+            inference_max=self.sessions.budget,
+        )
+
     def adapter_infos(self) -> dict[str, AdapterInfo]:
         """What this peer holds of each adapter (its meta, served and standby steps): what it tells the swarm."""
         return {name: AdapterInfo(a.meta, a.steps(), a.standby_steps()) for name, a in self.adapters.items()}

@@ -35,7 +35,7 @@ from peers.service import InfoDoors, PeerHooks, PeerService
 from swarm.blocks import spans_text
 from swarm.net.errors import PEER_ERRORS, IdentityInUseError, SwarmAccessError
 from swarm.net.network import check_access, join_dht, load_swarm_key
-from swarm.net.protocol import AdapterInfo, CommittedRequest, PeerInfo
+from swarm.net.protocol import AdapterInfo, CommittedRequest, MemoryUse, PeerInfo
 from swarm.net.reachability import choose_relays, verify_relayed
 from swarm.net.records import RECORD_TTL, ServerRecord, ServerState, announce, announce_model, read_servers
 from swarm.net.security import Identity
@@ -44,6 +44,7 @@ from swarm.net.suspects import suspect
 from swarm.net.transport import Transport
 from swarm.net.view import SwarmView, observe
 from swarm.spec import ModelSpec, load_spec
+from swarm.usage import tree_usage
 from swarm.weights import block_digests
 
 logger = logging.getLogger(__name__)
@@ -228,6 +229,15 @@ class PeerDaemon:
             announce_model, self.dht, self.spec.name, self.spec.num_blocks, self.identity.owner, self.config.record_ttl
         )
 
+    async def _memory(self) -> MemoryUse | None:
+        """This peer's memory against its bounds, once it serves (an in-process peer counts the process it runs in)."""
+        if self.parts is None:
+            return None
+        stores = await self.parts.compute(self.parts.backend.store_use)
+        usage = await asyncio.to_thread(tree_usage, os.getpid())
+        host = psutil.virtual_memory()
+        return MemoryUse(rss=usage.rss, host_available=host.available, host_total=host.total, **stores)
+
     async def info(self) -> PeerInfo:
         adapters = await self._adapter_infos()
         standby = self.parts.replicator.standby if self.parts is not None else []
@@ -240,6 +250,7 @@ class PeerDaemon:
             adapters,
             standby,
             f"{self.config.quant_mode}/{self.config.dtype}",
+            await self._memory(),
         )
 
     # --- choosing, loading, moving ----------------------------------------------------------------------------

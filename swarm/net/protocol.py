@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
@@ -401,6 +401,32 @@ def read_blocks(meta: dict, key: str) -> list[int]:
         raise RequestError(f"{key!r} must be a list of block numbers") from None
 
 
+@dataclass(frozen=True)
+class MemoryUse:
+    """A peer's memory as it reports it: its process tree's resident bytes (daemon, DHT process, p2pd), what its
+    machine has left of its total, and each bounded store's bytes in use against its bound (kept span inputs until a
+    step commits, forward graphs cached for backward, generation sessions' keys and values)."""
+
+    rss: int
+    host_available: int
+    host_total: int
+    kept_inputs: int
+    kept_inputs_max: int
+    activation_cache: int
+    activation_cache_max: int
+    inference: int
+    inference_max: int
+
+
+def read_memory(meta: dict, key: str) -> MemoryUse:
+    value = read_dict(meta, key)
+    names = [f.name for f in fields(MemoryUse)]
+    try:
+        return MemoryUse(**{name: read_int(value, name) for name in names})
+    except RequestError as e:
+        raise RequestError(f"{key!r} must map {', '.join(names)} to byte counts: {e}") from None
+
+
 @dataclass
 class PeerInfo(Reply):
     """A peer's answer to ``info``: what it serves, the adapters it holds, the blocks it keeps on standby."""
@@ -413,6 +439,7 @@ class PeerInfo(Reply):
     adapters: dict[str, AdapterInfo] = wire(read_adapters, write_adapters)
     standby_blocks: list[int] = wire(read_blocks, list)
     weights: str = wire(read_text, default="")  # how the base weights are held, e.g. "nf4/bfloat16"
+    memory: MemoryUse | None = wire(optional(read_memory), lambda m: None if m is None else asdict(m), default=None)
 
 
 def read_maddrs(meta: dict, key: str) -> list[str]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from hivemind.p2p import PeerID
 
+from swarm.net.protocol import MemoryUse
 from swarm.net.records import CommittedRecord, ServerRecord, ServerState
 from swarm.net.view import SwarmView
 
@@ -20,6 +21,8 @@ HEALTHY, DEGRADED, BROKEN = "healthy", "degraded", "broken"
 GONE = "gone"
 UNREACHABLE = "unreachable"
 MISMATCHED = "mismatched"  # serves blocks from other weights than every trained adapter's (a look-alike model)
+LOW_HOST_MEMORY = 0.1  # a peer's machine with less than this share of its memory available is heading for trouble
+KEPT_INPUTS_HIGH = 0.8  # past this share of --kept-inputs-mb, a few more micro-batches get forwards refused
 
 
 def short(peer: str) -> str:
@@ -77,6 +80,7 @@ class Peer:
     adapters: dict[str, Holding] = field(default_factory=dict)
     standby_blocks: list[int] = field(default_factory=list)
     weights: str = ""  # quantization / compute dtype, as the peer reports it
+    memory: MemoryUse | None = None  # as the peer reports it (None: it did not answer, or predates the report)
     dishonest: list[str] = field(default_factory=list)  # adapters whose trainer banned it (outvoted by its replicas)
     up_since: float | None = None  # wall-clock time the monitor first saw it (tracker)
     gone_since: float | None = None  # wall-clock time it disappeared (tracker)
@@ -219,6 +223,7 @@ def _peers(view: SwarmView, pins: list[dict[int, str]]) -> list[Peer]:
                 else {},
                 standby_blocks=sorted(info.standby_blocks) if info is not None else [],
                 weights=info.weights if info is not None else "",
+                memory=info.memory if info is not None else None,
             )
         )
     return sorted(peers, key=lambda p: (p.start, p.end, p.peer))
@@ -285,6 +290,7 @@ def _problems(online: list[int], replication: int, peers: list[Peer], adapters: 
                 "(another fine-tune, revision or renamed model): no adapter trained here uses it; point it at the "
                 "right model folder, or give its model folder another name"
             )
+    problems.extend(_memory_problems(peers))
     for adapter in adapters:
         for peer in adapter.dishonest:
             problems.append(
@@ -307,6 +313,33 @@ def _problems(online: list[int], replication: int, peers: list[Peer], adapters: 
                 "one failure there would lose the step (peers with room for standby copies fix it)"
             )
     return problems
+
+
+def _memory_problems(peers: list[Peer]) -> list[str]:
+    """Peers heading for trouble with memory, in sentences that say what happens next and what to do."""
+    problems = []
+    for peer in peers:
+        memory = peer.memory
+        if memory is None:
+            continue
+        if memory.host_total and memory.host_available < LOW_HOST_MEMORY * memory.host_total:
+            problems.append(
+                f"peer {peer.short} (blocks {peer.start}:{peer.end}): its machine has {mib(memory.host_available)} of "
+                f"{mib(memory.host_total)} memory left (the peer holds {mib(memory.rss)}): it may be killed for "
+                "memory; serve fewer blocks (--num-blocks), lower --activation-cache-mb, or free the machine"
+            )
+        if memory.kept_inputs_max and memory.kept_inputs > KEPT_INPUTS_HIGH * memory.kept_inputs_max:
+            problems.append(
+                f"peer {peer.short} (blocks {peer.start}:{peer.end}) keeps {mib(memory.kept_inputs)} of its "
+                f"{mib(memory.kept_inputs_max)} for span inputs of the step in progress: past it, forwards are "
+                "refused; commit with fewer micro-batches per step or restart it with a larger --kept-inputs-mb"
+            )
+    return problems
+
+
+def mib(n: int) -> str:
+    """Bytes as people read them in a status line."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 class Tracker:

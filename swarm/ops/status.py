@@ -17,7 +17,7 @@ from swarm.net.records import CommittedRecord, read_committed, read_models
 from swarm.net.security import Identity, SwarmKey
 from swarm.net.transport import Transport
 from swarm.net.view import SwarmView, observe
-from swarm.ops.health import Block, ModelHealth, build, ranges, short
+from swarm.ops.health import Block, ModelHealth, Peer, build, mib, ranges, short
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,10 @@ def render_health(health: ModelHealth) -> str:
     for label, (_, _, lines) in zip(labels, groups, strict=True):
         rows.append(f"{label:>{width}}  {lines[0]}")
         rows.extend(f"{'':>{width}}  {'':>4}  {line}" for line in lines[1:])
+    reported = [peer for peer in health.peers if peer.memory is not None]
+    if reported:
+        rows.append("memory: resident (daemon, DHT, p2pd) / kept inputs / forward cache / generation, of their bounds")
+        rows.extend(f"  {_memory_line(peer)}" for peer in reported)
     uncovered = [b.block for b in health.blocks if not b.online]
     if uncovered:
         runs = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges(uncovered))
@@ -69,6 +73,16 @@ def render_health(health: ModelHealth) -> str:
             for peer in adapter.dishonest
         )
     return "\n".join(rows)
+
+
+def _memory_line(peer: Peer) -> str:
+    m = peer.memory
+    return (
+        f"{peer.short} {peer.start}:{peer.end}  {mib(m.rss)} resident, machine {mib(m.host_available)} free of "
+        f"{mib(m.host_total)}  kept inputs {mib(m.kept_inputs)} / {mib(m.kept_inputs_max)}  forward cache "
+        f"{mib(m.activation_cache)} / {mib(m.activation_cache_max)}  generation {mib(m.inference)} / "
+        f"{mib(m.inference_max)}"
+    )
 
 
 def _block_lines(block: Block, replication: int) -> tuple[str, ...]:

@@ -76,6 +76,9 @@ def test_the_monitor_sees_a_peer_fail_within_two_refreshes(tiny_models, tmp_path
         assert {p["peer"] for p in model["peers"]} == {p.peer_id for p in peers.values()}
         assert [b["block"] for b in model["blocks"]] == [0, 1, 2, 3] and model["problems"] == []
         assert {p["weights"] for p in model["peers"]} == {"none/float32"}, "quantization / dtype as served"
+        memory = [p["memory"] for p in model["peers"]]
+        assert all(m["rss"] > 100 * 2**20 and m["host_total"] >= m["host_available"] > 0 for m in memory), memory
+        assert {(m["kept_inputs_max"], m["activation_cache_max"]) for m in memory} == {(4096 * 2**20, 1024 * 2**20)}
         peers["b1"].signal(signal.SIGKILL)
         killed = time.monotonic()
         state = poll(lambda: _state(url), lambda s: _model(s)["status"] == DEGRADED, 30, interval=0.5)
@@ -148,6 +151,7 @@ def test_a_browser_shows_every_peer_and_block_healthy_then_degraded(private_swar
         assert ">healthy<" in dom, dom[-3000:]
         assert all(short(peer.peer_id) in dom for peer in peers.values()), dom[-3000:]
         assert all(f">{b}<" in dom for b in range(4)), dom[-3000:]
+        assert dom.count("inputs 0 MiB/4.0 GiB · cache ") == 2, dom[-3000:]  # each peer's memory against its bounds
         peers["p1"].signal(signal.SIGKILL)
         poll(lambda: _state(url), lambda s: _model(s)["status"] == DEGRADED, 30, interval=0.5)
         dom = _dom(browser, url, tmp_path / "degraded.png")

@@ -10,7 +10,8 @@ from dataclasses import asdict
 import pytest
 from hivemind.p2p import PeerID
 
-from swarm.net.protocol import AdapterInfo, PeerInfo
+from swarm.net.errors import RequestError
+from swarm.net.protocol import AdapterInfo, MemoryUse, PeerInfo
 from swarm.net.records import CommittedRecord, ServerRecord, ServerState
 from swarm.net.view import SwarmView
 from swarm.ops.health import BROKEN, DEGRADED, GONE, HEALTHY, Tracker, build, short
@@ -65,6 +66,38 @@ def test_the_trainers_recoveries_and_steps_lost_are_shown_and_a_loss_is_a_proble
     (adapter,) = health.adapters
     assert (adapter.recoveries, adapter.steps_lost) == ([recovery], 2)
     assert any("2 step(s) lost so far" in problem for problem in health.problems), health.problems
+
+
+def test_each_peers_memory_is_shown_against_its_bounds_and_trouble_is_a_problem():
+    """A volunteer sees a peer heading for trouble: resident memory and the bounded stores in ``swarm status`` and on
+    the page (the JSON), and a problem when its machine runs low or its kept inputs near their bound."""
+    GiB, MiB = 2**30, 2**20
+    view = _view({A0, A1, B0, B1})
+    fine = MemoryUse(int(1.5 * GiB), 12 * GiB, 24 * GiB, 0, 4096 * MiB, 3 * MiB, 1024 * MiB, 0, 1024 * MiB)
+    for peer in (A0, A1, B0):
+        view.alive[peer].memory = fine
+    view.alive[B1].memory = MemoryUse(20 * GiB, GiB, 24 * GiB, 3900 * MiB, 4096 * MiB, 0, 1024 * MiB, 0, 1024 * MiB)
+    health = build("m", 4, view, replication=2)
+    reported = {p.peer: p.memory for p in health.peers}
+    assert reported[B1.to_base58()].rss == 20 * GiB and reported[A0.to_base58()] == fine
+    troubled = [p for p in health.problems if short(B1.to_base58()) in p]
+    assert len(troubled) == 2 and len(health.problems) == 2, health.problems
+    assert "1.0 GiB of 24.0 GiB memory left" in troubled[0] and "killed for memory" in troubled[0]
+    assert "3.8 GiB of its 4.0 GiB" in troubled[1] and "--kept-inputs-mb" in troubled[1]
+    assert json.loads(json.dumps(asdict(health)))["peers"][0]["memory"]["kept_inputs_max"] == 4096 * MiB
+    text = render_health(health)
+    assert f"{short(B1.to_base58())} 2:4  20.0 GiB resident, machine 1.0 GiB free of 24.0 GiB" in text, text
+    assert "kept inputs 3.8 GiB / 4.0 GiB  forward cache 0 MiB / 1.0 GiB" in text, text
+    assert text.count(" resident, machine ") == 4
+
+
+def test_a_peer_info_carries_its_memory_and_a_malformed_report_is_refused():
+    memory = MemoryUse(1, 2, 3, 4, 5, 6, 7, 8, 9)
+    info = PeerInfo("m", 0, 2, "online", 1.0, {}, [], "none/float32", memory)
+    assert PeerInfo.from_meta(info.to_meta()) == info
+    assert PeerInfo.from_meta({**info.to_meta(), "memory": None}).memory is None  # a peer that predates the report
+    with pytest.raises(RequestError, match="'memory' must map rss"):
+        PeerInfo.from_meta({**info.to_meta(), "memory": {**asdict(memory), "rss": -1}})
 
 
 def test_peers_the_trainer_banned_are_flagged_dishonest_on_the_page_and_in_status():

@@ -57,6 +57,26 @@ function adaptersText(peer) {
   return parts.join(", ") || "-";
 }
 
+function mib(bytes) {
+  return bytes >= 2 ** 30 ? `${(bytes / 2 ** 30).toFixed(1)} GiB` : `${Math.round(bytes / 2 ** 20)} MiB`;
+}
+
+function memoryCell(peer) {
+  const m = peer.memory;
+  if (!m) return el("td", {}, "-");
+  const low = m.host_available < 0.1 * m.host_total;
+  const title =
+    `resident: ${mib(m.rss)} (daemon, DHT process, p2pd); machine: ${mib(m.host_available)} free of ${mib(m.host_total)}\n` +
+    `kept span inputs: ${mib(m.kept_inputs)} of ${mib(m.kept_inputs_max)}\n` +
+    `forward cache: ${mib(m.activation_cache)} of ${mib(m.activation_cache_max)}\n` +
+    `generation sessions: ${mib(m.inference)} of ${mib(m.inference_max)}`;
+  return el(
+    "td",
+    { class: low ? "memory low" : "memory", title },
+    `${mib(m.rss)} · inputs ${mib(m.kept_inputs)}/${mib(m.kept_inputs_max)} · cache ${mib(m.activation_cache)}/${mib(m.activation_cache_max)}`,
+  );
+}
+
 function peerRow(model, peer, now) {
   const state = peer.state + (peer.relayed ? " relayed" : "");
   const since = peer.state === "gone" ? `gone ${ago(now - peer.gone_since)} ago` : peer.up_since ? ago(now - peer.up_since) : "-";
@@ -69,6 +89,7 @@ function peerRow(model, peer, now) {
     el("td", {}, `${peer.start}:${peer.end}`),
     el("td", {}, `${Math.round(peer.throughput)} tok/s`),
     el("td", {}, peer.weights || "-"),
+    memoryCell(peer),
     el("td", {}, adaptersText(peer)),
     el("td", {}, peer.standby_blocks.length ? peer.standby_blocks.join(", ") : "-"),
     el("td", {}, since),
@@ -118,7 +139,7 @@ function modelCard(model, now) {
     el(
       "table",
       {},
-      head("peer", "state", "blocks", "span", "throughput", "weights", "adapters", "standby copies", "up"),
+      head("peer", "state", "blocks", "span", "throughput", "weights", "memory", "adapters", "standby copies", "up"),
       model.peers.map((p) => peerRow(model, p, now)),
     ),
   );
