@@ -30,6 +30,7 @@ from peers.state import (
     Undo,
     session_of,
 )
+from peers.update import BlockOptimizer
 from swarm.blocks import add_lora, load_block, lora_config_from_wire, spans_text
 from swarm.dropout import dropout_masks
 from swarm.net.errors import (
@@ -131,9 +132,7 @@ class SpanBackend:
             if block in adapter.blocks:
                 continue
             params = add_lora(layer, self.spec, block, name, config, adapter.seed)
-            # one param group even when ``layers_to_transform`` leaves the block without LoRA (AdamW refuses none)
-            optimizer = torch.optim.AdamW([{"params": [lp.param for lp in params]}], lr=0.0)
-            state = adapter.blocks[block] = BlockAdapter(params=params, optimizer=optimizer)
+            state = adapter.blocks[block] = BlockAdapter(params=params, optimizer=BlockOptimizer())
             standby = adapter.standby.pop(block, None)
             if standby is not None:
                 standby.load_into(state)
@@ -591,14 +590,7 @@ class SpanBackend:
                     grad.mul_(grad_scale)
             before = BlockState.of(state, with_before=False)
             state.undo = Undo(before, state.grads, state.last_update)
-            for lp, grad in zip(state.params, summed, strict=True):
-                lp.param.grad = grad
-            for group in state.optimizer.param_groups:
-                group.update(
-                    lr=hparams.lr, betas=tuple(hparams.betas), eps=hparams.eps, weight_decay=hparams.weight_decay
-                )
-            state.optimizer.step()
-            state.optimizer.zero_grad(set_to_none=True)
+            state.optimizer.step([lp.param for lp in state.params], summed, hparams)
             grads = {lp.name: grad.detach().cpu() for lp, grad in zip(state.params, summed, strict=True)}
             state.last_update = BlockUpdate(step, grads, hparams, before.digest())
             state.grads = {}

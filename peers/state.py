@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from peers.update import BlockOptimizer, adamw_, new_moments
 from swarm.blocks import LoraParam
 from swarm.net.errors import KeptInputsFullError, RequestError
 from swarm.net.protocol import OptimizerHParams, adapter_meta
@@ -29,7 +30,7 @@ class BlockAdapter:
     """One adapter on one block: LoRA tensors, AdamW state, committed step and this step's gradients."""
 
     params: list[LoraParam]
-    optimizer: torch.optim.AdamW
+    optimizer: BlockOptimizer
     step: int = 0
     grads: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     last_update: BlockUpdate | None = None  # what took the state from step - 1 to step, for copies one step behind
@@ -162,7 +163,7 @@ class BlockState:
 class BlockUpdate:
     """What takes a block's state from ``step`` to ``step + 1``: the step's summed LoRA gradients and the optimizer
     settings applied with them. A third of the bytes of a state: a peer whose copy is at ``step`` applies it itself,
-    with the same AdamW, and gets the same tensors as the servers (on the same kind of device)."""
+    with the same update (peers/update.py), and gets the same bits as the servers, on any device."""
 
     step: int
     grads: dict[str, torch.Tensor]
@@ -178,20 +179,12 @@ class BlockUpdate:
     def apply_to(self, state: BlockState) -> BlockState:
         if state.step != self.step or set(state.tensors) != set(self.grads):
             raise RequestError(f"an update from step {self.step} does not fit a copy at step {state.step}")
-        names = list(state.tensors)
-        params = [torch.nn.Parameter(state.tensors[name]["param"].clone()) for name in names]
-        hp = self.hparams
-        optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay)
-        for name, param in zip(names, params, strict=True):
-            moments = {k: v.clone() for k, v in state.tensors[name].items() if k != "param"}
-            if moments:
-                optimizer.state[param] = moments
-            param.grad = self.grads[name].to(param.dtype)
-        optimizer.step()
-        tensors = {
-            name: {"param": param.detach(), **dict(optimizer.state[param])}
-            for name, param in zip(names, params, strict=True)
-        }
+        tensors = {}
+        for name, entry in state.tensors.items():
+            param = entry["param"].clone()
+            moments = {k: v.clone() for k, v in entry.items() if k != "param"} or new_moments(param)
+            adamw_(param, self.grads[name], moments, self.hparams)
+            tensors[name] = {"param": param, **moments}
         return BlockState(self.step + 1, tensors)
 
     def as_state(self) -> BlockState:

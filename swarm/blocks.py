@@ -135,6 +135,14 @@ class LoraParam:
     param: nn.Parameter
 
 
+def kaiming_uniform(shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    """peft's init of LoRA A (``kaiming_uniform_`` with a=sqrt(5): uniform in +-1/sqrt(fan_in)) in the same bits on
+    every machine: ``uniform_(-b, b)`` fuses its scaling differently under other CPU kernels, so the uniform draws of
+    a CPU generator are scaled by two separately rounded operations instead."""
+    bound = 1.0 / math.sqrt(shape[1])
+    return torch.rand(shape, generator=generator, dtype=torch.float32).mul_(2.0 * bound).sub_(bound)
+
+
 def add_lora(
     layer: nn.Module, spec: ModelSpec, block: int, adapter: str, config: peft.LoraConfig, seed: int
 ) -> list[LoraParam]:
@@ -160,9 +168,7 @@ def add_lora(
             lp.param.requires_grad_(True)
             kind = lp.name.split(".")[-2]
             if kind == "lora_A":
-                init = torch.empty(lp.param.shape, dtype=torch.float32)
-                nn.init.kaiming_uniform_(init, a=math.sqrt(5), generator=generator)
-                lp.param.copy_(init)
+                lp.param.copy_(kaiming_uniform(lp.param.shape, generator))
             elif kind == "lora_B":
                 lp.param.zero_()
             elif kind != "lora_magnitude_vector":  # DoRA's magnitude: ||W|| row-wise, since B is zero

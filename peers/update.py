@@ -1,0 +1,78 @@
+"""The update every holder of a block applies: AdamW built from correctly rounded elementwise operations only.
+
+Replicas vote with exact digests, so every holder must turn the same gradient bits into the same state bits, on any
+device, kernel set and torch version. torch's AdamW does not: its fused and vectorized paths (lerp, addcmul, addcdiv,
+foreach and fused kernels) contract multiplies and adds into fused multiply-adds where the hardware has them, and so
+round differently on AVX2 than under ``ATEN_CPU_CAPABILITY=default``, and on a GPU than on a CPU. Here each step is
+one operation rounded once, in its own kernel, in a fixed order: multiply, add, divide by a tensor, and a square root
+taken through float64 (torch's float32 root on CPU is not correctly rounded). Never a division by a scalar (torch
+multiplies by a reciprocal it computes itself); scalars are computed in float64 from multiplications and one square
+root (no ``pow``, whose last bit differs between math libraries). Within fp32 rounding it is torch's AdamW (decoupled
+weight decay, bias corrections); the state keeps torch's keys, so checkpoints and copies read the same.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from swarm.net.protocol import OptimizerHParams
+
+MOMENTS = ("step", "exp_avg", "exp_avg_sq")
+
+
+def one_minus_power(beta: float, step: int) -> float:
+    """``1 - beta ** step`` by repeated squaring: multiplications only, so the same double on every platform."""
+    result, base, exponent = 1.0, beta, step
+    while exponent:
+        if exponent & 1:
+            result *= base
+        base *= base
+        exponent >>= 1
+    return 1.0 - result
+
+
+def correctly_rounded_sqrt(tensor: torch.Tensor) -> torch.Tensor:
+    """The square root rounded once, as IEEE asks and CUDA does: torch's CPU kernels for float32 are off by an ulp on
+    about one value in 150. Through float64, whose root is at worst one float64 ulp off, it rounds correctly: the root
+    of a float32 is never that close to a point halfway between two float32s."""
+    return tensor.double().sqrt().to(tensor.dtype)
+
+
+def new_moments(param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The state of a tensor not yet updated: step 0 and zero moments, as torch's AdamW starts."""
+    return {
+        "step": torch.tensor(0.0),
+        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+    }
+
+
+@torch.no_grad()
+def adamw_(param: torch.Tensor, grad: torch.Tensor, moments: dict[str, torch.Tensor], hp: OptimizerHParams) -> None:
+    """One AdamW step of ``param`` with ``grad``, in place, and of its ``moments`` (``new_moments`` at first)."""
+    step = int(moments["step"].item()) + 1
+    beta1, beta2 = (float(b) for b in hp.betas)
+    grad = grad.to(param.dtype)
+    exp_avg, exp_avg_sq = moments["exp_avg"], moments["exp_avg_sq"]
+    if hp.weight_decay:
+        param.mul_(1.0 - hp.lr * hp.weight_decay)
+    exp_avg.mul_(beta1)
+    exp_avg.add_(grad.mul(1.0 - beta1))
+    exp_avg_sq.mul_(beta2)
+    exp_avg_sq.add_(grad.mul(grad).mul_(1.0 - beta2))
+    denom = correctly_rounded_sqrt(exp_avg_sq).mul_(1.0 / math.sqrt(one_minus_power(beta2, step))).add_(hp.eps)
+    param.sub_(exp_avg.div(denom).mul_(hp.lr / one_minus_power(beta1, step)))
+    moments["step"].fill_(step)
+
+
+class BlockOptimizer:
+    """A block's AdamW state: per LoRA tensor its moments under torch's keys, created at its first update."""
+
+    def __init__(self) -> None:
+        self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+
+    def step(self, params: list[torch.Tensor], grads: list[torch.Tensor], hp: OptimizerHParams) -> None:
+        for param, grad in zip(params, grads, strict=True):
+            adamw_(param, grad, self.state.setdefault(param, new_moments(param)), hp)
