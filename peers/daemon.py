@@ -351,7 +351,17 @@ class PeerDaemon:
                 backend.keep_standby(name, meta, states, keep=None)
                 logger.info("loaded checkpoint of adapter %r: steps %s", name, _steps_by_block(states))
         self.throughput = self._throughput(backend)
-        logger.info("blocks %d:%d loaded, %.0f tokens/s", blocks.start, blocks.stop, self.throughput)
+        logger.info(
+            "blocks %d:%d loaded, %.0f tokens/s (torch %s on %s, %s/%s%s)",
+            blocks.start,
+            blocks.stop,
+            self.throughput,
+            torch.__version__,
+            config.device,
+            config.quant_mode,
+            config.dtype,
+            f", {torch.backends.cpu.get_cpu_capability()} CPU kernels" if config.device == "cpu" else "",
+        )
         return backend
 
     def _throughput(self, backend: SpanBackend) -> float:

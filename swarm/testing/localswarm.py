@@ -97,10 +97,15 @@ class LocalSwarm:
     env: dict[str, str] = field(default_factory=dict)
 
     def _spawn(
-        self, name: str, args: list[str], launcher: list[str] | None = None, prefix: list[str] | None = None
+        self,
+        name: str,
+        args: list[str],
+        launcher: list[str] | None = None,
+        prefix: list[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> Process:
         """Start ``swarm ARGS`` (or ``launcher ARGS``), after ``prefix`` if given (``ip netns exec NS``: the process
-        keeps its PID, so it is still killed by PID)."""
+        keeps its PID, so it is still killed by PID), with ``env`` added to the swarm's environment."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = self.workdir / f"{name}.log"
         env = {
@@ -108,6 +113,7 @@ class LocalSwarm:
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
             **self.env,
+            **(env or {}),
         }
         with open(log, "wb") as out:
             popen = subprocess.Popen(
@@ -161,12 +167,14 @@ class LocalSwarm:
         launcher: list[str] | None = None,
         host: str = "127.0.0.1",
         prefix: list[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> Process:
         """Start ``swarm peer`` on 127.0.0.1 serving ``blocks`` (START:END, or None: the peer chooses); by default
         wait until it serves.
 
         ``launcher`` replaces ``python -m swarm`` (a test can start a patched peer this way); ``prefix`` runs it
-        elsewhere (``ip netns exec NS``), listening on ``host``."""
+        elsewhere (``ip netns exec NS``), listening on ``host``; ``env``: its own variables (other CPU kernels:
+        ``ATEN_CPU_CAPABILITY=default``)."""
         name = name or f"peer{len(self.processes)}"
         args = [
             "peer",
@@ -179,7 +187,7 @@ class LocalSwarm:
             *self.initial_peers,
             *(extra or []),
         ]
-        peer = self._spawn(name, args, launcher, prefix)
+        peer = self._spawn(name, args, launcher, prefix, env)
         if wait:
             peer.wait_for_line("serving blocks", timeout)
         return peer
