@@ -37,7 +37,7 @@ def correctly_rounded_sqrt(tensor: torch.Tensor) -> torch.Tensor:
     """The square root rounded once, as IEEE asks and CUDA does: torch's CPU kernels for float32 are off by an ulp on
     about one value in 150. Through float64, whose root is at worst one float64 ulp off, it rounds correctly: the root
     of a float32 is never that close to a point halfway between two float32s."""
-    return tensor.double().sqrt().to(tensor.dtype)
+    return tensor.double().sqrt_().to(tensor.dtype)
 
 
 def new_moments(param: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -51,19 +51,22 @@ def new_moments(param: torch.Tensor) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def adamw_(param: torch.Tensor, grad: torch.Tensor, moments: dict[str, torch.Tensor], hp: OptimizerHParams) -> None:
-    """One AdamW step of ``param`` with ``grad``, in place, and of its ``moments`` (``new_moments`` at first)."""
+    """One AdamW step of ``param`` with ``grad``, in place, and of its ``moments`` (``new_moments`` at first). One
+    scratch tensor holds each intermediate in turn."""
     step = int(moments["step"].item()) + 1
     beta1, beta2 = (float(b) for b in hp.betas)
     grad = grad.to(param.dtype)
     exp_avg, exp_avg_sq = moments["exp_avg"], moments["exp_avg_sq"]
     if hp.weight_decay:
         param.mul_(1.0 - hp.lr * hp.weight_decay)
-    exp_avg.mul_(beta1)
-    exp_avg.add_(grad.mul(1.0 - beta1))
-    exp_avg_sq.mul_(beta2)
-    exp_avg_sq.add_(grad.mul(grad).mul_(1.0 - beta2))
-    denom = correctly_rounded_sqrt(exp_avg_sq).mul_(1.0 / math.sqrt(one_minus_power(beta2, step))).add_(hp.eps)
-    param.sub_(exp_avg.div(denom).mul_(hp.lr / one_minus_power(beta1, step)))
+    scratch = torch.mul(grad, 1.0 - beta1)
+    exp_avg.mul_(beta1).add_(scratch)
+    torch.mul(grad, grad, out=scratch).mul_(1.0 - beta2)
+    exp_avg_sq.mul_(beta2).add_(scratch)
+    scratch.copy_(exp_avg_sq.double().sqrt_())  # correctly_rounded_sqrt, into the scratch tensor
+    scratch.mul_(1.0 / math.sqrt(one_minus_power(beta2, step))).add_(hp.eps)
+    torch.div(exp_avg, scratch, out=scratch).mul_(hp.lr / one_minus_power(beta1, step))
+    param.sub_(scratch)
     moments["step"].fill_(step)
 
 

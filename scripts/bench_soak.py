@@ -51,7 +51,7 @@ def main() -> None:
         )
         print(result.table())
         plot = result.plot(run_dir / "soak.png", f"bench_soak: hidden {hidden}, {last.step} steps")
-        print(f"plot: {plot}")
+        print(f"plot: {plot}; samples: {result.to_csv(run_dir / 'samples.csv')}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ threads, summed; what a peer reports of itself and what the memory soak samples.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 
@@ -14,6 +14,7 @@ class Usage:
     rss: int  # resident bytes
     fds: int  # open file descriptors
     threads: int
+    parts: dict[str, int] = field(default_factory=dict, compare=False)  # resident bytes: root, p2pd, other children
 
 
 def tree_usage(root: int, leave_out: Iterable[int] = ()) -> Usage:
@@ -30,15 +31,17 @@ def tree_usage(root: int, leave_out: Iterable[int] = ()) -> Usage:
             skipped |= {pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))}
         except psutil.NoSuchProcess:
             skipped.add(pid)
-    rss = fds = threads = 0
+    fds = threads = 0
+    parts: dict[str, int] = {}
     for proc in procs:
         if proc.pid in skipped:
             continue
         try:
             with proc.oneshot():
-                rss += proc.memory_info().rss
+                kind = "root" if proc.pid == root else "p2pd" if proc.name() == "p2pd" else "children"
+                parts[kind] = parts.get(kind, 0) + proc.memory_info().rss
                 fds += proc.num_fds()
                 threads += proc.num_threads()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-    return Usage(rss, fds, threads)
+    return Usage(sum(parts.values()), fds, threads, parts)

@@ -58,10 +58,12 @@ class SoakResult:
     roles: dict[str, str]
     samples: list[Sample] = field(default_factory=list)
 
-    def growth_per_1000(self, name: str, start: int | None = None) -> float:
+    def growth_per_1000(self, name: str, start: int | None = None, part: str | None = None) -> float:
         """Resident bytes gained per 1000 steps from ``start`` (default: the middle of the run) to the end: the
-        least-squares slope, so one noisy sample moves it little."""
-        points = [(s.step, s.usage[name].rss) for s in self.after(start)]
+        least-squares slope, so one noisy sample moves it little. ``part``: of one kind of process in the tree only
+        (``root``, ``children``: the DHT process, ``p2pd``)."""
+        samples = self.after(start)
+        points = [(s.step, s.usage[name].rss if part is None else s.usage[name].parts.get(part, 0)) for s in samples]
         return 1000 * _slope(points)
 
     def after(self, start: int | None = None) -> list[Sample]:
@@ -77,7 +79,7 @@ class SoakResult:
         middle, last = self.at_middle(), self.samples[-1]
         rows = [
             f"{'process tree':<10} {'roles':<52} {'RSS MB @' + str(middle.step):>13} {'@' + str(last.step):>9} "
-            f"{'MB/1000 steps':>13} {'files':>7} {'threads':>8} {'ckpt MB':>9}"
+            f"{'MB/1000 steps':>13} {'(root/DHT/p2pd)':>18} {'files':>7} {'threads':>8} {'ckpt MB':>9}"
         ]
         for name, roles in self.roles.items():
             mid, end = middle.usage[name], last.usage[name]
@@ -88,10 +90,33 @@ class SoakResult:
             )
             rows.append(
                 f"{name:<10} {roles:<52} {_mb(mid.rss):>13.1f} {_mb(end.rss):>9.1f} "
-                f"{_mb(self.growth_per_1000(name)):>+13.2f} {mid.fds:>3}>{end.fds:<3} "
+                f"{_mb(self.growth_per_1000(name)):>+13.2f} {self._split(name):>18} {mid.fds:>3}>{end.fds:<3} "
                 f"{mid.threads:>3}>{end.threads:<4} {ckpt:>9}"
             )
         return "\n".join(rows)
+
+    def _split(self, name: str) -> str:
+        """Where a tree's growth is: its root process, its other children (a daemon's DHT process), its p2pd."""
+        parts = [self.growth_per_1000(name, part=part) for part in ("root", "children", "p2pd")]
+        return "/".join(f"{_mb(p):+.1f}" for p in parts)
+
+    def to_csv(self, path: Path) -> Path:
+        """Every sample: step, seconds, and per tree its resident bytes (whole, root, DHT process, p2pd), files and
+        threads."""
+        names = list(self.roles)
+        header = ["step", "seconds"]
+        for name in names:
+            header += [f"{name}_{field}" for field in ("rss", "root", "children", "p2pd", "fds", "threads")]
+        rows = [",".join(header)]
+        for sample in self.samples:
+            row = [str(sample.step), f"{sample.seconds:.1f}"]
+            for name in names:
+                usage = sample.usage[name]
+                parts = [usage.parts.get(part, 0) for part in ("root", "children", "p2pd")]
+                row += [str(x) for x in (usage.rss, *parts, usage.fds, usage.threads)]
+            rows.append(",".join(row))
+        path.write_text("\n".join(rows) + "\n")
+        return path
 
     def plot(self, path: Path, title: str) -> Path:
         import matplotlib
@@ -102,9 +127,10 @@ class SoakResult:
         fig, ax = plt.subplots(figsize=(8, 4.5))
         steps = [s.step for s in self.samples]
         for name in self.roles:
-            ax.plot(steps, [_mb(s.usage[name].rss) for s in self.samples], label=name, marker=".")
+            first = self.samples[0].usage[name].rss
+            ax.plot(steps, [_mb(s.usage[name].rss - first) for s in self.samples], label=name, marker=".")
         ax.set_xlabel("committed steps")
-        ax.set_ylabel("resident memory of the process tree (MB)")
+        ax.set_ylabel(f"resident memory gained since step {steps[0]} (MB)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
