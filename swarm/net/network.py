@@ -15,6 +15,7 @@ from hivemind.p2p import P2P
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from swarm.net.addresses import peer_of
+from swarm.net.dhtstorage import compact_on_store
 from swarm.net.errors import MULTIADDR_ERRORS, PEER_ERRORS, IdentityInUseError, SwarmAccessError
 from swarm.net.protocol import HelloRequest
 from swarm.net.records import record_validators
@@ -83,6 +84,7 @@ def join_dht(
 
     ``announce_maddrs``: the only addresses to announce. ``relays``: this node cannot be dialed; it reserves a slot on
     these relays and is reached through them (and takes no part in storing DHT records, which needs dialing)."""
+    compact_on_store()  # before the DHT process forks: its storage must not grow with every rewritten record
     kwargs: dict = {}
     if not client_mode:
         kwargs["host_maddrs"] = [f"/ip4/{host}/tcp/{port}"]
