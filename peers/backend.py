@@ -350,6 +350,13 @@ class SpanBackend:
             )
         return session
 
+    def _autocast(self, dtype: str | None) -> contextlib.AbstractContextManager:
+        """The client's autocast (a Trainer's ``bf16=True``), on this peer's device: the span computes what it would
+        inside the client's own model."""
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=getattr(torch, dtype))
+
     @contextlib.contextmanager
     def _lora_off(self):
         """The base model: every LoRA layer bypassed while inside (peft's own switch)."""
@@ -385,9 +392,11 @@ class SpanBackend:
         hidden: torch.Tensor,
         attention_mask: torch.Tensor | None,
         micro_batch: str | None = None,
+        autocast: str | None = None,
     ) -> torch.Tensor:
-        """Run the span at ``step``. For a training micro-batch, keep its input until the step commits (a chained
-        backward brings none) and its graph, so that the backward skips a recompute."""
+        """Run the span at ``step`` (under the client's ``autocast`` dtype, if it runs one). For a training
+        micro-batch, keep its input until the step commits (a chained backward brings none) and its graph, so that
+        the backward skips a recompute."""
         blocks = self._check_range(blocks.start, blocks.stop)
         self._check_hidden(hidden, attention_mask)
         adapter = self.adapter(name) if micro_batch is None else self._trained(name, micro_batch)
@@ -396,7 +405,7 @@ class SpanBackend:
         inputs = hidden.to(self.device, self.dtype)
         mask = None if attention_mask is None else attention_mask.to(self.device)
         if micro_batch is None:
-            with torch.no_grad():
+            with torch.no_grad(), self._autocast(autocast):
                 return self.run(inputs, mask, blocks).to(hidden.dtype).cpu()
         key = (name, micro_batch, blocks.start, blocks.stop)
         self.kept.put(key, hidden, attention_mask)
@@ -406,7 +415,12 @@ class SpanBackend:
             for b in blocks
             for t in itertools.chain(self.layers[b].parameters(), self.layers[b].buffers())
         }
-        with torch.enable_grad(), SavedBytes(weights) as saved, dropout_masks(adapter.seed, micro_batch):
+        with (
+            torch.enable_grad(),
+            SavedBytes(weights) as saved,
+            dropout_masks(adapter.seed, micro_batch),
+            self._autocast(autocast),
+        ):
             outputs = self.run(inputs, mask, blocks)
         self.cache.put(key, inputs, outputs, saved.bytes)
         return outputs.detach().to(hidden.dtype).cpu()
@@ -421,6 +435,7 @@ class SpanBackend:
         attention_mask: torch.Tensor | None,
         grad_outputs: torch.Tensor,
         input_grad: bool = True,
+        autocast: str | None = None,
     ) -> torch.Tensor | None:
         """Gradient w.r.t. the span input (None unless ``input_grad``); LoRA gradients are kept per (micro-batch,
         block), counted once. Without ``hidden`` the forward this peer ran for the micro-batch is used: its graph if
@@ -444,7 +459,8 @@ class SpanBackend:
                 hidden, attention_mask = kept
             inputs = hidden.to(self.device, self.dtype).requires_grad_(True)
             mask = None if attention_mask is None else attention_mask.to(self.device)
-            with torch.enable_grad(), dropout_masks(adapter.seed, micro_batch):  # the forward's masks again
+            # the forward again: its dropout masks, its autocast
+            with torch.enable_grad(), dropout_masks(adapter.seed, micro_batch), self._autocast(autocast):
                 outputs = self.run(inputs, mask, blocks)
         else:
             inputs, outputs = cached

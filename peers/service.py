@@ -160,6 +160,7 @@ class PeerService(InfoDoors):
             request.hidden,
             request.mask,
             request.micro_batch,
+            request.autocast,
         )
         carried, acks, failure = await self._chain_on(request, arrived, spent, outputs, (), (), hidden=outputs)
         return HiddenReply(carried, request.compression, acks, failure)
@@ -178,6 +179,7 @@ class PeerService(InfoDoors):
                 request.mask,
                 request.grad,
                 request.input_grad or bool(request.route),
+                request.autocast,
             )
             name, blocks, step = request.adapter, request.blocks, request.step
             norms = self.backend.grad_norms(name, blocks, step)

@@ -100,6 +100,15 @@ def _generation_config(spec: ModelSpec) -> GenerationConfig:
     return GenerationConfig.from_model_config(spec.config)
 
 
+def autocast_dtype(device: torch.device | str) -> str | None:
+    """The dtype the caller's autocast computes in on ``device`` (a Trainer's ``bf16``/``fp16`` turn it on around
+    the forward), or None: the peers compute the blocks under the same autocast, as the local model would."""
+    kind = torch.device(device).type
+    if not torch.is_autocast_enabled(kind):
+        return None
+    return str(torch.get_autocast_dtype(kind)).removeprefix("torch.")
+
+
 class SwarmModelForCausalLM(nn.Module):
     """A causal LM whose decoder blocks (and their LoRA adapter) live on swarm peers."""
 
@@ -277,13 +286,15 @@ class SwarmModelForCausalLM(nn.Module):
     def _inputs(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The stack's input hidden states and mask, on the CPU where the wire takes them."""
+        """The stack's input hidden states and mask, on the CPU where the wire takes them; the stack takes the
+        caller's autocast too, for the peers to compute under."""
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {list(input_ids.shape)}")
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask must have the shape of input_ids {list(input_ids.shape)}")
         hidden = self.embed_tokens(input_ids.to(self.device)).cpu()
         mask = None if attention_mask is None else attention_mask.to(torch.int64).cpu()
+        self.session.hops.autocast = autocast_dtype(self.device)
         return hidden, mask
 
     def _head(

@@ -124,6 +124,9 @@ class RemoteStack:
         self.chain, self.min_voters = chain, min_voters  # min_voters: replicas of a hop (itself included) to check it
         self.dishonest: list[PeerID] = []
         self.random = random.Random()
+        # The dtype of the autocast the client's forwards run under (a Trainer's bf16), sent with every forward and
+        # backward so that the peers compute under it too; set by the model at each forward.
+        self.autocast: str | None = None
 
     def wait_route(self, start: int, end: int | None = None, prefer: PeerID | None = None) -> list[Hop]:
         """Hops over blocks [start, end) (to the last block when ``end`` is None), waiting up to the patience for
@@ -142,7 +145,15 @@ class RemoteStack:
     ) -> torch.Tensor:
         wire = self.wire
         request = ForwardRequest(
-            self.adapter, hop.start, hop.end, step, wire.cast(hidden), mask, micro_batch, wire.compression
+            self.adapter,
+            hop.start,
+            hop.end,
+            step,
+            wire.cast(hidden),
+            mask,
+            micro_batch,
+            wire.compression,
+            autocast=self.autocast,
         )
         return self._span_ask(hop, request, hidden).outputs.to(hidden.dtype)
 
@@ -172,6 +183,7 @@ class RemoteStack:
             mask,
             input_grad,
             wire.compression,
+            autocast=self.autocast,
         )
         try:
             reply = self._span_ask(hop, request, grad)
@@ -532,7 +544,16 @@ class RemoteStack:
             route = self.route_of(hops[1:], Method.FORWARD, hidden)
             cast = wire.cast(hidden)
             request = ForwardRequest(
-                self.adapter, first.start, first.end, step, cast, mask, micro_batch, wire.compression, route
+                self.adapter,
+                first.start,
+                first.end,
+                step,
+                cast,
+                mask,
+                micro_batch,
+                wire.compression,
+                route,
+                self.autocast,
             )
             try:
                 reply, ran = self.chain_ask(hops, request, hidden)
@@ -578,6 +599,7 @@ class RemoteStack:
                 input_grad,
                 self.wire.compression,
                 route,
+                self.autocast,
             )
             try:
                 reply, ran = self.chain_ask(hops, request, grad)

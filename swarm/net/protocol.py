@@ -249,6 +249,17 @@ def by_block(values: dict[int, object]) -> dict[str, object]:
     return {str(block): value for block, value in values.items()}
 
 
+AUTOCAST_DTYPES = ("bfloat16", "float16")
+
+
+def read_autocast(meta: dict, key: str) -> str:
+    """The dtype a client's autocast computes in (a Trainer's ``bf16``/``fp16``); peers compute the span under it."""
+    value = meta.get(key)
+    if value not in AUTOCAST_DTYPES:
+        raise RequestError(f"{key!r} must be one of {list(AUTOCAST_DTYPES)} or absent, got {value!r}")
+    return value
+
+
 def read_compression(meta: dict, key: str) -> str:
     """The reply compression a request asks for (the reply's dtype follows the request's tensors)."""
     compression = meta.get(key, "none")
@@ -567,6 +578,7 @@ class ForwardRequest(HiddenRequest):
     micro_batch: str | None = wire(optional(read_str), default=None)
     compression: str = wire(read_compression, default="none")  # how the peer encodes the tensors it answers with
     route: list[ChainHop] = wire(read_route, write_route, default_factory=list)  # the hops after this one
+    autocast: str | None = wire(optional(read_autocast), default=None)  # the client's autocast dtype, if on
 
     @property
     def blocks(self) -> range:
@@ -592,6 +604,7 @@ class BackwardRequest(Request):
     input_grad: bool = wire(flag(True), default=True)
     compression: str = wire(read_compression, default="none")
     route: list[ChainHop] = wire(read_route, write_route, default_factory=list)  # the spans before, nearest first
+    autocast: str | None = wire(optional(read_autocast), default=None)  # the forward's autocast, for a recompute
 
     @property
     def blocks(self) -> range:

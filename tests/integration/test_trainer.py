@@ -49,8 +49,9 @@ def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
     return dict(input_ids=ids, attention_mask=mask, labels=labels)
 
 
-def training_args(out: Path) -> transformers.TrainingArguments:
+def training_args(out: Path, **overrides) -> transformers.TrainingArguments:
     return transformers.TrainingArguments(
+        **overrides,
         output_dir=str(out),
         max_steps=MAX_STEPS,
         per_device_train_batch_size=2,
@@ -82,10 +83,10 @@ class StopAt(transformers.TrainerCallback):
             control.should_training_stop = True
 
 
-def make_trainer(cls, model, out: Path, callbacks=()) -> transformers.Trainer:
+def make_trainer(cls, model, out: Path, callbacks=(), **overrides) -> transformers.Trainer:
     return cls(
         model=model,
-        args=training_args(out),
+        args=training_args(out, **overrides),
         train_dataset=examples(24, seed=1),
         eval_dataset=examples(6, seed=2),
         data_collator=collate,
@@ -255,3 +256,49 @@ def test_a_checkpoint_that_does_not_match_the_swarm_is_refused(llama_pair, tiny_
         assert model.step == SAVE_STEPS  # nothing trained
     finally:
         model.shutdown()
+
+
+def test_a_bf16_recipe_computes_the_blocks_under_the_clients_autocast(llama_pair, tiny_models, tmp_path):
+    """``bf16=True`` (TRL's SFTConfig turns it on by default) autocasts the model's forward: locally every block's
+    matmuls run in bf16. The peers compute the blocks under the autocast the client's forward runs under (each
+    request carries it), so the swarm's losses, grad norms and adapter are the local Trainer's, not an fp32 run's."""
+    model_dir = tiny_models["llama"]
+    model = connect(llama_pair, model_dir, "trainer-bf16")
+    try:
+        model.save_adapter(tmp_path / "initial")
+        trainer = make_trainer(swarm.SwarmTrainer, model, tmp_path / "out", bf16=True)
+        trainer.train()
+        trainer.save_model(str(tmp_path / "final"))
+    finally:
+        model.shutdown()
+    initial = tmp_path / "initial"
+    local = make_trainer(transformers.Trainer, local_peft(model_dir, initial), tmp_path / "local", bf16=True)
+    local.train()
+    local.save_model(str(tmp_path / "local-final"))
+    fp32 = make_trainer(transformers.Trainer, local_peft(model_dir, initial), tmp_path / "fp32")
+    fp32.train()
+    logs, want, unlike = train_logs(trainer), train_logs(local), train_logs(fp32)
+    # The first step, from the same adapter, is the local bf16 step to fp32 rounding; an fp32 run is 2.5e-4 away.
+    for key in ("loss", "grad_norm"):
+        assert logs[0][key] == pytest.approx(want[0][key], rel=1e-6, abs=1e-6), (key, logs[0], want[0])
+        assert abs(unlike[0][key] - want[0][key]) > 1e-4, (key, unlike[0], want[0])  # bf16 changes the step
+    # Later steps start from adapters a few fp32 ulps apart (this update and torch's AdamW round differently),
+    # which bf16's 8-bit mantissa can turn into one rounding step: within bf16 tolerance, not fp32's.
+    for key in ("loss", "grad_norm"):
+        got, ref = torch.tensor([e[key] for e in logs]), torch.tensor([e[key] for e in want])
+        torch.testing.assert_close(got, ref, rtol=2e-3, atol=1e-6, msg=key)
+    # Adam moves a weight with a near-zero gradient by about lr either way, so elementwise the adapters may differ
+    # by a few lr where such a sign flipped; as a whole, the swarm's training differs from the local bf16 run's by
+    # far less than the fp32 run's does.
+    fp32.save_model(str(tmp_path / "fp32-final"))
+    start, swarm_end, bf16_end, fp32_end = (
+        load_file(d / "adapter_model.safetensors")
+        for d in (initial, tmp_path / "final", tmp_path / "local-final", tmp_path / "fp32-final")
+    )
+
+    def apart(a: dict, b: dict) -> float:
+        moved = sum(float((bf16_end[k] - start[k]).norm() ** 2) for k in start) ** 0.5
+        return sum(float((a[k] - b[k]).norm() ** 2) for k in start) ** 0.5 / moved
+
+    print("swarm vs local bf16", apart(swarm_end, bf16_end), "fp32 vs local bf16", apart(fp32_end, bf16_end))
+    assert apart(swarm_end, bf16_end) < 0.5 * apart(fp32_end, bf16_end)
