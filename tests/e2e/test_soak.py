@@ -1,21 +1,25 @@
 """Memory that does not grow: a loopback swarm in every role a peer can have (only server and chain head, replicas and
-chain tails, standby holders, a relayed peer and its relay) trains a thousand steps while every process tree is
-sampled; from the middle of the run to its end no tree may gain more than a small fixed slack of resident memory,
-nor open files or threads. ``scripts/bench_soak.py`` runs it for thousands of steps at two widths."""
+chain tails, standby holders, a relayed peer and its relay) trains 1500 steps while every process tree is sampled;
+from the middle of the run to its end no tree may gain more than a small fixed slack of resident memory, nor open
+files or threads. The first half is the allocators' warm-up: peers' processes grow ~8 MB over their first ~800 steps,
+then stay within a few MB (BENCHMARKS.md, "Memory over thousands of steps"). ``scripts/bench_soak.py`` runs it for
+thousands of steps at two widths."""
 
 from __future__ import annotations
 
 from swarm.testing.soak import SoakConfig, run_soak
 
-STEPS = 1000
-# What an allocator may still take between the middle and the end (fragmentation, a cache reaching its size). A
-# forward graph's input branch kept per micro-batch, as peers once kept it, is ~33 KB at these shapes: 33 MB here.
+STEPS = 1500
+# What an allocator may still take between the middle and the end (fragmentation, an arena added). A forward graph's
+# input branch kept per micro-batch, as peers once kept it, is ~33 KB at these shapes: 25 MB over the second half.
+# Slower leaks (the DHT's heap entry per rewrite of the committed step was ~1 KB a step) need the bench's thousands
+# of steps to show; tests/unit/test_dht_storage.py holds that one.
 RSS_SLACK = 16 << 20
 FILES_SLACK = 8  # connections come and go (the relay's, the DHT's)
 THREADS_SLACK = 4
 
 
-def test_no_process_grows_over_a_thousand_steps(tiny_models, tmp_path):
+def test_no_process_grows_over_1500_steps(tiny_models, tmp_path):
     result = run_soak(tiny_models["llama"], tmp_path, SoakConfig(steps=STEPS, sample_every=50), progress=False)
     print(result.table())  # shown with -rA or on failure: the figures behind the verdict
     middle, end = result.at_middle(), result.samples[-1]
