@@ -216,7 +216,12 @@ def test_blocks_whose_every_copy_died_resume_from_the_survivor_and_report_the_lo
     state = load_file(tmp_path / "final" / "adapter_model.safetensors")
     assert state.keys() == reference.keys()
     for key in state:
-        torch.testing.assert_close(state[key], reference[key], rtol=1e-4, atol=1e-5, msg=key)
+        # The swarm's update and torch's AdamW differ by a few fp32 ulps (peers/update.py). A block restarted from
+        # zero moments with B = 0 has near-zero gradients on some elements for a few steps, where Adam's
+        # m/(sqrt(v)+eps) turns such ulps, through the next steps' gradients, into up to a few thousandths of lr
+        # (measured: 3e-5 at lr 1e-2 on one tensor; 0 with torch's AdamW on the peers): atol lr * 1e-2 there.
+        restarted = any(f".layers.{block}." in key for block in (2, 3))
+        torch.testing.assert_close(state[key], reference[key], rtol=1e-4, atol=1e-4 if restarted else 1e-5, msg=key)
 
 
 def reference_with_blocks_reset(
