@@ -506,6 +506,20 @@ class SpanBackend:
         }
         return {block: mbs for block, mbs in missing.items() if mbs}
 
+    def drop_unlike(self, name: str, step: int, hashes: dict[int, dict[str, str]]) -> None:
+        """Forget gradients held here for micro-batches whose ledger holder is another peer, where they hash otherwise
+        (``hashes``: block -> micro-batch -> the holder's hash): this peer computed the micro-batch too (a retried
+        backward) on hardware that rounds differently, and every replica must apply the same bits, the holder's."""
+        adapter = self.adapter(name)
+        for block, by_mb in hashes.items():
+            state = adapter.blocks.get(block)
+            if state is None or state.step != step:
+                continue
+            for mb, wanted in by_mb.items():
+                held = state.grads.get(mb)
+                if held is not None and grad_hash(held) != wanted:
+                    del state.grads[mb]
+
     def grad_norms(self, name: str, blocks: range, step: int) -> tuple[GradNorm, ...]:
         """What a backward's reply says of its blocks: each one's gradient summed over every micro-batch held here at
         ``step``, as a 2-norm and an inf-norm share, and which micro-batches those are."""

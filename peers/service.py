@@ -276,9 +276,16 @@ class PeerService(InfoDoors):
         return NormsReply(parts)
 
     async def _fetch_missing(self, request: CommitRequest | NormsRequest) -> None:
-        """Fetch the ledger's micro-batch gradients this peer lacks from the replicas holding them, all at once.
-        Gradients that do not hash as the ledger says are refused (``bad_gradients``, naming their holders)."""
+        """Fetch the ledger's micro-batch gradients this peer lacks from the replicas holding them, all at once, and
+        those it computed too (a retried backward) in other bits than the ledger's holder: every replica applies the
+        holder's. Gradients that do not hash as the ledger says are refused (``bad_gradients``, naming their
+        holders)."""
         name, step = request.adapter, request.step
+        others = {
+            block: {mb: held.grad_hash for mb, held in by_mb.items() if held.holder != self.me and held.grad_hash}
+            for block, by_mb in request.ledger.items()
+        }
+        await self.compute(self.backend.drop_unlike, name, step, others)
         missing = await self.compute(self.backend.missing, name, step, request.micro_batches())
         good, bad = await self._fetch_checked(request, missing)
         await self.compute(self.backend.add_grads, name, step, good)

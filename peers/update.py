@@ -79,3 +79,24 @@ class BlockOptimizer:
     def step(self, params: list[torch.Tensor], grads: list[torch.Tensor], hp: OptimizerHParams) -> None:
         for param, grad in zip(params, grads, strict=True):
             adamw_(param, grad, self.state.setdefault(param, new_moments(param)), hp)
+
+
+class ExactAdamW(torch.optim.Optimizer):
+    """The peers' update behind torch's optimizer interface: local training (a parity reference, a single-machine
+    run) that applies the same bits as the swarm's holders given the same gradients."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None if closure is None else closure()
+        for group in self.param_groups:
+            hp = OptimizerHParams(group["lr"], tuple(group["betas"]), group["eps"], group["weight_decay"])
+            for param in group["params"]:
+                if param.grad is not None:
+                    state = self.state[param]
+                    if not state:
+                        state.update(new_moments(param))
+                    adamw_(param, param.grad, state, hp)
+        return loss

@@ -12,6 +12,7 @@ import transformers
 from safetensors.torch import load_file
 
 import swarm
+from peers.update import ExactAdamW
 from swarm.spec import load_tokenizer
 from swarm.testing import instructions
 from swarm.testing.localswarm import LocalSwarm
@@ -47,7 +48,9 @@ def test_the_real_model_trains_through_the_swarm_like_local_peft_and_generates_t
 
     base = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     local_model = peft.PeftModel.from_pretrained(base, tmp_path / "initial", is_trainable=True)
-    optimizer = torch.optim.AdamW([p for p in local_model.parameters() if p.requires_grad], **hparams)
+    # the peers' AdamW (peers/update.py: torch's within fp32 rounding, tests/unit/test_same_bits.py), so that what
+    # is compared is what the swarm computes, not Adam amplifying the two updates' ulps on near-zero gradients
+    optimizer = ExactAdamW([p for p in local_model.parameters() if p.requires_grad], **hparams)
     _train(local_model, optimizer, tokenizer, rows, steps)
     local_model.save_pretrained(tmp_path / "reference")
     swarm_state = load_file(tmp_path / "final" / "adapter_model.safetensors")

@@ -13,6 +13,7 @@ from peers.backend import SpanBackend
 from peers.state import BlockState, BlockUpdate, SavedBytes, pack_states, unpack_states
 from swarm.blocks import lora_config_to_wire
 from swarm.net.errors import ErrorKind, MissingForwardError, NotServedError, RequestError
+from swarm.net.gradhash import grad_hash
 from swarm.net.protocol import PEER_STATE_ERRORS, OptimizerHParams
 from swarm.spec import load_spec
 
@@ -252,6 +253,21 @@ def test_forward_graphs_are_freed_after_a_backward_for_the_lora_gradients_only(t
         backend.apply("a", step, {b: [f"s:{step}:0", f"s:{step}:1"] for b in range(2)}, HPARAMS)
         assert backend.cache.bytes == 0
         assert live_graphs() == 0, f"step {step}: forward graphs outlived their commit"
+
+
+def test_gradients_computed_here_in_other_bits_than_the_ledgers_holder_are_dropped_to_be_fetched(tiny_models):
+    """A micro-batch whose backward ran on two replicas (a retry) is held by both, in other bits where their kernels
+    round differently; the ledger names one holder, and every replica must apply its bits, not its own."""
+    backend = _backend(tiny_models["llama"], range(0, 2))
+    backend.open_adapter("a", lora_config_to_wire(peft.LoraConfig(r=4, target_modules=["q_proj"])), 0, "s")
+    hidden = torch.randn(1, 6, backend.spec.hidden_size)
+    for mb in ("s:0:0", "s:0:1"):
+        backend.backward("a", range(0, 2), 0, mb, hidden, None, torch.ones_like(hidden), input_grad=False)
+    held = backend.adapters["a"].blocks[0].grads
+    same = grad_hash(held["s:0:0"])
+    backend.drop_unlike("a", 0, {0: {"s:0:0": same, "s:0:1": "f" * 64}})
+    assert set(backend.adapters["a"].blocks[0].grads) == {"s:0:0"}  # the one in the holder's bits stays
+    assert backend.missing("a", 0, {0: ["s:0:0", "s:0:1"]}) == {0: ["s:0:1"]}  # the other is fetched at commit
 
 
 def test_a_commit_of_blocks_held_but_no_longer_served_is_refused_not_applied(tiny_models):
