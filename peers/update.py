@@ -33,11 +33,12 @@ def one_minus_power(beta: float, step: int) -> float:
     return 1.0 - result
 
 
-def correctly_rounded_sqrt(tensor: torch.Tensor) -> torch.Tensor:
+def correctly_rounded_sqrt(tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The square root rounded once, as IEEE asks and CUDA does: torch's CPU kernels for float32 are off by an ulp on
     about one value in 150. Through float64, whose root is at worst one float64 ulp off, it rounds correctly: the root
     of a float32 is never that close to a point halfway between two float32s."""
-    return tensor.double().sqrt_().to(tensor.dtype)
+    root = tensor.double().sqrt_()
+    return root.to(tensor.dtype) if out is None else out.copy_(root)
 
 
 def new_moments(param: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -63,7 +64,7 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, moments: dict[str, torch.Ten
     exp_avg.mul_(beta1).add_(scratch)
     torch.mul(grad, grad, out=scratch).mul_(1.0 - beta2)
     exp_avg_sq.mul_(beta2).add_(scratch)
-    scratch.copy_(exp_avg_sq.double().sqrt_())  # correctly_rounded_sqrt, into the scratch tensor
+    correctly_rounded_sqrt(exp_avg_sq, out=scratch)
     scratch.mul_(1.0 / math.sqrt(one_minus_power(beta2, step))).add_(hp.eps)
     torch.div(exp_avg, scratch, out=scratch).mul_(hp.lr / one_minus_power(beta1, step))
     param.sub_(scratch)
