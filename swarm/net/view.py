@@ -21,6 +21,7 @@ from swarm.net.transport import Transport
 logger = logging.getLogger(__name__)
 
 PING_TIMEOUT = 3.0
+RETRY_TIMEOUT = 15.0  # a one-shot look's second try at a peer that missed the first (see ``observe``)
 
 
 @dataclass
@@ -103,23 +104,37 @@ def same_weights(records: dict[int, list[ServerRecord]], weights: dict[int, str]
 
 
 async def observe(
-    dht: DHT, transport: Transport, model: str, num_blocks: int, me: PeerID, weights: dict[int, str] | None = None
+    dht: DHT,
+    transport: Transport,
+    model: str,
+    num_blocks: int,
+    me: PeerID,
+    weights: dict[int, str] | None = None,
+    retry_timeout: float | None = None,
 ) -> SwarmView:
     """Read the records, then ping every peer they name (except ``me``) at once; with ``weights``, only the peers
-    whose blocks have those digests (see ``same_weights``)."""
+    whose blocks have those digests (see ``same_weights``). With ``retry_timeout``, the peers that missed the first
+    ping get a second, longer one: a first dial through a relay on a busy machine can take longer than PING_TIMEOUT,
+    and a one-shot look that shows a live peer offline (its blocks UNCOVERED) misleads its reader; a look repeated
+    every few seconds does without, rather than wait on a stopped peer each round."""
     records = await asyncio.to_thread(read_servers, dht, model, num_blocks)
     if weights is not None:
         records = same_weights(records, weights)
     transport.learn(r for block_records in records.values() for r in block_records)
     peers = {r.peer_id for block_records in records.values() for r in block_records if r.peer_id != me}
 
-    async def ping(peer: PeerID) -> PeerInfo | None:
+    async def ping(peer: PeerID, timeout: float) -> PeerInfo | None:
         try:
-            return await transport.aask(peer, InfoRequest(), timeout=PING_TIMEOUT)
+            return await transport.aask(peer, InfoRequest(), timeout=timeout)
         except (*PEER_ERRORS, RequestError) as e:  # gone, refused, or a reply that is not a PeerInfo
             logger.debug("peer %s did not answer: %s", peer, e)
             return None
 
-    answers = await asyncio.gather(*(ping(peer) for peer in peers))
-    alive = {peer: info for peer, info in zip(peers, answers, strict=True) if info is not None}
+    async def ping_all(peers: list[PeerID], timeout: float) -> dict[PeerID, PeerInfo]:
+        answers = await asyncio.gather(*(ping(peer, timeout) for peer in peers))
+        return {peer: info for peer, info in zip(peers, answers, strict=True) if info is not None}
+
+    alive = await ping_all(list(peers), PING_TIMEOUT)
+    if retry_timeout is not None:
+        alive |= await ping_all([peer for peer in peers if peer not in alive], retry_timeout)
     return SwarmView(records=records, alive=alive)

@@ -16,7 +16,7 @@ from swarm.net.network import check_access, join_dht
 from swarm.net.records import CommittedRecord, read_committed, read_models
 from swarm.net.security import Identity, SwarmKey
 from swarm.net.transport import Transport
-from swarm.net.view import SwarmView, observe
+from swarm.net.view import RETRY_TIMEOUT, SwarmView, observe
 from swarm.ops.health import Block, ModelHealth, Peer, build, mib, ranges, short
 
 logger = logging.getLogger(__name__)
@@ -138,9 +138,14 @@ class Observer:
         models = read_models(self.dht)
         return models if only is None else {only: models[only]} if only in models else {}
 
-    def observe(self, model: str, num_blocks: int, committed: bool = True) -> Observation:
-        """The records and live peers of ``model``; with ``committed``, also each adapter's committed record."""
-        view = RemoteExpertWorker.run_coroutine(observe(self.dht, self.transport, model, num_blocks, ME))
+    def observe(
+        self, model: str, num_blocks: int, committed: bool = True, retry_timeout: float | None = None
+    ) -> Observation:
+        """The records and live peers of ``model``; with ``committed``, also each adapter's committed record
+        (``retry_timeout``: see ``observe``)."""
+        view = RemoteExpertWorker.run_coroutine(
+            observe(self.dht, self.transport, model, num_blocks, ME, retry_timeout=retry_timeout)
+        )
         records = {}
         if committed:
             for name in sorted(view.adapters()):
@@ -165,7 +170,7 @@ def status(initial_peers: list[str], swarm_key: SwarmKey | None, model: str | No
             return NO_MODEL if model is None else no_such_model(model, observer.models())
         tables = []
         for name, num_blocks in sorted(models.items()):
-            seen = observer.observe(name, num_blocks)
+            seen = observer.observe(name, num_blocks, retry_timeout=RETRY_TIMEOUT)
             tables.append(render(name, num_blocks, seen.view, replication, seen.committed))
         return "\n\n".join(tables)
     finally:
