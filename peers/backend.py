@@ -15,9 +15,10 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import DynamicCache
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from peers.calibration import block_error, exact
 from peers.inference import InferenceSession, InferenceSessions
+from peers.layers import run_layers
 from peers.state import (
     ActivationCache,
     Adapter,
@@ -46,6 +47,7 @@ from swarm.net.errors import (
 )
 from swarm.net.gradhash import grad_hash
 from swarm.net.gradnorm import GradNorm, covers_digest
+from swarm.net.numerics import Numerics
 from swarm.net.protocol import AdapterInfo, InferRequest, OptimizerHParams, lora_and_seed
 from swarm.spec import ModelSpec
 from swarm.weights import differing
@@ -77,6 +79,7 @@ class SpanBackend:
         self.mismatched: dict[str, list[int]] = {}  # adapter -> the blocks whose weights differ from its pin
         self.spec, self.device, self.dtype, self.quant, self.max_tokens = spec, device, dtype, quant, max_tokens
         self.layers: dict[int, nn.Module] = {}
+        self.errors: dict[int, float] = {}  # block -> its error against exact fp32 (peers/calibration.py)
         self.rotary = spec.family_class("RotaryEmbedding")(config=spec.config).to(device)
         self.adapters: dict[str, Adapter] = {}
         self.cache = ActivationCache(activation_cache_bytes)
@@ -91,16 +94,22 @@ class SpanBackend:
     # --- which blocks ---------------------------------------------------------------------------------------
 
     def load_layers(self, blocks: range) -> dict[int, nn.Module]:
-        """Read and build blocks from the model folder (slow; runs beside serving, shares nothing)."""
+        """Read and build blocks from the model folder, and measure each one's error in this peer's numerics (slow;
+        runs beside serving, shares nothing but the errors it records)."""
         if not 0 <= blocks.start < blocks.stop <= self.spec.num_blocks:
             raise ValueError(
                 f"blocks {blocks.start}:{blocks.stop} are outside the model's blocks 0:{self.spec.num_blocks}"
             )
         wanted = [block for block in blocks if block not in self.layers]
-        return {
-            block: load_block(self.spec, block, self.device, self.dtype, self.quant)
-            for block in tqdm(wanted, desc=f"loading blocks {blocks.start}:{blocks.stop}", unit="block")
-        }
+        layers = {}
+        for block in tqdm(wanted, desc=f"loading blocks {blocks.start}:{blocks.stop}", unit="block"):
+            layers[block] = load_block(self.spec, block, self.device, self.dtype, self.quant)
+            if not exact(self.quant, self.dtype):
+                self.errors[block] = block_error(self.spec, block, layers[block], self.device, self.dtype)
+        if wanted and not exact(self.quant, self.dtype):
+            measured = ", ".join(f"{block}: {self.errors[block]:.3g}" for block in wanted)
+            logger.info("error against exact fp32 per block (what spot checks across numerics allow): %s", measured)
+        return layers
 
     def install(self, layers: dict[int, nn.Module]) -> None:
         """Start serving loaded blocks; each adapter's state comes from its standby copy when this peer has one."""
@@ -190,6 +199,11 @@ class SpanBackend:
             f"(its folder {self.spec.name!r} holds another model under the same name); route elsewhere"
         )
 
+    def numerics(self, blocks: range) -> Numerics:
+        """How this peer computes ``blocks``, as it announces it (swarm/net/numerics.py)."""
+        errors = {block: self.errors[block] for block in blocks if block in self.errors}  # not yet measured: the cap
+        return Numerics(self.quant, str(self.dtype).removeprefix("torch."), self.device.type, errors)
+
     def store_use(self) -> dict[str, int]:
         """Bytes in use, and bounds, of the stores that requests fill: what a peer reports of its memory."""
         return dict(
@@ -251,38 +265,9 @@ class SpanBackend:
         cache: DynamicCache | None = None,
         position: int = 0,
     ) -> torch.Tensor:
-        """The span's forward, with masks and rotary embeddings built exactly as the family's model builds them.
-        With a ``cache`` (generation), ``hidden`` holds the tokens after the ``position`` ones it already holds, and
-        ``attention_mask`` (if any) covers them all: positions count real tokens only, as transformers' ``generate``
-        numbers left-padded prompts."""
-        length = hidden.shape[1]
-        if cache is not None and attention_mask is not None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)[:, -length:]
-        else:
-            position_ids = torch.arange(position, position + length, device=self.device).unsqueeze(0)
-        mask_args = dict(
-            config=self.spec.config,
-            inputs_embeds=hidden,
-            attention_mask=attention_mask,
-            cache=cache,
-            position_ids=position_ids,
-        )
-        masks: dict[str, torch.Tensor | None] = {}
-        position_embeddings = self.rotary(hidden, position_ids)
-        for block in blocks:
-            kind = self.spec.attention_kind(block)
-            if kind not in masks:
-                make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
-                masks[kind] = make(**mask_args, layer_idx=block if cache is not None else None)
-            hidden = self.layers[block](
-                hidden,
-                attention_mask=masks[kind],
-                position_ids=position_ids,
-                position_embeddings=position_embeddings,
-                cache=cache,
-                use_cache=cache is not None,
-            )
-        return hidden
+        """The span's forward, with masks and rotary embeddings built exactly as the family's model builds them
+        (``cache``, ``position``: see ``run_layers``)."""
+        return run_layers(self.spec, self.layers, self.rotary, hidden, attention_mask, blocks, cache, position)
 
     # --- generation -----------------------------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ from peers.service import InfoDoors, PeerHooks, PeerService
 from swarm.blocks import spans_text
 from swarm.net.errors import PEER_ERRORS, IdentityInUseError, SwarmAccessError
 from swarm.net.network import check_access, join_dht, load_swarm_key
+from swarm.net.numerics import Numerics
 from swarm.net.protocol import AdapterInfo, CommittedRequest, MemoryUse, PeerInfo
 from swarm.net.reachability import choose_relays, verify_relayed
 from swarm.net.records import RECORD_TTL, ServerRecord, ServerState, announce, announce_model, read_servers
@@ -201,6 +202,7 @@ class PeerDaemon:
                 digests=self._digests_of(self.serving),
                 max_blocks=self.max_blocks,
                 links=self.parts.links.announced() if self.parts is not None else {},
+                numerics=self._numerics(self.serving),
             )
             records.append((record, self.serving))
         if self.joining:
@@ -212,10 +214,17 @@ class PeerDaemon:
                 self.throughput,
                 maddrs=self.maddrs,
                 digests=self._digests_of(self.joining),
+                numerics=self._numerics(self.joining),
             )
             records.append((record, range(max(self.joining.start, self.serving.stop), self.joining.stop)))
             records.append((record, range(self.joining.start, min(self.joining.stop, self.serving.start))))
         return [(record, blocks) for record, blocks in records if len(blocks)]
+
+    def _numerics(self, blocks: range) -> Numerics:
+        if self.parts is None:
+            config = self.config  # blocks not loaded yet: no errors measured, read as the caps
+            return Numerics(config.quant_mode, config.dtype, torch.device(config.device).type)
+        return self.parts.backend.numerics(blocks)
 
     def _digests_of(self, blocks: range) -> dict[int, str]:
         return {block: self.digests[block] for block in blocks if block in self.digests}

@@ -23,7 +23,7 @@ from swarm.lora_options import (
     has_lora,
 )
 from swarm.net.errors import AdapterConfigError
-from swarm.precision import DTYPE_NAMES, QUANT_MODES
+from swarm.net.numerics import DTYPE_NAMES, QUANT_MODES
 from swarm.spec import ModelSpec
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}

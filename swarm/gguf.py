@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from swarm.net.errors import ModelFolderError
-from swarm.precision import DTYPE_NAMES
+from swarm.net.numerics import DTYPE_NAMES
 from swarm.spec import load_spec
 
 logger = logging.getLogger(__name__)

@@ -20,6 +20,7 @@ from swarm.client.routing import Hop
 from swarm.net.chain import MAX_ROUTE_MADDRS, ChainFailure, ChainHop, FailureKind, HopAck, route_timeout
 from swarm.net.errors import LeaseLostError, RemoteError
 from swarm.net.gradhash import grad_hash
+from swarm.net.numerics import tolerance
 from swarm.net.protocol import (
     PEER_STATE_ERRORS,
     BackwardRequest,
@@ -86,18 +87,31 @@ def spot_check_policy(requested: float | None, private: bool) -> tuple[float, in
 SPOT_CHECK_ROUNDS = 3  # times a spot check asks a replica that did not answer in time
 
 
-def _majority(opinions: dict[PeerID, T], agree: Callable[[T, T], bool]) -> list[PeerID]:
-    """The largest group of at least two peers whose results agree (empty if none)."""
+Verdict = Callable[[PeerID, PeerID], bool | None]  # two replicas' results agree, disagree, or cannot be told
+
+
+def _majority(opinions: dict[PeerID, T], verdict: Verdict) -> list[PeerID]:
+    """The largest group of at least two peers whose results agree with one of them (empty if none)."""
     majority: list[PeerID] = []
-    for value in opinions.values():
-        agreeing = [p for p, v in opinions.items() if agree(value, v)]
+    for reference in opinions:
+        agreeing = [p for p in opinions if p == reference or verdict(reference, p) is True]
         if len(agreeing) >= 2 and len(agreeing) > len(majority):
             majority = agreeing
     return majority
 
 
+def _outvoted(majority: list[PeerID], opinions: dict, verdict: Verdict) -> list[PeerID]:
+    """The peers outside the majority that two of its members disagree with; one that the majority's numerics
+    cannot judge is not among them."""
+    return [
+        peer
+        for peer in opinions
+        if peer not in majority and sum(verdict(member, peer) is False for member in majority) >= 2
+    ]
+
+
 def _decided(majority: list[PeerID], opinions: dict) -> bool:
-    """Everyone asked so far agrees (at least two), or two agree against a third."""
+    """Everyone asked so far agrees (at least two), or two agree beside a third (outvoted, or out of their reach)."""
     return len(majority) >= 2 and (len(majority) == len(opinions) or len(opinions) >= 3)
 
 
@@ -113,14 +127,13 @@ class RemoteStack:
         calls: PeerCalls,
         catch_up: Callable[[], None],
         spot_check: float = 0.0,
-        spot_check_tolerance: float = 1e-3,
         chain: bool = True,
         min_voters: int = 2,
         unserved: Callable[[list[int]], None] | None = None,
     ):
         self.calls, self.catch_up, self.unserved = calls, catch_up, unserved
         self.router, self.adapter, self.wire = calls.router, calls.adapter, calls.wire
-        self.spot_check, self.spot_check_tolerance = spot_check, spot_check_tolerance
+        self.spot_check = spot_check
         self.chain, self.min_voters = chain, min_voters  # min_voters: replicas of a hop (itself included) to check it
         self.dishonest: list[PeerID] = []
         self.random = random.Random()
@@ -218,9 +231,19 @@ class RemoteStack:
 
     # --- spot checks ------------------------------------------------------------------------------------------
 
-    def _agree(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+    @staticmethod
+    def _agree(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> bool:
+        """Within ``tolerance``, relative to the larger of the two largest magnitudes (swarm/net/numerics.py)."""
         scale = max(a.abs().max().item(), b.abs().max().item(), 1e-6)
-        return a.shape == b.shape and (a - b).abs().max().item() <= self.spot_check_tolerance * scale
+        return a.shape == b.shape and (a - b).abs().max().item() <= tolerance * scale
+
+    def _tolerance(self, a: PeerID, b: PeerID, hop: Hop) -> float | None:
+        """How far two replicas' honest results of ``hop`` may differ, from the numerics their records announce;
+        None where that cannot be told (numerics too coarse, or a record gone)."""
+        announced = {r.peer_id: r.numerics for r in self.router.replicas(hop.start, eligible_only=False)}
+        if a not in announced or b not in announced:
+            return None
+        return tolerance(announced[a], announced[b], hop.blocks, self.autocast)
 
     def _check_rate(self) -> float:
         """The spot-check rate now: none while no block has enough replicas to be checked (a checked micro-batch,
@@ -230,11 +253,13 @@ class RemoteStack:
         blocks = range(self.router.num_blocks)
         return self.spot_check if any(len(self.router.replicas(b)) >= self.min_voters for b in blocks) else 0.0
 
-    def _backwards_agree(self, a: BackwardResult, b: BackwardResult, hop: Hop, step: int, micro_batch: str) -> bool:
-        """Two replicas' backwards of a hop agree: their input gradients within tolerance, and their LoRA gradients
-        bit for bit (equal hashes) or, where the hashes differ (peers whose kernels round differently), within
-        tolerance as each holder hands them on (checked against the hashes it reported)."""
-        if a.grad_inputs is None or b.grad_inputs is None or not self._agree(a.grad_inputs, b.grad_inputs):
+    def _backwards_agree(
+        self, a: BackwardResult, b: BackwardResult, tolerance: float, hop: Hop, step: int, micro_batch: str
+    ) -> bool:
+        """Two replicas' backwards of a hop agree: their input gradients within ``tolerance``, and their LoRA
+        gradients bit for bit (equal hashes) or, where the hashes differ (other kernels or numerics), within it as
+        each holder hands them on (checked against the hashes it reported)."""
+        if a.grad_inputs is None or b.grad_inputs is None or not self._agree(a.grad_inputs, b.grad_inputs, tolerance):
             return False
         if a.hashes == b.hashes:
             return True
@@ -243,7 +268,7 @@ class RemoteStack:
         if grads_a is None or grads_b is None or len(grads_a) != len(grads_b):
             return False
         pairs = zip(grads_a, grads_b, strict=True)
-        return all(x.shape == y.shape and (x.numel() == 0 or self._agree(x, y)) for x, y in pairs)
+        return all(x.shape == y.shape and (x.numel() == 0 or self._agree(x, y, tolerance)) for x, y in pairs)
 
     def _reported_grads(
         self, result: BackwardResult, hop: Hop, step: int, micro_batch: str
@@ -279,27 +304,35 @@ class RemoteStack:
         result: T,
         redo: Callable[[PeerID], T],
         rate: float,
-        agree: Callable[[T, T], bool] | None = None,
+        agree: Callable[[T, T, float], bool] | None = None,
     ) -> tuple[T, PeerID]:
         """With probability ``rate``, redo the hop on other replicas; a peer outvoted by two that agree is banned for
-        good. Returns the result to use and the peer that produced it. ``agree``: whether two results agree (by
-        default: tensors within the tolerance)."""
+        good. Replicas of the hop's numerics class are asked first (they are compared tightly); a result the others'
+        numerics cannot judge is never outvoted. Returns the result to use and the peer that produced it.
+        ``agree``: whether two results agree within a tolerance (by default: tensors)."""
         if rate <= 0 or self.random.random() >= rate:
             return result, hop.peer_id
         agree = agree or self._agree
         opinions: dict[PeerID, T] = {hop.peer_id: result}
         others = [
-            r.peer_id
+            r
             for r in self.router.replicas(hop.start)
             if r.peer_id != hop.peer_id and r.start <= hop.start and hop.end <= r.end
         ]
         if len(others) + 1 < self.min_voters:
             return result, hop.peer_id
-        # In random order: checking stops once the replicas asked agree, so a fixed order (the records') would
-        # never ask a dishonest peer listed last, unless it computed the hop itself.
+        # In random order within each class: checking stops once the replicas asked agree, so a fixed order (the
+        # records') would never ask a dishonest peer listed last, unless it computed the hop itself.
         self.random.shuffle(others)
+        own = {r.peer_id: r.numerics.key for r in self.router.replicas(hop.start, eligible_only=False)}.get(hop.peer_id)
+        others.sort(key=lambda r: r.numerics.key != own)
+
+        def verdict(a: PeerID, b: PeerID) -> bool | None:
+            tolerance = self._tolerance(a, b, hop)
+            return None if tolerance is None else agree(opinions[a], opinions[b], tolerance)
+
         majority: list[PeerID] = []
-        asking = others
+        asking = [r.peer_id for r in others]
         for _ in range(SPOT_CHECK_ROUNDS):  # a replica too slow to answer in time is asked again
             unanswered = []
             for peer in asking:
@@ -308,7 +341,7 @@ class RemoteStack:
                 except PeerFailure:
                     unanswered.append(peer)
                     continue
-                majority = _majority(opinions, agree)
+                majority = _majority(opinions, verdict)
                 if _decided(majority, opinions):
                     break
             if _decided(majority, opinions) or not unanswered:
@@ -316,16 +349,15 @@ class RemoteStack:
             asking = unanswered
         if len(majority) < 2:
             if len(opinions) > 1 and len(others) + 1 >= VOTERS:
-                # Two that disagree, and the third did not answer: accepting either could take a liar's result.
+                # No two agree, and the rest did not answer or cannot be judged: accepting any could take a liar's.
                 raise self.calls.peer_failed(
                     hop.peer_id, f"blocks {hop.start}:{hop.end}: a spot check could not decide"
                 )
             if len(opinions) > 1:
                 logger.warning("replicas of blocks %d:%d disagree and no majority exists", hop.start, hop.end)
             return result, hop.peer_id
-        for peer in opinions:
-            if peer not in majority:
-                self.ban_dishonest(peer, f"its blocks {hop.start}:{hop.end} results disagree with its replicas'")
+        for peer in _outvoted(majority, opinions, verdict):
+            self.ban_dishonest(peer, f"its blocks {hop.start}:{hop.end} results disagree with its replicas'")
         chosen = hop.peer_id if hop.peer_id in majority else majority[0]
         return opinions[chosen], chosen
 
@@ -450,7 +482,7 @@ class RemoteStack:
                             Hop(peer, h.start, h.end), x, g, mask, ledger, micro_batch
                         ),
                         rate,
-                        lambda a, b, h=hop: self._backwards_agree(a, b, h, ledger.step, micro_batch),
+                        lambda a, b, tol, h=hop: self._backwards_agree(a, b, tol, h, ledger.step, micro_batch),
                     )
                     ledger.acknowledge(micro_batch, hop.blocks, chosen, ran.hashes)
                     grad = ran.grad_inputs

@@ -21,6 +21,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from swarm.net.addresses import only_relayed
 from swarm.net.errors import DECODE_ERRORS
+from swarm.net.numerics import EXACT, Numerics
 from swarm.net.security import Identity, SwarmKey, SwarmKeyValidator, peer_id_of_owner
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class ServerRecord:
     digests: dict[int, str] = field(default_factory=dict)  # block -> digest of its base weights (swarm/weights.py)
     max_blocks: int = 0  # how many blocks it may grow to, to serve orphaned ones (0: not said; its span)
     links: dict[PeerID, Link] = field(default_factory=dict)  # next-hop peer -> its link from here (peers/links.py)
+    numerics: Numerics = EXACT  # how it computes, and each block's error at load (swarm/net/numerics.py)
 
     @property
     def blocks(self) -> range:
@@ -112,6 +114,8 @@ class ServerRecord:
             value["max_blocks"] = self.max_blocks
         if self.links:
             value["links"] = write_links(self.links)
+        if self.numerics != EXACT or self.numerics.errors:
+            value["numerics"] = self.numerics.to_wire()
         return value
 
     @classmethod
@@ -131,6 +135,7 @@ class ServerRecord:
                 digests=read_digests(value.get("digests", {})),
                 max_blocks=int(value.get("max_blocks", 0)),
                 links=read_links(value.get("links", {})),
+                numerics=Numerics.from_wire(value["numerics"]) if "numerics" in value else EXACT,
             )
         except (TypeError, KeyError, ValueError, AttributeError):
             logger.debug("ignoring a malformed record from %s", peer_id)

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from swarm.net.errors import MULTIADDR_ERRORS, SwarmError, UsageError
+from swarm.net.numerics import DTYPE_NAMES, QUANT_MODES
 from swarm.net.records import RECORD_TTL
-from swarm.precision import DTYPE_NAMES, QUANT_MODES
 
 if TYPE_CHECKING:  # the heavy imports stay inside the commands
     from hivemind import DHT
