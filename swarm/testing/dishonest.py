@@ -15,14 +15,14 @@ def perturbed(tensors: list[torch.Tensor], noise: torch.Generator) -> list[torch
     return [t + 0.05 * t.abs().mean() * torch.randn(t.shape, generator=noise, dtype=t.dtype) for t in tensors]
 
 
-def corrupt_forwards(backend: SpanBackend) -> None:
-    """Wrong activations: forward outputs perturbed by 5% of their mean magnitude."""
+def corrupt_forwards(backend: SpanBackend, scale: float = 0.05) -> None:
+    """Wrong activations: forward outputs perturbed by ``scale`` of their mean magnitude."""
     honest, noise = backend.forward, torch.Generator().manual_seed(0)
 
     def forward(*args, **kwargs) -> torch.Tensor:
         outputs = honest(*args, **kwargs)
         perturbation = torch.randn(outputs.shape, generator=noise, dtype=outputs.dtype).to(outputs.device)
-        return outputs + 0.05 * outputs.abs().mean() * perturbation
+        return outputs + scale * outputs.abs().mean() * perturbation
 
     backend.forward = forward
 
