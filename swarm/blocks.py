@@ -31,16 +31,24 @@ PATTERN_UNMATCHED = "The following (rank|alpha)_pattern keys did not match"
 LORA_FIELDS = ("r", "lora_alpha", "target_modules", "lora_dropout", "bias", "use_rslora", "fan_in_fan_out")
 
 
+def stored_tensors(spec: ModelSpec, block: int, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """Block ``block``'s tensors as stored in the folder (all, or ``names``, relative to the block), by name
+    relative to the block."""
+    prefix = spec.block_prefix(block)
+    wanted = spec.tensor_names(prefix) if names is None else [prefix + name for name in names]
+    state: dict[str, torch.Tensor] = {}
+    for path, full_names in spec.files_for(wanted).items():
+        with safe_open(str(path), framework="pt") as f:
+            for name in full_names:
+                state[name.removeprefix(prefix)] = f.get_tensor(name)
+    return state
+
+
 def load_block(spec: ModelSpec, block: int, device: torch.device, dtype: torch.dtype, quant: str) -> nn.Module:
     """Build block ``block`` with transformers' own class, reading only that block's tensors."""
     if quant not in QUANT_MODES:
         raise ValueError(f"--quant must be one of {QUANT_MODES}, got {quant!r}")
-    prefix = spec.block_prefix(block)
-    state: dict[str, torch.Tensor] = {}
-    for path, names in spec.files_for(spec.tensor_names(prefix)).items():
-        with safe_open(str(path), framework="pt") as f:
-            for name in names:
-                state[name.removeprefix(prefix)] = f.get_tensor(name).to(dtype)
+    state = {name: tensor.to(dtype) for name, tensor in stored_tensors(spec, block).items()}
     with torch.device("meta"):
         layer = spec.family_class("DecoderLayer")(spec.config, layer_idx=block)
     layer.load_state_dict(state, strict=True, assign=True)
@@ -171,11 +179,23 @@ def add_lora(
                 lp.param.copy_(kaiming_uniform(lp.param.shape, generator))
             elif kind == "lora_B":
                 lp.param.zero_()
-            elif kind != "lora_magnitude_vector":  # DoRA's magnitude: ||W|| row-wise, since B is zero
+            elif kind == "lora_magnitude_vector":
+                lp.param.copy_(dora_magnitude(spec, block, lp.name.split(".lora_magnitude_vector")[0], config))
+            else:
                 raise AdapterConfigError(f"LoRA tensor {lp.name} of block {block} has no deterministic init here")
     if config.lora_dropout:
         seeded_dropout(layer, adapter, config.lora_dropout, block)
     return params
+
+
+def dora_magnitude(spec: ModelSpec, block: int, module: str, config: peft.LoraConfig) -> torch.Tensor:
+    """DoRA's initial magnitude of ``module``: the norm of each output row of its weight (B is zero), as peft
+    computes it, but from the weight as stored, not as this peer quantized it, and summed in float64 so that the
+    order of the sum does not show: every replica, of any numerics, starts from the same bits."""
+    weight = stored_tensors(spec, block, [f"{module}.weight"])[f"{module}.weight"].double()
+    if config.fan_in_fan_out:
+        weight = weight.T
+    return weight.square().sum(dim=1).sqrt().float()
 
 
 def spans_text(blocks: Iterable[int]) -> str:

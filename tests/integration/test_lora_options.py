@@ -93,7 +93,10 @@ def test_an_option_trains_as_local_peft_trains_it(option, llama_pair, tiny_model
     initial, fresh = load_file(tmp_path / "initial" / ADAPTER), load_file(tmp_path / "fresh" / ADAPTER)
     assert initial.keys() == fresh.keys()
     for key in [k for k in initial if ".lora_A." not in k]:  # A is drawn from (seed, block); B and DoRA's m are not
-        assert torch.equal(initial[key], fresh[key]), f"{key} is not initialised as peft initialises it"
+        if "magnitude" in key:  # from the stored weights in float64, rounded once: within an ulp of peft's fp32 norm
+            torch.testing.assert_close(initial[key], fresh[key], rtol=2.4e-7, atol=0, msg=key)
+        else:
+            assert torch.equal(initial[key], fresh[key]), f"{key} is not initialised as peft initialises it"
     for key in ours:
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-4, atol=1e-5, msg=key)
     ours_config = json.loads((tmp_path / "final" / "adapter_config.json").read_text())

@@ -1,18 +1,22 @@
 """What becomes adapter state is the same bits on every machine, so replicas on other hardware vote alike: the update
 every holder applies (peers/update.py: torch's AdamW within fp32 rounding, bit for bit a chain of unfused IEEE
-operations) and the LoRA init (swarm/blocks.py: peft's kaiming A from a CPU generator, scaled without fusion)."""
+operations) and the LoRA init (swarm/blocks.py: peft's kaiming A from a CPU generator, scaled without fusion; DoRA's
+magnitude from the stored weights)."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
+import peft
 import torch
 
 from peers.update import BlockOptimizer, adamw_, correctly_rounded_sqrt, new_moments, one_minus_power
-from swarm.blocks import kaiming_uniform
+from swarm.blocks import add_lora, kaiming_uniform, load_block
 from swarm.dropout import keep_mask
 from swarm.net.protocol import OptimizerHParams
+from swarm.spec import load_spec
+from swarm.testing.tiny import make_tiny_model
 
 HP = OptimizerHParams(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 STEPS = 20
@@ -122,3 +126,25 @@ def test_dropout_masks_are_a_hash_of_their_key_and_index_computed_exactly():
     assert abs(big.float().mean().item() - keep) < 0.005
     other = keep_mask(torch.Size([200_000]), keep, key + 1, torch.device("cpu"))
     assert abs((big == other).float().mean().item() - (keep**2 + (1 - keep) ** 2)) < 0.005  # independent masks
+
+
+def test_doras_magnitude_is_the_stored_weights_row_norm_whatever_the_peers_quantization(tmp_path):
+    """From the weights as stored, not as a peer quantized them, summed in float64: an fp32, an int8 and an NF4
+    replica start from the same bits, within an ulp of peft's own norm of the fp32 weight."""
+    spec = load_spec(make_tiny_model(tmp_path / "tiny", family="llama", layers=2, seed=0))
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], use_dora=True)
+    magnitudes = {}
+    for quant in ("none", "int8", "nf4"):
+        layer = load_block(spec, 1, torch.device("cpu"), torch.float32, quant)
+        params = add_lora(layer, spec, 1, "dora", config, seed=3)
+        magnitudes[quant] = {lp.name: lp.param.detach() for lp in params if "magnitude" in lp.name}
+    assert sorted(magnitudes["none"]) == [
+        "mlp.down_proj.lora_magnitude_vector.weight",
+        "self_attn.q_proj.lora_magnitude_vector.weight",
+    ]
+    for quant in ("int8", "nf4"):
+        assert all(torch.equal(magnitudes[quant][k], v) for k, v in magnitudes["none"].items()), quant
+    exact = load_block(spec, 1, torch.device("cpu"), torch.float32, "none")
+    norm = torch.linalg.norm(exact.self_attn.q_proj.weight, dim=1)
+    magnitude = magnitudes["none"]["self_attn.q_proj.lora_magnitude_vector.weight"]
+    torch.testing.assert_close(magnitude, norm, rtol=2e-7, atol=0)
