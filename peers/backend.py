@@ -303,7 +303,7 @@ class SpanBackend:
             lora = contextlib.nullcontext()
         session = self._session(request, batch, length)
         try:
-            with torch.no_grad(), lora:
+            with torch.no_grad(), lora, self._autocast(request.autocast):
                 mask = None if attention_mask is None else attention_mask.to(self.device)
                 outputs = self.run(hidden.to(self.device, self.dtype), mask, blocks, session.cache, session.length)
         except BaseException:

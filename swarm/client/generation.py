@@ -119,6 +119,7 @@ class SessionChain:
                 self.step(),
                 wire.compression,
                 self.stack.route_of([h.hop for h in self.hops[1:]], Method.INFER, sent),
+                self.stack.autocast,
             )
             try:
                 reply, ran = self.stack.chain_ask([h.hop for h in self.hops], request, sent)
@@ -151,6 +152,7 @@ class SessionChain:
             self.adapter,
             self.step(),
             wire.compression,
+            autocast=self.stack.autocast,
         )
         units = hidden.shape[0] * hidden.shape[1] * (hop.end - hop.start)
         return self.stack.calls.ask(hop.peer_id, request, units).outputs.to(hidden.dtype)

@@ -448,6 +448,7 @@ class SwarmModelForCausalLM(nn.Module):
         config = resolve_config(generation_config or self.generation_config, input_ids.shape[1], kwargs)
         if not self.is_trainable:
             self.session.catch_up()  # a reader generates with the newest committed step
+        self.session.hops.autocast = autocast_dtype(self.device)  # the peers decode under the caller's autocast too
         chain = SessionChain(
             self.session.hops,
             input_ids.shape[1] + config.max_new_tokens,

@@ -1118,6 +1118,7 @@ class InferRequest(HiddenRequest):
     step: int = wire(read_int, default=0)
     compression: str = wire(read_compression, default="none")
     route: list[ChainHop] = wire(read_route, write_route, default_factory=list)  # the hops after this one
+    autocast: str | None = wire(optional(read_autocast), default=None)  # the client's autocast dtype, if on
 
     @property
     def blocks(self) -> range:

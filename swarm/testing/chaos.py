@@ -127,11 +127,21 @@ class Outage:
 class ChaosPeers:
     """Named peer processes of one model in a LocalSwarm: start, restart as themselves, read their spans."""
 
-    def __init__(self, local: LocalSwarm, model: Path, extra: list[str], workdir: Path, restart_nice: int = 0):
+    def __init__(
+        self,
+        local: LocalSwarm,
+        model: Path,
+        extra: list[str],
+        workdir: Path,
+        restart_nice: int = 0,
+        envs: dict[str, dict[str, str]] | None = None,
+    ):
         """``restart_nice``: the niceness a restarted peer starts at, until it serves (``serving()``): on one shared
         machine its start (imports, loading) then takes idle CPU rather than the running swarm's, as on its own
-        machine. 0 leaves restarts to compete, as they did."""
+        machine. 0 leaves restarts to compete, as they did. ``envs``: peer name -> environment it runs with, every
+        time it starts (other CPU kernels, say)."""
         self.local, self.model, self.extra, self.workdir = local, model, extra, workdir
+        self.envs = envs or {}
         self.restart_nice = restart_nice
         self.niced: set[str] = set()  # restarted peers still at restart_nice
         self.processes: dict[str, Process] = {}
@@ -146,7 +156,10 @@ class ChaosPeers:
         log_name = f"{name}.{next(self.restarts)}" if restart else name
         started = time.time()
         prefix = ["nice", "-n", str(self.restart_nice)] if restart and self.restart_nice else None
-        process = self.local.start_peer(self.model, blocks, name=log_name, extra=args, wait=False, prefix=prefix)
+        env = self.envs.get(name)
+        process = self.local.start_peer(
+            self.model, blocks, name=log_name, extra=args, wait=False, prefix=prefix, env=env
+        )
         self.processes[name] = process
         if prefix:
             self.niced.add(name)

@@ -74,6 +74,7 @@ class ChurnRun:
     torn_writes: int = 0
     restarts: list[Restart] = field(default_factory=list)
     max_abs_diff: float | None = None
+    dishonest: list[str] = field(default_factory=list)  # peers the client named dishonest
     error: str | None = None
 
     @property
@@ -103,6 +104,7 @@ class ChurnRun:
 
 
 CLIENT_PATIENCE = 120.0
+OTHER_KERNELS = {"ATEN_CPU_CAPABILITY": "default"}
 LONG_PAUSE = 5.0  # seconds between two commits that the report lists one by one
 
 
@@ -117,17 +119,21 @@ def run_churn(
     restart_nice: int = 0,
     min_copies: int = 2,
     shadow: bool = False,
+    other_kernels: int = 0,
 ) -> ChurnRun:
     """Train for ``seconds`` under chaos at mean ``interval`` (None: no chaos); compare with local peft.
     ``restart_nice``: see ``ChaosPeers``; ``min_copies``: the client's (``from_pretrained``); ``shadow``: strike
-    nothing, and start peers in a swarm of their own where the schedule would start them (``ShadowStarts``)."""
+    nothing, and start peers in a swarm of their own where the schedule would start them (``ShadowStarts``);
+    ``other_kernels``: so many of the peers (every other one) run torch's portable CPU kernels
+    (``ATEN_CPU_CAPABILITY=default``) in every life, as an older machine's would."""
     vocab = _vocab(model_dir)
     names = [f"peer{i}" for i in range(peers)]
     with LocalSwarm(workdir / "logs") as local, contextlib.ExitStack() as closing:
         closing.enter_context(_client_log(workdir / "logs" / "client.log"))
         local.start_dht()
         flags = [*PEER_FLAGS, "--num-blocks", str(span)]
-        fleet = ChaosPeers(local, model_dir, flags, workdir / "peers", restart_nice)
+        envs = dict.fromkeys(names[1::2][:other_kernels], OTHER_KERNELS)
+        fleet = ChaosPeers(local, model_dir, flags, workdir / "peers", restart_nice, envs)
         for name in names:
             fleet.start(name)
         schedule = chaos_schedule(seed, seconds, interval, names) if interval else []
@@ -163,6 +169,7 @@ def run_churn(
                 run.steps_lost = sum(e.steps for e in model.steps_lost)
                 run.lost_reports = [str(e) for e in model.steps_lost]
                 run.recoveries = len(model.recoveries)
+                run.dishonest = [str(peer) for peer in model.dishonest]
             model.save_adapter(workdir / "final")
         except Exception:  # the boundary of a measured run: whatever ended the training loop is what it reports
             run.error = traceback.format_exc()

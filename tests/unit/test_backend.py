@@ -14,7 +14,7 @@ from peers.state import BlockState, BlockUpdate, SavedBytes, pack_states, unpack
 from swarm.blocks import lora_config_to_wire
 from swarm.net.errors import ErrorKind, MissingForwardError, NotServedError, RequestError
 from swarm.net.gradhash import grad_hash
-from swarm.net.protocol import PEER_STATE_ERRORS, OptimizerHParams
+from swarm.net.protocol import PEER_STATE_ERRORS, InferRequest, OptimizerHParams
 from swarm.spec import load_spec
 
 HPARAMS = OptimizerHParams(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
@@ -285,3 +285,17 @@ def test_a_commit_of_blocks_held_but_no_longer_served_is_refused_not_applied(tin
     with pytest.raises(NotServedError, match=r"blocks \[2, 3\] are not served here") as refused:
         restarted.apply("a", 1, {2: ["s:1:0"], 3: ["s:1:0"]}, HPARAMS)
     assert refused.value.kind in PEER_STATE_ERRORS
+
+
+def test_generation_runs_under_the_clients_autocast(tiny_models):
+    """A generation request carries the caller's autocast: the peer decodes as the local model would under it."""
+    backend = _backend(tiny_models["llama"], range(0, 2))
+    hidden = torch.randn(1, 5, backend.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    def infer(session: str, autocast: str | None) -> torch.Tensor:
+        return backend.infer(InferRequest(session, 0, 2, 0, 8, hidden, autocast=autocast), hidden, None)
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        local = backend.run(hidden, None, range(0, 2)).float()
+    assert torch.equal(infer("bf16", "bfloat16"), local)
+    assert not torch.equal(infer("fp32", None), local)

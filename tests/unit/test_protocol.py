@@ -105,7 +105,7 @@ EXAMPLES: dict[str, tuple[protocol.Request, protocol.Reply]] = {
         protocol.ReachableReply(False, "timed out"),
     ),
     Method.INFER: (
-        protocol.InferRequest("s1", 0, 2, 4, 16, HIDDEN, MASK, "run", 3, "none", ROUTE),
+        protocol.InferRequest("s1", 0, 2, 4, 16, HIDDEN, MASK, "run", 3, "none", ROUTE, "bfloat16"),
         protocol.HiddenReply(HIDDEN),
     ),
     Method.END_SESSION: (protocol.EndSessionRequest("s1"), protocol.EndSessionReply(True)),
