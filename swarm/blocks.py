@@ -173,6 +173,9 @@ def add_lora(
     generator = torch.Generator().manual_seed(block_seed(seed, block))
     with torch.no_grad():
         for lp in params:
+            # fp32 on a half-precision base too, as peft's own models keep adapters (``autocast_adapter_dtype``):
+            # a bf16 replica then holds the same bits as an fp32 one, and trains as local peft does
+            lp.param.data = lp.param.data.float()
             lp.param.requires_grad_(True)
             kind = lp.name.split(".")[-2]
             if kind == "lora_A":

@@ -1,4 +1,4 @@
-"""Promise 13 across numerics: fp32, int8 and NF4 replicas of one span train together with every micro-batch
+"""Promise 13 across numerics: fp32, bf16, int8 and NF4 replicas of one span train together with every micro-batch
 spot-checked, beside two busy processes, and nobody is named dishonest; their adapter state stays the same bits on
 every replica. A liar is still caught where its lie exceeds what its class allows: inside the NF4 class (its NF4
 mates compare it tightly), and just above the rounding of the exact class."""
@@ -27,25 +27,27 @@ def announced(swarm: InProcessSwarm, name: str, timeout: float = 30.0) -> Numeri
     while True:
         records = read_servers(swarm.peers["head"].daemon.dht, "tiny-llama", 4)[2]
         numerics = next((r.numerics for r in records if r.peer_id == peer), None)
-        if numerics is not None and (sorted(numerics.errors) == [2, 3] or numerics.quant == "none"):
+        if numerics is not None and (sorted(numerics.errors) == [2, 3] or numerics.key == "none/float32/cpu"):
             return numerics
         assert time.monotonic() < deadline, f"{name} announced no measured errors for blocks 2:4: {numerics}"
         time.sleep(0.5)
 
 
-def test_fp32_int8_and_nf4_replicas_train_under_spot_checks_and_nobody_is_banned(
+def test_fp32_bf16_int8_and_nf4_replicas_train_under_spot_checks_and_nobody_is_banned(
     inprocess_swarm, tiny_models, tmp_path, cpu_load
 ):
     model_dir = tiny_models["llama"]
     swarm = inprocess_swarm()
     swarm.add_peer("0:2", "head", wait=False)
-    for name, quant in (("exact", "none"), ("int8", "int8"), ("nf4", "nf4")):
-        swarm.add_peer("2:4", name, wait=False, quant=quant)
+    for name, quant, dtype in (("exact", "none", "float32"), ("int8", "int8", "float32"), ("nf4", "nf4", "float32")):
+        swarm.add_peer("2:4", name, wait=False, quant=quant, dtype=dtype)
+    swarm.add_peer("2:4", "bf16", wait=False, quant="none", dtype="bfloat16")
     for peer in swarm.peers.values():
         peer.wait_serving()
     nf4 = announced(swarm, "nf4")
     assert nf4.key == "nf4/float32/cpu" and all(e > 0.01 for e in nf4.errors.values())
     assert announced(swarm, "exact").errors == {} and announced(swarm, "int8").key == "int8/float32/cpu"
+    assert announced(swarm, "bf16").key == "none/bfloat16/cpu"
 
     model = connect(swarm, model_dir, adapter="mixed", spot_check=1.0)
     try:
