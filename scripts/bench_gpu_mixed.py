@@ -1,12 +1,15 @@
-"""Promise 13 on a CUDA machine: a CPU replica and a CUDA replica of the same blocks (both fp32 weights, no
-quantization) train 20 steps side by side through two in-process peers, and after every step their state digests
-(LoRA tensors, AdamW moments, step) must be equal to the bit, with nobody named dishonest: the exact update
-(peers/update.py) computes the same bits on both devices from the same gradient bits. With ``--devices cpu cpu``
-(scripts/bench_gpu.py --cpu) it checks only that the part runs.
+"""Promise 13 on a CUDA machine, in two runs of in-process peers serving all four blocks of a tiny Llama:
+- devices: a CPU replica and a CUDA replica (both fp32 weights, no quantization) train 20 steps side by side, and
+  after every step their state digests (LoRA tensors, AdamW moments, step) must be equal to the bit: the exact
+  update (peers/update.py) computes the same bits on both devices from the same gradient bits;
+- numerics: an NF4 CUDA replica beside a bf16 CUDA one and an fp32 CPU one, every micro-batch spot-checked: nobody
+  is banned (swarm/net/numerics.py), and their adapter state is the same bits all the same.
+Either run fails if a replica is named dishonest. With ``--cpu`` (scripts/bench_gpu.py --cpu) both run on the CPU,
+with fewer steps: it checks only that the part runs.
 
 Usage::
 
-    python scripts/bench_gpu_mixed.py [--devices cpu cuda] [--steps 20] [--workdir DIR] [--json PATH]
+    python scripts/bench_gpu_mixed.py [--cpu] [--device cuda] [--steps 20] [--workdir DIR] [--json PATH]
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import logging
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import peft
@@ -34,17 +38,31 @@ from swarm.testing.tiny import make_tiny_model  # noqa: E402
 logger = logging.getLogger("bench_gpu_mixed")
 
 
-def run(devices: list[str], steps: int, workdir: Path) -> dict:
+@dataclass(frozen=True)
+class Replica:
+    device: str
+    quant: str = "none"
+    dtype: str = "float32"
+
+
+def run(mode: str, replicas: list[Replica], steps: int, spot_check: float | None, workdir: Path) -> dict:
     model_dir = make_tiny_model(workdir / "tiny-llama", family="llama", layers=4, seed=1)
     started = time.perf_counter()
     identical_steps, differing = 0, []
-    with InProcessSwarm(model_dir, workdir / "swarm", quant="none") as local:
-        for index, device in enumerate(devices):
-            local.add_peer("0:4", f"replica-{index}", wait=False, device=device)
+    with InProcessSwarm(model_dir, workdir / mode.replace("+", "-")) as local:
+        for index, replica in enumerate(replicas):
+            local.add_peer(
+                "0:4", f"replica-{index}", wait=False, device=replica.device, quant=replica.quant, dtype=replica.dtype
+            )
         for peer in local.peers.values():
             peer.wait_serving(120)
         model = swarm.SwarmModelForCausalLM.from_pretrained(
-            model_dir, initial_peers=local.initial_peers, adapter="mixed", lora_config=peft.LoraConfig(**LORA), seed=3
+            model_dir,
+            initial_peers=local.initial_peers,
+            adapter=mode.replace("+", "-"),
+            lora_config=peft.LoraConfig(**LORA),
+            seed=3,
+            spot_check=spot_check,
         )
         try:
             optimizer = swarm.RemoteOptimizer(model, **HPARAMS)
@@ -56,7 +74,7 @@ def run(devices: list[str], steps: int, workdir: Path) -> dict:
                 optimizer.zero_grad()
                 digests = model.replica_digests()
                 same = all(
-                    len(by_peer) == len(devices) and len(set(by_peer.values())) == 1 for by_peer in digests.values()
+                    len(by_peer) == len(replicas) and len(set(by_peer.values())) == 1 for by_peer in digests.values()
                 )
                 identical_steps += same
                 if not same:
@@ -66,32 +84,39 @@ def run(devices: list[str], steps: int, workdir: Path) -> dict:
             model.shutdown()
     ok = identical_steps == steps and dishonest == 0
     figures = {
-        "devices": "+".join(devices),
+        "replicas": " ".join(f"{r.device}:{r.quant}:{r.dtype}" for r in replicas),
+        "spot check": spot_check or 0.0,
         "steps": steps,
         "steps identical": identical_steps,
         "dishonest": dishonest,
         "s": time.perf_counter() - started,
     }
-    logger.info("mixed replicas %s: %s (ok: %s)", devices, figures, ok)
+    logger.info("mixed replicas %s: %s (ok: %s)", mode, figures, ok)
     error = None if ok else f"replicas differ after steps {differing[:5]}, {dishonest} named dishonest"
-    return dict(mode="+".join(devices), ok=ok, figures=figures, error=error)
+    return dict(mode=mode, ok=ok, figures=figures, error=error)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--devices", nargs=2, default=["cpu", "cuda"], help="the two replicas' devices")
+    parser.add_argument("--cpu", action="store_true", help="every replica on the CPU, fewer steps")
+    parser.add_argument("--device", default="cuda", help="the CUDA device of the CUDA replicas")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--workdir", type=Path, default=None, help="default: a new temporary folder")
-    parser.add_argument("--json", type=Path, default=None, help="write the summary row here")
+    parser.add_argument("--json", type=Path, default=None, help="write the summary rows here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("hivemind").setLevel(logging.WARNING)
-    if any(d.startswith("cuda") for d in args.devices) and not torch.cuda.is_available():
-        parser.error(f"--devices {' '.join(args.devices)}: torch {torch.__version__} sees no CUDA device")
+    if not args.cpu and not torch.cuda.is_available():
+        parser.error(f"torch {torch.__version__} sees no CUDA device (--cpu runs both runs on the CPU)")
+    gpu = "cpu" if args.cpu else args.device
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-gpu-mixed-"))
-    row = run(args.devices, args.steps, workdir)
+    runs = {
+        f"cpu+{'cpu' if args.cpu else 'cuda'}": ([Replica("cpu"), Replica(gpu)], None),
+        "nf4+bf16+fp32": ([Replica(gpu, "nf4", "bfloat16"), Replica(gpu, "none", "bfloat16"), Replica("cpu")], 1.0),
+    }
+    rows = [run(mode, replicas, args.steps, spot, workdir) for mode, (replicas, spot) in runs.items()]
     if args.json:
-        args.json.write_text(json.dumps([row], indent=1))
+        args.json.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
