@@ -7,7 +7,6 @@ import contextlib
 import itertools
 import logging
 import math
-from collections.abc import Iterable
 from dataclasses import replace
 
 import torch
@@ -48,7 +47,8 @@ from swarm.net.errors import (
 from swarm.net.gradhash import grad_hash
 from swarm.net.gradnorm import GradNorm, covers_digest
 from swarm.net.numerics import Numerics
-from swarm.net.protocol import AdapterInfo, InferRequest, OptimizerHParams, lora_and_seed
+from swarm.net.protocol import SUM, AdapterInfo, Group, InferRequest, OptimizerHParams, lora_and_seed
+from swarm.net.reduction import add_up, partial_sum
 from swarm.spec import ModelSpec
 from swarm.weights import differing
 
@@ -178,6 +178,7 @@ class SpanBackend:
             adapter.session = session
             for state in adapter.blocks.values():
                 state.grads = {mb: g for mb, g in state.grads.items() if session_of(mb) == session}
+                state.partials = {}
             self._forget_forwards(name)
         return adapter.steps()
 
@@ -464,7 +465,7 @@ class SpanBackend:
 
     # --- commit ---------------------------------------------------------------------------------------------
 
-    def _ledger_states(self, name: str, step: int, ledger: dict[int, list[str]]) -> dict[int, BlockAdapter]:
+    def _ledger_states(self, name: str, step: int, ledger: dict[int, list[Group]]) -> dict[int, BlockAdapter]:
         """The blocks of the ledger that this peer holds, checked to be served here and at ``step`` or past it. A peer
         that restarted on other blocks may still hold the state of those it served before, one step behind or stale;
         a client whose records are older asks it to commit them: refused (``not_served``), never applied or voted."""
@@ -481,11 +482,13 @@ class SpanBackend:
             raise StaleStepError(f"blocks {behind} of adapter {name!r} are behind step {step}; sync them first")
         return states
 
-    def missing(self, name: str, step: int, ledger: dict[int, list[str]]) -> dict[int, list[str]]:
-        """Micro-batches of the ledger whose gradients this peer lacks, on blocks still at ``step``."""
-        states = self._ledger_states(name, step, ledger)
+    def missing(self, name: str, step: int, groups: dict[int, list[Group]]) -> dict[int, list[str]]:
+        """Micro-batches of the ledger (``groups``: block -> each holder's micro-batches, see ``ledger_groups``) whose
+        group this peer can sum neither from gradients held here nor from a partial sum fetched for it, on blocks
+        still at ``step``."""
+        states = self._ledger_states(name, step, groups)
         missing = {
-            block: [mb for mb in ledger[block] if mb not in state.grads]
+            block: [mb for group in groups[block] if not _can_sum(state, group) for mb in group]
             for block, state in states.items()
             if state.step == step
         }
@@ -514,7 +517,7 @@ class SpanBackend:
             state = adapter.blocks.get(block)
             if state is None or state.step != step or not state.grads:
                 continue
-            summed = _summed(state, state.grads)
+            summed = partial_sum(state.grads, tuple(state.grads))  # one holder's sum: the step's, if it holds all
             sum_sq = math.fsum(float(torch.linalg.vector_norm(g)) ** 2 for g in summed)
             max_abs = max((float(g.abs().max()) for g in summed if g.numel()), default=0.0)
             norms.append(GradNorm(block, covers_digest(state.grads), sum_sq, max_abs))
@@ -531,18 +534,18 @@ class SpanBackend:
                 hashes.append((block, grad_hash(state.grads[micro_batch])))
         return tuple(hashes)
 
-    def norm_parts(self, name: str, step: int, ledger: dict[int, list[str]], norm_type: float) -> dict[int, float]:
+    def norm_parts(self, name: str, step: int, groups: dict[int, list[Group]], norm_type: float) -> dict[int, float]:
         """Per block of the ledger held here at ``step``, its share of the step's ``norm_type``-norm (see
         ``NormsRequest``); raises MissingGradientsError when some of the ledger's gradients are not here."""
-        states = self._ledger_states(name, step, ledger)
-        missing = self.missing(name, step, ledger)
+        states = self._ledger_states(name, step, groups)
+        missing = self.missing(name, step, groups)
         if missing:
             raise MissingGradientsError(f"no gradients for {missing} at step {step}", missing)
         parts = {}
         for block, state in states.items():
             if state.step != step:
                 continue
-            norms = [torch.linalg.vector_norm(g, norm_type) for g in _summed(state, ledger[block])]
+            norms = [torch.linalg.vector_norm(g, norm_type) for g in _reduced(state, groups[block])]
             if math.isinf(norm_type):
                 parts[block] = max((float(n) for n in norms), default=0.0)
             else:
@@ -565,6 +568,35 @@ class SpanBackend:
             found[block] = {mb: held[mb] for mb in mbs if mb in held}
         return found
 
+    def partial_sums(self, name: str, step: int, wanted: dict[int, list[str]]) -> GradsByBlock:
+        """This peer's partial sum of the step on each block: the ``wanted`` micro-batches' gradients held here,
+        summed in sorted order (under the key ``SUM``); a block where some are not held is left out."""
+        held = self.micro_batch_grads(name, step, wanted)
+        sums: GradsByBlock = {}
+        for block, mbs in wanted.items():
+            by_mb = held.get(block, {})
+            if all(mb in by_mb for mb in mbs):
+                sums[block] = {SUM: partial_sum(by_mb, tuple(sorted(mbs)))}
+        return sums
+
+    def add_partials(self, name: str, step: int, partials: dict[int, dict[Group, list[torch.Tensor]]]) -> None:
+        """Take other holders' partial sums of the step (block -> their micro-batches -> the sum); checked like any
+        input."""
+        adapter = self.adapter(name)
+        for block, by_group in partials.items():
+            state = adapter.blocks.get(block)
+            if state is None or state.step != step:
+                continue
+            for group, tensors in by_group.items():
+                _check_grads(state, block, "+".join(group), tensors)
+                state.partials[group] = [t.to(lp.param.dtype) for t, lp in zip(tensors, state.params, strict=True)]
+
+    def drop_partials(self, name: str, step: int) -> None:
+        """Forget the partial sums fetched for ``step``: an audited commit fetches each one again."""
+        for state in self.adapter(name).blocks.values():
+            if state.step == step:
+                state.partials = {}
+
     def add_grads(self, name: str, step: int, grads: GradsByBlock) -> None:
         """Take gradients fetched from a replica; shapes and values are checked like any input."""
         adapter = self.adapter(name)
@@ -573,42 +605,40 @@ class SpanBackend:
             if state is None or state.step != step:
                 continue
             for mb, tensors in by_mb.items():
-                shapes = [tuple(lp.param.shape) for lp in state.params]
-                if [tuple(t.shape) for t in tensors] != shapes or not all(torch.isfinite(t).all() for t in tensors):
-                    raise RequestError(f"gradients for block {block}, micro-batch {mb} have wrong shapes or values")
+                _check_grads(state, block, mb, tensors)
                 state.grads.setdefault(mb, [t.to(lp.param.dtype) for t, lp in zip(tensors, state.params, strict=True)])
 
     def apply(
         self,
         name: str,
         step: int,
-        ledger: dict[int, list[str]],
+        groups: dict[int, list[Group]],
         hparams: OptimizerHParams,
         grad_scale: float = 1.0,
     ) -> dict[int, int]:
-        """Apply step ``step``: per block, sum the ledger's micro-batch gradients in sorted order, scale them by the
-        step's global clipping factor, then one AdamW update. Idempotent: blocks already past ``step`` are left alone.
-        """
+        """Apply step ``step``: per block, the ledger's gradients reduced (each holder's micro-batches summed in
+        sorted order, then those partial sums in the order of ``groups``: see ``ledger_groups``), scaled by the step's
+        global clipping factor, then one AdamW update. Idempotent: blocks already past ``step`` are left alone."""
         adapter = self.adapter(name)
-        states = self._ledger_states(name, step, ledger)
-        missing = self.missing(name, step, ledger)
+        states = self._ledger_states(name, step, groups)
+        missing = self.missing(name, step, groups)
         if missing:
             raise MissingGradientsError(f"no gradients for {missing} at step {step}", missing)
         for block, state in states.items():
             if state.step != step:
                 continue
-            summed = _summed(state, ledger[block])
+            summed = _reduced(state, groups[block])
             if not all(torch.isfinite(g).all() for g in summed):
                 raise RequestError(f"step {step} has non-finite gradients on block {block}; refusing to apply them")
             if grad_scale != 1.0:
                 for grad in summed:
                     grad.mul_(grad_scale)
             before = BlockState.of(state, with_before=False)
-            state.undo = Undo(before, state.grads, state.last_update)
+            state.undo = Undo(before, state.grads, state.last_update, state.partials)
             state.optimizer.step([lp.param for lp in state.params], summed, hparams)
             grads = {lp.name: grad.detach().cpu() for lp, grad in zip(state.params, summed, strict=True)}
             state.last_update = BlockUpdate(step, grads, hparams, before.digest())
-            state.grads = {}
+            state.grads, state.partials = {}, {}
             state.step += 1
         self._forget_forwards(name)
         return adapter.steps()
@@ -626,7 +656,7 @@ class SpanBackend:
         self,
         name: str,
         step: int,
-        ledger: dict[int, list[str]],
+        groups: dict[int, list[Group]],
         grads: GradsByBlock,
         hparams: OptimizerHParams,
         grad_scale: float,
@@ -635,19 +665,18 @@ class SpanBackend:
         (the ledger's gradients given, fetched from their holders), and return the digests. Nothing is kept."""
         adapter = self.adapter(name)
         digests = {}
-        for block, mbs in ledger.items():
+        for block, block_groups in groups.items():
             held = adapter.standby.get(block)
             if held is None or held.step != step:
                 raise StaleStepError(f"no standby copy of adapter {name!r} block {block} at step {step} here")
             by_mb = grads.get(block, {})
-            missing = sorted(set(mbs) - set(by_mb))
+            missing = sorted({mb for group in block_groups for mb in group} - set(by_mb))
             if missing:
                 raise MissingGradientsError(f"no gradients for {missing} at step {step}", {block: missing})
             names = list(held.tensors)
-            summed = [torch.zeros_like(held.tensors[n]["param"]) for n in names]
-            for mb in sorted(set(mbs)):
-                for total, grad in zip(summed, by_mb[mb], strict=True):
-                    total.add_(grad.to(total.dtype))
+            dtypes = [held.tensors[n]["param"].dtype for n in names]
+            by_mb = {mb: [g.to(d) for g, d in zip(tensors, dtypes, strict=True)] for mb, tensors in by_mb.items()}
+            summed = add_up([partial_sum(by_mb, group) for group in block_groups])
             if grad_scale != 1.0:
                 for grad in summed:
                     grad.mul_(grad_scale)
@@ -785,10 +814,17 @@ class SpanBackend:
         return {block: state.digest() for block, state in self.adapter(name).blocks.items()}
 
 
-def _summed(state: BlockAdapter, micro_batches: Iterable[str]) -> list[torch.Tensor]:
-    """A block's gradients summed over ``micro_batches`` in sorted order: the same bits on every replica."""
-    summed = [torch.zeros_like(lp.param) for lp in state.params]
-    for mb in sorted(set(micro_batches)):
-        for total, grad in zip(summed, state.grads[mb], strict=True):
-            total.add_(grad)
-    return summed
+def _can_sum(state: BlockAdapter, group: Group) -> bool:
+    return group in state.partials or all(mb in state.grads for mb in group)
+
+
+def _reduced(state: BlockAdapter, groups: list[Group]) -> list[torch.Tensor]:
+    """A block's gradient of the step: each group's partial sum (fetched from its holder, or summed here from the
+    gradients held here, which are its holder's bits: see ``drop_unlike``), added up in the order of ``groups``."""
+    return add_up([state.partials[g] if g in state.partials else partial_sum(state.grads, g) for g in groups])
+
+
+def _check_grads(state: BlockAdapter, block: int, what: str, tensors: list[torch.Tensor]) -> None:
+    shapes = [tuple(lp.param.shape) for lp in state.params]
+    if [tuple(t.shape) for t in tensors] != shapes or not all(torch.isfinite(t).all() for t in tensors):
+        raise RequestError(f"gradients for block {block}, micro-batch {what} have wrong shapes or values")

@@ -62,11 +62,13 @@ class PeerClient:
             raise ChainBroken(ChainFailure(hop.peer, FailureKind.UNREACHABLE, reason)) from None
 
     async def fetch_grads(
-        self, peer: str, name: str, step: int, wanted: dict[int, list[str]], timeout: float
+        self, peer: str, name: str, step: int, wanted: dict[int, list[str]], timeout: float, summed: bool = False
     ) -> GradsByBlock:
-        """A replica's gradients of the step; a dead or silent replica just yields nothing (the client replays)."""
+        """A replica's gradients of the step (``summed``: its partial sum of each block, see ``GradsRequest``); a
+        dead or silent replica just yields nothing (the client replays)."""
+        request = GradsRequest(name, step, wanted, summed)
         try:
-            reply = await self.transport.aask(PeerID.from_base58(peer), GradsRequest(name, step, wanted), timeout)
+            reply = await self.transport.aask(PeerID.from_base58(peer), request, timeout)
         except PEER_ERRORS as e:
             logger.warning("could not fetch gradients from %s: %s", peer, e)
             return {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -23,6 +24,7 @@ from swarm.net.errors import PEER_ERRORS, BadGradientsError, RequestError, Sourc
 from swarm.net.gradhash import grad_hash
 from swarm.net.gradnorm import GradNorm
 from swarm.net.protocol import (
+    SUM,
     Ack,
     BackwardRequest,
     CommitReply,
@@ -40,6 +42,7 @@ from swarm.net.protocol import (
     GradReply,
     GradsReply,
     GradsRequest,
+    Group,
     HiddenReply,
     InferRequest,
     InfoRequest,
@@ -58,11 +61,17 @@ from swarm.net.protocol import (
     TieBreakRequest,
     UnservedRequest,
 )
+from swarm.net.reduction import partial_sum, same_bits
 from swarm.net.security import SwarmKey
 from swarm.net.servicer import Doorkeeper, FaultHook
 from swarm.net.wire import DEFAULT_MAX_PAYLOAD_BYTES
 
 logger = logging.getLogger(__name__)
+
+# The share of fetched partial sums a peer audits: the micro-batch gradients behind one block's sum are fetched too,
+# checked against their reported hashes and added up again. An audit costs the holder's share of the step's gradients
+# for that block, once; a holder caught lying is refused and named (``bad_gradients``), and the client bans it.
+AUDIT_RATE = 0.05
 
 
 @dataclass(frozen=True)
@@ -112,9 +121,11 @@ class PeerService(InfoDoors):
         swarm_key: SwarmKey | None = None,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         faults: FaultHook | None = None,
+        audit_rate: float = AUDIT_RATE,
     ):
         super().__init__(info, swarm_key, max_payload_bytes, faults=faults)
         self.backend, self.peers = backend, peers
+        self.audit_rate, self.random = audit_rate, random.Random()
         self.compute, self.hooks, self.pullers = compute, hooks, pullers
         self.handlers.update(
             {
@@ -237,18 +248,18 @@ class PeerService(InfoDoors):
         return EndSessionReply(await self.compute(self.backend.sessions.end, request.session))
 
     async def _commit(self, request: CommitRequest) -> CommitReply:
-        """Commit a step in one call: fetch the micro-batch gradients this peer lacks from the replicas holding them
-        (peer to peer, all at once), then one AdamW update from the ledger's gradients, identical on every replica.
+        """Commit a step in one call: fetch the partial sums this peer lacks from the replicas holding them (peer to
+        peer, all at once), then one AdamW update from the ledger's reduced gradient, identical on every replica.
         Gradients nobody could provide are reported (``missing_gradients``) and nothing is applied: the client
         replays them and asks again. Idempotent: blocks already past the step are left alone. The reply carries the
         ledger blocks' digests after the step: the replicas' vote (swarm/client/votes.py)."""
-        name, step, ledger = request.adapter, request.step, request.micro_batches()
+        name, step, groups = request.adapter, request.step, request.groups()
         await self._fetch_missing(request)
 
         def apply() -> CommitReply:
-            steps = self.backend.apply(name, step, ledger, request.hparams, request.grad_scale)
+            steps = self.backend.apply(name, step, groups, request.hparams, request.grad_scale)
             digests = self.backend.digests(name)
-            return CommitReply(steps, {block: digests[block] for block in ledger if block in digests})
+            return CommitReply(steps, {block: digests[block] for block in groups if block in digests})
 
         reply = await self.compute(apply)
         self.in_background(self.hooks.after_commit(name))  # queued on the compute thread before the next
@@ -261,9 +272,14 @@ class PeerService(InfoDoors):
         grads, bad = await self._fetch_checked(request, request.micro_batches())
         if bad:
             raise _bad_gradients(request.step, bad)
-        ledger = request.micro_batches()
         digests = await self.compute(
-            self.backend.tiebreak, request.adapter, request.step, ledger, grads, request.hparams, request.grad_scale
+            self.backend.tiebreak,
+            request.adapter,
+            request.step,
+            request.groups(),
+            grads,
+            request.hparams,
+            request.grad_scale,
         )
         return DigestReply(digests)
 
@@ -271,26 +287,85 @@ class PeerService(InfoDoors):
         """The step's gradient norm shares of the ledger's blocks, for clipping, after fetching the gradients this
         peer lacks like a commit does (the commit then finds them here)."""
         await self._fetch_missing(request)
-        ledger = request.micro_batches()
-        parts = await self.compute(self.backend.norm_parts, request.adapter, request.step, ledger, request.norm_type)
+        groups = request.groups()
+        parts = await self.compute(self.backend.norm_parts, request.adapter, request.step, groups, request.norm_type)
         return NormsReply(parts)
 
     async def _fetch_missing(self, request: CommitRequest | NormsRequest) -> None:
-        """Fetch the ledger's micro-batch gradients this peer lacks from the replicas holding them, all at once, and
-        those it computed too (a retried backward) in other bits than the ledger's holder: every replica applies the
-        holder's. Gradients that do not hash as the ledger says are refused (``bad_gradients``, naming their
-        holders)."""
+        """Fetch the partial sums of the ledger's other holders this peer lacks, one per holder and block, all at
+        once (ARCHITECTURE.md "One reduction per step"); this peer's own gradients of micro-batches held elsewhere
+        (a retried backward) it drops where they hash otherwise, so that a group it can sum itself is the holder's
+        bits. A holder whose partial sum fails an audit is refused (``bad_gradients``, naming it)."""
         name, step = request.adapter, request.step
         others = {
             block: {mb: held.grad_hash for mb, held in by_mb.items() if held.holder != self.me and held.grad_hash}
             for block, by_mb in request.ledger.items()
         }
         await self.compute(self.backend.drop_unlike, name, step, others)
-        missing = await self.compute(self.backend.missing, name, step, request.micro_batches())
-        good, bad = await self._fetch_checked(request, missing)
-        await self.compute(self.backend.add_grads, name, step, good)
+        audit = isinstance(request, CommitRequest) and request.audit
+        if audit:
+            await self.compute(self.backend.drop_partials, name, step)
+        groups = request.groups()
+        missing = await self.compute(self.backend.missing, name, step, groups)
+        wanted_from: dict[str, dict[int, list[str]]] = {}
+        for block, mbs in missing.items():
+            for group in {group for group in groups[block] if set(group) & set(mbs)}:
+                holder = request.ledger[block][group[0]].holder
+                if holder != self.me:
+                    wanted_from.setdefault(holder, {})[block] = list(group)
+        fetch = self.peers.fetch_grads
+        fetched = await asyncio.gather(
+            *(fetch(peer, name, step, part, request.fetch_timeout, summed=True) for peer, part in wanted_from.items())
+        )
+        bad = []
+        for (peer, part), sums in zip(wanted_from.items(), fetched, strict=True):
+            partials = {block: {tuple(part[block]): by_key[SUM]} for block, by_key in sums.items() if SUM in by_key}
+            if partials and not await self._audit(request, peer, part, partials, always=audit):
+                bad.append(peer)
+                continue
+            await self.compute(self.backend.add_partials, name, step, partials)
         if bad:
             raise _bad_gradients(step, bad)
+
+    async def _audit(
+        self,
+        request: CommitRequest | NormsRequest,
+        peer: str,
+        part: dict[int, list[str]],
+        partials: dict[int, dict[Group, list[torch.Tensor]]],
+        always: bool = False,
+    ) -> bool:
+        """With probability ``audit_rate`` (``always``: every block): fetch the micro-batch gradients behind a
+        block's partial sum from its holder, check them against the hashes its acks reported, and check that they
+        add up to the partial sum, to the bit. A holder that sends a partial sum other than the sum of what it
+        reported fails."""
+        if not always and self.random.random() >= self.audit_rate:
+            return True
+        blocks = sorted(partials) if always else [self.random.choice(sorted(partials))]
+        return all([await self._audit_block(request, peer, part, partials, block) for block in blocks])
+
+    async def _audit_block(
+        self,
+        request: CommitRequest | NormsRequest,
+        peer: str,
+        part: dict[int, list[str]],
+        partials: dict[int, dict[Group, list[torch.Tensor]]],
+        block: int,
+    ) -> bool:
+        wanted = {block: part[block]}
+        grads = await self.peers.fetch_grads(peer, request.adapter, request.step, wanted, request.fetch_timeout)
+        if not grads:
+            return True  # gone meanwhile (or silent): not proven wrong; its micro-batches are replayed if need be
+        matching, mismatched = await self.compute(_as_reported, request, wanted, grads)
+        if mismatched or set(matching.get(block, {})) != set(part[block]):
+            logger.warning("audit of %s's partial sum of block %d: its gradients are not as it reported", peer, block)
+            return False
+        ((group, summed),) = partials[block].items()
+        recomputed = await self.compute(partial_sum, matching[block], group)
+        if same_bits(recomputed, summed):
+            return True
+        logger.warning("audit of %s's partial sum of block %d: not the sum of its reported gradients", peer, block)
+        return False
 
     async def _fetch_checked(
         self, request: CommitRequest | NormsRequest, wanted: dict[int, list[str]]
@@ -321,8 +396,8 @@ class PeerService(InfoDoors):
         return StepsReply(steps)
 
     async def _grads(self, request: GradsRequest) -> GradsReply:
-        grads = await self.compute(self.backend.micro_batch_grads, request.adapter, request.step, request.wanted)
-        return GradsReply(grads)
+        held = self.backend.partial_sums if request.summed else self.backend.micro_batch_grads
+        return GradsReply(await self.compute(held, request.adapter, request.step, request.wanted))
 
     async def _export(self, request: ExportRequest) -> ExportReply:
         """State of blocks; with ``held`` (block -> the step of the asker's copy), the last update of served blocks

@@ -15,7 +15,7 @@ import torch
 from peers.update import BlockOptimizer, adamw_, new_moments
 from swarm.blocks import LoraParam
 from swarm.net.errors import KeptInputsFullError, RequestError
-from swarm.net.protocol import OptimizerHParams, adapter_meta
+from swarm.net.protocol import Group, OptimizerHParams, adapter_meta
 
 GradsByBlock = dict[int, dict[str, list[torch.Tensor]]]
 
@@ -33,6 +33,7 @@ class BlockAdapter:
     optimizer: BlockOptimizer
     step: int = 0
     grads: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    partials: dict[Group, list[torch.Tensor]] = field(default_factory=dict)  # other holders' sums, fetched at commit
     last_update: BlockUpdate | None = None  # what took the state from step - 1 to step, for copies one step behind
     undo: Undo | None = None  # the block as it was before its last apply
 
@@ -45,7 +46,7 @@ class BlockAdapter:
         if undo is None:
             return False
         undo.state.load_into(self)
-        self.grads, self.last_update = undo.grads, undo.last_update
+        self.grads, self.partials, self.last_update = undo.grads, undo.partials, undo.last_update
         return True
 
     def digest(self) -> str:
@@ -74,11 +75,13 @@ def _raw_bytes(tensor: torch.Tensor) -> bytes:
 
 @dataclass
 class Undo:
-    """A block before an apply: its state, the micro-batch gradients applied, and the update before that one."""
+    """A block before an apply: its state, the micro-batch gradients and partial sums applied, and the update before
+    that one."""
 
     state: BlockState
     grads: dict[str, list[torch.Tensor]]
     last_update: BlockUpdate | None
+    partials: dict[Group, list[torch.Tensor]] = field(default_factory=dict)
 
 
 BEFORE = "before."  # the fields of BlockState.before, beside the state's own, on the wire and in checkpoints
@@ -154,6 +157,7 @@ class BlockState:
                     state.optimizer.state.pop(lp.param, None)
         state.step = self.step
         state.grads.clear()
+        state.partials.clear()
         state.last_update = None
         revertible = self.before is not None and self.before.step == self.step - 1
         state.undo = Undo(self.before, {}, None) if revertible else None

@@ -335,11 +335,17 @@ class ReplicaSet:
 
 
 def commit(
-    hops: RemoteStack, replicas: ReplicaSet, ledger: StepLedger, hparams: OptimizerHParams
+    hops: RemoteStack, replicas: ReplicaSet, ledger: StepLedger, hparams: OptimizerHParams, audit: bool = False
 ) -> dict[PeerID, range]:
-    """Apply ``ledger.step`` on every live replica, all asked at once; each fetches the gradients it lacks peer to
-    peer and applies in the same call. Gradients that died with a peer are replayed (``hops``) on a replica still at
-    the step first. Returns the replicas that applied it (and their spans). Raises CommitError if impossible."""
+    """Apply ``ledger.step`` on every live replica, all asked at once; each fetches the partial sums it lacks peer
+    to peer and applies in the same call. Gradients that died with a peer are replayed (``hops``) on a replica still
+    at the step first. Returns the replicas that applied it (and their spans). Raises CommitError if impossible.
+
+    Replicas whose states disagree after the step commit it again, every partial sum audited (``audit``: each
+    replica checks the micro-batch gradients behind every partial sum it uses against their reported hashes): a
+    holder that handed on a partial sum other than the sum of what it reported is named and its micro-batches
+    replayed, before a vote could count the replicas it misled as the majority. A disagreement that survives the
+    audit goes to the vote (``_vote``)."""
     calls = hops.calls
     step, started, rounds = ledger.step, time.monotonic(), 0
     patience = Deadline(calls.patience)
@@ -388,7 +394,7 @@ def commit(
         missing = _held_by_departed(ledger, pending, applied)
         if not missing:
             accused: list[tuple[PeerID, PeerID]] = []
-            newly, missing = _commit_all(calls, replicas, pending, ledger, hparams, failed, votes, accused)
+            newly, missing = _commit_all(calls, replicas, pending, ledger, hparams, failed, votes, accused, audit)
             for peer in newly:
                 replicas.current[peer] = step + 1  # no longer eligible for this step's work (e.g. a replay)
                 applied[peer] = pending[peer]
@@ -408,9 +414,26 @@ def commit(
             break
     if failed:
         calls.recovered(failed[0], Method.COMMIT, step, started)
+    if not audit and _dissent(calls.router.num_blocks, step, applied, votes):
+        logger.warning("replicas disagree on step %d; committing it again with every partial sum audited", step)
+        _take_back(replicas, applied, step)
+        return commit(hops, replicas, ledger, hparams, audit=True)
     _vote(hops, replicas, ledger, hparams, applied, votes)
     logger.debug("step %d committed on %d peers in %.2fs", step, len(applied), time.monotonic() - started)
     return applied
+
+
+def _dissent(num_blocks: int, step: int, applied: dict[PeerID, range], votes: dict[PeerID, CommitReply]) -> bool:
+    """Whether the replicas that replied for a block report other states after the step."""
+    for block in range(num_blocks):
+        digests = {
+            reply.digests.get(block, "")
+            for peer, reply in votes.items()
+            if peer in applied and block in applied[peer] and reply.steps.get(block, step + 1) == step + 1
+        }
+        if len(digests) > 1:
+            return True
+    return False
 
 
 def _vote(
@@ -512,6 +535,7 @@ def _commit_all(
     failed: list[PeerID],
     votes: dict[PeerID, CommitReply],
     accused: list[tuple[PeerID, PeerID]],
+    audit: bool = False,
 ) -> tuple[list[PeerID], dict[int, list[str]]]:
     """Ask every replica to commit, in parallel; returns those that applied (their replies go to ``votes``), and
     the (block, micro-batch) gradients some replica could not fetch from anyone live. A replica that fetched
@@ -519,7 +543,7 @@ def _commit_all(
 
     def attempt(peer: PeerID) -> dict[int, list[str]] | None:
         holders = ledger.wire_holders(peers[peer])
-        request = CommitRequest(calls.adapter, ledger.step, holders, hparams, grad_scale=ledger.grad_scale)
+        request = CommitRequest(calls.adapter, ledger.step, holders, hparams, grad_scale=ledger.grad_scale, audit=audit)
         try:
             votes[peer] = calls.ask(peer, request, floor=2 * FETCH_TIMEOUT)
         except PeerFailure:
@@ -549,17 +573,19 @@ def _commit_all(
 
 
 def judge_accused(hops: RemoteStack, ledger: StepLedger, accused: list[tuple[PeerID, PeerID]]) -> list[PeerID]:
-    """Replicas said that holders handed them gradients that do not hash as the holders reported: the client asks
-    each holder for them itself. One that hands on other gradients than it reported is dishonest; where the client
-    gets the reported ones, the accuser lied. Returns the peers banned for good (their micro-batches are replayed on
-    honest replicas: they count as departed)."""
+    """Replicas said that holders handed them partial sums that are not the sums of the gradients the holders
+    reported: the client asks each holder for its gradients and its partial sums itself. One that hands on other
+    gradients than it reported, or partial sums that are not theirs, is dishonest; where the client gets the
+    reported ones and their sums, the accuser lied (a holder that hands the client other bits than it handed the
+    accuser is not told apart: ARCHITECTURE.md, "One reduction per step"). Returns the peers banned for good (their
+    micro-batches are replayed on honest replicas: they count as departed)."""
     banned = []
     for accuser, holder in dict.fromkeys(accused):
         if holder in hops.dishonest or accuser in hops.dishonest:
             continue
         held = ledger.held_by(holder)
         try:
-            honest = bool(held) and hops.reported_grads(holder, ledger.step, held, ledger.hashes) is not None
+            honest = bool(held) and hops.reported_sums(holder, ledger.step, held, ledger.hashes)
         except (PeerFailure, RemoteError) as e:  # it does not answer: its gradients are replayed elsewhere
             hops.calls.router.ban(holder, f"could not hand on the gradients of step {ledger.step}: {e}")
             continue

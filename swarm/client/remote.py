@@ -23,6 +23,7 @@ from swarm.net.gradhash import grad_hash
 from swarm.net.numerics import tolerance
 from swarm.net.protocol import (
     PEER_STATE_ERRORS,
+    SUM,
     BackwardRequest,
     ErrorKind,
     ForwardRequest,
@@ -31,6 +32,7 @@ from swarm.net.protocol import (
     Method,
     Reply,
 )
+from swarm.net.reduction import partial_sum, same_bits
 
 ChainRequest = ForwardRequest | BackwardRequest | InferRequest
 T = TypeVar("T")
@@ -283,6 +285,21 @@ class RemoteStack:
             logger.warning("spot check: could not fetch gradients from %s: %s", result.peer, e)
             return None
         return None if grads is None else [t.float() for block in hop.blocks for t in grads[block][micro_batch]]
+
+    def reported_sums(
+        self, peer: PeerID, step: int, wanted: dict[int, list[str]], hashes: dict[int, dict[str, str]]
+    ) -> bool:
+        """Whether ``peer`` hands on the ``wanted`` micro-batch gradients as it reported them (see
+        ``reported_grads``) and, per block, a partial sum that is theirs to the bit (swarm/net/reduction.py). Raises
+        PeerFailure or RemoteError when it does not answer."""
+        grads = self.reported_grads(peer, step, wanted, hashes)
+        if grads is None:
+            return False
+        sums = self.calls.ask(peer, GradsRequest(self.adapter, step, wanted, summed=True)).grads
+        return all(
+            same_bits(sums.get(block, {}).get(SUM, []), partial_sum(grads[block], tuple(mbs)))
+            for block, mbs in wanted.items()
+        )
 
     def reported_grads(
         self, peer: PeerID, step: int, wanted: dict[int, list[str]], hashes: dict[int, dict[str, str]]

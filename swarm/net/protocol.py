@@ -757,10 +757,14 @@ class CommitRequest(Request):
     hparams: OptimizerHParams = wire(read_hparams, OptimizerHParams.to_meta)
     fetch_timeout: float = wire(read_fetch_timeout, default=FETCH_TIMEOUT)
     grad_scale: float = wire(read_grad_scale, default=1.0)  # the global clipping factor, the same on every replica
+    audit: bool = wire(read_bool, default=False)  # refetch every other holder's partial sum, each one audited
 
     def micro_batches(self) -> dict[int, list[str]]:
         """Per block, the micro-batches to sum, in the canonical (sorted) order."""
         return {block: sorted(by_mb) for block, by_mb in self.ledger.items()}
+
+    def groups(self) -> dict[int, list[Group]]:
+        return ledger_groups(self.ledger)
 
 
 def read_norm_type(meta: dict, key: str) -> float:
@@ -785,6 +789,9 @@ class NormsRequest(Request):
 
     def micro_batches(self) -> dict[int, list[str]]:
         return {block: sorted(by_mb) for block, by_mb in self.ledger.items()}
+
+    def groups(self) -> dict[int, list[Group]]:
+        return ledger_groups(self.ledger)
 
 
 def _share(value: object) -> float:
@@ -828,12 +835,32 @@ class RevertRequest(Request):
 
 @dataclass(frozen=True)
 class GradsRequest(Request):
-    """The gradients of these micro-batches (block -> micro-batch ids) at a step, for a replica that lacks them."""
+    """The gradients of these micro-batches (block -> micro-batch ids) at a step, for a replica that lacks them. With
+    ``summed``, each block's micro-batches summed in sorted order, under the key ``SUM``: the holder's partial sum of
+    the step (a block whose micro-batches are not all held is left out)."""
 
     method: ClassVar[str] = Method.GRADS
     adapter: str = wire(read_adapter)
     step: int = wire(read_int)
     wanted: dict[int, list[str]] = wire(by_blocks(_strings, "micro-batch ids"), by_block)
+    summed: bool = wire(read_bool, default=False)
+
+
+SUM = "+"  # the key of a partial sum in a GradsReply (never a micro-batch id: those are session:step:counter)
+Group = tuple[str, ...]  # one holder's micro-batches of a block, sorted
+
+
+def ledger_groups(ledger: dict[int, dict[str, Held]]) -> dict[int, list[Group]]:
+    """Per block, each holder's micro-batches, sorted, the groups in the order of their first micro-batch: how every
+    replica sums a step's gradients, the same bits everywhere (one partial sum per
+    holder, computed by the holder, then the partial sums in this order; ARCHITECTURE.md "One reduction per step")."""
+    groups = {}
+    for block, by_mb in ledger.items():
+        by_holder: dict[str, list[str]] = {}
+        for mb, held in by_mb.items():
+            by_holder.setdefault(held.holder, []).append(mb)
+        groups[block] = sorted(tuple(sorted(mbs)) for mbs in by_holder.values())
+    return groups
 
 
 def _index_entry(entry: object) -> tuple[int, str, int]:

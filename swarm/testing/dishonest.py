@@ -55,6 +55,18 @@ def corrupt_served_grads(backend: SpanBackend) -> None:
     backend.micro_batch_grads = micro_batch_grads
 
 
+def corrupt_partial_sums(backend: SpanBackend) -> None:
+    """A wrong partial sum at commit: the one it hands other replicas is perturbed; the micro-batch gradients it
+    hands on, and what it applies itself, are honest."""
+    honest, noise = backend.partial_sums, torch.Generator().manual_seed(0)
+
+    def partial_sums(*args, **kwargs):
+        found = honest(*args, **kwargs)
+        return {block: {key: perturbed(g, noise) for key, g in by_key.items()} for block, by_key in found.items()}
+
+    backend.partial_sums = partial_sums
+
+
 def frame_holders(peer: InProcessPeer) -> None:
     """A false accuser at commit: it perturbs the gradients it fetches from their honest holders, so that they fail
     its hash check and it refuses the commit naming those holders (``bad_gradients``)."""

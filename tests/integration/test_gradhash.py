@@ -11,7 +11,7 @@ import time
 from hivemind.p2p import PeerID
 
 import swarm
-from swarm.testing.dishonest import corrupt_served_grads, frame_holders
+from swarm.testing.dishonest import corrupt_partial_sums, corrupt_served_grads, frame_holders
 from swarm.testing.recipe import (
     HPARAMS,
     MAX_GRAD_NORM,
@@ -59,6 +59,36 @@ def test_a_holder_handing_on_other_gradients_than_it_reported_is_caught_at_commi
         assert list(model.dishonest) == [peers["dishonest"].peer_id]
         train(model, steps=3)
         assert list(model.dishonest) == [peers["dishonest"].peer_id]
+        model.save_adapter(tmp_path / "final")
+    finally:
+        model.shutdown()
+    assert_matches_local_peft(model_dir, tmp_path, steps=3)
+
+
+def test_a_holder_handing_on_a_partial_sum_other_than_its_gradients_sum_is_caught_before_the_vote(
+    inprocess_swarm, tiny_models, tmp_path, cpu_load
+):
+    """The dishonest peer holds all of step 0's gradients of blocks 0:2 and hands the two replicas that join before
+    the commit a perturbed partial sum (its micro-batch gradients, and what it applies, are honest). Both apply the
+    same wrong sum, so a vote would outvote the liar and keep the poisoned step; instead the disagreement sends the
+    step round again with every partial sum audited, the liar is named, its micro-batches are replayed, and the
+    adapter equals local peft."""
+    model_dir = tiny_models["llama"]
+    local = inprocess_swarm()
+    peers = local.start_peers({"dishonest": "0:2", "tail": "2:4"})
+    corrupt_partial_sums(peers["dishonest"].backend)
+    model = connect(local, model_dir, adapter="summed")
+    try:
+        model.save_adapter(tmp_path / "initial")
+        _accumulate(model)
+        joined = local.start_peers({"honest-1": "0:2", "honest-2": "0:2"})
+        for peer in joined.values():
+            _wait_seen(model, peer.peer_id)
+        model.clip_grad_norm_(MAX_GRAD_NORM)
+        swarm.RemoteOptimizer(model, **HPARAMS).step()
+        assert model.step == 1
+        assert list(model.dishonest) == [peers["dishonest"].peer_id]
+        train(model, steps=3)
         model.save_adapter(tmp_path / "final")
     finally:
         model.shutdown()

@@ -29,7 +29,7 @@ def _train_one_step(backend: SpanBackend, name: str, blocks: range, step: int) -
     mb = f"s:{step}:0"
     backend.forward(name, blocks, step, hidden, None, mb)
     backend.backward(name, blocks, step, mb, hidden, None, torch.ones_like(hidden))
-    backend.apply(name, step, {b: [mb] for b in blocks}, HPARAMS)
+    backend.apply(name, step, {b: [(mb,)] for b in blocks}, HPARAMS)
 
 
 def test_standby_copies_take_over_exactly_and_moves_keep_state(tiny_models):
@@ -121,7 +121,7 @@ def test_a_copy_from_a_step_its_server_took_back_and_redid_otherwise_is_dropped_
     hidden = torch.randn(1, 6, server.spec.hidden_size, generator=torch.Generator().manual_seed(99))
     server.forward("a", range(2, 4), 1, hidden, None, "s:1:1")
     server.backward("a", range(2, 4), 1, "s:1:1", hidden, None, torch.ones_like(hidden))
-    server.apply("a", 1, {b: ["s:1:0", "s:1:1"] for b in range(2, 4)}, HPARAMS)
+    server.apply("a", 1, {b: [("s:1:0", "s:1:1")] for b in range(2, 4)}, HPARAMS)
     _train_one_step(server, "a", range(2, 4), 2)
     held = holder.adapters["a"].standby_steps()
     assert held == {2: 2, 3: 2}
@@ -187,7 +187,7 @@ def test_a_step_taken_back_is_redone_to_the_same_bits(tiny_models):
     assert backend.digests("a") == before, "taking a step back restores the state before it exactly"
     assert backend.micro_batch_grads("a", 1, {0: ["s:1:0"]})[0].keys() == {"s:1:0"}
     assert backend.revert("a", 1) == {0: 1, 1: 1}, "nothing to take back twice"
-    backend.apply("a", 1, {b: ["s:1:0"] for b in range(2)}, HPARAMS)
+    backend.apply("a", 1, {b: [("s:1:0",)] for b in range(2)}, HPARAMS)
     assert backend.digests("a") == applied
 
     other = _backend(tiny_models["llama"], range(0, 2))  # a peer that syncs from it, or moves onto its blocks
@@ -250,7 +250,7 @@ def test_forward_graphs_are_freed_after_a_backward_for_the_lora_gradients_only(t
             backend.forward("a", range(0, 2), step, hidden, None, mb)
             backend.backward("a", range(0, 2), step, mb, None, None, torch.ones_like(hidden), input_grad=False)
         backend.forward("a", range(0, 2), step, hidden, None, f"s:{step}:2")  # a forward whose backward never came
-        backend.apply("a", step, {b: [f"s:{step}:0", f"s:{step}:1"] for b in range(2)}, HPARAMS)
+        backend.apply("a", step, {b: [(f"s:{step}:0", f"s:{step}:1")] for b in range(2)}, HPARAMS)
         assert backend.cache.bytes == 0
         assert live_graphs() == 0, f"step {step}: forward graphs outlived their commit"
 
@@ -267,7 +267,7 @@ def test_gradients_computed_here_in_other_bits_than_the_ledgers_holder_are_dropp
     same = grad_hash(held["s:0:0"])
     backend.drop_unlike("a", 0, {0: {"s:0:0": same, "s:0:1": "f" * 64}})
     assert set(backend.adapters["a"].blocks[0].grads) == {"s:0:0"}  # the one in the holder's bits stays
-    assert backend.missing("a", 0, {0: ["s:0:0", "s:0:1"]}) == {0: ["s:0:1"]}  # the other is fetched at commit
+    assert backend.missing("a", 0, {0: [("s:0:0",), ("s:0:1",)]}) == {0: ["s:0:1"]}  # the other is fetched at commit
 
 
 def test_a_commit_of_blocks_held_but_no_longer_served_is_refused_not_applied(tiny_models):
@@ -283,7 +283,7 @@ def test_a_commit_of_blocks_held_but_no_longer_served_is_refused_not_applied(tin
     restarted.open_adapter("a", lora, 0)
     restarted.import_state("a", exported)
     with pytest.raises(NotServedError, match=r"blocks \[2, 3\] are not served here") as refused:
-        restarted.apply("a", 1, {2: ["s:1:0"], 3: ["s:1:0"]}, HPARAMS)
+        restarted.apply("a", 1, {2: [("s:1:0",)], 3: [("s:1:0",)]}, HPARAMS)
     assert refused.value.kind in PEER_STATE_ERRORS
 
 

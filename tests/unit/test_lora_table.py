@@ -144,7 +144,7 @@ def test_a_block_that_layers_to_transform_leaves_out_serves_trains_and_moves(tin
         mb = f"s:0:{blocks.stop}"
         backend.forward("a", blocks, 0, hidden, None, mb)
         backend.backward("a", blocks, 0, mb, hidden, None, torch.ones_like(hidden), input_grad=input_grad)
-    backend.apply("a", 0, {0: ["s:0:1", "s:0:2"], 1: ["s:0:2"]}, HPARAMS)
+    backend.apply("a", 0, {0: [("s:0:1", "s:0:2")], 1: [("s:0:2",)]}, HPARAMS)
     assert backend.adapters["a"].steps() == {0: 1, 1: 1} and len(backend.digests("a")) == 2
     assert backend.lora_state("a")[0] == {}
     exported = unpack_states(*pack_states(backend.export_state("a", range(0, 2))[0]))

@@ -1,0 +1,83 @@
+"""One reduction per step (swarm/net/reduction.py): each holder's micro-batches summed in sorted order, the partial
+sums added in the order of their first micro-batch. With one holder that is local accumulation to the bit; with more,
+it differs from it by summation-order rounding only, within the textbook bound; and a replica that fetched a
+holder's partial sum applies the same bits as one that summed the holder's gradients itself."""
+
+from __future__ import annotations
+
+import torch
+
+from peers.backend import SpanBackend
+from swarm.net.protocol import SUM, Held, OptimizerHParams, ledger_groups
+from swarm.net.reduction import add_up, partial_sum
+from swarm.spec import load_spec
+
+U = 2.0**-24  # fp32's unit roundoff
+HPARAMS = OptimizerHParams(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+
+
+def _grads(count: int, n: int = 4099) -> dict[str, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        f"s:0:{i:09d}": [torch.randn(n, generator=g) * 10.0 ** (i % 3), torch.randn(7, generator=g)]
+        for i in range(count)
+    }
+
+
+def _accumulated(grads: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
+    """What autograd leaves in ``.grad`` after backwards in this order: the first, then each added in place."""
+    mbs = sorted(grads)
+    total = [t.clone() for t in grads[mbs[0]]]
+    for mb in mbs[1:]:
+        for acc, t in zip(total, grads[mb], strict=True):
+            acc.add_(t)
+    return total
+
+
+def test_the_ledgers_groups_are_each_holders_micro_batches_in_the_order_of_their_first():
+    ledger = {0: {"s:0:2": Held("B"), "s:0:0": Held("A"), "s:0:1": Held("B"), "s:0:3": Held("A")}, 1: {}}
+    assert ledger_groups(ledger) == {0: [("s:0:0", "s:0:3"), ("s:0:1", "s:0:2")], 1: []}
+
+
+def test_with_one_holder_the_reduced_gradient_is_local_accumulation_to_the_bit():
+    grads = _grads(8)
+    reduced = add_up([partial_sum(grads, tuple(grads))])
+    assert all(torch.equal(a, b) for a, b in zip(reduced, _accumulated(grads), strict=True))
+
+
+def test_with_several_holders_it_differs_by_summation_order_rounding_within_its_bound():
+    """|two orders' sums| <= 2 (M-1) u sum_i |g_i|, elementwise (M micro-batches, u fp32's unit roundoff)."""
+    grads = _grads(16)
+    mbs = sorted(grads)
+    groups = [tuple(mbs[0::3]), tuple(mbs[1::3]), tuple(mbs[2::3])]
+    reduced = add_up([partial_sum(grads, group) for group in sorted(groups)])
+    local = _accumulated(grads)
+    for index, (ours, theirs) in enumerate(zip(reduced, local, strict=True)):
+        magnitude = torch.stack([grads[mb][index].abs() for mb in mbs]).sum(0)
+        assert torch.all((ours - theirs).abs() <= 2 * (len(mbs) - 1) * U * magnitude)
+    assert not all(torch.equal(a, b) for a, b in zip(reduced, local, strict=True))  # the order does show
+
+
+def test_a_fetched_partial_sum_applies_the_same_bits_as_one_summed_here(tiny_models):
+    """Replica A computed micro-batches 0 and 2, replica B 1 and 3; C holds all four (it computed them too). A
+    applies its own sum and B's partial sum; C sums both groups itself: the same state after the step."""
+    spec = load_spec(tiny_models["llama"])
+    replicas = {name: SpanBackend(spec, range(0, 2), torch.device("cpu"), torch.float32, "none") for name in "ABC"}
+    hidden = {
+        f"s:0:{i:09d}": torch.randn(1, 5, spec.hidden_size, generator=torch.Generator().manual_seed(i))
+        for i in range(4)
+    }
+    mbs = sorted(hidden)
+    groups = {block: [(mbs[0], mbs[2]), (mbs[1], mbs[3])] for block in range(2)}
+    for backend in replicas.values():
+        backend.open_adapter("a", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}, 7)
+    computes = {"A": [mbs[0], mbs[2]], "B": [mbs[1], mbs[3]], "C": mbs}
+    for name, backend in replicas.items():
+        for mb in computes[name]:
+            backend.forward("a", range(0, 2), 0, hidden[mb], None, mb)
+            backend.backward("a", range(0, 2), 0, mb, hidden[mb], None, torch.ones_like(hidden[mb]))
+    from_b = replicas["B"].partial_sums("a", 0, {block: [mbs[1], mbs[3]] for block in range(2)})
+    replicas["A"].add_partials("a", 0, {block: {groups[block][1]: by_key[SUM]} for block, by_key in from_b.items()})
+    for name in "AC":
+        replicas[name].apply("a", 0, groups, HPARAMS)
+    assert replicas["A"].digests("a") == replicas["C"].digests("a")
