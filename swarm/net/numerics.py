@@ -2,7 +2,7 @@
 
 A peer's numerics class is how it computes: the quantization of its base weights, its compute dtype and its device
 kind. Two peers of one class differ only by their kernels' rounding (other vector units, GPU generations or torch
-versions: about 1e-6 of the largest value per fp32 block, measured), so a spot check compares them tightly: a result
+versions: up to 1.7e-6 of the largest value per fp32 block, measured), so a spot check compares them tightly: a result
 off by more than that is a lie, however small. Across classes the honest difference is the quantization's own
 error, which each peer measures on each of its blocks when it loads them (``peers/calibration.py``) and announces.
 Announcements are read as at most the cap of the announced quantization, so a liar gains at most the slack an honest
@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 
 QUANT_MODES = ("none", "int8", "nf4")  # what a peer keeps its base weights in
 DTYPE_NAMES = ("bfloat16", "float16", "float32")  # what it computes in
-# The rounding two kernels of one class differ by, per block a hop runs, by the dtype the block computes in: four
-# times the largest measured (fp32: default vs AVX2 CPU kernels on SmolLM2's blocks, forward and input gradients).
+# The rounding two kernels of one class differ by, per block a hop runs, by the dtype the block computes in: over
+# twice the largest measured (fp32: 1.7e-6, default vs AVX-512 CPU kernels on SmolLM2's blocks, outputs and input
+# gradients, scripts/bench_numerics.py).
 ROUNDING_PER_BLOCK = {"float32": 4e-6, "float16": 2e-3, "bfloat16": 1.6e-2}
 COARSER = ("float32", "float16", "bfloat16")  # by unit roundoff, finest first
 # The largest error per block an announcement is read as: somewhat above the most the quantization was measured to
