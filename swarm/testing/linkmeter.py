@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MARKER = "linkmeter-report "
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 class LinkMeterError(RuntimeError):
@@ -83,6 +84,12 @@ class MeterConfig:
     seq: int = 128
     micro_batches: int = 1
     pipelined: bool = True
+    lora_rank: int = 0  # 0: the recipe's LoRA; else this rank on all seven projections (LoRA big enough to count)
+
+    def lora_config(self) -> peft.LoraConfig:
+        if not self.lora_rank:
+            return peft.LoraConfig(**LORA)
+        return peft.LoraConfig(r=self.lora_rank, lora_alpha=2 * self.lora_rank, target_modules=ALL_PROJECTIONS)
 
     @property
     def waves(self) -> int:
@@ -92,6 +99,7 @@ class MeterConfig:
     def to_args(self) -> list[str]:
         args = ["--adapter", self.adapter, "--steps", str(self.steps), "--warmup", str(self.warmup)]
         args += ["--batch", str(self.batch), "--seq", str(self.seq), "--micro-batches", str(self.micro_batches)]
+        args += ["--lora-rank", str(self.lora_rank)]
         return args + (["--no-chain"] if not self.chain else []) + (["--loop"] if not self.pipelined else [])
 
 
@@ -237,12 +245,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Meter
     parser.add_argument("--batch", type=int, default=defaults.batch)
     parser.add_argument("--seq", type=int, default=defaults.seq)
     parser.add_argument("--micro-batches", type=int, default=defaults.micro_batches)
+    parser.add_argument("--lora-rank", type=int, default=defaults.lora_rank, help="0: the recipe's LoRA")
     parser.add_argument("--watch", type=_watch_pair, action="append", default=[], metavar="NAME=PID")
     args = parser.parse_args(argv)
     if args.steps < 1 or min(args.batch, args.seq, args.micro_batches) < 1 or args.warmup < 0:
         parser.error("need --steps, --batch, --seq, --micro-batches >= 1 and --warmup >= 0")
     shape = dict(steps=args.steps, warmup=args.warmup, batch=args.batch, seq=args.seq, micro_batches=args.micro_batches)
-    config = MeterConfig(args.adapter, chain=not args.no_chain, pipelined=not args.loop, **shape)
+    config = MeterConfig(
+        args.adapter, chain=not args.no_chain, pipelined=not args.loop, lora_rank=args.lora_rank, **shape
+    )
     return args, config
 
 
@@ -256,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         args.model,
         initial_peers=args.initial_peers,
         adapter=config.adapter,
-        lora_config=peft.LoraConfig(**LORA),
+        lora_config=config.lora_config(),
         seed=0,
         chain=config.chain,
     )
