@@ -1,4 +1,4 @@
-"""Promise 14, sync traffic bounded by the adapter, on a real (namespaced) network: per training step, each peer's
+"""Promise 12, sync traffic bounded by the adapter, on a real (namespaced) network: per training step, each peer's
 link carries about one span's LoRA gradient (G) each way for the step's reduction, whatever the number of
 micro-batches, not M(R-1)/R times it.
 
