@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from hivemind.p2p import PeerID
@@ -393,13 +393,15 @@ def commit(
             raise CommitError(f"step {step} could not be committed in {MAX_COMMIT_ROUNDS} rounds; see the log for why")
         missing = _held_by_departed(ledger, pending, applied)
         if not missing:
-            accused: list[tuple[PeerID, PeerID]] = []
-            newly, missing = _commit_all(calls, replicas, pending, ledger, hparams, failed, votes, accused, audit)
-            for peer in newly:
+            asked = _commit_all(calls, replicas, pending, ledger, hparams, audit)
+            failed.extend(asked.failed)
+            votes.update(asked.votes)
+            missing = asked.missing
+            for peer in asked.applied:
                 replicas.current[peer] = step + 1  # no longer eligible for this step's work (e.g. a replay)
                 applied[peer] = pending[peer]
-            if accused:
-                for peer in judge_accused(hops, ledger, accused):
+            if asked.accused:
+                for peer in judge_accused(hops, ledger, asked.accused):
                     applied.pop(peer, None)  # banned: its micro-batches count as departed, replayed next round
                 continue
         if missing:
@@ -526,50 +528,60 @@ def _held_by_departed(
     return lost
 
 
+@dataclass
+class CommitRound:
+    """What one round of commit requests gave: the replicas that applied (and their replies: the votes), the
+    (block, micro-batch) gradients some replica could not get from anyone live, the replicas that did not answer,
+    and (accuser, holder) pairs where a replica refused what a holder handed it (``bad_gradients``)."""
+
+    applied: list[PeerID] = field(default_factory=list)
+    votes: dict[PeerID, CommitReply] = field(default_factory=dict)
+    missing: dict[int, list[str]] = field(default_factory=dict)
+    failed: list[PeerID] = field(default_factory=list)
+    accused: list[tuple[PeerID, PeerID]] = field(default_factory=list)
+
+
 def _commit_all(
     calls: PeerCalls,
     replicas: ReplicaSet,
     peers: dict[PeerID, range],
     ledger: StepLedger,
     hparams: OptimizerHParams,
-    failed: list[PeerID],
-    votes: dict[PeerID, CommitReply],
-    accused: list[tuple[PeerID, PeerID]],
     audit: bool = False,
-) -> tuple[list[PeerID], dict[int, list[str]]]:
-    """Ask every replica to commit, in parallel; returns those that applied (their replies go to ``votes``), and
-    the (block, micro-batch) gradients some replica could not fetch from anyone live. A replica that fetched
-    gradients that do not match their hashes adds (itself, their holder) to ``accused``."""
+) -> CommitRound:
+    """Ask every replica to commit, in parallel (``audit``: see ``commit``)."""
 
-    def attempt(peer: PeerID) -> dict[int, list[str]] | None:
+    def attempt(peer: PeerID) -> CommitReply | dict[int, list[str]] | list[PeerID] | None:
+        """The reply; or the gradients it lacks; or the holders it accuses; or None: it failed."""
         holders = ledger.wire_holders(peers[peer])
         request = CommitRequest(calls.adapter, ledger.step, holders, hparams, grad_scale=ledger.grad_scale, audit=audit)
         try:
-            votes[peer] = calls.ask(peer, request, floor=2 * FETCH_TIMEOUT)
+            return calls.ask(peer, request, floor=2 * FETCH_TIMEOUT)
         except PeerFailure:
-            failed.append(peer)
             return None
         except RemoteError as e:
             if e.kind not in (ErrorKind.MISSING_GRADIENTS, ErrorKind.BAD_GRADIENTS):
                 raise
             try:
-                if e.kind == ErrorKind.BAD_GRADIENTS:
-                    accused.extend((peer, holder) for holder in bad_holders(e))
-                    return None
-                return missing_gradients(e)
+                return bad_holders(e) if e.kind == ErrorKind.BAD_GRADIENTS else missing_gradients(e)
             except ReplyError as bad:  # a garbled refusal: the peer failed, like one that does not answer
                 logger.warning("peer %s: %s", peer, bad)
-                failed.append(peer)
                 return None
-        return {}
 
-    applied, missing = [], {}
-    for peer, lacking in zip(peers, replicas.each(attempt, list(peers)), strict=True):
-        if lacking == {}:
-            applied.append(peer)
-        for block, mbs in (lacking or {}).items():
-            missing.setdefault(block, set()).update(mbs)
-    return applied, {block: sorted(mbs) for block, mbs in missing.items()}
+    result, missing = CommitRound(), {}
+    for peer, outcome in zip(peers, replicas.each(attempt, list(peers)), strict=True):
+        if isinstance(outcome, CommitReply):
+            result.applied.append(peer)
+            result.votes[peer] = outcome
+        elif isinstance(outcome, dict):
+            for block, mbs in outcome.items():
+                missing.setdefault(block, set()).update(mbs)
+        elif isinstance(outcome, list):
+            result.accused.extend((peer, holder) for holder in outcome)
+        else:
+            result.failed.append(peer)
+    result.missing = {block: sorted(mbs) for block, mbs in missing.items()}
+    return result
 
 
 def judge_accused(hops: RemoteStack, ledger: StepLedger, accused: list[tuple[PeerID, PeerID]]) -> list[PeerID]:
