@@ -469,6 +469,8 @@ class SpanBackend:
         """The blocks of the ledger that this peer holds, checked to be served here and at ``step`` or past it. A peer
         that restarted on other blocks may still hold the state of those it served before, one step behind or stale;
         a client whose records are older asks it to commit them: refused (``not_served``), never applied or voted."""
+        if any(isinstance(group, str) for groups in ledger.values() for group in groups):
+            raise TypeError("a ledger's groups are tuples of micro-batch ids (see ledger_groups), not ids")
         adapter = self.adapter(name)
         unserved = sorted(block for block in ledger if block not in self.layers)
         if unserved:

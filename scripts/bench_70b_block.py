@@ -280,7 +280,7 @@ def train_step(
         grads = backend.adapters["bench"].blocks[blocks.start].grads[mb]
         result.lora_grads_per_mb = sum(g.nbytes for g in grads)
     started = time.perf_counter()
-    backend.apply("bench", step, {b: [mb] for b in blocks}, HPARAMS)
+    backend.apply("bench", step, {b: [(mb,)] for b in blocks}, HPARAMS)  # one holder, one micro-batch
     synchronize(backend.device)
     commit_s = time.perf_counter() - started
     return forward_s, backward_s, commit_s
