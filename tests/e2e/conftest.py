@@ -1,4 +1,5 @@
-"""Fixtures of the end-to-end tier: local swarms of real processes on 127.0.0.1."""
+"""Fixtures of the end-to-end tier: local swarms of real processes on 127.0.0.1, and the network lab (namespaces the
+test builds and removes)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from swarm.testing.localswarm import LocalSwarm
+from swarm.testing.netlab import NetLab, unavailable
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +19,14 @@ def llama_swarm(tiny_models, tmp_path_factory) -> Iterator[LocalSwarm]:
         swarm.start_peer(tiny_models["llama"], "0:2", name="peer-a")
         swarm.start_peer(tiny_models["llama"], "2:4", name="peer-b")
         yield swarm
+
+
+@pytest.fixture
+def lab() -> Iterator[NetLab]:
+    """A network lab of this test's own, removed after it (also on failure); skipped where namespaces cannot be
+    made (not root, no ``ip``)."""
+    why_not = unavailable()  # here, not at import: collecting the fast loop must not make namespaces
+    if why_not:
+        pytest.skip(f"cannot build the network lab here: {why_not}")
+    with NetLab() as lab:
+        yield lab

@@ -19,15 +19,11 @@ import dataclasses
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from swarm.testing.homelab import HomeLab, HomeLinks
 from swarm.testing.linkmeter import MeterConfig, collect, start_client
 from swarm.testing.localswarm import LocalSwarm
-from swarm.testing.netlab import NetLab, unavailable
 from swarm.testing.tiny import make_tiny_model
 
 HIDDEN, BLOCKS = 512, 4
@@ -35,15 +31,6 @@ CONFIG = MeterConfig(steps=2, warmup=1, batch=4, seq=128)  # bytes, not times: o
 GOAL = 1.5  # bytes with 4 spans / bytes with 1 span, chained
 PEER_FLAGS = ["--leave-grace", "0.2"]  # nothing is in flight when the swarms close
 PROBE = str(Path(__file__).with_name("link_probe.py"))
-
-
-@pytest.fixture
-def lab() -> Iterator[NetLab]:
-    why_not = unavailable()  # here, not at import: collecting the fast loop must not make namespaces
-    if why_not:
-        pytest.skip(f"cannot build the network lab here: {why_not}")
-    with NetLab() as lab:
-        yield lab
 
 
 def test_the_client_link_carries_no_more_bytes_with_more_spans(lab, tmp_path: Path):

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import re
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from failover_helpers import (
     assert_matches_local_peft,
     finish_client,
@@ -23,7 +21,6 @@ from failover_helpers import (
 )
 
 from swarm.testing.localswarm import LocalSwarm
-from swarm.testing.netlab import NetLab, unavailable
 
 RELAY_LINE = "not reachable from outside; serving through relay"
 SERVER_ENTRY = re.compile(r"(\w{6}\.\.\w{4}) (online|joining|leaving)( relayed)?")  # in `swarm status`
@@ -34,15 +31,6 @@ def short_id(peer_log: str) -> str:
     found = re.search(r"serving blocks \S+ of \S+ as (\w+)", peer_log)
     assert found, peer_log[-2000:]
     return f"{found[1][:6]}..{found[1][-4:]}"
-
-
-@pytest.fixture
-def lab() -> Iterator[NetLab]:
-    why_not = unavailable()  # here, not at import: collecting the fast loop must not make namespaces
-    if why_not:
-        pytest.skip(f"cannot build the NAT lab here: {why_not}")
-    with NetLab() as lab:
-        yield lab
 
 
 def test_peer_behind_nat_trains_through_the_relay_and_a_kill_is_routed_around(lab, tiny_models, tmp_path: Path):

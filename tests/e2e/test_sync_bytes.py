@@ -10,29 +10,16 @@ interface counters around each step (swarm/testing/linkmeter.py). Bytes, not tim
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from swarm.testing.linkmeter import MeterConfig, collect, start_client
 from swarm.testing.localswarm import LocalSwarm
-from swarm.testing.netlab import NetLab, unavailable
 from swarm.testing.tiny import make_tiny_model
 
 HIDDEN, INTERMEDIATE, BLOCKS, SPAN = 256, 688, 4, 2
 CONFIG = MeterConfig(adapter="reduced", steps=2, warmup=1, batch=1, seq=16, micro_batches=8, lora_rank=64)
 GOAL = 1.5  # Gs each way per peer and step
 PEER_FLAGS = ["--leave-grace", "0.2", "--standby-blocks", "0", "--no-rebalance"]
-
-
-@pytest.fixture
-def lab() -> Iterator[NetLab]:
-    why_not = unavailable()  # here, not at import: collecting the fast loop must not make namespaces
-    if why_not:
-        pytest.skip(f"cannot build the network lab here: {why_not}")
-    with NetLab() as lab:
-        yield lab
 
 
 def span_gradient_bytes() -> int:
