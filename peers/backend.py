@@ -31,7 +31,7 @@ from peers.state import (
     session_of,
 )
 from peers.update import BlockOptimizer
-from swarm.blocks import add_lora, load_block, lora_config_from_wire, spans_text
+from swarm.blocks import add_lora, load_block, lora_config_from_wire, spans_text, stored_tensors
 from swarm.dropout import dropout_masks
 from swarm.net.errors import (
     FencedError,
@@ -103,9 +103,10 @@ class SpanBackend:
         wanted = [block for block in blocks if block not in self.layers]
         layers = {}
         for block in tqdm(wanted, desc=f"loading blocks {blocks.start}:{blocks.stop}", unit="block"):
-            layers[block] = load_block(self.spec, block, self.device, self.dtype, self.quant)
+            stored = stored_tensors(self.spec, block)  # read once: for the block, and for its measurement
+            layers[block] = load_block(self.spec, block, self.device, self.dtype, self.quant, stored)
             if not exact(self.quant, self.dtype):
-                self.errors[block] = block_error(self.spec, block, layers[block], self.device, self.dtype)
+                self.errors[block] = block_error(self.spec, block, layers[block], self.device, self.dtype, stored)
         if wanted and not exact(self.quant, self.dtype):
             measured = ", ".join(f"{block}: {self.errors[block]:.3g}" for block in wanted)
             logger.info("error against exact fp32 per block (what spot checks across numerics allow): %s", measured)

@@ -39,10 +39,17 @@ def exact(quant: str, dtype: torch.dtype) -> bool:
     return quant == "none" and dtype == torch.float32
 
 
-def block_error(spec: ModelSpec, block: int, served: nn.Module, device: torch.device, dtype: torch.dtype) -> float:
+def block_error(
+    spec: ModelSpec,
+    block: int,
+    served: nn.Module,
+    device: torch.device,
+    dtype: torch.dtype,
+    stored: dict[str, torch.Tensor] | None = None,
+) -> float:
     """The largest relative difference between ``served`` (a loaded block, untouched: the probe runs on a copy) and
-    the same block in exact fp32, on the seeded probe."""
-    reference = load_block(spec, block, device, torch.float32, "none")
+    the same block in exact fp32, on the seeded probe (``stored``: the block's tensors, if read already)."""
+    reference = load_block(spec, block, device, torch.float32, "none", stored)
     probe = copy.deepcopy(served)
     generator = torch.Generator().manual_seed(block)
     shape = (1, PROBE_TOKENS, spec.config.hidden_size)

@@ -44,11 +44,20 @@ def stored_tensors(spec: ModelSpec, block: int, names: Iterable[str] | None = No
     return state
 
 
-def load_block(spec: ModelSpec, block: int, device: torch.device, dtype: torch.dtype, quant: str) -> nn.Module:
-    """Build block ``block`` with transformers' own class, reading only that block's tensors."""
+def load_block(
+    spec: ModelSpec,
+    block: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    quant: str,
+    stored: dict[str, torch.Tensor] | None = None,
+) -> nn.Module:
+    """Build block ``block`` with transformers' own class, reading only that block's tensors (or taking them from
+    ``stored``, as ``stored_tensors`` read them: copied, never shared)."""
     if quant not in QUANT_MODES:
         raise ValueError(f"--quant must be one of {QUANT_MODES}, got {quant!r}")
-    state = {name: tensor.to(dtype) for name, tensor in stored_tensors(spec, block).items()}
+    stored = stored_tensors(spec, block) if stored is None else stored
+    state = {name: tensor.to(dtype, copy=True) for name, tensor in stored.items()}
     with torch.device("meta"):
         layer = spec.family_class("DecoderLayer")(spec.config, layer_idx=block)
     layer.load_state_dict(state, strict=True, assign=True)
