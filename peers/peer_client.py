@@ -61,6 +61,11 @@ class PeerClient:
             reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             raise ChainBroken(ChainFailure(hop.peer, FailureKind.UNREACHABLE, reason)) from None
 
+    def hint(self, maddrs_by_peer: dict[str, list[str]]) -> None:
+        """Take the client's addresses of the peers a request names (a ledger's holders): see ``Transport.hint``."""
+        for peer, maddrs in maddrs_by_peer.items():
+            self.transport.hint(PeerID.from_base58(peer), maddrs)
+
     async def fetch_grads(
         self, peer: str, name: str, step: int, wanted: dict[int, list[str]], timeout: float, summed: bool = False
     ) -> GradsByBlock:

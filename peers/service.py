@@ -297,6 +297,7 @@ class PeerService(InfoDoors):
         (a retried backward) it drops where they hash otherwise, so that a group it can sum itself is the holder's
         bits. A holder whose partial sum fails an audit is refused (``bad_gradients``, naming it)."""
         name, step = request.adapter, request.step
+        self.peers.hint({p: m for p, m in request.holder_maddrs.items() if p != self.me})
         others = {
             block: {mb: held.grad_hash for mb, held in by_mb.items() if held.holder != self.me and held.grad_hash}
             for block, by_mb in request.ledger.items()
@@ -377,6 +378,7 @@ class PeerService(InfoDoors):
             for mb in mbs:
                 wanted_from.setdefault(request.ledger[block][mb].holder, {}).setdefault(block, []).append(mb)
         name, step, timeout = request.adapter, request.step, request.fetch_timeout
+        self.peers.hint({p: m for p, m in request.holder_maddrs.items() if p != self.me})
         fetched = await asyncio.gather(
             *(self.peers.fetch_grads(peer, name, step, part, timeout) for peer, part in wanted_from.items())
         )

@@ -13,6 +13,7 @@ from hivemind.proto import runtime_pb2
 
 from swarm.client.current import CurrentPeers
 from swarm.client.routing import Hop, Router
+from swarm.net.chain import MAX_ROUTE_MADDRS
 from swarm.net.compression import WireFormat
 from swarm.net.errors import (
     TRANSPORT_ERRORS,
@@ -23,7 +24,7 @@ from swarm.net.errors import (
     SwarmUnavailableError,
 )
 from swarm.net.message import Message
-from swarm.net.protocol import PEER_STATE_ERRORS, ErrorKind, Reply, Request, method_of, read_reply
+from swarm.net.protocol import PEER_STATE_ERRORS, ErrorKind, Held, Reply, Request, method_of, read_reply
 from swarm.net.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,13 @@ class PeerCalls:
         self.adapter, self.patience = adapter, patience
         self.wire = wire or WireFormat()
         self.recoveries: list[Recovery] = []
+
+    def holder_maddrs(self, ledger: dict[int, dict[str, Held]]) -> dict[str, list[str]]:
+        """Where this client reaches the holders a ledger names: a replica fetching from one it found gone, or knows
+        at an older address (restarted on another port), dials it there instead of failing at once."""
+        holders = {held.holder for by_mb in ledger.values() for held in by_mb.values()}
+        known = {peer.to_base58(): maddrs for peer, maddrs in self.transport.addresses.items()}
+        return {peer: list(known[peer][:MAX_ROUTE_MADDRS]) for peer in sorted(holders) if known.get(peer)}
 
     def ask(
         self, peer: PeerID, request: Request, units: float = 1.0, floor: float = 0.0, measured: bool = True

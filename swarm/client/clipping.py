@@ -98,7 +98,9 @@ def _ask(
     calls = hops.calls
     holders = {block: ledger.wire_holders(range(block, block + 1))[block] for block in asked[peer]}
     try:
-        request = NormsRequest(calls.adapter, ledger.step, holders, norm_type)
+        request = NormsRequest(
+            calls.adapter, ledger.step, holders, norm_type, holder_maddrs=calls.holder_maddrs(holders)
+        )
         return calls.ask(peer, request, floor=2 * FETCH_TIMEOUT).parts, {}
     except PeerFailure:
         return {}, {}

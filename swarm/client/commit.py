@@ -354,6 +354,7 @@ def commit(
     applied: dict[PeerID, range] = {}
     failed: list[PeerID] = []
     votes: dict[PeerID, CommitReply] = {}  # each replica's last commit reply: its steps and digests after the step
+    history: list[str] = []  # what each round ran into, for the error if the rounds run out
     while True:
         replicas.refresh(step)
         if not ledger.tainted:
@@ -390,9 +391,13 @@ def commit(
         if rounds > MAX_COMMIT_ROUNDS:
             if all(b in done for b in blocks):
                 break  # the replicas left behind sync from those that applied, like any laggard
-            raise CommitError(f"step {step} could not be committed in {MAX_COMMIT_ROUNDS} rounds; see the log for why")
+            raise CommitError(
+                f"step {step} could not be committed in {MAX_COMMIT_ROUNDS} rounds: " + "; ".join(history[-3:])
+            )
         missing = _held_by_departed(ledger, pending, applied)
-        if not missing:
+        if missing:
+            history.append(f"round {rounds}: gradients of departed holders {_mbs_text(missing)}")
+        else:
             asked = _commit_all(calls, replicas, pending, ledger, hparams, audit)
             failed.extend(asked.failed)
             votes.update(asked.votes)
@@ -400,6 +405,9 @@ def commit(
             for peer in asked.applied:
                 replicas.current[peer] = step + 1  # no longer eligible for this step's work (e.g. a replay)
                 applied[peer] = pending[peer]
+            history.append(f"round {rounds}: {asked.summary()}")
+            if len(asked.applied) < len(pending):
+                logger.info("committing step %d, %s", step, history[-1])
             if asked.accused:
                 for peer in judge_accused(hops, ledger, asked.accused):
                     applied.pop(peer, None)  # banned: its micro-batches count as departed, replayed next round
@@ -503,7 +511,14 @@ def _tiebreak(
         if holder in opinions or holder in hops.dishonest:
             continue
         holders = ledger.wire_holders(range(block, block + 1))
-        request = TieBreakRequest(calls.adapter, step, holders, hparams, grad_scale=ledger.grad_scale)
+        request = TieBreakRequest(
+            calls.adapter,
+            step,
+            holders,
+            hparams,
+            grad_scale=ledger.grad_scale,
+            holder_maddrs=calls.holder_maddrs(holders),
+        )
         try:
             digest = calls.ask(holder, request, floor=2 * FETCH_TIMEOUT).digests[block]
         except (PeerFailure, RemoteError, KeyError) as e:
@@ -512,6 +527,10 @@ def _tiebreak(
         logger.warning("replicas of block %d disagree on step %d; peer %s broke the tie", block, step, holder)
         return {holder: digest}
     return {}
+
+
+def _mbs_text(missing: dict[int, list[str]]) -> str:
+    return ", ".join(f"block {block}: {len(mbs)} micro-batch(es)" for block, mbs in sorted(missing.items()))
 
 
 def _held_by_departed(
@@ -540,6 +559,16 @@ class CommitRound:
     failed: list[PeerID] = field(default_factory=list)
     accused: list[tuple[PeerID, PeerID]] = field(default_factory=list)
 
+    def summary(self) -> str:
+        parts = [f"{len(self.applied)} applied"]
+        if self.failed:
+            parts.append("no answer from " + ", ".join(str(p) for p in self.failed))
+        if self.missing:
+            parts.append(f"gradients nobody live could hand on {_mbs_text(self.missing)}")
+        if self.accused:
+            parts.append("accused " + ", ".join(f"{h} (by {a})" for a, h in self.accused))
+        return ", ".join(parts)
+
 
 def _commit_all(
     calls: PeerCalls,
@@ -554,7 +583,15 @@ def _commit_all(
     def attempt(peer: PeerID) -> CommitReply | dict[int, list[str]] | list[PeerID] | None:
         """The reply; or the gradients it lacks; or the holders it accuses; or None: it failed."""
         holders = ledger.wire_holders(peers[peer])
-        request = CommitRequest(calls.adapter, ledger.step, holders, hparams, grad_scale=ledger.grad_scale, audit=audit)
+        request = CommitRequest(
+            calls.adapter,
+            ledger.step,
+            holders,
+            hparams,
+            grad_scale=ledger.grad_scale,
+            audit=audit,
+            holder_maddrs=calls.holder_maddrs(holders),
+        )
         try:
             return calls.ask(peer, request, floor=2 * FETCH_TIMEOUT)
         except PeerFailure:

@@ -102,6 +102,7 @@ PEER_STATE_ERRORS = frozenset(
 FETCH_TIMEOUT = 3.0  # how long a replica waits for another's gradients before the client replays them
 SYNC_TIMEOUT = 60.0  # how long a state transfer between peers may take
 MAX_MADDRS = 16  # addresses a reachability question may name
+MAX_HOLDERS = 256  # peers a commit's ledger may name with their addresses
 MAX_PING_BYTES = 1 << 20  # a ping's payload: enough to time a link, too little to load the node that answers
 
 
@@ -731,6 +732,27 @@ def write_ledger(ledger: dict[int, dict[str, Held]]) -> dict[str, dict[str, str 
     return {str(block): {mb: held.to_wire() for mb, held in by_mb.items()} for block, by_mb in ledger.items()}
 
 
+def read_holder_maddrs(meta: dict, key: str) -> dict[str, list[str]]:
+    """Where the client reaches a ledger's holders (peer id -> multiaddrs): a replica that found one gone, or knows
+    an older address (it restarted on another port), dials it there."""
+    value = meta.get(key, {})
+    if not isinstance(value, dict) or len(value) > MAX_HOLDERS:
+        raise RequestError(f"{key!r} must map at most {MAX_HOLDERS} peer ids to their multiaddrs")
+    for peer, maddrs in value.items():
+        if (
+            not isinstance(peer, str)
+            or not isinstance(maddrs, list)
+            or len(maddrs) > MAX_MADDRS
+            or not all(isinstance(m, str) for m in maddrs)
+        ):
+            raise RequestError(f"{key!r} must map peer ids to lists of at most {MAX_MADDRS} multiaddrs")
+        try:
+            PeerID.from_base58(peer)
+        except ValueError:
+            raise RequestError(f"{key!r}: {peer!r} is not a base58 peer id") from None
+    return value
+
+
 def read_grad_scale(meta: dict, key: str) -> float:
     scale = meta.get(key, 1.0)
     if not isinstance(scale, int | float) or isinstance(scale, bool) or not 0 <= scale <= 1:
@@ -758,6 +780,7 @@ class CommitRequest(Request):
     fetch_timeout: float = wire(read_fetch_timeout, default=FETCH_TIMEOUT)
     grad_scale: float = wire(read_grad_scale, default=1.0)  # the global clipping factor, the same on every replica
     audit: bool = wire(read_bool, default=False)  # refetch every other holder's partial sum, each one audited
+    holder_maddrs: dict[str, list[str]] = wire(read_holder_maddrs, default_factory=dict)
 
     def micro_batches(self) -> dict[int, list[str]]:
         """Per block, the micro-batches to sum, in the canonical (sorted) order."""
@@ -786,6 +809,7 @@ class NormsRequest(Request):
     ledger: dict[int, dict[str, Held]] = wire(read_ledger, write_ledger)
     norm_type: float = wire(read_norm_type, default=2.0)
     fetch_timeout: float = wire(read_fetch_timeout, default=FETCH_TIMEOUT)
+    holder_maddrs: dict[str, list[str]] = wire(read_holder_maddrs, default_factory=dict)
 
     def micro_batches(self) -> dict[int, list[str]]:
         return {block: sorted(by_mb) for block, by_mb in self.ledger.items()}

@@ -293,6 +293,15 @@ class Transport:
     def is_gone(self, peer: PeerID) -> bool:
         return peer in self.gone
 
+    def hint(self, peer: PeerID, maddrs: list[str]) -> None:
+        """Another party (the client, naming a peer it just worked with) reaches ``peer`` at ``maddrs``: dial it there
+        from now on; one found gone at other addresses may have restarted on a new port, so it may be called again."""
+        if not maddrs or self.addresses.get(peer) == maddrs:
+            return
+        self.addresses[peer] = list(maddrs)
+        if peer in self.gone:
+            self._revive(peer)
+
     def learn(self, records: Iterable[ServerRecord]) -> None:
         """Take each peer's addresses from its newest record; peers that announced themselves after they were found
         gone (restarted, back online) may be called again."""

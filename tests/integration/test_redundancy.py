@@ -452,3 +452,25 @@ def test_a_peer_restarted_on_other_blocks_withdraws_what_its_previous_run_announ
             break
         time.sleep(0.2)
     assert online == {2, 3}, f"announced online: blocks {sorted(online)}"
+
+
+def test_a_replica_that_found_a_holder_gone_dials_it_where_the_client_reaches_it(
+    inprocess_swarm, tiny_models, tmp_path
+):
+    """Peer c computes every micro-batch; a and b fetch its partial sums at commit. Both found c gone at an address it
+    no longer listens on, as after c restarted on another port (their own view of the swarm, which would tell them
+    the new one, is not refreshed during the test). The commit request carries the client's addresses of the
+    ledger's holders: they dial c there, and every step commits (without them, each fetch failed at once, the
+    replays landed on c, which held the gradients already, and the commit ran out of rounds)."""
+    swarm = inprocess_swarm()
+    c = swarm.add_peer("0:4", "c")
+    peers = swarm.start_peers({"a": "0:2", "b": "2:4"}, throughput=1.0, balance_interval=600.0)
+    stale = [f"/ip4/127.0.0.1/tcp/9/p2p/{c.peer_id.to_base58()}"]
+    for peer in peers.values():
+        transport = peer.daemon.transport
+        transport.addresses[c.peer_id] = stale
+        transport.gone[c.peer_id] = time.time()
+    train(swarm, tiny_models["llama"], tmp_path, "stale-address")
+    for peer in peers.values():
+        assert peer.daemon.transport.addresses[c.peer_id] != stale
+    assert_matches_local_peft(tiny_models["llama"], tmp_path)

@@ -184,6 +184,9 @@ class _CommitStack:
     def open_on(self, peer: PeerID) -> tuple[dict[int, int], dict[int, int]]:
         return dict(self.steps[peer]), {}
 
+    def holder_maddrs(self, ledger: dict) -> dict[str, list[str]]:
+        return {}  # the fake's peers need no addresses
+
     def ask(self, peer: PeerID, request: Request, floor: float = 0.0) -> StepsReply:
         held = self.steps[peer]
         if isinstance(request, SyncRequest):

@@ -63,6 +63,7 @@ EXAMPLES: dict[str, tuple[protocol.Request, protocol.Reply]] = {
             HPARAMS,
             2.5,
             grad_scale=0.25,
+            holder_maddrs={OTHER.to_base58(): ["/ip4/127.0.0.1/tcp/4001"]},
         ),
         protocol.CommitReply({0: 4}, {0: "ab12"}),
     ),
@@ -233,6 +234,10 @@ def test_unknown_methods_and_odd_values_are_refused():
         read_request(protocol.StateRequest("../etc").to_message())
     with pytest.raises(RequestError, match="ledger"):
         read_request(protocol.CommitRequest("run", 3, {}, HPARAMS).to_message())
+    commit, _ = EXAMPLES[Method.COMMIT]
+    for holder_maddrs in ({"not-a-peer": []}, {PEER.to_base58(): "/ip4/127.0.0.1"}, [PEER.to_base58()]):
+        with pytest.raises(RequestError, match="holder_maddrs"):
+            read_request(Message({**commit.to_meta(), "holder_maddrs": holder_maddrs}, []))
 
 
 def test_refusals_carry_what_the_caller_acts_on():
