@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TypeVar
 
 from hivemind.p2p import PeerID
@@ -399,14 +400,14 @@ def commit(
             history.append(f"round {rounds}: gradients of departed holders {_mbs_text(missing)}")
         else:
             asked = _commit_all(calls, replicas, pending, ledger, hparams, audit)
-            failed.extend(asked.failed)
+            failed.extend(asked.of(Phase.SILENT))
             votes.update(asked.votes)
             missing = asked.missing
-            for peer in asked.applied:
+            for peer in asked.of(Phase.APPLIED):
                 replicas.current[peer] = step + 1  # no longer eligible for this step's work (e.g. a replay)
                 applied[peer] = pending[peer]
             history.append(f"round {rounds}: {asked.summary()}")
-            if len(asked.applied) < len(pending):
+            if len(asked.of(Phase.APPLIED)) < len(pending):
                 logger.info("committing step %d, %s", step, history[-1])
             if asked.accused:
                 for peer in judge_accused(hops, ledger, asked.accused):
@@ -547,22 +548,56 @@ def _held_by_departed(
     return lost
 
 
+class Phase(Enum):
+    """Where one replica stands after a round of commit requests (docs/ARCHITECTURE.md, "The commit's states")."""
+
+    APPLIED = "applied"  # it applied the step; its reply carries its digests: its vote
+    LACKING = "lacking"  # it could get some partial sums from nobody live: it applied nothing
+    ACCUSING = "accusing"  # a holder handed it a partial sum that is not the sum of what the holder reported
+    SILENT = "silent"  # no answer (dead, frozen, cut off) or a garbled one: banned for a while
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One replica's answer to one commit request."""
+
+    phase: Phase
+    reply: CommitReply | None = None
+    lacking: dict[int, list[str]] = field(default_factory=dict)
+    accused: tuple[PeerID, ...] = ()
+
+
 @dataclass
 class CommitRound:
-    """What one round of commit requests gave: the replicas that applied (and their replies: the votes), the
-    (block, micro-batch) gradients some replica could not get from anyone live, the replicas that did not answer,
-    and (accuser, holder) pairs where a replica refused what a holder handed it (``bad_gradients``)."""
+    """Each replica's outcome of one round of commit requests, asked all at once."""
 
-    applied: list[PeerID] = field(default_factory=list)
-    votes: dict[PeerID, CommitReply] = field(default_factory=dict)
-    missing: dict[int, list[str]] = field(default_factory=dict)
-    failed: list[PeerID] = field(default_factory=list)
-    accused: list[tuple[PeerID, PeerID]] = field(default_factory=list)
+    outcomes: dict[PeerID, Outcome]
+
+    def of(self, phase: Phase) -> list[PeerID]:
+        return [peer for peer, outcome in self.outcomes.items() if outcome.phase is phase]
+
+    @property
+    def votes(self) -> dict[PeerID, CommitReply]:
+        return {peer: o.reply for peer, o in self.outcomes.items() if o.phase is Phase.APPLIED and o.reply is not None}
+
+    @property
+    def missing(self) -> dict[int, list[str]]:
+        """The (block, micro-batch) gradients some replica could get from nobody live: to replay."""
+        lacking: dict[int, set[str]] = {}
+        for outcome in self.outcomes.values():
+            for block, mbs in outcome.lacking.items():
+                lacking.setdefault(block, set()).update(mbs)
+        return {block: sorted(mbs) for block, mbs in lacking.items()}
+
+    @property
+    def accused(self) -> list[tuple[PeerID, PeerID]]:
+        """(accuser, holder) pairs, for ``judge_accused``."""
+        return [(peer, holder) for peer, o in self.outcomes.items() for holder in o.accused]
 
     def summary(self) -> str:
-        parts = [f"{len(self.applied)} applied"]
-        if self.failed:
-            parts.append("no answer from " + ", ".join(str(p) for p in self.failed))
+        parts = [f"{len(self.of(Phase.APPLIED))} applied"]
+        if silent := self.of(Phase.SILENT):
+            parts.append("no answer from " + ", ".join(str(p) for p in silent))
         if self.missing:
             parts.append(f"gradients nobody live could hand on {_mbs_text(self.missing)}")
         if self.accused:
@@ -580,8 +615,7 @@ def _commit_all(
 ) -> CommitRound:
     """Ask every replica to commit, in parallel (``audit``: see ``commit``)."""
 
-    def attempt(peer: PeerID) -> CommitReply | dict[int, list[str]] | list[PeerID] | None:
-        """The reply; or the gradients it lacks; or the holders it accuses; or None: it failed."""
+    def attempt(peer: PeerID) -> Outcome:
         holders = ledger.wire_holders(peers[peer])
         request = CommitRequest(
             calls.adapter,
@@ -593,32 +627,21 @@ def _commit_all(
             holder_maddrs=calls.holder_maddrs(holders),
         )
         try:
-            return calls.ask(peer, request, floor=2 * FETCH_TIMEOUT)
+            return Outcome(Phase.APPLIED, reply=calls.ask(peer, request, floor=2 * FETCH_TIMEOUT))
         except PeerFailure:
-            return None
+            return Outcome(Phase.SILENT)
         except RemoteError as e:
             if e.kind not in (ErrorKind.MISSING_GRADIENTS, ErrorKind.BAD_GRADIENTS):
                 raise
             try:
-                return bad_holders(e) if e.kind == ErrorKind.BAD_GRADIENTS else missing_gradients(e)
+                if e.kind == ErrorKind.BAD_GRADIENTS:
+                    return Outcome(Phase.ACCUSING, accused=tuple(bad_holders(e)))
+                return Outcome(Phase.LACKING, lacking=missing_gradients(e))
             except ReplyError as bad:  # a garbled refusal: the peer failed, like one that does not answer
                 logger.warning("peer %s: %s", peer, bad)
-                return None
+                return Outcome(Phase.SILENT)
 
-    result, missing = CommitRound(), {}
-    for peer, outcome in zip(peers, replicas.each(attempt, list(peers)), strict=True):
-        if isinstance(outcome, CommitReply):
-            result.applied.append(peer)
-            result.votes[peer] = outcome
-        elif isinstance(outcome, dict):
-            for block, mbs in outcome.items():
-                missing.setdefault(block, set()).update(mbs)
-        elif isinstance(outcome, list):
-            result.accused.extend((peer, holder) for holder in outcome)
-        else:
-            result.failed.append(peer)
-    result.missing = {block: sorted(mbs) for block, mbs in missing.items()}
-    return result
+    return CommitRound(dict(zip(peers, replicas.each(attempt, list(peers)), strict=True)))
 
 
 def judge_accused(hops: RemoteStack, ledger: StepLedger, accused: list[tuple[PeerID, PeerID]]) -> list[PeerID]:
