@@ -5,7 +5,7 @@ sub-second steps. Two of the five peers run torch's portable CPU kernels (``ATEN
 life, as older machines would. What must hold is not a speed but the promises: the training loop never sees an
 exception, nobody is named dishonest, no step is lost unless two holders of a block were down at once (and then the
 loss is reported), and the adapter ends equal to local peft on the same batches.
-The same driver, longer and with a no-churn run beside it, is scripts/churn.py.
+The same driver, longer and with a no-churn run beside it, is scripts/bench_churn.py.
 """
 
 from __future__ import annotations
