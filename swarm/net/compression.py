@@ -1,6 +1,7 @@
 """How activations and their gradients travel: at full precision (the default, exact), or cast to a 16-bit dtype
-and/or quantized blockwise to 8 bits with hivemind's compression, for slow links. Masks and other integer tensors
-always travel as they are."""
+and/or quantized blockwise to 8 bits with hivemind's compression, for slow links, or rotated and quantized to 4 or 3
+bits (swarm.net.rotated: "hadamard4", "hadamard3", and "...sr" with stochastic rounding). Masks and other integer
+tensors always travel as they are."""
 
 from __future__ import annotations
 
@@ -11,9 +12,20 @@ import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
+from swarm.net import rotated
+
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-COMPRESSIONS = {"none": runtime_pb2.CompressionType.NONE, "blockwise8": runtime_pb2.CompressionType.BLOCKWISE_8BIT}
+# swarm's own codecs: codes outside hivemind's CompressionType (they never reach a protobuf's ``compression``
+# field, which says NONE; the protobuf's ``dtype`` says e.g. "hadamard4:bfloat16"), name -> (bits, stochastic)
+ROTATED = {"hadamard4": (4, False), "hadamard3": (3, False), "hadamard4sr": (4, True), "hadamard3sr": (3, True)}
+ROTATED_CODES = {0x100 + index: name for index, name in enumerate(ROTATED)}
+COMPRESSIONS = {
+    "none": runtime_pb2.CompressionType.NONE,
+    "blockwise8": runtime_pb2.CompressionType.BLOCKWISE_8BIT,
+    **{name: code for code, name in ROTATED_CODES.items()},
+}
 BLOCKSIZE = 4096  # hivemind's blockwise quantization block
+_DTYPE_NAMES = {dtype: name for name, dtype in rotated.DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -38,6 +50,8 @@ class WireFormat:
         """What one value of a floating tensor computed in ``computed`` weighs on the wire."""
         if self.compression == "blockwise8":
             return 1 + 4 / BLOCKSIZE  # a byte, and a float32 scale per block
+        if self.compression in ROTATED:
+            return rotated.value_bytes(ROTATED[self.compression][0])  # bits/8 and a float32 scale per tile
         return torch.finfo(computed if self.dtype is None else WIRE_DTYPES[self.dtype]).bits / 8
 
     @property
@@ -56,6 +70,17 @@ def serialize(tensor: torch.Tensor, compression: int) -> runtime_pb2.Tensor:
     tensor travels in 2 bytes per value (hivemind widens it to float32, numpy having no bfloat16)."""
     if not tensor.is_floating_point():
         compression = runtime_pb2.CompressionType.NONE
+    if compression in ROTATED_CODES:
+        name = ROTATED_CODES[compression]
+        if tensor.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"{name} cannot encode {tensor.dtype}")
+        return runtime_pb2.Tensor(
+            buffer=rotated.encode(tensor, *ROTATED[name]),
+            size=tensor.shape,
+            requires_grad=tensor.requires_grad,
+            dtype=f"{name}:{_DTYPE_NAMES[tensor.dtype]}",
+            compression=runtime_pb2.CompressionType.NONE,
+        )
     if tensor.dtype == torch.bfloat16 and compression == runtime_pb2.CompressionType.NONE:
         serialized = serialize_torch_tensor(tensor.view(torch.int16))
         serialized.dtype = "bfloat16"
@@ -67,6 +92,12 @@ def deserialize(serialized: runtime_pb2.Tensor) -> torch.Tensor:
     """hivemind's deserializer, but for 2-byte bfloat16 (see ``serialize``) and blockwise 8-bit tensors, whose
     header hivemind 1.1 reads in a way that numpy 2 refuses (``int()`` of a one-element array)."""
     size = tuple(serialized.size)
+    name, _, dtype = serialized.dtype.partition(":")
+    if name in ROTATED:
+        if serialized.compression != runtime_pb2.CompressionType.NONE or dtype not in rotated.DTYPES:
+            raise ValueError(f"a {name} tensor of dtype {dtype!r} and compression {serialized.compression}")
+        values = rotated.decode(serialized.buffer, size, rotated.DTYPES[dtype], ROTATED[name][0])
+        return values.requires_grad_(serialized.requires_grad)
     if serialized.compression == runtime_pb2.CompressionType.NONE and serialized.dtype == "bfloat16":
         if len(serialized.buffer) == 2 * int(np.prod(size)):
             values = torch.frombuffer(bytearray(serialized.buffer), dtype=torch.int16)
