@@ -56,9 +56,8 @@ from swarm.planning import (  # noqa: E402
     servers_of,
     usable_bytes,
 )
-from swarm.testing.steps import step_seconds  # noqa: E402
 
-RULES = Rules(choose_span, next_move, choose_standby, step_seconds)
+RULES = Rules(choose_span, next_move, choose_standby)
 WIRES = {
     "exact": WireFormat(),
     "bfloat16": WireFormat("bfloat16"),

@@ -251,12 +251,11 @@ def daemon_num_blocks(shape: ModelShape, memory_gib: float, quant: str) -> int:
 @dataclass(frozen=True)
 class Rules:
     """The swarm's decisions this module may not import (they live above it in the layout): peers/balancer.py
-    ``choose_span``, ``next_move``, ``choose_standby`` and swarm/testing/steps.py ``step_seconds``."""
+    ``choose_span``, ``next_move`` and ``choose_standby``."""
 
     choose_span: Callable
     next_move: Callable
     choose_standby: Callable
-    step_seconds: Callable
 
 
 def peer_names(count: int) -> list[str]:
@@ -423,12 +422,14 @@ def chain_stages(chain: Sequence[Hop], block_s: float, act: int, net: Network) -
 
 
 def play_step(
-    stages_of: Callable[[int], Sequence[Stage]], micro_batches: int, in_flight: int
+    stages_of: Callable[[int, float], Sequence[Stage]], micro_batches: int, in_flight: int
 ) -> tuple[float, dict[Resource, float]]:
-    """(seconds of the step, seconds each resource was busy): step_seconds' model (swarm/testing/steps.py), with
-    stages that may hold several resources (a transfer: a sender's uplink and a receiver's downlink) and add latency.
-    At most ``in_flight`` micro-batches at once, the next started when one finishes; a resource serves stages in the
-    order they reach it. With compute stages only it is step_seconds with backward costs written out."""
+    """(seconds of the step, seconds each resource was busy): micro-batches pipelined over their stages, as the
+    client runs them (swarm.client.pipeline). ``stages_of(index, at)``: the way of the micro-batch started at time
+    ``at`` (routed then, seeing the work routed before); a stage may hold several resources (a transfer: a sender's
+    uplink and a receiver's downlink) and add latency. At most ``in_flight`` micro-batches at once, the next started
+    when one finishes; a resource serves stages in the order they reach it. swarm/testing/steps.py's
+    ``step_seconds`` is this with compute stages only."""
     if micro_batches < 1 or in_flight < 1:
         raise ValueError(f"need at least one micro-batch and one in flight, got {micro_batches} and {in_flight}")
     free: dict[Resource, float] = {}
@@ -440,7 +441,7 @@ def play_step(
 
     def start(at: float) -> None:
         nonlocal started
-        stages[started] = stages_of(started)
+        stages[started] = stages_of(started, at)
         heapq.heappush(events, (at, next(order), started, 0))
         started += 1
 
@@ -620,18 +621,16 @@ def in_flight_for(servers: int) -> int:
     return max(4, min(32, 2 * servers))
 
 
-def one_box_seconds(
-    rules: Rules, chains: Sequence[Sequence[Hop]], block_s: float, micro_batches: int, in_flight: int
-) -> float:
+def one_box_seconds(chains: Sequence[Sequence[Hop]], block_s: float, micro_batches: int, in_flight: int) -> float:
     """The same GPUs in one machine: the same spans and chains, transfers and the reduction free (NVLink or PCIe
-    against home links), the step played by ``step_seconds`` itself."""
-    turn = itertools.count()
+    against home links), compute stages only."""
 
-    def chain_at(_: float) -> list[tuple[str, float]]:
-        chain = chains[next(turn) % len(chains)]
-        return [(peer, len(blocks) * block_s) for peer, blocks in chain]
+    def stages(index: int, _at: float) -> list[Stage]:
+        chain = [(peer, len(blocks) * block_s) for peer, blocks in chains[index % len(chains)]]
+        forward = [compute(peer, seconds) for peer, seconds in chain]
+        return forward + [compute(peer, BACKWARD_COST * seconds) for peer, seconds in reversed(chain)]
 
-    return rules.step_seconds(chain_at, micro_batches, in_flight, BACKWARD_COST)
+    return play_step(stages, micro_batches, in_flight)[0]
 
 
 def plan_step(
@@ -656,7 +655,7 @@ def plan_step(
     if not chains:
         raise ValueError("no chain covers the model: nothing to train")
     routed = [chain_stages(chains[i % len(chains)], block_s, act, net) for i in range(micro_batches)]
-    pipeline, _ = play_step(routed.__getitem__, micro_batches, in_flight)
+    pipeline, _ = play_step(lambda index, _at: routed[index], micro_batches, in_flight)
     servers = servers_of(spans, num_blocks)
     holders = holders_of(chains, micro_batches, num_blocks)
     up: dict[str, dict[str, float]] = {p: {} for p in [CLIENT, *sorted(spans)]}
@@ -698,7 +697,7 @@ def plan_step(
         copies=copies_s,
         link_bound=link_seconds[busiest],
         busiest=busiest,
-        one_box=one_box_seconds(rules, chains, block_s, micro_batches, in_flight),
+        one_box=one_box_seconds(chains, block_s, micro_batches, in_flight),
         up=up,
         down=down,
     )

@@ -4,9 +4,7 @@ hold the figures the plan rests on, and can fail."""
 from __future__ import annotations
 
 import ast
-import itertools
 import math
-import random
 from pathlib import Path
 
 import pytest
@@ -31,7 +29,6 @@ from swarm.planning import (
     block_memory,
     blocks_that_fit,
     chains_of,
-    compute,
     daemon_num_blocks,
     holders_of,
     in_flight_for,
@@ -41,15 +38,13 @@ from swarm.planning import (
     peer_names,
     place,
     plan_step,
-    play_step,
     reduction,
     servers_of,
     usable_bytes,
 )
-from swarm.testing.steps import step_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
-RULES = Rules(choose_span, next_move, choose_standby, step_seconds)
+RULES = Rules(choose_span, next_move, choose_standby)
 LLAMA_70B = load_shape(CONFIGS / "llama-3-70b.json")
 LORA = Lora()  # r=16 on all seven projections
 
@@ -118,21 +113,6 @@ def test_after_is_one_gradient_a_peer_whatever_m_and_before_grows_with_m():
     assert after == [after[0]] * 4 and after[0] == pytest.approx(span_g, rel=0.05)
     assert before == pytest.approx([b * m / 4 for b, m in zip([before[0]] * 4, (4, 8, 16, 32), strict=True)])
     assert before[2] == pytest.approx(16 * (2 - 1) / 2 * span_g, rel=0.05)  # M(R-1)/R G at M=16, R=2
-
-
-def test_play_step_with_compute_only_is_the_simulations_step_model():
-    rng = random.Random(3)
-    for _ in range(20):
-        chains = [[(f"p{rng.randrange(5)}", rng.uniform(0.1, 2.0)) for _ in range(rng.randrange(1, 4))] for _ in "ab"]
-        m, in_flight = rng.randrange(1, 9), rng.randrange(1, 6)
-        turn = itertools.count()
-        expected = step_seconds(lambda at, chains=chains, turn=turn: chains[next(turn) % 2], m, in_flight)
-
-        def stages(i: int, chains=chains) -> list:
-            chain = chains[i % 2]
-            return [compute(p, s) for p, s in chain] + [compute(p, 2.0 * s) for p, s in reversed(chain)]
-
-        assert play_step(stages, m, in_flight)[0] == pytest.approx(expected)
 
 
 def test_a_step_over_home_links_against_one_box():
