@@ -7,6 +7,7 @@ answered a ping in this round, so an orphaned block is noticed within one round,
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from dataclasses import dataclass
 
@@ -75,15 +76,17 @@ class SwarmView:
     def newest(self, name: str, block: int, exclude: PeerID) -> tuple[int, PeerID] | None:
         """The newest state of (adapter, block) on another live peer, served or standby, and who holds it: a server
         of the block before a standby holder at the same step, because a copy pulled from a server is told of its
-        next commits (``peers/pullers.py``), and one pulled from another copy is not."""
+        next commits (``peers/pullers.py``), and one pulled from another copy is not. Among equals, each puller
+        ranks them by a hash of the two ids (rendezvous hashing): the copies of a block spread over its replicas,
+        which each upload their share of the step's updates, not one replica all of them."""
         found = [
-            (step, block in info.adapters[name].steps, peer)
+            (step, block in info.adapters[name].steps, rendezvous(exclude, peer), peer)
             for peer, info in self.alive.items()
             if peer != exclude and name in info.adapters and (step := info.adapters[name].step_of(block)) is not None
         ]
         if not found:
             return None
-        step, _, peer = max(found, key=lambda item: item[:2])
+        step, _, _, peer = max(found, key=lambda item: item[:3])
         return step, peer
 
     def trainer_step(self, name: str) -> int | None:
@@ -94,6 +97,11 @@ class SwarmView:
     def watchers(self, blocks: list[int]) -> list[PeerID]:
         """Live peers keeping standby copies of any of ``blocks``."""
         return [peer for peer, info in self.alive.items() if set(info.standby_blocks) & set(blocks)]
+
+
+def rendezvous(puller: PeerID, source: PeerID) -> bytes:
+    """A rank of ``source`` for ``puller``, the same wherever it is computed, different from one puller to another."""
+    return hashlib.blake2b(puller.to_bytes() + source.to_bytes(), digest_size=8).digest()
 
 
 def same_weights(records: dict[int, list[ServerRecord]], weights: dict[int, str]) -> dict[int, list[ServerRecord]]:

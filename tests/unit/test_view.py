@@ -53,6 +53,25 @@ def test_the_newest_copy_is_taken_from_a_server_before_a_standby_holder_at_the_s
     assert SwarmView({}, {holder: infos[holder], older: infos[older]}).newest("a", 0, exclude=server) == (7, holder)
 
 
+def test_standby_pullers_spread_over_a_blocks_replicas_whatever_order_they_see_them_in():
+    """Copies follow each commit by pulling the step's update from the replica they took their copy from: were it the
+    same replica for every puller, that one would upload every copy's update each step (sync bytes bounded by the
+    adapter, issue 47), its fellow replica none. Each puller ranks equal replicas by a hash of both ids."""
+    meta = {"lora": {}, "seed": 0}
+    replicas = [PeerID(bytes([i]) * 8) for i in (1, 2)]
+    infos = {r: PeerInfo("m", 0, 2, "online", 1.0, {"a": AdapterInfo(meta, {0: 7, 1: 7}, {})}, []) for r in replicas}
+    pullers = [PeerID(bytes([i]) * 8) for i in range(10, 30)]
+    chosen = {}
+    for puller in pullers:
+        answers = {
+            SwarmView({}, {r: infos[r] for r in order}).newest("a", 0, puller) for order in (replicas, replicas[::-1])
+        }
+        assert len(answers) == 1, "the choice depends on the order the puller saw the replicas in"
+        chosen[puller] = answers.pop()[1]
+    counts = [list(chosen.values()).count(r) for r in replicas]
+    assert min(counts) >= 5, f"20 pullers split {counts} over two replicas"
+
+
 def test_records_carry_a_move_and_span_sizing_fits_the_model(tiny_models):
     record = ServerRecord(PeerID(b"x" * 8), ServerState.ONLINE, 0, 2, 1.0, {"a": 3}, moving_to=range(2, 4))
     back = ServerRecord.from_value(record.peer_id, record.to_value())
