@@ -1,13 +1,11 @@
-"""The span of blocks a peer holds and what it computes on them: forward, backward (per-micro-batch LoRA
-gradients, counted once), commits (AdamW in canonical order), and the moves of state in and out (peers/state.py)."""
+"""The span of blocks a peer holds and what it computes on them: forward, backward (the LoRA gradients go to the
+adapters' store, peers/adapters.py), generation, and this peer's numerics."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
 import logging
-import math
-from dataclasses import replace
 
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
@@ -15,49 +13,25 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from peers.adapters import AdapterStore
 from peers.calibration import block_error, exact
 from peers.inference import InferenceSession, InferenceSessions
 from peers.layers import run_layers
-from peers.state import (
-    ActivationCache,
-    Adapter,
-    BlockAdapter,
-    BlockState,
-    BlockUpdate,
-    GradsByBlock,
-    KeptInputs,
-    SavedBytes,
-    Undo,
-    session_of,
-)
-from peers.update import BlockOptimizer
-from swarm.blocks import add_lora, load_block, lora_config_from_wire, spans_text, stored_tensors
+from peers.state import SavedBytes
+from swarm.blocks import load_block, spans_text, stored_tensors
 from swarm.dropout import dropout_masks
-from swarm.net.errors import (
-    FencedError,
-    MissingForwardError,
-    MissingGradientsError,
-    NotServedError,
-    RequestError,
-    SessionLostError,
-    StaleStepError,
-    UnknownAdapterError,
-    WeightsMismatchError,
-)
-from swarm.net.gradhash import grad_hash
-from swarm.net.gradnorm import GradNorm, covers_digest
+from swarm.net.errors import MissingForwardError, NotServedError, RequestError, SessionLostError
 from swarm.net.numerics import Numerics
-from swarm.net.protocol import SUM, AdapterInfo, Group, InferRequest, OptimizerHParams, lora_and_seed
-from swarm.net.reduction import add_up, partial_sum
+from swarm.net.protocol import InferRequest
 from swarm.spec import ModelSpec
-from swarm.weights import differing
 
 logger = logging.getLogger(__name__)
 
 
 class SpanBackend:
-    """The blocks a peer serves and the adapters trained on them. Not thread-safe: one caller at a time (the
-    service's compute thread); only ``load_layers`` is safe to run elsewhere, since it touches nothing shared."""
+    """The blocks a peer serves and what it computes on them; the LoRA it runs and the gradients it leaves are the
+    ``adapters`` store's. Not thread-safe: one caller at a time (the service's compute thread); only ``load_layers``
+    is safe to run elsewhere, since it touches nothing shared."""
 
     def __init__(
         self,
@@ -66,24 +40,16 @@ class SpanBackend:
         device: torch.device,
         dtype: torch.dtype,
         quant: str,
-        activation_cache_bytes: int = 1 << 30,
-        kept_inputs_bytes: int = 4 << 30,
+        adapters: AdapterStore,
         max_tokens: int = 1 << 16,
         inference_bytes: int = 1 << 30,
         inference_timeout: float = 300.0,
-        weight_digests: dict[int, str] | None = None,
     ):
-        self.weight_digests = (
-            weight_digests or {}
-        )  # block -> digest of the base weights this peer loads (swarm/weights.py)
-        self.mismatched: dict[str, list[int]] = {}  # adapter -> the blocks whose weights differ from its pin
         self.spec, self.device, self.dtype, self.quant, self.max_tokens = spec, device, dtype, quant, max_tokens
+        self.adapters = adapters
         self.layers: dict[int, nn.Module] = {}
         self.errors: dict[int, float] = {}  # block -> its error against exact fp32 (peers/calibration.py)
         self.rotary = spec.family_class("RotaryEmbedding")(config=spec.config).to(device)
-        self.adapters: dict[str, Adapter] = {}
-        self.cache = ActivationCache(activation_cache_bytes)
-        self.kept = KeptInputs(kept_inputs_bytes)
         self.sessions = InferenceSessions(inference_bytes, inference_timeout)
         self.install(self.load_layers(blocks))
 
@@ -113,93 +79,15 @@ class SpanBackend:
         return layers
 
     def install(self, layers: dict[int, nn.Module]) -> None:
-        """Start serving loaded blocks; each adapter's state comes from its standby copy when this peer has one."""
+        """Start serving loaded blocks (with every adapter's LoRA on them)."""
         self.layers.update(layers)
-        for name, adapter in self.adapters.items():
-            self._fill(name, adapter)
+        self.adapters.serve(layers)
 
     def remove(self, blocks: list[int]) -> None:
-        """Stop serving blocks; their adapter state stays here as standby copies (a peer that moves keeps them)."""
+        """Stop serving blocks; their adapter state stays as standby copies (a peer that moves keeps them)."""
         for block in blocks:
             self.layers.pop(block, None)
-            for adapter in self.adapters.values():
-                state = adapter.blocks.pop(block, None)
-                if state is not None:
-                    adapter.standby[block] = BlockState.of(state)
-        for name in self.adapters:
-            self._forget_forwards(name)
-
-    def _forget_forwards(self, name: str) -> None:
-        """Drop the adapter's forward graphs and kept inputs: its step was applied, taken back or replaced, so no
-        backward of them can count any more."""
-        self.cache.drop_adapter(name)
-        self.kept.drop_adapter(name)
-
-    def _fill(self, name: str, adapter: Adapter) -> None:
-        """Give every served block this adapter's LoRA: from the standby copy if any, else the deterministic init."""
-        config = lora_config_from_wire(adapter.config_wire)
-        for block, layer in self.layers.items():
-            if block in adapter.blocks:
-                continue
-            params = add_lora(layer, self.spec, block, name, config, adapter.seed)
-            state = adapter.blocks[block] = BlockAdapter(params=params, optimizer=BlockOptimizer())
-            standby = adapter.standby.pop(block, None)
-            if standby is not None:
-                standby.load_into(state)
-                logger.info("adapter %r block %d starts from its standby copy at step %d", name, block, state.step)
-
-    # --- adapters -------------------------------------------------------------------------------------------
-
-    def ensure_adapter(self, name: str, config_wire: dict, seed: int) -> Adapter:
-        """The adapter ``name``, created (deterministic init on served blocks) if new; its config must match."""
-        adapter = self.adapters.get(name)
-        if adapter is None:
-            adapter = self.adapters[name] = Adapter(config_wire=config_wire, seed=seed)
-            self._fill(name, adapter)
-            logger.info("opened adapter %r on blocks %s", name, spans_text(self.blocks))
-        elif adapter.config_wire != config_wire or adapter.seed != seed:
-            raise RequestError(f"adapter {name!r} exists here with another LoRA config or seed; pick a new name")
-        return adapter
-
-    def open_adapter(
-        self,
-        name: str,
-        config_wire: dict,
-        seed: int,
-        session: str | None = None,
-        weights: dict[int, str] | None = None,
-    ) -> dict[int, int]:
-        """Create an adapter on every block (deterministic init) or check it matches; a session claims it. An adapter
-        pinned to other base weights (``weights``: block -> digest) than this peer's is refused, and logged once."""
-        self.check_weights(name, weights or {})
-        adapter = self.ensure_adapter(name, config_wire, seed)
-        if session is not None and session != adapter.session:
-            if adapter.session is not None:
-                logger.info("adapter %r claimed by a new trainer session; dropping the old session's gradients", name)
-            adapter.session = session
-            for state in adapter.blocks.values():
-                state.grads = {mb: g for mb, g in state.grads.items() if session_of(mb) == session}
-                state.partials = {}
-            self._forget_forwards(name)
-        return adapter.steps()
-
-    def check_weights(self, name: str, weights: dict[int, str]) -> None:
-        differ = differing(self.weight_digests, weights, self.blocks)
-        if not differ:
-            return
-        if self.mismatched.get(name) != differ:
-            logger.error(
-                "adapter %r was trained on other weights of blocks %s than this peer's %s: serving it nothing (this "
-                "folder is another model under the same name; serve the adapter's model, or train a new adapter)",
-                name,
-                spans_text(differ),
-                self.spec.path,
-            )
-        self.mismatched[name] = differ
-        raise WeightsMismatchError(
-            f"adapter {name!r} is pinned to other base weights of blocks {spans_text(differ)} than this peer's "
-            f"(its folder {self.spec.name!r} holds another model under the same name); route elsewhere"
-        )
+        self.adapters.unserve(blocks)
 
     def numerics(self, blocks: range) -> Numerics:
         """How this peer computes ``blocks``, as it announces it (swarm/net/numerics.py)."""
@@ -208,39 +96,15 @@ class SpanBackend:
 
     def store_use(self) -> dict[str, int]:
         """Bytes in use, and bounds, of the stores that requests fill: what a peer reports of its memory."""
+        kept, cache = self.adapters.kept, self.adapters.cache
         return dict(
-            kept_inputs=self.kept.bytes,
-            kept_inputs_max=self.kept.max_bytes,
-            activation_cache=self.cache.bytes,
-            activation_cache_max=self.cache.max_bytes,
+            kept_inputs=kept.bytes,
+            kept_inputs_max=kept.max_bytes,
+            activation_cache=cache.bytes,
+            activation_cache_max=cache.max_bytes,
             inference=self.sessions.reserved,
             inference_max=self.sessions.budget,
         )
-
-    def adapter_infos(self) -> dict[str, AdapterInfo]:
-        """What this peer holds of each adapter (its meta, served and standby steps): what it tells the swarm."""
-        return {name: AdapterInfo(a.meta, a.steps(), a.standby_steps()) for name, a in self.adapters.items()}
-
-    def adapter(self, name: str) -> Adapter:
-        try:
-            return self.adapters[name]
-        except KeyError:
-            raise UnknownAdapterError(f"unknown adapter {name!r}: open it first") from None
-
-    def _trained(self, name: str, micro_batch: str) -> Adapter:
-        adapter = self.adapter(name)
-        if adapter.session is not None and session_of(micro_batch) != adapter.session:
-            raise FencedError(f"adapter {name!r} is held by another trainer session; this session was replaced")
-        return adapter
-
-    def _states(self, adapter: Adapter, blocks: range, step: int, or_later: bool = False) -> dict[int, BlockAdapter]:
-        """The blocks' states, all at ``step`` (for training); ``or_later``: all at one step, ``step`` or newer (a
-        read: evaluation or generation, by a client that may lag the trainer's last commit)."""
-        states = {block: adapter.blocks[block] for block in blocks}
-        steps = sorted({state.step for state in states.values()})
-        if steps != [step] and not (or_later and len(steps) == 1 and steps[0] > step):
-            raise StaleStepError(f"blocks {blocks.start}:{blocks.stop} are at step {steps} here, not {step}")
-        return states
 
     # --- compute --------------------------------------------------------------------------------------------
 
@@ -300,7 +164,7 @@ class SpanBackend:
         if request.adapter is None:
             lora = self._lora_off()
         else:
-            self._states(self.adapter(request.adapter), blocks, request.step, or_later=True)
+            self.adapters.states(self.adapters.adapter(request.adapter), blocks, request.step, or_later=True)
             self._activate(request.adapter)
             lora = contextlib.nullcontext()
         session = self._session(request, batch, length)
@@ -386,8 +250,9 @@ class SpanBackend:
         the backward skips a recompute."""
         blocks = self._check_range(blocks.start, blocks.stop)
         self._check_hidden(hidden, attention_mask)
-        adapter = self.adapter(name) if micro_batch is None else self._trained(name, micro_batch)
-        self._states(adapter, blocks, step, or_later=micro_batch is None)
+        store = self.adapters
+        adapter = store.adapter(name) if micro_batch is None else store.trained(name, micro_batch)
+        store.states(adapter, blocks, step, or_later=micro_batch is None)
         self._activate(name)
         inputs = hidden.to(self.device, self.dtype)
         mask = None if attention_mask is None else attention_mask.to(self.device)
@@ -395,7 +260,7 @@ class SpanBackend:
             with torch.no_grad(), self._autocast(autocast):
                 return self.run(inputs, mask, blocks).to(hidden.dtype).cpu()
         key = (name, micro_batch, blocks.start, blocks.stop)
-        self.kept.put(key, hidden, attention_mask)
+        store.kept.put(key, hidden, attention_mask)
         inputs.requires_grad_(True)
         weights = {
             t.untyped_storage().data_ptr()
@@ -409,7 +274,7 @@ class SpanBackend:
             self._autocast(autocast),
         ):
             outputs = self.run(inputs, mask, blocks)
-        self.cache.put(key, inputs, outputs, saved.bytes)
+        store.cache.put(key, inputs, outputs, saved.bytes)
         return outputs.detach().to(hidden.dtype).cpu()
 
     def backward(
@@ -433,12 +298,13 @@ class SpanBackend:
             raise RequestError(f"output gradients must be {list(hidden.shape)}, got {list(grad_outputs.shape)}")
         if not torch.isfinite(grad_outputs).all():
             raise RequestError("output gradients contain NaN or Inf")
-        adapter = self._trained(name, micro_batch)
-        states = self._states(adapter, blocks, step)
+        store = self.adapters
+        adapter = store.trained(name, micro_batch)
+        states = store.states(adapter, blocks, step)
         self._activate(name)
         key = (name, micro_batch, blocks.start, blocks.stop)
-        cached = self.cache.pop(key)
-        kept = self.kept.get(key)
+        cached = store.cache.pop(key)
+        kept = store.kept.get(key)
         if cached is None:
             if hidden is None and kept is None:
                 raise MissingForwardError(f"no forward of micro-batch {micro_batch} kept here; send its input")
@@ -458,376 +324,5 @@ class SpanBackend:
         gradient = grad_outputs.to(outputs.device, outputs.dtype)
         grads = list(torch.autograd.grad(outputs, wanted, gradient)) if wanted else []  # a span may have no LoRA
         grad_inputs = grads.pop(0) if input_grad else None
-        for state in states.values():
-            count = len(state.params)
-            block_grads, grads = grads[:count], grads[count:]
-            state.grads.setdefault(micro_batch, [g.detach() for g in block_grads])
+        store.hold_grads(states, micro_batch, grads)
         return None if grad_inputs is None else grad_inputs.to(grad_outputs.dtype).cpu()
-
-    # --- commit ---------------------------------------------------------------------------------------------
-
-    def _ledger_states(self, name: str, step: int, ledger: dict[int, list[Group]]) -> dict[int, BlockAdapter]:
-        """The blocks of the ledger that this peer holds, checked to be served here and at ``step`` or past it. A peer
-        that restarted on other blocks may still hold the state of those it served before, one step behind or stale;
-        a client whose records are older asks it to commit them: refused (``not_served``), never applied or voted."""
-        if any(isinstance(group, str) for groups in ledger.values() for group in groups):
-            raise TypeError("a ledger's groups are tuples of micro-batch ids (see ledger_groups), not ids")
-        adapter = self.adapter(name)
-        unserved = sorted(block for block in ledger if block not in self.layers)
-        if unserved:
-            raise NotServedError(
-                f"blocks {unserved} are not served here (this peer serves {spans_text(self.blocks)}); "
-                "commit them on the peers that serve them"
-            )
-        states = {block: adapter.blocks[block] for block in ledger if block in adapter.blocks}
-        behind = [block for block, state in states.items() if state.step < step]
-        if behind:
-            raise StaleStepError(f"blocks {behind} of adapter {name!r} are behind step {step}; sync them first")
-        return states
-
-    def missing(self, name: str, step: int, groups: dict[int, list[Group]]) -> dict[int, list[str]]:
-        """Micro-batches of the ledger (``groups``: block -> each holder's micro-batches, see ``ledger_groups``) whose
-        group this peer can sum neither from gradients held here nor from a partial sum fetched for it, on blocks
-        still at ``step``."""
-        states = self._ledger_states(name, step, groups)
-        missing = {
-            block: [mb for group in groups[block] if not _can_sum(state, group) for mb in group]
-            for block, state in states.items()
-            if state.step == step
-        }
-        return {block: mbs for block, mbs in missing.items() if mbs}
-
-    def drop_unlike(self, name: str, step: int, hashes: dict[int, dict[str, str]]) -> None:
-        """Forget gradients held here for micro-batches whose ledger holder is another peer, where they hash otherwise
-        (``hashes``: block -> micro-batch -> the holder's hash): this peer computed the micro-batch too (a retried
-        backward) on hardware that rounds differently, and every replica must apply the same bits, the holder's."""
-        adapter = self.adapter(name)
-        for block, by_mb in hashes.items():
-            state = adapter.blocks.get(block)
-            if state is None or state.step != step:
-                continue
-            for mb, wanted in by_mb.items():
-                held = state.grads.get(mb)
-                if held is not None and grad_hash(held) != wanted:
-                    del state.grads[mb]
-
-    def grad_norms(self, name: str, blocks: range, step: int) -> tuple[GradNorm, ...]:
-        """What a backward's reply says of its blocks: each one's gradient summed over every micro-batch held here at
-        ``step``, as a 2-norm and an inf-norm share, and which micro-batches those are."""
-        adapter = self.adapter(name)
-        norms = []
-        for block in blocks:
-            state = adapter.blocks.get(block)
-            if state is None or state.step != step or not state.grads:
-                continue
-            summed = partial_sum(state.grads, tuple(state.grads))  # one holder's sum: the step's, if it holds all
-            sum_sq = math.fsum(float(torch.linalg.vector_norm(g)) ** 2 for g in summed)
-            max_abs = max((float(g.abs().max()) for g in summed if g.numel()), default=0.0)
-            norms.append(GradNorm(block, covers_digest(state.grads), sum_sq, max_abs))
-        return tuple(norms)
-
-    def grad_hashes(self, name: str, blocks: range, step: int, micro_batch: str) -> tuple[tuple[int, str], ...]:
-        """What a backward's reply says of the micro-batch's gradients held here on each block: their hash (see
-        swarm/net/gradhash.py), which the replicas fetching them at commit check."""
-        adapter = self.adapter(name)
-        hashes = []
-        for block in blocks:
-            state = adapter.blocks.get(block)
-            if state is not None and state.step == step and micro_batch in state.grads:
-                hashes.append((block, grad_hash(state.grads[micro_batch])))
-        return tuple(hashes)
-
-    def norm_parts(self, name: str, step: int, groups: dict[int, list[Group]], norm_type: float) -> dict[int, float]:
-        """Per block of the ledger held here at ``step``, its share of the step's ``norm_type``-norm (see
-        ``NormsRequest``); raises MissingGradientsError when some of the ledger's gradients are not here."""
-        states = self._ledger_states(name, step, groups)
-        missing = self.missing(name, step, groups)
-        if missing:
-            raise MissingGradientsError(f"no gradients for {missing} at step {step}", missing)
-        parts = {}
-        for block, state in states.items():
-            if state.step != step:
-                continue
-            norms = [torch.linalg.vector_norm(g, norm_type) for g in _reduced(state, groups[block])]
-            if math.isinf(norm_type):
-                parts[block] = max((float(n) for n in norms), default=0.0)
-            else:
-                parts[block] = math.fsum(float(n) ** norm_type for n in norms)
-        return parts
-
-    def micro_batch_grads(self, name: str, step: int, wanted: dict[int, list[str]]) -> GradsByBlock:
-        """Gradients this peer holds for (block, micro-batch) at ``step`` (applied or not), for a replica that lacks
-        them."""
-        adapter = self.adapter(name)
-        found: GradsByBlock = {}
-        for block, mbs in wanted.items():
-            state = adapter.blocks.get(block)
-            if state is not None and state.step == step:
-                held = state.grads
-            elif state is not None and state.step == step + 1 and state.undo is not None:
-                held = state.undo.grads  # this replica applied the step already; others may not have yet
-            else:
-                continue
-            found[block] = {mb: held[mb] for mb in mbs if mb in held}
-        return found
-
-    def partial_sums(self, name: str, step: int, wanted: dict[int, list[str]]) -> GradsByBlock:
-        """This peer's partial sum of the step on each block: the ``wanted`` micro-batches' gradients held here,
-        summed in sorted order (under the key ``SUM``); a block where some are not held is left out."""
-        held = self.micro_batch_grads(name, step, wanted)
-        sums: GradsByBlock = {}
-        for block, mbs in wanted.items():
-            by_mb = held.get(block, {})
-            if all(mb in by_mb for mb in mbs):
-                sums[block] = {SUM: partial_sum(by_mb, tuple(sorted(mbs)))}
-        return sums
-
-    def add_partials(self, name: str, step: int, partials: dict[int, dict[Group, list[torch.Tensor]]]) -> None:
-        """Take other holders' partial sums of the step (block -> their micro-batches -> the sum); checked like any
-        input."""
-        adapter = self.adapter(name)
-        for block, by_group in partials.items():
-            state = adapter.blocks.get(block)
-            if state is None or state.step != step:
-                continue
-            for group, tensors in by_group.items():
-                _check_grads(state, block, "+".join(group), tensors)
-                state.partials[group] = [t.to(lp.param.dtype) for t, lp in zip(tensors, state.params, strict=True)]
-
-    def drop_partials(self, name: str, step: int) -> None:
-        """Forget the partial sums fetched for ``step``: an audited commit fetches each one again."""
-        for state in self.adapter(name).blocks.values():
-            if state.step == step:
-                state.partials = {}
-
-    def add_grads(self, name: str, step: int, grads: GradsByBlock) -> None:
-        """Take gradients fetched from a replica; shapes and values are checked like any input."""
-        adapter = self.adapter(name)
-        for block, by_mb in grads.items():
-            state = adapter.blocks.get(block)
-            if state is None or state.step != step:
-                continue
-            for mb, tensors in by_mb.items():
-                _check_grads(state, block, mb, tensors)
-                state.grads.setdefault(mb, [t.to(lp.param.dtype) for t, lp in zip(tensors, state.params, strict=True)])
-
-    def apply(
-        self,
-        name: str,
-        step: int,
-        groups: dict[int, list[Group]],
-        hparams: OptimizerHParams,
-        grad_scale: float = 1.0,
-    ) -> dict[int, int]:
-        """Apply step ``step``: per block, the ledger's gradients reduced (each holder's micro-batches summed in
-        sorted order, then those partial sums in the order of ``groups``: see ``ledger_groups``), scaled by the step's
-        global clipping factor, then one AdamW update. Idempotent: blocks already past ``step`` are left alone."""
-        adapter = self.adapter(name)
-        states = self._ledger_states(name, step, groups)
-        missing = self.missing(name, step, groups)
-        if missing:
-            raise MissingGradientsError(f"no gradients for {missing} at step {step}", missing)
-        for block, state in states.items():
-            if state.step != step:
-                continue
-            summed = _reduced(state, groups[block])
-            if not all(torch.isfinite(g).all() for g in summed):
-                raise RequestError(f"step {step} has non-finite gradients on block {block}; refusing to apply them")
-            if grad_scale != 1.0:
-                for grad in summed:
-                    grad.mul_(grad_scale)
-            before = BlockState.of(state, with_before=False)
-            state.undo = Undo(before, state.grads, state.last_update, state.partials)
-            state.optimizer.step([lp.param for lp in state.params], summed, hparams)
-            grads = {lp.name: grad.detach().cpu() for lp, grad in zip(state.params, summed, strict=True)}
-            state.last_update = BlockUpdate(step, grads, hparams, before.digest())
-            state.grads, state.partials = {}, {}
-            state.step += 1
-        self._forget_forwards(name)
-        return adapter.steps()
-
-    def revert(self, name: str, step: int) -> dict[int, int]:
-        """Take blocks that applied ``step`` back to it (a commit that other replicas could not complete yet)."""
-        adapter = self.adapter(name)
-        for block, state in adapter.blocks.items():
-            if state.step == step + 1 and state.take_back():
-                logger.info("adapter %r block %d: step %d taken back, to be redone", name, block, step)
-        self._forget_forwards(name)
-        return adapter.steps()
-
-    def tiebreak(
-        self,
-        name: str,
-        step: int,
-        groups: dict[int, list[Group]],
-        grads: GradsByBlock,
-        hparams: OptimizerHParams,
-        grad_scale: float,
-    ) -> dict[int, str]:
-        """Two replicas disagree on ``step``: apply it, as ``apply`` would, to this peer's standby copies at ``step``
-        (the ledger's gradients given, fetched from their holders), and return the digests. Nothing is kept."""
-        adapter = self.adapter(name)
-        digests = {}
-        for block, block_groups in groups.items():
-            held = adapter.standby.get(block)
-            if held is None or held.step != step:
-                raise StaleStepError(f"no standby copy of adapter {name!r} block {block} at step {step} here")
-            by_mb = grads.get(block, {})
-            missing = sorted({mb for group in block_groups for mb in group} - set(by_mb))
-            if missing:
-                raise MissingGradientsError(f"no gradients for {missing} at step {step}", {block: missing})
-            names = list(held.tensors)
-            dtypes = [held.tensors[n]["param"].dtype for n in names]
-            by_mb = {mb: [g.to(d) for g, d in zip(tensors, dtypes, strict=True)] for mb, tensors in by_mb.items()}
-            summed = add_up([partial_sum(by_mb, group) for group in block_groups])
-            if grad_scale != 1.0:
-                for grad in summed:
-                    grad.mul_(grad_scale)
-            update = BlockUpdate(step, dict(zip(names, summed, strict=True)), hparams)
-            digests[block] = update.apply_to(held).digest()
-        return digests
-
-    # --- state ----------------------------------------------------------------------------------------------
-
-    def export_state(
-        self, name: str, blocks: range, held: dict[int, int] | None = None
-    ) -> tuple[dict[int, BlockState], dict[int, BlockUpdate]]:
-        """LoRA tensors, AdamW moments and step of each block, served or standby: what another peer needs. For a
-        served block that the asking peer ``held`` one step behind, the last update instead (a third of the bytes)."""
-        adapter = self.adapter(name)
-        states, updates = {}, {}
-        for block in blocks:
-            served = adapter.blocks.get(block)
-            update = served.last_update if served is not None else None
-            if update is not None and held is not None and held.get(block) == update.step == served.step - 1:
-                updates[block] = update
-            elif served is not None:
-                states[block] = BlockState.of(served)
-            elif block in adapter.standby:
-                states[block] = adapter.standby[block]
-        return states, updates
-
-    def import_state(self, name: str, states: dict[int, BlockState]) -> dict[int, int]:
-        """Replace this peer's state of served blocks by a current replica's (gradients in progress are dropped)."""
-        adapter = self.adapter(name)
-        for block, incoming in states.items():
-            if block in adapter.blocks:
-                incoming.load_into(adapter.blocks[block])
-        self._forget_forwards(name)
-        return adapter.steps()
-
-    def keep_standby(
-        self,
-        name: str,
-        meta: dict,
-        states: dict[int, BlockState],
-        keep: set[int] | None,
-        trainer_step: int | None = None,
-    ) -> None:
-        """Store newer standby copies of blocks; forget copies outside ``keep`` (None: forget nothing). A served
-        block changes only as the trainer says: a copy at ``trainer_step`` (the step the trainer asked this peer to
-        hold: a peer handing the block over is asked as a holder) replaces a served state behind it; any other
-        copy leaves served blocks alone. A copy pulled in the background, or the newest state a move takes, may hold
-        a step the trainer has since taken back: loaded into served blocks, it put a peer past the step the trainer
-        replayed, behind its back, and the replay waited for that step until its patience ran out (an hour of churn
-        stalled so). A block not served yet starts from its copy when it is installed."""
-        adapter = self.adapters.get(name)
-        created = adapter is None
-        lora, seed = lora_and_seed(meta)
-        if adapter is None:
-            adapter = self.adapters[name] = Adapter(config_wire=lora, seed=seed)
-        elif adapter.config_wire != lora or adapter.seed != seed:
-            raise RequestError(f"adapter {name!r} exists here with another LoRA config or seed")
-        for block, state in states.items():
-            served, held = adapter.blocks.get(block), adapter.standby.get(block)
-            if served is None and (held is None or held.step <= state.step):
-                adapter.standby[block] = state
-            elif served is not None and state.step == trainer_step and served.step < state.step:
-                state.load_into(served)
-                self._forget_forwards(name)  # only then: a plain refresh must not drop graphs kept for backward
-        if keep is not None:
-            for block in [b for b in adapter.standby if b not in keep]:
-                del adapter.standby[block]
-        if created:
-            self._fill(name, adapter)  # served blocks start from the copies just stored
-
-    def apply_updates(self, name: str, updates: dict[int, BlockUpdate]) -> list[int]:
-        """Bring standby copies one step forward with their servers' last updates; returns the blocks updated (a
-        copy that is not at the update's step is left as it is: its holder pulls the whole state next time). A copy
-        at the step but not in the server's bits (``BlockUpdate.fits``) is dropped, so the next pull brings it whole."""
-        adapter = self.adapter(name)
-        done = []
-        for block, update in updates.items():
-            held = adapter.standby.get(block)
-            if held is None or held.step != update.step:
-                continue
-            if not update.fits(held):
-                logger.warning(
-                    "adapter %r block %d: the standby copy at step %d differs from its server's state; dropped, to be "
-                    "pulled whole",
-                    name,
-                    block,
-                    held.step,
-                )
-                del adapter.standby[block]
-                continue
-            advanced = adapter.standby[block] = update.apply_to(held)
-            advanced.before = replace(held, before=None)  # revertible like the server's state
-            done.append(block)
-        return done
-
-    def fast_forward(self, name: str, blocks: range, step: int) -> dict[int, int]:
-        """Declare blocks whose newest surviving state is older than ``step`` current at ``step``: the updates
-        between are lost. Returns the steps lost per block (reported by the caller, never silent)."""
-        adapter = self.adapter(name)
-        lost = {}
-        for block in blocks:
-            state = adapter.blocks.get(block)
-            if state is not None and state.step < step:
-                lost[block] = step - state.step
-                logger.warning(
-                    "adapter %r block %d: newest surviving state is step %d, the trainer is at %d: %d step(s) lost",
-                    name,
-                    block,
-                    state.step,
-                    step,
-                    lost[block],
-                )
-                state.step = step
-                state.grads.clear()
-                state.last_update = state.undo = None
-        self._forget_forwards(name)
-        return lost
-
-    def snapshot(self, name: str) -> dict[int, BlockState]:
-        """Every block state this peer holds for the adapter (served and standby), for a checkpoint."""
-        adapter = self.adapter(name)
-        states = {block: BlockState.of(state) for block, state in adapter.blocks.items()}
-        return {**adapter.standby, **states}
-
-    def lora_state(self, name: str) -> dict[int, dict[str, torch.Tensor]]:
-        """LoRA tensors per block, named as inside a peft adapter file (``self_attn.q_proj.lora_A.weight``)."""
-        adapter = self.adapter(name)
-        return {
-            block: {lp.name: lp.param.detach().cpu().clone() for lp in state.params}
-            for block, state in adapter.blocks.items()
-        }
-
-    def digests(self, name: str) -> dict[int, str]:
-        return {block: state.digest() for block, state in self.adapter(name).blocks.items()}
-
-
-def _can_sum(state: BlockAdapter, group: Group) -> bool:
-    return group in state.partials or all(mb in state.grads for mb in group)
-
-
-def _reduced(state: BlockAdapter, groups: list[Group]) -> list[torch.Tensor]:
-    """A block's gradient of the step: each group's partial sum (fetched from its holder, or summed here from the
-    gradients held here, which are its holder's bits: see ``drop_unlike``), added up in the order of ``groups``."""
-    return add_up([state.partials[g] if g in state.partials else partial_sum(state.grads, g) for g in groups])
-
-
-def _check_grads(state: BlockAdapter, block: int, what: str, tensors: list[torch.Tensor]) -> None:
-    shapes = [tuple(lp.param.shape) for lp in state.params]
-    if [tuple(t.shape) for t in tensors] != shapes or not all(torch.isfinite(t).all() for t in tensors):
-        raise RequestError(f"gradients for block {block}, micro-batch {what} have wrong shapes or values")

@@ -22,6 +22,7 @@ import psutil
 import torch
 from hivemind.p2p import PeerID
 
+from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
 from peers.balancer import badness, block_throughput, choose_span, coverage_with, next_move, safe_to_drop
 from peers.checkpoints import CheckpointStore, CheckpointWriter
@@ -131,7 +132,8 @@ def blocks_that_fit(spec: ModelSpec, config: PeerConfig) -> int:
 class PeerParts:
     """What a peer runs once its blocks are loaded, made together so that nothing is half-built."""
 
-    backend: SpanBackend
+    backend: SpanBackend  # the span's compute
+    adapters: AdapterStore  # the adapters' state, which the compute runs on
     compute: Compute
     peers: PeerClient
     service: PeerService
@@ -180,7 +182,7 @@ class PeerDaemon:
 
     async def _adapter_infos(self) -> dict[str, AdapterInfo]:
         """What this peer holds of each adapter, read on the compute thread (never while it changes)."""
-        return {} if self.parts is None else await self.parts.compute(self.parts.backend.adapter_infos)
+        return {} if self.parts is None else await self.parts.compute(self.parts.adapters.adapter_infos)
 
     async def _records(self) -> list[tuple[ServerRecord, range]]:
         adapters = {}
@@ -338,26 +340,31 @@ class PeerDaemon:
             await self._withdraw(stale)
 
     def _load(self, blocks: range) -> SpanBackend:
-        """Build the backend (slow: runs in a thread while the event loop keeps the P2P connection alive)."""
+        """Build the backend and its adapters' store (slow: runs in a thread while the event loop keeps the P2P
+        connection alive)."""
         from swarm.blocks import DTYPES
 
         config = self.config
+        adapters = AdapterStore(
+            self.spec,
+            weight_digests=self.digests,
+            activation_cache_bytes=config.activation_cache_mb << 20,
+            kept_inputs_bytes=config.kept_inputs_mb << 20,
+        )
         backend = SpanBackend(
             self.spec,
             blocks,
             torch.device(config.device),
             DTYPES[config.dtype],
             config.quant_mode,
-            activation_cache_bytes=config.activation_cache_mb << 20,
-            kept_inputs_bytes=config.kept_inputs_mb << 20,
+            adapters,
             max_tokens=config.max_tokens,
             inference_bytes=config.max_inference_mb << 20,
             inference_timeout=config.inference_timeout,
-            weight_digests=self.digests,
         )
         if self.store is not None:
             for name, (meta, states) in self.store.load().items():
-                backend.keep_standby(name, meta, states, keep=None)
+                adapters.keep_standby(name, meta, states, keep=None)
                 logger.info("loaded checkpoint of adapter %r: steps %s", name, _steps_by_block(states))
         self.throughput = self._throughput(backend)
         logger.info(
@@ -378,13 +385,13 @@ class PeerDaemon:
         return self.config.throughput if self.config.throughput is not None else measure_throughput(backend)
 
     def _assemble(self, backend: SpanBackend) -> PeerParts:
-        """The compute thread, the replicator and the service around a loaded backend, each made with what it
-        needs: nothing is wired in afterwards."""
-        config = self.config
+        """The compute thread, the replicator and the service around a loaded backend and its adapters' store, each
+        made with what it needs: nothing is wired in afterwards."""
+        config, adapters = self.config, backend.adapters
         compute = Compute()
         policy = StandbyPolicy(config.standby_blocks, config.standby_every)
         peers = PeerClient(self.transport)
-        replicator = Replicator(backend, compute, peers, self.identity.peer_id, policy, self._checkpoint)
+        replicator = Replicator(adapters, compute, peers, self.identity.peer_id, policy, self._checkpoint)
         hooks = PeerHooks(
             after_commit=self._after_commit,
             after_revert=self._checkpoint,
@@ -395,6 +402,7 @@ class PeerDaemon:
         pullers = RecentPullers()
         service = PeerService(
             backend,
+            adapters,
             compute,
             self.info,
             peers,
@@ -405,7 +413,7 @@ class PeerDaemon:
             faults=self.faults,
         )
         links = LinkProber(self.transport, rng=random.Random(self.rng.random()))
-        return PeerParts(backend, compute, peers, service, replicator, links, pullers)
+        return PeerParts(backend, adapters, compute, peers, service, replicator, links, pullers)
 
     async def _move(self, target: range) -> None:
         """Serve ``target`` instead of the current span without a gap: load it and take its state while still
@@ -482,17 +490,17 @@ class PeerDaemon:
 
     async def _checkpoint(self, name: str) -> None:
         if self.writer is not None:
-            backend = self.parts.backend
-            meta, states = await self.parts.compute(lambda: (backend.adapter(name).meta, backend.snapshot(name)))
+            adapters = self.parts.adapters
+            meta, states = await self.parts.compute(lambda: (adapters.adapter(name).meta, adapters.snapshot(name)))
             self.writer.submit(name, meta, states)
 
     async def _after_commit(self, name: str) -> None:
         """A step was applied here: checkpoint it (in the background) and tell the peers keeping standby copies
         of these blocks, so they pull the new state now rather than at their next round (told first: a copy one
         step behind when both servers die is a step the trainer must wait for or lose)."""
-        backend = self.parts.backend
+        adapters = self.parts.adapters
         config, seed, steps = await self.parts.compute(
-            lambda: (backend.adapter(name).config_wire, backend.adapter(name).seed, backend.adapter(name).steps())
+            lambda: (adapters.adapter(name).config_wire, adapters.adapter(name).seed, adapters.adapter(name).steps())
         )
         steps = {block: step for block, step in steps.items() if block in self.serving}
         notice = CommittedRequest(name, config, seed, steps, self.identity.peer_id)

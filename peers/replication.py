@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from hivemind.p2p import PeerID
 
-from peers.backend import SpanBackend
+from peers.adapters import AdapterStore
 from peers.balancer import choose_standby
 from peers.compute import Compute
 from peers.peer_client import PeerClient
@@ -37,18 +37,19 @@ class StandbyPolicy:
 
 
 class Replicator:
-    """Moves adapter state between peers on behalf of one peer's backend (all backend access on its compute thread)."""
+    """Moves adapter state between peers on behalf of one peer's adapter store (all access to it on its compute
+    thread)."""
 
     def __init__(
         self,
-        backend: SpanBackend,
+        adapters: AdapterStore,
         compute: Compute,
         peers: PeerClient,
         me: PeerID,
         policy: StandbyPolicy,
         on_refreshed: Callable[[str], Awaitable[None]],
     ):
-        self.backend, self.compute, self.peers, self.me, self.policy = backend, compute, peers, me, policy
+        self.adapters, self.compute, self.peers, self.me, self.policy = adapters, compute, peers, me, policy
         self.on_refreshed = on_refreshed  # a copy changed: checkpoint it
         self.standby: list[int] = []
         # adapter -> block -> the step its trainer last asked this peer to hold a copy at (see on_committed)
@@ -59,7 +60,7 @@ class Replicator:
     async def refresh_standby(self, view: SwarmView, serving: range) -> list[str]:
         """Pull newer state of this peer's standby blocks; returns the adapters whose copies changed."""
         count = len(serving) if self.policy.blocks is None else self.policy.blocks
-        num_blocks = self.backend.spec.num_blocks
+        num_blocks = self.adapters.spec.num_blocks
         self.standby = choose_standby(view.holders(self.me), serving, num_blocks, count)
         changed = []
         async with self._lock:
@@ -104,12 +105,12 @@ class Replicator:
 
     def _held(self, name: str) -> dict[int, int]:
         """Steps of every block of the adapter this peer holds, served or standby (on the compute thread)."""
-        adapter = self.backend.adapters.get(name)
+        adapter = self.adapters.by_name.get(name)
         return {**adapter.standby_steps(), **adapter.steps()} if adapter is not None else {}
 
     def _standby_steps(self, name: str) -> dict[int, int]:
         """Steps of the standby copies this peer holds of the adapter (on the compute thread)."""
-        adapter = self.backend.adapters.get(name)
+        adapter = self.adapters.by_name.get(name)
         return adapter.standby_steps() if adapter is not None else {}
 
     async def on_committed(self, name: str, meta: dict, steps: dict[int, int], source: PeerID) -> None:
@@ -117,7 +118,7 @@ class Replicator:
         unless this peer's copy is fewer than ``every`` steps behind (or another replica's notice brought it). Not
         the blocks the trainer pinned at the step before: it has them copied once the replicas' vote is in, and
         until then the copy at the step before may have to break a tie between two replicas
-        (``SpanBackend.tiebreak``). A pin the trainer did not renew at that step has lapsed (the block has enough
+        (``AdapterStore.tiebreak``). A pin the trainer did not renew at that step has lapsed (the block has enough
         replicas again): the copy follows the commits again, where it stayed behind for good before."""
         async with self._lock:
             held = await self.compute(self._standby_steps, name)
@@ -146,7 +147,7 @@ class Replicator:
                 if newest is not None and newest[0] > held.get(block, -1):
                     wanted[block] = newest
             await self._pull(name, meta, wanted, keep=None)
-            await self.compute(self.backend.ensure_adapter, name, *lora_and_seed(meta))
+            await self.compute(self.adapters.ensure_adapter, name, *lora_and_seed(meta))
             took = await self.compute(self._held, name)
             trainer = view.trainer_step(name)
             for block in blocks:
@@ -210,9 +211,9 @@ class Replicator:
         trainer_step: int | None = None,
     ) -> None:
         def store() -> None:
-            self.backend.keep_standby(name, meta, states, keep, trainer_step)
+            self.adapters.keep_standby(name, meta, states, keep, trainer_step)
             if updates:
-                self.backend.apply_updates(name, updates)
+                self.adapters.apply_updates(name, updates)
 
         await self.compute(store)
 

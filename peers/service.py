@@ -1,5 +1,5 @@
 """RPC handlers of a peer: each takes its method's typed request (decoded and checked by the doors), runs it on the
-backend (one at a time) and returns the typed reply."""
+span's compute or the adapters' store (one at a time) and returns the typed reply."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 from hivemind.p2p import PeerID
 
+from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
 from peers.compute import Compute
 from peers.peer_client import ChainBroken, PeerClient
@@ -113,6 +114,7 @@ class PeerService(InfoDoors):
     def __init__(
         self,
         backend: SpanBackend,
+        adapters: AdapterStore,
         compute: Compute,
         info: Callable[[], Awaitable[PeerInfo]],
         peers: PeerClient,
@@ -124,7 +126,7 @@ class PeerService(InfoDoors):
         audit_rate: float = AUDIT_RATE,
     ):
         super().__init__(info, swarm_key, max_payload_bytes, faults=faults)
-        self.backend, self.peers = backend, peers
+        self.backend, self.adapters, self.peers = backend, adapters, peers
         self.audit_rate, self.random = audit_rate, random.Random()
         self.compute, self.hooks, self.pullers = compute, hooks, pullers
         self.handlers.update(
@@ -153,10 +155,10 @@ class PeerService(InfoDoors):
 
     async def _open(self, request: OpenRequest) -> OpenReply:
         def open_adapter() -> OpenReply:
-            steps = self.backend.open_adapter(
+            steps = self.adapters.open_adapter(
                 request.adapter, request.lora, request.seed, request.session, request.weights
             )
-            return OpenReply(steps, self.backend.adapter(request.adapter).standby_steps())
+            return OpenReply(steps, self.adapters.adapter(request.adapter).standby_steps())
 
         return await self.compute(open_adapter)
 
@@ -193,8 +195,8 @@ class PeerService(InfoDoors):
                 request.autocast,
             )
             name, blocks, step = request.adapter, request.blocks, request.step
-            norms = self.backend.grad_norms(name, blocks, step)
-            return grad_inputs, norms, self.backend.grad_hashes(name, blocks, step, request.micro_batch)
+            norms = self.adapters.grad_norms(name, blocks, step)
+            return grad_inputs, norms, self.adapters.grad_hashes(name, blocks, step, request.micro_batch)
 
         (grad_inputs, norms, hashes), spent = await self.compute.timed(backward)
         carried, acks, failure = await self._chain_on(
@@ -257,8 +259,8 @@ class PeerService(InfoDoors):
         await self._fetch_missing(request)
 
         def apply() -> CommitReply:
-            steps = self.backend.apply(name, step, groups, request.hparams, request.grad_scale)
-            digests = self.backend.digests(name)
+            steps = self.adapters.apply(name, step, groups, request.hparams, request.grad_scale)
+            digests = self.adapters.digests(name)
             return CommitReply(steps, {block: digests[block] for block in groups if block in digests})
 
         reply = await self.compute(apply)
@@ -273,7 +275,7 @@ class PeerService(InfoDoors):
         if bad:
             raise _bad_gradients(request.step, bad)
         digests = await self.compute(
-            self.backend.tiebreak,
+            self.adapters.tiebreak,
             request.adapter,
             request.step,
             request.groups(),
@@ -288,7 +290,7 @@ class PeerService(InfoDoors):
         peer lacks like a commit does (the commit then finds them here)."""
         await self._fetch_missing(request)
         groups = request.groups()
-        parts = await self.compute(self.backend.norm_parts, request.adapter, request.step, groups, request.norm_type)
+        parts = await self.compute(self.adapters.norm_parts, request.adapter, request.step, groups, request.norm_type)
         return NormsReply(parts)
 
     async def _fetch_missing(self, request: CommitRequest | NormsRequest) -> None:
@@ -302,12 +304,12 @@ class PeerService(InfoDoors):
             block: {mb: held.grad_hash for mb, held in by_mb.items() if held.holder != self.me and held.grad_hash}
             for block, by_mb in request.ledger.items()
         }
-        await self.compute(self.backend.drop_unlike, name, step, others)
+        await self.compute(self.adapters.drop_unlike, name, step, others)
         audit = isinstance(request, CommitRequest) and request.audit
         if audit:
-            await self.compute(self.backend.drop_partials, name, step)
+            await self.compute(self.adapters.drop_partials, name, step)
         groups = request.groups()
-        missing = await self.compute(self.backend.missing, name, step, groups)
+        missing = await self.compute(self.adapters.missing, name, step, groups)
         wanted_from: dict[str, dict[int, list[str]]] = {}
         for block, mbs in missing.items():
             for group in {group for group in groups[block] if set(group) & set(mbs)}:
@@ -324,7 +326,7 @@ class PeerService(InfoDoors):
             if partials and not await self._audit(request, peer, part, partials, always=audit):
                 bad.append(peer)
                 continue
-            await self.compute(self.backend.add_partials, name, step, partials)
+            await self.compute(self.adapters.add_partials, name, step, partials)
         if bad:
             raise _bad_gradients(step, bad)
 
@@ -393,18 +395,18 @@ class PeerService(InfoDoors):
         return good, bad
 
     async def _revert(self, request: RevertRequest) -> StepsReply:
-        steps = await self.compute(self.backend.revert, request.adapter, request.step)
+        steps = await self.compute(self.adapters.revert, request.adapter, request.step)
         self.in_background(self.hooks.after_revert(request.adapter))
         return StepsReply(steps)
 
     async def _grads(self, request: GradsRequest) -> GradsReply:
-        held = self.backend.partial_sums if request.summed else self.backend.micro_batch_grads
+        held = self.adapters.partial_sums if request.summed else self.adapters.micro_batch_grads
         return GradsReply(await self.compute(held, request.adapter, request.step, request.wanted))
 
     async def _export(self, request: ExportRequest) -> ExportReply:
         """State of blocks; with ``held`` (block -> the step of the asker's copy), the last update of served blocks
         held one step behind instead of their whole state. A ``watcher`` is told of the next commits here."""
-        states, updates = await self.compute(self.backend.export_state, request.adapter, request.blocks, request.held)
+        states, updates = await self.compute(self.adapters.export_state, request.adapter, request.blocks, request.held)
         if request.watcher is not None:
             self.pullers.note(request.watcher, request.blocks)
         index, flat = pack_states(states)
@@ -422,15 +424,15 @@ class PeerService(InfoDoors):
             raise SourceUnavailableError(
                 f"could not pull blocks {blocks.start}:{blocks.stop} from {source}: {e}", source.to_base58()
             ) from None
-        steps = await self.compute(self.backend.import_state, name, states)
+        steps = await self.compute(self.adapters.import_state, name, states)
         logger.info("synced adapter %r blocks %s from %s: steps %s", name, sorted(states), source, steps)
         return StepsReply(steps)
 
     async def _fast_forward(self, request: FastForwardRequest) -> FastForwardReply:
         """No current copy of these blocks survived anywhere: the trainer declares the newest one current."""
         name = request.adapter
-        lost = await self.compute(self.backend.fast_forward, name, request.blocks, request.step)
-        return FastForwardReply(self.backend.adapter(name).steps(), lost)
+        lost = await self.compute(self.adapters.fast_forward, name, request.blocks, request.step)
+        return FastForwardReply(self.adapters.adapter(name).steps(), lost)
 
     async def _committed(self, request: CommittedRequest) -> Ack:
         """A server of blocks this peer keeps on standby committed a step: pull the new state, in the background."""
@@ -462,10 +464,10 @@ class PeerService(InfoDoors):
         task.add_done_callback(self._background.discard)
 
     async def _state(self, request: StateRequest) -> StateReply:
-        return StateReply(await self.compute(self.backend.lora_state, request.adapter))
+        return StateReply(await self.compute(self.adapters.lora_state, request.adapter))
 
     async def _digest(self, request: DigestRequest) -> DigestReply:
-        return DigestReply(await self.compute(self.backend.digests, request.adapter))
+        return DigestReply(await self.compute(self.adapters.digests, request.adapter))
 
 
 def _bad_gradients(step: int, bad: list[str]) -> BadGradientsError:

@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from peers.adapters import AdapterStore  # noqa: E402
 from peers.backend import SpanBackend  # noqa: E402
 from peers.daemon import QUANT_BYTES  # noqa: E402
 from swarm.blocks import lora_config_to_wire  # noqa: E402
@@ -270,17 +271,17 @@ def train_step(
     forward_s = time.perf_counter() - started
     # the backend counts what autograd keeps of the forward it caches for the backward (peers/state.py SavedBytes:
     # each storage once, the blocks' weights left out); this forward is the only entry in its cache
-    cached = backend.cache.bytes
+    cached = backend.adapters.cache.bytes
     started = time.perf_counter()
     backend.backward("bench", blocks, step, mb, None, None, grad_out, input_grad=True)
     synchronize(backend.device)
     backward_s = time.perf_counter() - started
     if measure:
         result.activations_per_block = cached // len(blocks)
-        grads = backend.adapters["bench"].blocks[blocks.start].grads[mb]
+        grads = backend.adapters.adapter("bench").blocks[blocks.start].grads[mb]
         result.lora_grads_per_mb = sum(g.nbytes for g in grads)
     started = time.perf_counter()
-    backend.apply("bench", step, {b: [(mb,)] for b in blocks}, HPARAMS)  # one holder, one micro-batch
+    backend.adapters.apply("bench", step, {b: [(mb,)] for b in blocks}, HPARAMS)  # one holder, one micro-batch
     synchronize(backend.device)
     commit_s = time.perf_counter() - started
     return forward_s, backward_s, commit_s
@@ -312,7 +313,7 @@ def run_mode(spec: ModelSpec, mode: str, args: argparse.Namespace) -> ModeResult
         result.cuda_free_before = torch.cuda.mem_get_info(device)[0]
         allocated_before = torch.cuda.memory_allocated(device)
     started = time.perf_counter()
-    backend = SpanBackend(spec, blocks, device, dtype, quant)
+    backend = SpanBackend(spec, blocks, device, dtype, quant, AdapterStore(spec))
     synchronize(device)
     result.load_s = time.perf_counter() - started
     release_memory()
@@ -332,7 +333,7 @@ def run_mode(spec: ModelSpec, mode: str, args: argparse.Namespace) -> ModeResult
     logger.info("%s: loaded %d blocks in %.1f s; block 0 holds %s", mode, len(blocks), result.load_s, result.weights)
 
     config = peft.LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=TARGET_MODULES)
-    backend.open_adapter("bench", lora_config_to_wire(config), seed=0, session="bench")
+    backend.adapters.open_adapter("bench", lora_config_to_wire(config), seed=0, session="bench")
     timings = []
     for step in range(args.warmup + args.steps):
         if cuda and step == args.warmup:  # the peak of measured steps: AdamW moments exist by then
@@ -347,7 +348,7 @@ def run_mode(spec: ModelSpec, mode: str, args: argparse.Namespace) -> ModeResult
         result.cuda_peak_per_block = (torch.cuda.max_memory_allocated(device) - allocated_before) // len(blocks)
         result.cuda_state_per_block = (torch.cuda.memory_allocated(device) - allocated_loaded) // len(blocks)
 
-    state = backend.adapters["bench"].blocks[0]
+    state = backend.adapters.adapter("bench").blocks[0]
     result.lora_params = sum(lp.param.nbytes for lp in state.params)
     result.lora_dtype = str(state.params[0].param.dtype).removeprefix("torch.")
     result.lora_moments = sum(

@@ -60,13 +60,13 @@ def measure(local: InProcessSwarm, model_dir: Path, chain: bool, micro_batches: 
     )
     try:
         for peer in local.peers.values():
-            peer.backend.kept.peak = 0
+            peer.adapters.kept.peak = 0
         vocab = model.spec.config.vocab_size
         ids = torch.randint(0, vocab, (micro_batches, batch, seq), generator=torch.Generator().manual_seed(0))
         for micro in ids:
             (model(input_ids=micro, labels=micro).loss / micro_batches).backward()
         client = ledger_bytes(model.ledger)
-        peer = max(p.backend.kept.peak for p in local.peers.values())
+        peer = max(p.adapters.kept.peak for p in local.peers.values())
         swarm.RemoteOptimizer(model, lr=1e-3).step()
     finally:
         model.shutdown()

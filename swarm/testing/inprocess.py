@@ -3,7 +3,7 @@
 
 It is the daemon's own code that runs (join, load, announce, serve, leave), only not in a process of its own: a
 client in the same process trains through these peers as through any, and a test reaches into them (their backend,
-their ``FaultInjector``) without a wire protocol of its own. Every peer and node is stopped on exit, failures too.
+adapters, ``FaultInjector``) without a wire protocol of its own. Every peer and node is stopped on exit, failures too.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import psutil
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.p2p import PeerID
 
+from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
 from peers.daemon import PeerConfig, PeerDaemon
 from swarm.net.records import ServerState
@@ -59,8 +60,13 @@ class InProcessPeer:
 
     @property
     def backend(self) -> SpanBackend:
-        """The peer's backend (its adapter state), once it serves."""
+        """The peer's span compute, once it serves."""
         return self.daemon.parts.backend
+
+    @property
+    def adapters(self) -> AdapterStore:
+        """The peer's adapter state, once it serves."""
+        return self.daemon.parts.adapters
 
     @property
     def alive(self) -> bool:

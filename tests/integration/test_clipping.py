@@ -149,7 +149,7 @@ def test_a_non_finite_norm_discards_the_step_with_a_clear_error(llama_pair, tiny
         for batch in token_batches(0):
             model(**batch).loss.backward()
         peer = next(p for p in llama_pair.peers.values() if 0 in p.backend.blocks)
-        state = peer.backend.adapter("non-finite").blocks[0]
+        state = peer.adapters.adapter("non-finite").blocks[0]
         next(iter(state.grads.values()))[0].fill_(math.inf)  # as an overflow in the peer's backward would
         with pytest.raises(CommitError, match="step 0 is inf: the step is discarded"):
             model.clip_grad_norm_(1.0, norm_type=1.0)

@@ -46,7 +46,7 @@ def test_a_holder_handing_on_other_gradients_than_it_reported_is_caught_at_commi
     model_dir = tiny_models["llama"]
     local = inprocess_swarm()
     peers = local.start_peers({"dishonest": "0:2", "honest-2": "2:4"})
-    corrupt_served_grads(peers["dishonest"].backend)
+    corrupt_served_grads(peers["dishonest"].adapters)
     model = connect(local, model_dir, adapter="hashed")
     try:
         model.save_adapter(tmp_path / "initial")
@@ -76,7 +76,7 @@ def test_a_holder_handing_on_a_partial_sum_other_than_its_gradients_sum_is_caugh
     model_dir = tiny_models["llama"]
     local = inprocess_swarm()
     peers = local.start_peers({"dishonest": "0:2", "tail": "2:4"})
-    corrupt_partial_sums(peers["dishonest"].backend)
+    corrupt_partial_sums(peers["dishonest"].adapters)
     model = connect(local, model_dir, adapter="summed")
     try:
         model.save_adapter(tmp_path / "initial")

@@ -92,7 +92,7 @@ def test_a_replica_killed_after_applying_mid_commit_leaves_the_others_to_apply_o
     fault = peers["c"].faults.arm(Fault(Action.KILL, Method.COMMIT, nth=2, after=True))
     train(swarm, tiny_models["llama"], tmp_path, "killed-mid-commit")
     assert fault.wait_fired(0) and peers["c"].killed
-    assert peers["a"].backend.adapters["killed-mid-commit"].steps() == {0: STEPS, 1: STEPS}
+    assert peers["a"].adapters.by_name["killed-mid-commit"].steps() == {0: STEPS, 1: STEPS}
     assert_matches_local_peft(tiny_models["llama"], tmp_path)
 
 
@@ -138,7 +138,7 @@ def test_a_replica_restarted_past_the_step_while_a_replay_waits_takes_the_step_b
     restarter.join(FIRED)
     assert dropped.wait_fired(0) and c_dies.wait_fired(0) and restarted, errors
     assert restarted[0].faults.calls[Method.REVERT] == 1, "the restarted replica was not asked to take the step back"
-    assert restarted[0].backend.adapters["restarted"].steps() == {b: STEPS for b in range(4)}
+    assert restarted[0].adapters.by_name["restarted"].steps() == {b: STEPS for b in range(4)}
     assert_matches_local_peft(tiny_models["llama"], tmp_path)
 
 
@@ -152,7 +152,7 @@ def test_a_frozen_replica_is_left_behind_then_synced_back(inprocess_swarm, tiny_
     train_left_behind(swarm, tiny_models["llama"], tmp_path, "frozen", peers["b"])
     assert fault.wait_fired(0)
     assert peers["b"].faults.calls[Method.SYNC] == 1, "the replica left behind was not synced once"
-    assert peers["b"].backend.adapters["frozen"].steps() == {b: STEPS for b in range(4)}
+    assert peers["b"].adapters.by_name["frozen"].steps() == {b: STEPS for b in range(4)}
     assert_matches_local_peft(tiny_models["llama"], tmp_path)
 
 
@@ -169,7 +169,7 @@ def test_a_sync_whose_source_dies_pulls_from_another_replica(inprocess_swarm, ti
     assert source_dies.wait_fired(0)
     assert [peers["a"].killed, peers["b"].killed].count(True) == 1
     assert peers["c"].faults.calls[Method.SYNC] == 2, "c was not asked again, from another source"
-    assert peers["c"].backend.adapters["source-dies"].steps() == {b: STEPS for b in range(4)}
+    assert peers["c"].adapters.by_name["source-dies"].steps() == {b: STEPS for b in range(4)}
     assert_matches_local_peft(tiny_models["llama"], tmp_path)
 
 
@@ -262,7 +262,7 @@ def test_a_bug_in_a_peers_handler_answers_internal_and_blames_no_healthy_peer(in
         health, deadline = model.session.router.health, time.monotonic() + FIRED
         while time.monotonic() < deadline and not (
             peers["b"].faults.calls[Method.SYNC] >= 2
-            and set(peers["b"].backend.adapters["buggy-sync"].steps().values()) == {model.step}
+            and set(peers["b"].adapters.by_name["buggy-sync"].steps().values()) == {model.step}
         ):
             train_steps(model, model.step + 1)
             while time.monotonic() < deadline and health[peers["b"].peer_id].banned_until > time.monotonic():
@@ -275,7 +275,7 @@ def test_a_bug_in_a_peers_handler_answers_internal_and_blames_no_healthy_peer(in
     finally:
         model.shutdown()
     assert peers["b"].faults.calls[Method.SYNC] >= 2, "b was not asked again after its bug"
-    assert peers["b"].backend.adapters["buggy-sync"].steps() == {b: steps for b in range(4)}
+    assert peers["b"].adapters.by_name["buggy-sync"].steps() == {b: steps for b in range(4)}
     assert_matches_local_peft(tiny_models["llama"], tmp_path, steps)
 
 
@@ -283,7 +283,7 @@ def wait_standby_at(peer: InProcessPeer, adapter: str, blocks: list[int], step: 
     """Until ``peer`` holds standby copies of ``blocks`` at ``step`` (it pulls them after each commit)."""
     deadline = time.monotonic() + FIRED
     while time.monotonic() < deadline:
-        held = peer.backend.adapters[adapter].standby_steps() if adapter in peer.backend.adapters else {}
+        held = peer.adapters.by_name[adapter].standby_steps() if adapter in peer.adapters.by_name else {}
         if all(held.get(b) == step for b in blocks):
             return
         time.sleep(0.1)
@@ -374,7 +374,7 @@ def test_a_copy_the_trainer_stops_asking_for_follows_the_commits_again(inprocess
     model = connect(swarm, tiny_models["llama"], "lapsed-pin", min_copies=2)
     try:
         train_steps(model, 1)
-        holder = next(p for p in (peers["x"], peers["y"]) if p.backend.adapters[model.adapter].standby_steps())
+        holder = next(p for p in (peers["x"], peers["y"]) if p.adapters.by_name[model.adapter].standby_steps())
         swarm.add_peer("2:4", "w")
         train_steps(model, 3)  # the trainer brings w in and pins no copy of 2:4 from now on
         assert model.copies == {0: 2, 1: 2, 2: 2, 3: 2}
@@ -422,7 +422,7 @@ def test_a_step_whose_only_server_dies_before_it_is_copied_is_committed_again(in
     z = swarm.add_peer("2:4", "z", rebalance=True, balance_interval=1.0)
 
     def applied_step_1(meta: dict) -> bool:
-        state = x.backend.adapters.get(adapter)
+        state = x.adapters.by_name.get(adapter)
         return state is not None and set(state.steps().values()) == {2}
 
     fault = x.faults.arm(Fault(Action.KILL, Method.EXPORT, when=applied_step_1))

@@ -28,7 +28,7 @@ def test_a_replica_corrupting_its_update_is_outvoted_by_two(inprocess_swarm, tin
     model_dir = tiny_models["llama"]
     local = inprocess_swarm()
     peers = local.start_peers({"honest-1": "0:2", "honest-2": "0:2", "liar": "0:2", "honest-3": "2:4"})
-    corrupt_updates(peers["liar"].backend)
+    corrupt_updates(peers["liar"].adapters)
     model = connect(local, model_dir, adapter="outvoted")
     try:
         _train_and_export(model, tmp_path, peers["liar"].peer_id)
@@ -44,7 +44,7 @@ def test_two_replicas_that_disagree_are_judged_by_a_standby_copy(inprocess_swarm
     model_dir = tiny_models["llama"]
     local = inprocess_swarm()
     peers = local.start_peers({"honest": "0:2", "liar": "0:2", "keeper": "2:4"})
-    corrupt_updates(peers["liar"].backend)
+    corrupt_updates(peers["liar"].adapters)
     model = connect(local, model_dir, adapter="tie-broken", min_copies=3)
     try:
         _train_and_export(model, tmp_path, peers["liar"].peer_id)
@@ -56,7 +56,7 @@ def test_two_replicas_that_disagree_are_judged_by_a_standby_copy(inprocess_swarm
 def test_two_replicas_that_disagree_with_nobody_to_break_the_tie_stop_the_step(inprocess_swarm, tiny_models, cpu_load):
     local = inprocess_swarm(standby_blocks=0)  # no copies of 0:2 anywhere but its two replicas
     peers = local.start_peers({"honest": "0:2", "liar": "0:2", "other": "2:4"})
-    corrupt_updates(peers["liar"].backend)
+    corrupt_updates(peers["liar"].adapters)
     model = connect(local, tiny_models["llama"], adapter="undecided")
     try:
         optimizer = swarm.RemoteOptimizer(model, **HPARAMS)
@@ -70,7 +70,7 @@ def test_two_replicas_that_disagree_with_nobody_to_break_the_tie_stop_the_step(i
             assert peers[name].peer_id.to_base58() in message
         assert model.step == 0 and list(model.dishonest) == []
         for name in ("honest", "liar"):  # taken back on both: the swarm is where it was before the step
-            assert set(peers[name].backend.adapter("undecided").steps().values()) == {0}
+            assert set(peers[name].adapters.adapter("undecided").steps().values()) == {0}
         digests = model.replica_digests()
         assert all(len(set(by_peer.values())) == 1 for by_peer in digests.values()), digests
         # The user stops the peer they do not trust; the same step then commits on the other.

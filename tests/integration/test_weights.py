@@ -51,7 +51,7 @@ def test_a_look_alike_is_never_used_when_the_honest_server_dies(inprocess_swarm,
     train(swarm, honest, tmp_path, "pinned")
     assert killed.wait_fired(0) and peers["b"].killed
     assert {method: evil.faults.calls[method] for method in NEVER_ASKED} == dict.fromkeys(NEVER_ASKED, 0)
-    assert "pinned" not in evil.backend.adapters
+    assert "pinned" not in evil.adapters.by_name
     observer = Observer(swarm.initial_peers, None)
     try:
         seen = observer.observe(load_spec(honest).name, 4)
@@ -62,8 +62,8 @@ def test_a_look_alike_is_never_used_when_the_honest_server_dies(inprocess_swarm,
     assert states[evil.peer_id.to_base58()] == MISMATCHED
     assert states[peers["c"].peer_id.to_base58()] == "online"
     with pytest.raises(WeightsMismatchError, match="blocks 2:4"):
-        evil.backend.open_adapter("pinned", seen.committed["pinned"].lora, 11, None, block_digests(load_spec(honest)))
-    assert evil.backend.mismatched == {"pinned": [2, 3]}
+        evil.adapters.open_adapter("pinned", seen.committed["pinned"].lora, 11, None, block_digests(load_spec(honest)))
+    assert evil.adapters.mismatched == {"pinned": [2, 3]}
     assert_matches_local_peft(honest, tmp_path)
 
 
@@ -80,9 +80,9 @@ def test_two_models_sharing_a_folder_name_train_side_by_side_without_mixing(
     train(swarm, ours, tmp_path / "ours", "ours")
     train(swarm, theirs, tmp_path / "theirs", "theirs")
     for peer in mine.values():
-        assert set(peer.backend.adapters) == {"ours"}
+        assert set(peer.adapters.by_name) == {"ours"}
     for peer in others.values():
-        assert set(peer.backend.adapters) == {"theirs"}
+        assert set(peer.adapters.by_name) == {"theirs"}
     assert_matches_local_peft(ours, tmp_path / "ours")
     assert_matches_local_peft(theirs, tmp_path / "theirs")
     with pytest.raises(WeightsMismatchError, match="trained on other base weights"):

@@ -1,5 +1,5 @@
-"""peers.backend in one process: standby copies, hand-over and catch-up, fast-forward, taking a step back, cached
-forwards, and refusals the client routes around."""
+"""peers.backend and the adapters' store it runs on (peers.adapters) in one process: standby copies, hand-over and
+catch-up, fast-forward, taking a step back, cached forwards, and refusals the client routes around."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import peft
 import pytest
 import torch
 
+from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
 from peers.state import BlockState, BlockUpdate, SavedBytes, pack_states, unpack_states
 from swarm.blocks import lora_config_to_wire
@@ -21,7 +22,8 @@ HPARAMS = OptimizerHParams(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.
 
 
 def _backend(model_dir, blocks: range) -> SpanBackend:
-    return SpanBackend(load_spec(model_dir), blocks, torch.device("cpu"), torch.float32, "none")
+    spec = load_spec(model_dir)
+    return SpanBackend(spec, blocks, torch.device("cpu"), torch.float32, "none", AdapterStore(spec))
 
 
 def _train_one_step(backend: SpanBackend, name: str, blocks: range, step: int) -> None:
@@ -29,7 +31,7 @@ def _train_one_step(backend: SpanBackend, name: str, blocks: range, step: int) -
     mb = f"s:{step}:0"
     backend.forward(name, blocks, step, hidden, None, mb)
     backend.backward(name, blocks, step, mb, hidden, None, torch.ones_like(hidden))
-    backend.apply(name, step, {b: [(mb,)] for b in blocks}, HPARAMS)
+    backend.adapters.apply(name, step, {b: [(mb,)] for b in blocks}, HPARAMS)
 
 
 def test_standby_copies_take_over_exactly_and_moves_keep_state(tiny_models):
@@ -37,18 +39,21 @@ def test_standby_copies_take_over_exactly_and_moves_keep_state(tiny_models):
 
     wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     server, other = _backend(tiny_models["llama"], range(2, 4)), _backend(tiny_models["llama"], range(0, 2))
-    server.open_adapter("a", wire, seed=3, session="s")
+    server.adapters.open_adapter("a", wire, seed=3, session="s")
     for step in range(2):
         _train_one_step(server, "a", range(2, 4), step)
-    exported, _ = server.export_state("a", range(2, 4))
-    other.keep_standby("a", {"lora": wire, "seed": 3}, exported, keep={2, 3})
-    assert other.adapters["a"].standby_steps() == {2: 2, 3: 2}
-    assert other.export_state("a", range(2, 4))[0][2].step == 2  # a standby copy can be passed on
+    exported, _ = server.adapters.export_state("a", range(2, 4))
+    other.adapters.keep_standby("a", {"lora": wire, "seed": 3}, exported, keep={2, 3})
+    assert other.adapters.adapter("a").standby_steps() == {2: 2, 3: 2}
+    assert other.adapters.export_state("a", range(2, 4))[0][2].step == 2  # a standby copy can be passed on
     other.install(other.load_layers(range(2, 4)))  # takeover: the served block starts from the copy
-    assert other.digests("a")[2] == server.digests("a")[2] and other.digests("a")[3] == server.digests("a")[3]
-    assert other.adapters["a"].standby_steps() == {}
+    assert (
+        other.adapters.digests("a")[2] == server.adapters.digests("a")[2]
+        and other.adapters.digests("a")[3] == server.adapters.digests("a")[3]
+    )
+    assert other.adapters.adapter("a").standby_steps() == {}
     other.remove([0, 1])  # handed over: the state stays as a standby copy
-    assert sorted(other.layers) == [2, 3] and set(other.adapters["a"].standby_steps()) == {0, 1}
+    assert sorted(other.layers) == [2, 3] and set(other.adapters.adapter("a").standby_steps()) == {0, 1}
 
 
 def test_a_copy_never_changes_a_served_block_behind_the_trainers_back(tiny_models):
@@ -59,17 +64,22 @@ def test_a_copy_never_changes_a_served_block_behind_the_trainers_back(tiny_model
     wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     ahead, served = _backend(tiny_models["llama"], range(2, 4)), _backend(tiny_models["llama"], range(1, 4))
     for backend in (ahead, served):
-        backend.open_adapter("a", wire, seed=3, session="s")
+        backend.adapters.open_adapter("a", wire, seed=3, session="s")
     for step in range(2):
         _train_one_step(ahead, "a", range(2, 4), step)
     _train_one_step(served, "a", range(1, 4), 0)
-    before = served.digests("a")
-    exported, _ = ahead.export_state("a", range(2, 4))
-    served.keep_standby("a", {"lora": wire, "seed": 3}, exported, keep=None)
-    assert served.adapters["a"].steps() == {1: 1, 2: 1, 3: 1} and served.digests("a") == before
-    assert served.adapters["a"].standby_steps() == {}, "a served block keeps no second copy"
-    served.keep_standby("a", {"lora": wire, "seed": 3}, exported, keep=None, trainer_step=2)  # the trainer's hold
-    assert served.adapters["a"].steps() == {1: 1, 2: 2, 3: 2} and served.digests("a")[2] == ahead.digests("a")[2]
+    before = served.adapters.digests("a")
+    exported, _ = ahead.adapters.export_state("a", range(2, 4))
+    served.adapters.keep_standby("a", {"lora": wire, "seed": 3}, exported, keep=None)
+    assert served.adapters.adapter("a").steps() == {1: 1, 2: 1, 3: 1} and served.adapters.digests("a") == before
+    assert served.adapters.adapter("a").standby_steps() == {}, "a served block keeps no second copy"
+    served.adapters.keep_standby(
+        "a", {"lora": wire, "seed": 3}, exported, keep=None, trainer_step=2
+    )  # the trainer's hold
+    assert (
+        served.adapters.adapter("a").steps() == {1: 1, 2: 2, 3: 2}
+        and served.adapters.digests("a")[2] == ahead.adapters.digests("a")[2]
+    )
 
 
 def test_a_copy_one_step_behind_catches_up_from_the_last_update_exactly(tiny_models):
@@ -77,28 +87,33 @@ def test_a_copy_one_step_behind_catches_up_from_the_last_update_exactly(tiny_mod
 
     wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     server, holder = _backend(tiny_models["llama"], range(2, 4)), _backend(tiny_models["llama"], range(0, 2))
-    server.open_adapter("a", wire, seed=3, session="s")
+    server.adapters.open_adapter("a", wire, seed=3, session="s")
     _train_one_step(server, "a", range(2, 4), 0)
-    states, updates = server.export_state("a", range(2, 4), held={})
+    states, updates = server.adapters.export_state("a", range(2, 4), held={})
     assert updates == {}, "a peer holding no copy gets the whole state"
-    holder.keep_standby("a", {"lora": wire, "seed": 3}, states, keep={2, 3})
+    holder.adapters.keep_standby("a", {"lora": wire, "seed": 3}, states, keep={2, 3})
     for step in (1, 2):
         _train_one_step(server, "a", range(2, 4), step)
-        states, updates = server.export_state("a", range(2, 4), held=holder.adapters["a"].standby_steps())
+        states, updates = server.adapters.export_state(
+            "a", range(2, 4), held=holder.adapters.adapter("a").standby_steps()
+        )
         assert states == {} and sorted(updates) == [2, 3]
         index, flat = pack_states({block: update.as_state() for block, update in updates.items()})  # the wire form
         back = {
             b: BlockUpdate.from_state(u, updates[b].hparams, updates[b].base)
             for b, u in unpack_states(index, flat).items()
         }
-        assert holder.apply_updates("a", back) == [2, 3]
+        assert holder.adapters.apply_updates("a", back) == [2, 3]
     for block in (2, 3):  # the same AdamW on the same gradients: the copy equals the server's state bit for bit
-        copy, served = holder.adapters["a"].standby[block], BlockState.of(server.adapters["a"].blocks[block])
+        copy, served = (
+            holder.adapters.adapter("a").standby[block],
+            BlockState.of(server.adapters.adapter("a").blocks[block]),
+        )
         assert copy.step == served.step == 3 and copy.tensors.keys() == served.tensors.keys()
         for name, entry in served.tensors.items():
             assert entry.keys() == copy.tensors[name].keys()
             assert all(torch.equal(copy.tensors[name][key], tensor) for key, tensor in entry.items()), name
-    states, updates = server.export_state("a", range(2, 4), held={2: 1, 3: 1})
+    states, updates = server.adapters.export_state("a", range(2, 4), held={2: 1, 3: 1})
     assert sorted(states) == [2, 3] and updates == {}, "a copy two steps behind gets the whole state"
 
 
@@ -111,29 +126,31 @@ def test_a_copy_from_a_step_its_server_took_back_and_redid_otherwise_is_dropped_
 
     wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     server, holder = _backend(tiny_models["llama"], range(2, 4)), _backend(tiny_models["llama"], range(0, 2))
-    server.open_adapter("a", wire, seed=3, session="s")
+    server.adapters.open_adapter("a", wire, seed=3, session="s")
     _train_one_step(server, "a", range(2, 4), 0)
-    holder.keep_standby("a", {"lora": wire, "seed": 3}, server.export_state("a", range(2, 4))[0], keep={2, 3})
+    holder.adapters.keep_standby(
+        "a", {"lora": wire, "seed": 3}, server.adapters.export_state("a", range(2, 4))[0], keep={2, 3}
+    )
     _train_one_step(server, "a", range(2, 4), 1)
-    _, updates = server.export_state("a", range(2, 4), held=holder.adapters["a"].standby_steps())
-    assert holder.apply_updates("a", updates) == [2, 3]
-    server.revert("a", 1)
+    _, updates = server.adapters.export_state("a", range(2, 4), held=holder.adapters.adapter("a").standby_steps())
+    assert holder.adapters.apply_updates("a", updates) == [2, 3]
+    server.adapters.revert("a", 1)
     hidden = torch.randn(1, 6, server.spec.hidden_size, generator=torch.Generator().manual_seed(99))
     server.forward("a", range(2, 4), 1, hidden, None, "s:1:1")
     server.backward("a", range(2, 4), 1, "s:1:1", hidden, None, torch.ones_like(hidden))
-    server.apply("a", 1, {b: [("s:1:0", "s:1:1")] for b in range(2, 4)}, HPARAMS)
+    server.adapters.apply("a", 1, {b: [("s:1:0", "s:1:1")] for b in range(2, 4)}, HPARAMS)
     _train_one_step(server, "a", range(2, 4), 2)
-    held = holder.adapters["a"].standby_steps()
+    held = holder.adapters.adapter("a").standby_steps()
     assert held == {2: 2, 3: 2}
-    _, updates = server.export_state("a", range(2, 4), held=held)
+    _, updates = server.adapters.export_state("a", range(2, 4), held=held)
     assert sorted(updates) == [2, 3] and all(u.base for u in updates.values())
-    assert holder.apply_updates("a", updates) == [], "a copy in other bits is not brought forward"
-    assert holder.adapters["a"].standby_steps() == {}
-    states, updates = server.export_state("a", range(2, 4), held=holder.adapters["a"].standby_steps())
+    assert holder.adapters.apply_updates("a", updates) == [], "a copy in other bits is not brought forward"
+    assert holder.adapters.adapter("a").standby_steps() == {}
+    states, updates = server.adapters.export_state("a", range(2, 4), held=holder.adapters.adapter("a").standby_steps())
     assert sorted(states) == [2, 3] and updates == {}
-    holder.keep_standby("a", {"lora": wire, "seed": 3}, states, keep={2, 3})
+    holder.adapters.keep_standby("a", {"lora": wire, "seed": 3}, states, keep={2, 3})
     for block in (2, 3):
-        assert holder.adapters["a"].standby[block].digest() == server.digests("a")[block]
+        assert holder.adapters.adapter("a").standby[block].digest() == server.adapters.digests("a")[block]
 
 
 def test_fast_forward_declares_an_older_state_current_and_reports_the_loss(tiny_models):
@@ -141,10 +158,10 @@ def test_fast_forward_declares_an_older_state_current_and_reports_the_loss(tiny_
 
     wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
     backend = _backend(tiny_models["llama"], range(0, 2))
-    backend.open_adapter("a", wire, seed=0)
-    assert backend.fast_forward("a", range(0, 2), 3) == {0: 3, 1: 3}
-    assert backend.adapters["a"].steps() == {0: 3, 1: 3}
-    assert backend.fast_forward("a", range(0, 2), 3) == {}  # nothing lost twice
+    backend.adapters.open_adapter("a", wire, seed=0)
+    assert backend.adapters.fast_forward("a", range(0, 2), 3) == {0: 3, 1: 3}
+    assert backend.adapters.adapter("a").steps() == {0: 3, 1: 3}
+    assert backend.adapters.fast_forward("a", range(0, 2), 3) == {}  # nothing lost twice
 
 
 def test_a_backward_without_its_input_uses_the_cached_forward_and_equals_one_with_it(tiny_models):
@@ -158,13 +175,13 @@ def test_a_backward_without_its_input_uses_the_cached_forward_and_equals_one_wit
     results = []
     for send_hidden in (True, False):
         backend = _backend(tiny_models["llama"], range(0, 2))
-        backend.open_adapter("a", wire, seed=3, session="s")
+        backend.adapters.open_adapter("a", wire, seed=3, session="s")
         backend.forward("a", range(0, 2), 0, hidden, None, "s:0:0")
         grad_in = backend.backward("a", range(0, 2), 0, "s:0:0", hidden if send_hidden else None, None, grad)
-        lora = [g for b in (0, 1) for g in backend.adapters["a"].blocks[b].grads["s:0:0"]]
+        lora = [g for b in (0, 1) for g in backend.adapters.adapter("a").blocks[b].grads["s:0:0"]]
         results.append((grad_in, lora))
         none = backend.backward("a", range(0, 2), 0, "s:0:1", hidden, None, grad, input_grad=False)
-        assert none is None and "s:0:1" in backend.adapters["a"].blocks[0].grads
+        assert none is None and "s:0:1" in backend.adapters.adapter("a").blocks[0].grads
     assert torch.equal(results[0][0], results[1][0])
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
     with pytest.raises(MissingForwardError, match="send its input"):
@@ -178,28 +195,30 @@ def test_a_step_taken_back_is_redone_to_the_same_bits(tiny_models):
 
     wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     backend = _backend(tiny_models["llama"], range(0, 2))
-    backend.open_adapter("a", wire, seed=3, session="s")
+    backend.adapters.open_adapter("a", wire, seed=3, session="s")
     _train_one_step(backend, "a", range(0, 2), 0)
-    before = backend.digests("a")
+    before = backend.adapters.digests("a")
     _train_one_step(backend, "a", range(0, 2), 1)
-    applied = backend.digests("a")
-    assert backend.revert("a", 1) == {0: 1, 1: 1}
-    assert backend.digests("a") == before, "taking a step back restores the state before it exactly"
-    assert backend.micro_batch_grads("a", 1, {0: ["s:1:0"]})[0].keys() == {"s:1:0"}
-    assert backend.revert("a", 1) == {0: 1, 1: 1}, "nothing to take back twice"
-    backend.apply("a", 1, {b: [("s:1:0",)] for b in range(2)}, HPARAMS)
-    assert backend.digests("a") == applied
+    applied = backend.adapters.digests("a")
+    assert backend.adapters.revert("a", 1) == {0: 1, 1: 1}
+    assert backend.adapters.digests("a") == before, "taking a step back restores the state before it exactly"
+    assert backend.adapters.micro_batch_grads("a", 1, {0: ["s:1:0"]})[0].keys() == {"s:1:0"}
+    assert backend.adapters.revert("a", 1) == {0: 1, 1: 1}, "nothing to take back twice"
+    backend.adapters.apply("a", 1, {b: [("s:1:0",)] for b in range(2)}, HPARAMS)
+    assert backend.adapters.digests("a") == applied
 
     other = _backend(tiny_models["llama"], range(0, 2))  # a peer that syncs from it, or moves onto its blocks
-    other.open_adapter("a", wire, seed=3, session="s")
-    exported, _ = backend.export_state("a", range(0, 2))
+    other.adapters.open_adapter("a", wire, seed=3, session="s")
+    exported, _ = backend.adapters.export_state("a", range(0, 2))
     index, flat = pack_states(exported)
-    other.import_state("a", unpack_states(index, flat))
-    assert other.digests("a") == applied
-    assert other.revert("a", 1) == {0: 1, 1: 1}, "a copy takes the step back like the replica it came from"
-    assert other.digests("a") == before
-    assert other.micro_batch_grads("a", 1, {0: ["s:1:0"]}) == {0: {}}, "without the gradients: a redo fetches them"
-    assert other.revert("a", 1) == {0: 1, 1: 1}, "nothing to take back twice"
+    other.adapters.import_state("a", unpack_states(index, flat))
+    assert other.adapters.digests("a") == applied
+    assert other.adapters.revert("a", 1) == {0: 1, 1: 1}, "a copy takes the step back like the replica it came from"
+    assert other.adapters.digests("a") == before
+    assert other.adapters.micro_batch_grads("a", 1, {0: ["s:1:0"]}) == {0: {}}, (
+        "without the gradients: a redo fetches them"
+    )
+    assert other.adapters.revert("a", 1) == {0: 1, 1: 1}, "nothing to take back twice"
 
 
 def test_a_request_for_blocks_a_peer_no_longer_serves_sends_the_client_elsewhere(tiny_models):
@@ -207,7 +226,7 @@ def test_a_request_for_blocks_a_peer_no_longer_serves_sends_the_client_elsewhere
     showed the old span, sent it a backward and got "bad request", which ended the training loop. Blocks a peer does
     not serve are a stale view, not a wrong request: the refusal is one the client routes around."""
     backend = _backend(tiny_models["llama"], range(2, 4))
-    backend.open_adapter("a", lora_config_to_wire(peft.LoraConfig(r=4, target_modules=["q_proj"])), 0)
+    backend.adapters.open_adapter("a", lora_config_to_wire(peft.LoraConfig(r=4, target_modules=["q_proj"])), 0)
     hidden = torch.randn(1, 4, backend.spec.hidden_size)
     with pytest.raises(NotServedError, match="blocks 0:2 are not all served here") as refused:
         backend.forward("a", range(0, 2), 0, hidden, None, "s:0:0")
@@ -221,12 +240,12 @@ def test_a_cached_forward_is_counted_at_what_autograd_keeps(tiny_models):
     """The activation cache's budget is spent on the bytes a forward's graph really holds, which grow with the span
     (a fixed multiple of the output undercounted a 32-block span about 180 times)."""
     backend = _backend(tiny_models["llama"], range(0, 4))
-    backend.open_adapter("a", lora_config_to_wire(peft.LoraConfig(r=4, target_modules=["q_proj"])), 0)
+    backend.adapters.open_adapter("a", lora_config_to_wire(peft.LoraConfig(r=4, target_modules=["q_proj"])), 0)
     hidden = torch.randn(2, 8, backend.spec.hidden_size)
     backend.forward("a", range(0, 1), 0, hidden, None, "s:0:0")
-    one = backend.cache.bytes
+    one = backend.adapters.cache.bytes
     backend.forward("a", range(0, 4), 0, hidden, None, "s:0:1")
-    four = backend.cache.bytes - one
+    four = backend.adapters.cache.bytes - one
     output = hidden.numel() * hidden.element_size()
     assert one > 8 * output, (one, output)  # a block keeps many hidden-sized tensors, not the output alone
     assert 3.5 * one <= four <= 4.5 * one, (one, four)
@@ -238,7 +257,9 @@ def test_forward_graphs_are_freed_after_a_backward_for_the_lora_gradients_only(t
     micro-batch's activations, forever (a peer alone on its span: +46 KB a step at hidden 64). After a step's
     commit nothing of its graphs may be left."""
     backend = _backend(tiny_models["llama"], range(0, 2))
-    backend.open_adapter("a", lora_config_to_wire(peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])), 0, "s")
+    backend.adapters.open_adapter(
+        "a", lora_config_to_wire(peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])), 0, "s"
+    )
     hidden = torch.randn(2, 8, backend.spec.hidden_size)
 
     def live_graphs() -> int:
@@ -250,8 +271,8 @@ def test_forward_graphs_are_freed_after_a_backward_for_the_lora_gradients_only(t
             backend.forward("a", range(0, 2), step, hidden, None, mb)
             backend.backward("a", range(0, 2), step, mb, None, None, torch.ones_like(hidden), input_grad=False)
         backend.forward("a", range(0, 2), step, hidden, None, f"s:{step}:2")  # a forward whose backward never came
-        backend.apply("a", step, {b: [(f"s:{step}:0", f"s:{step}:1")] for b in range(2)}, HPARAMS)
-        assert backend.cache.bytes == 0
+        backend.adapters.apply("a", step, {b: [(f"s:{step}:0", f"s:{step}:1")] for b in range(2)}, HPARAMS)
+        assert backend.adapters.cache.bytes == 0
         assert live_graphs() == 0, f"step {step}: forward graphs outlived their commit"
 
 
@@ -259,15 +280,17 @@ def test_gradients_computed_here_in_other_bits_than_the_ledgers_holder_are_dropp
     """A micro-batch whose backward ran on two replicas (a retry) is held by both, in other bits where their kernels
     round differently; the ledger names one holder, and every replica must apply its bits, not its own."""
     backend = _backend(tiny_models["llama"], range(0, 2))
-    backend.open_adapter("a", lora_config_to_wire(peft.LoraConfig(r=4, target_modules=["q_proj"])), 0, "s")
+    backend.adapters.open_adapter("a", lora_config_to_wire(peft.LoraConfig(r=4, target_modules=["q_proj"])), 0, "s")
     hidden = torch.randn(1, 6, backend.spec.hidden_size)
     for mb in ("s:0:0", "s:0:1"):
         backend.backward("a", range(0, 2), 0, mb, hidden, None, torch.ones_like(hidden), input_grad=False)
-    held = backend.adapters["a"].blocks[0].grads
+    held = backend.adapters.adapter("a").blocks[0].grads
     same = grad_hash(held["s:0:0"])
-    backend.drop_unlike("a", 0, {0: {"s:0:0": same, "s:0:1": "f" * 64}})
-    assert set(backend.adapters["a"].blocks[0].grads) == {"s:0:0"}  # the one in the holder's bits stays
-    assert backend.missing("a", 0, {0: [("s:0:0",), ("s:0:1",)]}) == {0: ["s:0:1"]}  # the other is fetched at commit
+    backend.adapters.drop_unlike("a", 0, {0: {"s:0:0": same, "s:0:1": "f" * 64}})
+    assert set(backend.adapters.adapter("a").blocks[0].grads) == {"s:0:0"}  # the one in the holder's bits stays
+    assert backend.adapters.missing("a", 0, {0: [("s:0:0",), ("s:0:1",)]}) == {
+        0: ["s:0:1"]
+    }  # the other is fetched at commit
 
 
 def test_a_commit_of_blocks_held_but_no_longer_served_is_refused_not_applied(tiny_models):
@@ -276,14 +299,14 @@ def test_a_commit_of_blocks_held_but_no_longer_served_is_refused_not_applied(tin
     stale states and voted with them. Blocks it does not serve are refused (the client routes around it)."""
     lora = lora_config_to_wire(peft.LoraConfig(r=4, target_modules=["q_proj"]))
     before = _backend(tiny_models["llama"], range(0, 4))
-    before.open_adapter("a", lora, 0)
+    before.adapters.open_adapter("a", lora, 0)
     _train_one_step(before, "a", range(0, 4), 0)
-    exported, _ = before.export_state("a", range(0, 4))
+    exported, _ = before.adapters.export_state("a", range(0, 4))
     restarted = _backend(tiny_models["llama"], range(0, 2))
-    restarted.open_adapter("a", lora, 0)
-    restarted.import_state("a", exported)
+    restarted.adapters.open_adapter("a", lora, 0)
+    restarted.adapters.import_state("a", exported)
     with pytest.raises(NotServedError, match=r"blocks \[2, 3\] are not served here") as refused:
-        restarted.apply("a", 1, {2: [("s:1:0",)], 3: [("s:1:0",)]}, HPARAMS)
+        restarted.adapters.apply("a", 1, {2: [("s:1:0",)], 3: [("s:1:0",)]}, HPARAMS)
     assert refused.value.kind in PEER_STATE_ERRORS
 
 

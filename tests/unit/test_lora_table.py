@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import swarm
+from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
 from peers.checkpoints import CheckpointStore
 from peers.state import pack_states, unpack_states
@@ -129,7 +130,8 @@ def test_options_travel_only_when_set_so_old_adapters_keep_their_identity():
 
 
 def _backend(model_dir, blocks: range) -> SpanBackend:
-    return SpanBackend(load_spec(model_dir), blocks, torch.device("cpu"), torch.float32, "none")
+    spec = load_spec(model_dir)
+    return SpanBackend(spec, blocks, torch.device("cpu"), torch.float32, "none", AdapterStore(spec))
 
 
 def test_a_block_that_layers_to_transform_leaves_out_serves_trains_and_moves(tiny_models, tmp_path):
@@ -137,41 +139,41 @@ def test_a_block_that_layers_to_transform_leaves_out_serves_trains_and_moves(tin
     still work."""
     wire = lora_config_to_wire(peft.LoraConfig(r=4, target_modules=TARGETS, layers_to_transform=[1]))
     backend = _backend(tiny_models["llama"], range(0, 2))
-    backend.open_adapter("a", wire, seed=3, session="s")
-    assert [len(state.params) for _, state in sorted(backend.adapters["a"].blocks.items())] == [0, 4]
+    backend.adapters.open_adapter("a", wire, seed=3, session="s")
+    assert [len(state.params) for _, state in sorted(backend.adapters.adapter("a").blocks.items())] == [0, 4]
     hidden = torch.randn(1, 6, backend.spec.hidden_size, generator=torch.Generator().manual_seed(0))
     for blocks, input_grad in ((range(0, 1), False), (range(0, 2), True)):
         mb = f"s:0:{blocks.stop}"
         backend.forward("a", blocks, 0, hidden, None, mb)
         backend.backward("a", blocks, 0, mb, hidden, None, torch.ones_like(hidden), input_grad=input_grad)
-    backend.apply("a", 0, {0: [("s:0:1", "s:0:2")], 1: [("s:0:2",)]}, HPARAMS)
-    assert backend.adapters["a"].steps() == {0: 1, 1: 1} and len(backend.digests("a")) == 2
-    assert backend.lora_state("a")[0] == {}
-    exported = unpack_states(*pack_states(backend.export_state("a", range(0, 2))[0]))
+    backend.adapters.apply("a", 0, {0: [("s:0:1", "s:0:2")], 1: [("s:0:2",)]}, HPARAMS)
+    assert backend.adapters.adapter("a").steps() == {0: 1, 1: 1} and len(backend.adapters.digests("a")) == 2
+    assert backend.adapters.lora_state("a")[0] == {}
+    exported = unpack_states(*pack_states(backend.adapters.export_state("a", range(0, 2))[0]))
     assert exported[0].step == 1 and exported[0].tensors == {}, "a block without LoRA must travel too"
     other = _backend(tiny_models["llama"], range(2, 3))
-    other.keep_standby("a", {"lora": wire, "seed": 3}, exported, keep={0, 1})
-    assert other.adapters["a"].standby_steps() == {0: 1, 1: 1}
+    other.adapters.keep_standby("a", {"lora": wire, "seed": 3}, exported, keep={0, 1})
+    assert other.adapters.adapter("a").standby_steps() == {0: 1, 1: 1}
     store = CheckpointStore(tmp_path)
-    store.save_block("a", 0, exported[0], backend.adapters["a"].meta)
+    store.save_block("a", 0, exported[0], backend.adapters.adapter("a").meta)
     assert store.load()["a"][1][0].step == 1
 
 
 def _grads(backend: SpanBackend, mb: str, hidden: torch.Tensor, drop_graph: bool) -> list[torch.Tensor]:
     backend.forward("a", range(0, 2), 0, hidden, None, mb)
     if drop_graph:
-        backend.cache.drop_adapter("a")  # the backward recomputes from the kept input
+        backend.adapters.cache.drop_adapter("a")  # the backward recomputes from the kept input
     grad_in = backend.backward("a", range(0, 2), 0, mb, None, None, torch.ones_like(hidden))
-    state = backend.adapters["a"].blocks[1]
+    state = backend.adapters.adapter("a").blocks[1]
     return [grad_in, *state.grads.pop(mb)]
 
 
 def _dropout_backend(model_dir, session: str) -> SpanBackend:
     backend = _backend(model_dir, range(0, 2))
     wire = lora_config_to_wire(peft.LoraConfig(r=4, target_modules=TARGETS, lora_dropout=0.5))
-    backend.open_adapter("a", wire, seed=3, session=session)
+    backend.adapters.open_adapter("a", wire, seed=3, session=session)
     with torch.no_grad():  # B is zero at init: give LoRA an effect on the outputs
-        for state in backend.adapters["a"].blocks.values():
+        for state in backend.adapters.adapter("a").blocks.values():
             for lp in state.params:
                 lp.param.normal_(generator=torch.Generator().manual_seed(1))
     return backend

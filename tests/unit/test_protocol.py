@@ -252,7 +252,9 @@ def test_refusals_carry_what_the_caller_acts_on():
 
 def _handlers() -> dict:
     door, compute = Doorkeeper(), Compute()
-    service = PeerService(backend=None, compute=compute, info=lambda: None, peers=None, hooks=None, pullers=None)
+    service = PeerService(
+        backend=None, adapters=None, compute=compute, info=lambda: None, peers=None, hooks=None, pullers=None
+    )
     try:
         return {"doorkeeper": door.handlers, "peer": service.handlers}
     finally:

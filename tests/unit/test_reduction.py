@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
 from swarm.net.protocol import SUM, Held, OptimizerHParams, ledger_groups
 from swarm.net.reduction import add_up, partial_sum
@@ -62,7 +63,8 @@ def test_a_fetched_partial_sum_applies_the_same_bits_as_one_summed_here(tiny_mod
     """Replica A computed micro-batches 0 and 2, replica B 1 and 3; C holds all four (it computed them too). A
     applies its own sum and B's partial sum; C sums both groups itself: the same state after the step."""
     spec = load_spec(tiny_models["llama"])
-    replicas = {name: SpanBackend(spec, range(0, 2), torch.device("cpu"), torch.float32, "none") for name in "ABC"}
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    replicas = {name: SpanBackend(spec, range(0, 2), cpu, fp32, "none", AdapterStore(spec)) for name in "ABC"}
     hidden = {
         f"s:0:{i:09d}": torch.randn(1, 5, spec.hidden_size, generator=torch.Generator().manual_seed(i))
         for i in range(4)
@@ -70,14 +72,16 @@ def test_a_fetched_partial_sum_applies_the_same_bits_as_one_summed_here(tiny_mod
     mbs = sorted(hidden)
     groups = {block: [(mbs[0], mbs[2]), (mbs[1], mbs[3])] for block in range(2)}
     for backend in replicas.values():
-        backend.open_adapter("a", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}, 7)
+        backend.adapters.open_adapter("a", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}, 7)
     computes = {"A": [mbs[0], mbs[2]], "B": [mbs[1], mbs[3]], "C": mbs}
     for name, backend in replicas.items():
         for mb in computes[name]:
             backend.forward("a", range(0, 2), 0, hidden[mb], None, mb)
             backend.backward("a", range(0, 2), 0, mb, hidden[mb], None, torch.ones_like(hidden[mb]))
-    from_b = replicas["B"].partial_sums("a", 0, {block: [mbs[1], mbs[3]] for block in range(2)})
-    replicas["A"].add_partials("a", 0, {block: {groups[block][1]: by_key[SUM]} for block, by_key in from_b.items()})
+    from_b = replicas["B"].adapters.partial_sums("a", 0, {block: [mbs[1], mbs[3]] for block in range(2)})
+    replicas["A"].adapters.add_partials(
+        "a", 0, {block: {groups[block][1]: by_key[SUM]} for block, by_key in from_b.items()}
+    )
     for name in "AC":
-        replicas[name].apply("a", 0, groups, HPARAMS)
-    assert replicas["A"].digests("a") == replicas["C"].digests("a")
+        replicas[name].adapters.apply("a", 0, groups, HPARAMS)
+    assert replicas["A"].adapters.digests("a") == replicas["C"].adapters.digests("a")
