@@ -5,8 +5,9 @@ replicas and M micro-batches a step, and the step time with every peer's link ca
 
 The lab is the one of tests/e2e/test_sync_bytes.py (swarm/testing/netlab.py; needs root, ip and tc: no home hosts, so no
 nft): a tiny Llama (hidden 256, intermediate 688, 4 blocks) in 2 spans of 2 blocks, each span served by R peers, every
-peer, the bootstrap and the client alone in a network namespace of its own; no standby copies (``--standby-blocks 0``:
-copies are another promise's bytes). One swarm per R; on it one measuring client per configuration, one after the other,
+peer, the bootstrap and the client alone in a network namespace of its own; no standby copies by default
+(``--standby-blocks 2``: every peer copies the other span and follows its commits, so the copies' bytes count too).
+One swarm per R; on it one measuring client per configuration, one after the other,
 each with an adapter of its own (swarm/testing/linkmeter.py: it reads every peer's interface counters right before and
 after each measured step). A step is M micro-batches of 1 x 16 tokens, all in flight at once, then a commit; LoRA r=64
 on all seven projections, so G = 2.50 MB per span against at most 2M x 16 KB of hidden states and their gradients each
@@ -52,7 +53,7 @@ logger = logging.getLogger("bench_sync")
 
 HIDDEN, INTERMEDIATE, BLOCKS, SPAN, HEADS, VOCAB = 256, 688, 4, 2, 4, 256
 BATCH, SEQ, RANK = 1, 16, 64
-PEER_FLAGS = ["--leave-grace", "0.2", "--standby-blocks", "0", "--no-rebalance"]
+PEER_FLAGS = ["--leave-grace", "0.2", "--no-rebalance"]
 GOAL = 1.5  # G each way per peer and step, flat in M
 BEFORE = {2: 3.1, 8: 7.3, 16: 13.1}  # the issue's worst peer per step, in G, at R = 2 (r = 16, hidden 256)
 MBIT = 1e6 / 8  # bytes per second in a Mbit/s
@@ -139,7 +140,13 @@ def run_replicas(lab: NetLab, model: Path, args: argparse.Namespace, replicas: i
         started = time.monotonic()
         peers = {
             name: local.start_peer(
-                model, span, name, PEER_FLAGS, wait=False, host="0.0.0.0", prefix=host(lab, name).command()
+                model,
+                span,
+                name,
+                [*PEER_FLAGS, "--standby-blocks", str(args.standby_blocks)],
+                wait=False,
+                host="0.0.0.0",
+                prefix=host(lab, name).command(),
             )
             for name, span in spans.items()
         }
@@ -242,8 +249,8 @@ def report(args: argparse.Namespace, runs: list[Run], took: float) -> None:
     print(
         f"bench_sync: tiny Llama hidden {HIDDEN}, {BLOCKS} blocks in 2 spans x R replicas, every peer in a namespace "
         f"of its own; M micro-batches of {BATCH}x{SEQ} tokens per step in flight together, LoRA r={RANK} on all seven "
-        f"projections: G = {g / 1e6:.2f} MB per span; median of {args.steps} steps after {args.warmup} warm-up "
-        f"({took:.0f} s in all)"
+        f"projections: G = {g / 1e6:.2f} MB per span; standby copies: {args.standby_blocks} block(s) a peer; median of "
+        f"{args.steps} steps after {args.warmup} warm-up ({took:.0f} s in all)"
     )
     print(
         "bytes per peer and step through its interface (everything: partial sums, hidden states, commits, DHT, "
@@ -299,6 +306,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peer-timeout", type=float, default=300.0, help=argparse.SUPPRESS)
     parser.add_argument("--client-timeout", type=float, default=300.0, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, default=None, help="model and logs (default: a temp dir)")
+    parser.add_argument(
+        "--standby-blocks",
+        type=int,
+        default=0,
+        help="blocks each peer keeps a standby copy of (0: none; 2: the other span, so copies' bytes count too)",
+    )
     args = parser.parse_args(argv)
     if min(args.replicas) < 1 or min(args.micro_batches) < 1 or args.steps < 1 or args.warmup < 0:
         parser.error("need --replicas, --micro-batches, --steps >= 1 and --warmup >= 0")
