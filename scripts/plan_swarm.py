@@ -62,6 +62,8 @@ WIRES = {
     "exact": WireFormat(),
     "bfloat16": WireFormat("bfloat16"),
     "blockwise8": WireFormat(compression="blockwise8"),
+    "hadamard4": WireFormat(compression="hadamard4"),
+    "hadamard3": WireFormat(compression="hadamard3"),
 }
 MB = 1e6
 

@@ -161,6 +161,7 @@ class SwarmModelForCausalLM(nn.Module):
         lost_grace: float = LOST_GRACE,
         wire_dtype: str | None = None,
         compression: str = "none",
+        grad_compression: str | None = None,
         is_trainable: bool = True,
         chain: bool = True,
     ) -> SwarmModelForCausalLM:
@@ -187,10 +188,12 @@ class SwarmModelForCausalLM(nn.Module):
         outvoted by two agreeing replicas is banned for good and listed in ``model.dishonest``. By default a public
         swarm (no ``swarm_key``) checks ``PUBLIC_SPOT_CHECK`` (3 %) of them wherever a span has three replicas, and a
         private one none; a rate given checks wherever a hop has another replica.
-        ``wire_dtype`` (``"bfloat16"``, ``"float16"``) and ``compression`` (``"blockwise8"``): how hidden states and
-        their gradients travel; both off by default (exact parity with local training), but a bf16 model's hidden states
-        travel in bf16 (they are bf16 already). They cut the bytes per step
-        by 2x / ~4x at the cost of rounding the activations (see BENCHMARKS.md for what that does to the loss).
+        ``wire_dtype`` (``"bfloat16"``, ``"float16"``) and ``compression`` (``"blockwise8"``, ``"hadamard4"``,
+        ``"hadamard3"``, and ``"hadamard4sr"`` / ``"hadamard3sr"`` with stochastic rounding): how hidden states and
+        their gradients travel; ``grad_compression``: the gradients' own, if they should differ (default: the same).
+        All off by default (exact parity with local training), but a bf16 model's hidden states travel in bf16 (they
+        are bf16 already). They cut the bytes per step by 2x / ~4x / ~7.5x / ~9.8x at the cost of rounding the
+        activations (see BENCHMARKS.md for what that does to the loss).
         ``is_trainable=False`` (as in ``peft.PeftModel.from_pretrained``): a reader of an adapter that has committed
         steps, to ``generate`` or evaluate with its newest committed step while its trainer goes on training; it
         takes no lease and changes nothing on any peer. ``lora_config`` and ``seed`` then default to the adapter's.
@@ -210,7 +213,7 @@ class SwarmModelForCausalLM(nn.Module):
             raise ValueError(f"min_copies must be at least 1, got {min_copies}")
         if wire_dtype is None and dtype == torch.bfloat16:
             wire_dtype = "bfloat16"  # the hidden states are bf16 already: no rounding is added, half the bytes
-        wire = WireFormat(wire_dtype, compression)
+        wire = WireFormat(wire_dtype, compression, grad_compression)
         spec = load_spec(model_dir)
         if lora_config is not None:
             lora_config = resolve_lora_config(lora_config, spec)  # refused options fail here, before joining

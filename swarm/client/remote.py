@@ -197,7 +197,7 @@ class RemoteStack:
             None if cached else wire.cast(hidden),
             mask,
             input_grad,
-            wire.compression,
+            wire.backward_compression,
             autocast=self.autocast,
         )
         try:
@@ -646,7 +646,7 @@ class RemoteStack:
                 None,
                 mask,
                 input_grad,
-                self.wire.compression,
+                self.wire.backward_compression,
                 route,
                 self.autocast,
             )

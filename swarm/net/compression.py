@@ -35,16 +35,23 @@ class WireFormat:
 
     dtype: str | None = None
     compression: str = "none"
+    grad_compression: str | None = None  # the backward's (gradients of the hidden states); None: ``compression``
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in WIRE_DTYPES:
             raise ValueError(f"wire_dtype must be one of {sorted(WIRE_DTYPES)} or None, got {self.dtype!r}")
-        if self.compression not in COMPRESSIONS:
-            raise ValueError(f"compression must be one of {sorted(COMPRESSIONS)}, got {self.compression!r}")
+        for option, value in (("compression", self.compression), ("grad_compression", self.backward_compression)):
+            if value not in COMPRESSIONS:
+                raise ValueError(f"{option} must be one of {sorted(COMPRESSIONS)}, got {value!r}")
+
+    @property
+    def backward_compression(self) -> str:
+        """How a backward's request and reply travel: gradients may want other rounding (stochastic: unbiased)."""
+        return self.compression if self.grad_compression is None else self.grad_compression
 
     @property
     def exact(self) -> bool:
-        return self.dtype is None and self.compression == "none"
+        return self.dtype is None and self.compression == "none" and self.backward_compression == "none"
 
     def value_bytes(self, computed: torch.dtype) -> float:
         """What one value of a floating tensor computed in ``computed`` weighs on the wire."""

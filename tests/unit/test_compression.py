@@ -45,3 +45,12 @@ def test_bad_settings_and_bad_tensors_are_refused():
     parts[0].tensors[0].buffer = parts[0].tensors[0].buffer[:-100]  # cut short
     with pytest.raises(WireError, match="could not be decoded"):
         decode(parts)
+
+
+def test_the_backward_may_travel_in_a_compression_of_its_own():
+    assert WireFormat(compression="hadamard4").backward_compression == "hadamard4"
+    wire = WireFormat(compression="hadamard4", grad_compression="hadamard4sr")
+    assert (wire.compression, wire.backward_compression, wire.exact) == ("hadamard4", "hadamard4sr", False)
+    assert not WireFormat(grad_compression="hadamard3sr").exact, "compressed gradients are not exact"
+    with pytest.raises(ValueError, match="grad_compression"):
+        WireFormat(grad_compression="zip")
