@@ -9,7 +9,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from swarm.net.errors import (
+from swarm.quiet import silence_third_party
+
+silence_third_party()  # before anything imports bitsandbytes
+
+from swarm.net.errors import (  # noqa: E402
     AdapterBusyError,
     AdapterConfigError,
     AdapterStateLostError,
