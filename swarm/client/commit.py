@@ -367,10 +367,7 @@ def commit(
         if uncovered:
             if patience.passed:
                 waiting.done("gave up")
-                raise SwarmUnavailableError(
-                    f"blocks {uncovered} have had no live replica at step {step} for {calls.patience:.0f}s; "
-                    "start peers serving them or raise the client's patience"
-                )
+                raise SwarmUnavailableError.unserved(uncovered, calls.patience, f"live replica at step {step}")
             if applied and replicas.split_over(uncovered, step):
                 logger.warning(
                     "blocks %s are at step %d only on peers that hold others past it; taking the step back",

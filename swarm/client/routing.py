@@ -408,12 +408,6 @@ class Router:
         block_seconds = self.block_seconds(record)
         return Candidate(record.peer_id, record.start, record.end, block_seconds, busy_for, links.default, into)
 
-    def wait_covered(self, patience: float, eligible_only: bool = False) -> None:
-        """Wait up to ``patience`` seconds until every block has a live server."""
-        self._wait(
-            lambda: None if self.uncovered(eligible_only=eligible_only) else True, 0, None, patience, eligible_only
-        )
-
     def wait_route(
         self,
         start: int = 0,
@@ -469,10 +463,7 @@ class Router:
                 return result
             missing = self.uncovered(start, end, eligible_only) or missing
         waiting.done("gave up")
-        raise SwarmUnavailableError(
-            f"blocks {missing} have had no live server for {patience:.0f}s; start a peer serving them "
-            f"(swarm peer --blocks {missing[0]}:{missing[-1] + 1} ...) or raise the client's patience"
-        )
+        raise SwarmUnavailableError.unserved(missing, patience)
 
 
 def _queued(planned: list[PlannedHop], candidates: list[Candidate]) -> float:

@@ -172,10 +172,7 @@ class AdapterSession:
             if give_up:
                 waiting.done("gave up")
                 if uncovered:
-                    raise SwarmUnavailableError(
-                        f"blocks {uncovered} have had no live server for {self.calls.patience:.0f}s; start peers "
-                        "serving them (swarm peer --model ...) or raise the client's patience"
-                    )
+                    raise SwarmUnavailableError.unserved(uncovered, self.calls.patience)
                 newest_held = {b: max(held[b]) for b in missing if b in held}
                 raise AdapterStateLostError(
                     f"adapter {name!r} is at step {newest}, but no live peer holds blocks {missing} at that "

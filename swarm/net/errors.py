@@ -58,6 +58,15 @@ class IdentityInUseError(SwarmAccessError):
 class SwarmUnavailableError(SwarmError, RuntimeError):
     """Blocks stayed without any live server for longer than the client's patience."""
 
+    @classmethod
+    def unserved(cls, blocks: list[int], seconds: float, what: str = "live server") -> SwarmUnavailableError:
+        """The one message of every wait for servers that ran out of patience: which blocks, how long, what to do."""
+        return cls(
+            f"blocks {blocks} have had no {what} for {seconds:.0f}s; start a peer serving them (swarm peer --model "
+            f"... --blocks {blocks[0]}:{blocks[-1] + 1}) or raise the client's patience (from_pretrained(..., "
+            "patience=...))"
+        )
+
 
 class AdapterStateLostError(SwarmError, RuntimeError):
     """No live peer holds some blocks of an adapter at its committed step (and ``resume="latest"`` was not given)."""
