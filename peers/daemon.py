@@ -117,8 +117,8 @@ def blocks_that_fit(spec: ModelSpec, config: PeerConfig) -> int:
 
     c = spec.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv = c.num_key_value_heads * head_dim
-    params = 2 * c.hidden_size * c.hidden_size + 2 * c.hidden_size * kv + 3 * c.hidden_size * c.intermediate_size
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim  # Qwen3: q wider than hidden
+    params = 2 * c.hidden_size * q + 2 * c.hidden_size * kv + 3 * c.hidden_size * c.intermediate_size
     per_param = QUANT_BYTES.get(config.quant_mode, torch.finfo(DTYPES[config.dtype]).bits / 8)
     if config.device.startswith("cuda"):
         free = torch.cuda.mem_get_info(torch.device(config.device))[0]

@@ -13,7 +13,10 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from swarm.net.errors import ModelFolderError
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3")
+# Config fields a family's decoder layer applies in training only (dropout): peers run blocks in eval mode, so a
+# folder that sets one would train otherwise than local peft does, and is refused.
+TRAINING_ONLY_FIELDS = {"phi3": ("resid_pdrop", "attention_dropout")}
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
 
@@ -90,6 +93,12 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
         raise ModelFolderError(
             f"{path}: model_type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}"
         )
+    for name in TRAINING_ONLY_FIELDS.get(config.model_type, ()):
+        if getattr(config, name, 0.0):
+            raise ModelFolderError(
+                f"{path}: {config.model_type} with {name}={getattr(config, name)} is not supported: its decoder "
+                "layers apply that dropout in training, and peers run blocks without it; set it to 0.0 in config.json"
+            )
     config._attn_implementation = "sdpa"
     return ModelSpec(path=path, config=config, weight_files=_weight_files(path))
 

@@ -6,7 +6,7 @@ that sharded loading code paths get exercised in tests and benchmarks.
 
 Usage::
 
-    python -m swarm.testing.tiny OUT_DIR [--family llama|mistral|qwen2] \
+    python -m swarm.testing.tiny OUT_DIR [--family llama|mistral|qwen2|qwen3|olmo2|phi3] \
         [--layers N] [--hidden H] [--heads N] [--kv-heads N] [--intermediate N] \
         [--vocab N] [--seed S] [--tie-embeddings] [--shard-size BYTES_OR_STR]
 
@@ -27,11 +27,17 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 logger = logging.getLogger(__name__)
@@ -40,7 +46,13 @@ FAMILIES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "olmo2": (Olmo2Config, Olmo2ForCausalLM),
+    "phi3": (Phi3Config, Phi3ForCausalLM),
 }
+# Token ids as Llama's config has them: the other families' defaults (a pad or eos id of 32000 or 50279) lie outside
+# a tiny vocabulary.
+TOKEN_IDS = {"pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}
 
 MAX_POSITION_EMBEDDINGS = 512
 # Default shard size is about a third of the model, so the default model
@@ -124,8 +136,12 @@ def make_tiny_model(
         "initializer_range": 0.02,
         "tie_word_embeddings": tie_embeddings,
     }
-    if family == "qwen2":
+    if family in ("qwen2", "qwen3"):
         config_kwargs["use_sliding_window"] = False
+    if family == "qwen3":
+        config_kwargs["head_dim"] = hidden // heads  # Qwen3's default is 128 whatever the hidden size
+    if family in ("qwen3", "olmo2", "phi3"):
+        config_kwargs.update(TOKEN_IDS)
     config = config_cls(**config_kwargs)
 
     torch.manual_seed(seed)

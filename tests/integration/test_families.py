@@ -1,17 +1,31 @@
-"""Each supported family trains through the swarm like it does locally; quantized peers train on CPU. The peers
+"""Each supported family trains through the swarm like it does locally (loss, adapter, logits, greedy generation);
+'all-linear' names the projections peft names; nf4 blocks of each family run; quantized peers train on CPU. The peers
 are real, in this process."""
 
 from __future__ import annotations
 
+import json
+
 import peft
 import pytest
 import torch
-from safetensors.torch import load_file
+import transformers
+from safetensors.torch import load_file, save_file
 
 import swarm
+from peers.layers import run_layers
+from swarm import weights
+from swarm.blocks import load_block
+from swarm.lora_options import resolve_lora_config
+from swarm.net.errors import ModelFolderError
+from swarm.spec import load_spec
 from swarm.testing.parity import HPARAMS, local_peft
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+# Phi-3 fuses q/k/v and gate/up into one projection each: LoRA targets them as peft names them.
+TARGETS = {"phi3": ["qkv_proj", "gate_up_proj", "down_proj"]}
+FAMILIES = ["mistral", "qwen2", "qwen3", "olmo2", "phi3"]
+NEW_TOKENS = 4
 
 
 def one_step(model, optimizer, batch: dict[str, torch.Tensor]) -> float:
@@ -27,13 +41,14 @@ def batch_for(vocab: int) -> dict[str, torch.Tensor]:
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_family_trains_one_step_like_local_peft(family, inprocess_swarm, tiny_models, tmp_path):
     model_dir = tiny_models[family]
     local = inprocess_swarm(family)
     local.start_peers({"a": "0:3", "b": "3:4"})
+    lora = peft.LoraConfig(**{**LORA, "target_modules": TARGETS.get(family, LORA["target_modules"])})
     model = swarm.SwarmModelForCausalLM.from_pretrained(
-        model_dir, initial_peers=local.initial_peers, adapter=f"{family}-lora", lora_config=peft.LoraConfig(**LORA)
+        model_dir, initial_peers=local.initial_peers, adapter=f"{family}-lora", lora_config=lora
     )
     try:
         model.save_adapter(tmp_path / "initial")
@@ -41,6 +56,9 @@ def test_family_trains_one_step_like_local_peft(family, inprocess_swarm, tiny_mo
         swarm_loss = one_step(model, swarm.RemoteOptimizer(model, **HPARAMS), batch)
         model.save_adapter(tmp_path / "final")
         assert model.step == 1
+        with torch.no_grad():
+            swarm_logits = model(batch["input_ids"]).logits
+        swarm_tokens = model.generate(batch["input_ids"], max_new_tokens=NEW_TOKENS, do_sample=False)
     finally:
         model.shutdown()
     reference = local_peft(model_dir, tmp_path / "initial")
@@ -53,6 +71,71 @@ def test_family_trains_one_step_like_local_peft(family, inprocess_swarm, tiny_mo
     assert swarm_state.keys() == local_state.keys()
     for key in swarm_state:
         torch.testing.assert_close(swarm_state[key], local_state[key], rtol=1e-4, atol=1e-5, msg=key)
+    reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(swarm_logits, reference(batch["input_ids"]).logits, rtol=1e-4, atol=1e-5)
+    # greedy generation equals local transformers with the swarm's own adapter, token for token
+    exported = local_peft(model_dir, tmp_path / "final").eval()
+    with torch.no_grad():
+        local_tokens = exported.generate(input_ids=batch["input_ids"], max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert torch.equal(swarm_tokens, local_tokens), (swarm_tokens, local_tokens)
+
+
+@pytest.mark.parametrize("family", ["llama", *FAMILIES])
+def test_all_linear_names_what_peft_names(family, tiny_models):
+    """``target_modules='all-linear'`` resolves to the projections local peft puts LoRA on (Phi-3: the fused ones)."""
+    spec = load_spec(tiny_models[family])
+    resolved = resolve_lora_config(peft.LoraConfig(r=2, target_modules="all-linear"), spec).target_modules
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_models[family], dtype=torch.float32)
+    local = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules="all-linear"))
+    names = {name.rsplit(".", 1)[-1] for name, module in local.named_modules() if hasattr(module, "lora_A")}
+    assert set(resolved) == names, (resolved, names)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_nf4_blocks_of_each_family_run_close_to_fp32(family, tiny_models):
+    """A family's blocks load with ``--quant nf4`` (its every projection quantized, norms kept) and compute what the
+    fp32 blocks compute, up to quantization."""
+    spec = load_spec(tiny_models[family])
+    rotary = spec.family_class("RotaryEmbedding")(config=spec.config)
+    hidden = torch.randn(1, 6, spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    outputs = {}
+    for quant in ("none", "nf4"):
+        layers = {block: load_block(spec, block, torch.device("cpu"), torch.float32, quant) for block in range(2)}
+        with torch.no_grad():
+            outputs[quant] = run_layers(spec, layers, rotary, hidden, None, range(2))
+    difference = (outputs["nf4"] - outputs["none"]).abs().max().item()
+    assert 0 < difference < 0.5 * outputs["none"].abs().max().item(), difference
+
+
+@pytest.mark.parametrize("family", ["qwen3", "olmo2", "phi3"])
+def test_block_digests_of_each_family_cover_its_own_tensors(family, tiny_models, tmp_path):
+    """Each block's weight digest covers the family's own tensors (Qwen3's and OLMo 2's q/k norms, OLMo 2's
+    post-norms, Phi-3's fused projections): one byte changed in one of them changes that block's digest only."""
+    import shutil
+
+    folder = shutil.copytree(tiny_models[family], tmp_path / family, ignore=shutil.ignore_patterns(weights.CACHE_FILE))
+    before = weights.block_digests(load_spec(folder))
+    assert len(set(before.values())) == 4 and family in weights.block_config(load_spec(folder), 0)
+    name = {"qwen3": "self_attn.k_norm", "olmo2": "post_feedforward_layernorm", "phi3": "mlp.gate_up_proj"}[family]
+    spec = load_spec(folder)
+    shard = spec.weight_files[f"model.layers.2.{name}.weight"]
+    state = load_file(shard)
+    state[f"model.layers.2.{name}.weight"][0] += 1.0
+    save_file(state, shard, metadata={"format": "pt"})
+    after = weights.block_digests(load_spec(folder))
+    assert [block for block in before if before[block] != after[block]] == [2]
+
+
+def test_phi3_with_dropout_is_refused_with_why(tiny_models, tmp_path):
+    """Peers run blocks in eval mode: a Phi-3 folder whose blocks drop out in training is refused, saying so."""
+    import shutil
+
+    folder = shutil.copytree(tiny_models["phi3"], tmp_path / "phi3-dropout")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "resid_pdrop": 0.1}))
+    with pytest.raises(ModelFolderError, match="phi3 with resid_pdrop=0.1 is not supported"):
+        load_spec(folder)
 
 
 def test_nf4_and_int8_peers_train_on_cpu(inprocess_swarm, tiny_models):
