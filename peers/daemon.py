@@ -84,6 +84,7 @@ class PeerConfig:
     swarm_key: str | None = None
     record_ttl: float = RECORD_TTL
     leave_grace: float = 2.0
+    join_timeout: float = 60.0  # seconds initial peers that do not answer are tried again (a bootstrap still starting)
     activation_cache_mb: int = 1024
     kept_inputs_mb: int = 4096
     max_payload_mb: int = 1024
@@ -546,6 +547,7 @@ class PeerDaemon:
                 port=config.port,
                 announce_maddrs=announce,
                 relays=relays,
+                join_timeout=config.join_timeout,
             )
         except IdentityInUseError as e:
             where = await asyncio.to_thread(self._where_else_serving)

@@ -168,7 +168,7 @@ class SwarmModelForCausalLM(nn.Module):
         """Join the swarm as a client and open (or resume) ``adapter`` on the peers serving ``model_dir``.
 
         ``patience``: seconds to wait when some blocks have no live server (or, on resume, no peer holding the
-        adapter's committed step) before raising.
+        adapter's committed step), or when no initial peer answers yet, before raising.
         ``min_copies``: ``opt.step()`` returns only once every block's new state is held by this many peers (live
         replicas plus standby copies), whenever the swarm has that many; fewer is warned about, never an error.
         ``resume``: ``"committed"`` waits for peers holding the adapter's committed step (as recorded in the swarm)
@@ -222,7 +222,7 @@ class SwarmModelForCausalLM(nn.Module):
             raise ValueError("pass initial_peers=[...] (multiaddrs printed by `swarm dht`) or set SWARM_INITIAL_PEERS")
         key = load_swarm_key(swarm_key)
         identity = Identity.load_or_create(None)
-        dht = join_dht(peers, identity, key, client_mode=True)
+        dht = join_dht(peers, identity, key, client_mode=True, join_timeout=patience)
         if lora_config is None:
             try:
                 recorded = committed_or_raise(dht, spec, adapter)

@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 # Serve through the relays we name, at once: p2pd's autorelay otherwise waits for AutoNAT's verdict and then up
 # to minutes for relay candidates. hivemind passes no such flags, so they ride on its reachability presets.
 RELAYED = "swarm-relayed"
+JOIN_BACKOFF_MAX = 10.0  # seconds between two tries of initial peers that did not answer
 P2P.FORCE_REACHABILITY_MAPPING[RELAYED] = {"forceReachabilityPrivate": 1, "relayDiscovery": 0}
 
 
@@ -79,11 +80,42 @@ def join_dht(
     port: int = 0,
     announce_maddrs: list[str] | None = None,
     relays: list[str] | None = None,
+    join_timeout: float = 0.0,
 ) -> DHT:
     """A DHT node whose records are signed by ``identity`` and, in a private swarm, sealed with the key.
 
     ``announce_maddrs``: the only addresses to announce. ``relays``: this node cannot be dialed; it reserves a slot on
-    these relays and is reached through them (and takes no part in storing DHT records, which needs dialing)."""
+    these relays and is reached through them (and takes no part in storing DHT records, which needs dialing).
+    ``join_timeout``: for so long, initial peers that do not answer are tried again, with backoff (a bootstrap node
+    still starting, a link coming up), said once; then SwarmAccessError."""
+    deadline, pause, said = time.monotonic() + join_timeout, 1.0, False
+    while True:
+        try:
+            return _join_dht(initial_peers, identity, swarm_key, client_mode, host, port, announce_maddrs, relays)
+        except SwarmAccessError:
+            if time.monotonic() + pause > deadline:
+                raise
+            if not said:
+                logger.warning(
+                    "none of the initial peers answered yet; trying again for up to %.0fs (%s)",
+                    deadline - time.monotonic(),
+                    " ".join(initial_peers),
+                )
+                said = True
+            time.sleep(pause)
+            pause = min(2 * pause, JOIN_BACKOFF_MAX)
+
+
+def _join_dht(
+    initial_peers: list[str],
+    identity: Identity,
+    swarm_key: SwarmKey | None,
+    client_mode: bool,
+    host: str,
+    port: int,
+    announce_maddrs: list[str] | None,
+    relays: list[str] | None,
+) -> DHT:
     compact_on_store()  # before the DHT process forks: its storage must not grow with every rewritten record
     kwargs: dict = {}
     if not client_mode:

@@ -227,6 +227,7 @@ def cmd_peer(args: argparse.Namespace) -> None:
             inference_timeout=args.inference_timeout,
             record_ttl=args.record_ttl,
             leave_grace=args.leave_grace,
+            join_timeout=args.join_timeout,
         )
     )
 
@@ -318,6 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
     # leaving peer keeps serving in-flight requests.
     peer.add_argument("--record-ttl", type=float, default=RECORD_TTL, help=argparse.SUPPRESS)
     peer.add_argument("--leave-grace", type=float, default=2.0, help=argparse.SUPPRESS)
+    peer.add_argument(
+        "--join-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to keep trying initial peers that do not answer (a bootstrap node still starting); 0: once",
+    )
     peer.set_defaults(func=cmd_peer)
 
     stat = sub.add_parser("status", help="show which peers serve which blocks, and what is uncovered")

@@ -61,7 +61,8 @@ def test_a_bad_swarm_key_file(nobody, tiny_models, tmp_path):
 
 
 def test_unreachable_initial_peers(nobody, tiny_models):
-    result = swarm_cli("peer", "--model", str(tiny_models["llama"]), "--initial-peers", nobody, "--blocks", "0:2")
+    model = str(tiny_models["llama"])
+    result = swarm_cli("peer", "--model", model, "--initial-peers", nobody, "--blocks", "0:2", "--join-timeout", "0")
     assert_clear_error(result, "none of the initial peers answered", nobody, "swarm dht")
 
 
