@@ -4,12 +4,13 @@ and rotated by a Walsh-Hadamard transform, then quantized to 4 or 3 bits with on
 The rotation spreads the few outlier channels of an LLM residual stream over the whole tile, so they no longer set
 a scale that crushes every other value to zero.
 
-Deterministic: the signs and the stochastic rounding's noise come from a seed that is a hash (blake2b) of the
-tensor's dtype, shape and bytes, carried in the header so that the receiver can undo the rotation; the noise and
-the signs are a counter-based integer hash of that seed (no torch RNG, whose CPU kernels differ with the CPU's
-vector unit and whose CUDA stream differs from the CPU's). Every float operation is elementwise (butterfly adds and
-subtractions, products and quotients by a scale, floor, max): IEEE-exact in any order, so the same tensor gives
-the same bytes on any machine, CPU kernel (ATEN_CPU_CAPABILITY) or device, and decodes to the same values.
+Deterministic: the signs are one fixed random pattern (``SIGNS_SEED``), so that a tensor decoded and encoded again
+(a chained reply passed back hop by hop) lands on the same codes instead of adding a fresh rounding error at every
+hop; the stochastic rounding's noise comes from a seed that is a hash (blake2b) of the tensor's dtype, shape and
+bytes, carried in the header. Both are a counter-based integer hash (no torch RNG, whose CPU kernels differ with
+the CPU's vector unit and whose CUDA stream differs from the CPU's). Every float operation is elementwise (butterfly
+adds and subtractions, products and quotients by a scale, floor, max): IEEE-exact in any order, so the same tensor
+gives the same bytes on any machine, CPU kernel (ATEN_CPU_CAPABILITY) or device, and decodes to the same values.
 
 Measured (tests/unit/test_rotated_wire.py), relative error ||decoded - x|| / ||x|| of float32 activations 8x64x256,
 "ord" the same on the ordinary channels only (against their own norm):
@@ -53,6 +54,7 @@ STOCHASTIC = 1
 BITS = (3, 4)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 _MASK32 = 0xFFFFFFFF
+SIGNS_SEED = 0x5EED_5A7A_4D1A_0001  # the rotation's signs: the same for every tensor (see the module's docstring)
 
 
 def value_bytes(bits: int, tile: int = TILE) -> float:
@@ -144,7 +146,7 @@ def quantize(
     tiles = -(-flat.numel() // tile)
     x = torch.nn.functional.pad(flat, (0, tiles * tile - flat.numel())).view(tiles, tile)
     if rotate:
-        x = hadamard(x * _signs(seed, tile, x.device))
+        x = hadamard(x * _signs(SIGNS_SEED, tile, x.device))
     scales = x.abs().amax(dim=1) / half
     scales = torch.where(torch.isfinite(scales), scales, torch.full_like(scales, float("nan")))  # canonical NaN
     scaled = torch.nan_to_num(x / scales[:, None], nan=0.0, posinf=0.0, neginf=0.0) + half  # 0/0: an all-0 tile
@@ -155,13 +157,13 @@ def quantize(
     return scales, codes.clamp_(0, 2**bits - 1).to(torch.uint8)
 
 
-def dequantize(scales: torch.Tensor, codes: torch.Tensor, bits: int, seed: int, rotate: bool = True) -> torch.Tensor:
+def dequantize(scales: torch.Tensor, codes: torch.Tensor, bits: int, rotate: bool = True) -> torch.Tensor:
     """Float32 values, flat and padded to whole tiles: the inverse of ``quantize``."""
     half = (2**bits - 1) / 2
     tile = codes.numel() // max(scales.numel(), 1)
     y = (codes.view(-1, tile).to(torch.float32) - half) * scales[:, None]
     if rotate:
-        y = (hadamard(y) / tile) * _signs(seed, tile, y.device)
+        y = (hadamard(y) / tile) * _signs(SIGNS_SEED, tile, y.device)
     return y.reshape(-1)
 
 
@@ -198,5 +200,5 @@ def decode(
     scales = torch.frombuffer(bytearray(buffer[HEADER.size : HEADER.size + 4 * tiles]), dtype=torch.float32)
     packed = torch.frombuffer(bytearray(buffer[HEADER.size + 4 * tiles :]), dtype=torch.uint8)
     codes = _unpack(packed.to(device), bits)
-    values = dequantize(scales.to(device), codes, bits, seed)
+    values = dequantize(scales.to(device), codes, bits)
     return values[:numel].view(shape).to(dtype)
