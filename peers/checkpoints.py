@@ -146,8 +146,10 @@ class CheckpointStore:
             if (match := _BLOCK_FILE.fullmatch(p.name))
         }
 
-    def load(self) -> dict[str, tuple[dict, dict[int, BlockState]]]:
-        """Adapter -> (meta, block -> newest intact state); deletes temp files left by interrupted writes."""
+    def load(self, discard_interrupted: bool = True) -> dict[str, tuple[dict, dict[int, BlockState]]]:
+        """Adapter -> (meta, block -> newest intact state); deletes temp files left by interrupted writes (the peer
+        that owns the directory, at its start; ``discard_interrupted=False``: a look from another process, which
+        cannot tell an interrupted write from one in progress, and must not delete a live peer's)."""
         if not self.root.is_dir():
             return {}
         result = {}
@@ -159,6 +161,8 @@ class CheckpointStore:
             blocks = set()
             for p in directory.iterdir():
                 if _TMP in p.name:
+                    if not discard_interrupted:
+                        continue
                     with self._lock:
                         if p in self._inflight:
                             continue
@@ -193,8 +197,10 @@ class CheckpointStore:
         return meta, state
 
     def steps(self) -> dict[str, dict[int, int]]:
-        """Adapter -> block -> step of what load() returns."""
-        return {adapter: {b: s.step for b, s in states.items()} for adapter, (_, states) in self.load().items()}
+        """Adapter -> block -> step of what load() returns, without touching the directory (another process may be
+        writing to it)."""
+        loaded = self.load(discard_interrupted=False)
+        return {adapter: {b: s.step for b, s in states.items()} for adapter, (_, states) in loaded.items()}
 
 
 class CheckpointWriter:

@@ -176,6 +176,17 @@ def test_leftover_temp_file_is_discarded(tmp_path, caplog):
     assert f"discarding an interrupted checkpoint write: {tmp}" in caplog.messages
 
 
+def test_a_look_at_the_steps_leaves_a_write_in_progress_alone(tmp_path):
+    """Another process (a test, an operator's script) reading a live peer's directory cannot tell its write in
+    progress from an interrupted one: deleting the temp file lost that write, and the block stayed a step behind."""
+    store = CheckpointStore(tmp_path)
+    path = store.save_block("a", 0, make_state(1), META)
+    tmp = path.with_name(path.name + ".tmp-12345-0")
+    tmp.write_bytes(path.read_bytes())
+    assert CheckpointStore(tmp_path).steps() == {"a": {0: 1}}
+    assert tmp.exists()
+
+
 def test_kill_between_the_two_renames_loads_previous(tmp_path, monkeypatch, caplog):
     store = CheckpointStore(tmp_path)
     first = make_state(1)
