@@ -57,13 +57,22 @@ def test_peer_behind_nat_trains_through_the_relay_and_a_kill_is_routed_around(la
         assert RELAY_LINE in home_log and f"/p2p/{local.initial_peers[0].rsplit('/', 1)[1]}/p2p-circuit" in home_log
         assert RELAY_LINE not in peers["pub-b"].log.read_text(), "a public peer must serve directly"
         # Wherever the balancer left them (a peer that starts late may find its blocks taken and move), the home
-        # peer shows as relayed and the public ones do not.
-        table = swarm_status(local, prefix=outside.command())
-        shown = {(short, state): relayed for short, state, relayed in SERVER_ENTRY.findall(table)}
-        for name, expected in (("home", " relayed"), ("pub-b", "")):
-            short = short_id(peers[name].log.read_text())
-            online = [relayed for (peer, state), relayed in shown.items() if peer == short and state == "online"]
-            assert online == [expected], (name, table)
+        # peer shows as relayed and the public ones do not. `swarm status` is one look: on a loaded machine a ping
+        # through the relay can miss it, and a user looks again, as this does (three looks at most).
+        expected = {
+            short_id(peers[name].log.read_text()): relayed for name, relayed in (("home", " relayed"), ("pub-b", ""))
+        }
+        for _ in range(3):
+            table = swarm_status(local, prefix=outside.command())
+            shown = {(short, state): relayed for short, state, relayed in SERVER_ENTRY.findall(table)}
+            online = {
+                short: [r for (peer, state), r in shown.items() if peer == short and state == "online"]
+                for short in expected
+            }
+            if all(online[short] for short in expected):
+                break
+        for short, relayed in expected.items():
+            assert online[short] == [relayed], (short, table)
 
 
 def test_a_relay_that_refuses_is_a_clear_error(lab, tiny_models, tmp_path: Path):
