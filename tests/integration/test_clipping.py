@@ -203,15 +203,17 @@ def test_failures_before_and_after_clipping_change_neither_the_norm_nor_the_adap
         model.shutdown()
     assert len(killed) == 2, killed
     asked = [meta for meta in sent if method_of(meta) == Method.NORMS]
-    # step 1: the norm was asked for, a replica found the first micro-batch's gradients gone with their holder,
-    # they were replayed, and the norm asked for again. A replay is a forward and backward of that micro-batch along
-    # a chain when the client kept it as one segment, or a backward alone (the peer recomputes its forward from the
-    # kept input) when a failure had split its forward into hops.
+    # step 1: the first micro-batch's gradients died with their holder and were computed again before the norm that
+    # counted: either a replica found them gone when the norm was asked for, they were replayed and the norm asked
+    # for again, or the client already knew the holder dead (a later forward found it gone) and replayed them before
+    # asking. A replay is a forward and backward of that micro-batch along a chain when the client kept it as one
+    # segment, or a backward alone (the peer recomputes its forward from the kept input) when a failure had split its
+    # forward into hops.
     step1 = [(method_of(m), m.get("micro_batch")) for m in sent if m.get("step") == 1]
     first = next(mb for method, mb in step1 if method == Method.FORWARD)
     asked = [i for i, (method, _) in enumerate(step1) if method == Method.NORMS]
-    assert len(asked) >= 2, step1
-    assert (Method.BACKWARD, first) in step1[asked[0] : asked[-1]], step1
+    assert asked, step1
+    assert step1[: asked[-1]].count((Method.BACKWARD, first)) >= 2, step1
     local_losses, local_norms, reference = local_reference(model_dir, tmp_path / "initial", tmp_path / "r", norm_types)
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(local_norms), rtol=1e-4, atol=0)
     assert_same_adapter(tmp_path / "final", reference)
