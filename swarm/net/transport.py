@@ -296,8 +296,8 @@ class Transport:
     def hint(self, peer: PeerID, maddrs: list[str]) -> None:
         """Another party (the client, naming a peer it just worked with) reaches ``peer`` at ``maddrs``: dial it there
         from now on; one found gone at other addresses may have restarted on a new port, so it may be called again."""
-        if not maddrs or self.addresses.get(peer) == maddrs:
-            return
+        if not maddrs or set(self.addresses.get(peer, ())) == set(maddrs):
+            return  # the same addresses (in any order): no news of a restart
         self.addresses[peer] = list(maddrs)
         if peer in self.gone:
             self._revive(peer)
