@@ -1,7 +1,8 @@
 """One identity, one process: a peer holds an exclusive lock beside its identity file (and in its checkpoint dir) for
 as long as it runs, so that a second process started with them, at the same moment or later, stops at once.
 
-hivemind's own check (is a live peer reachable under this peer id?) misses two processes starting together, and two
+A look at the swarm (does a process answer at the addresses this identity's records announce? ``PeerDaemon``) misses
+two processes starting together on one machine, and two
 processes with one peer id are not one peer: requests for it reach either, and commits fail round after round. The
 lock is the operating system's (``flock``): it dies with its process, however that process ends, so a crashed peer
 never leaves a stale lock behind. The lock file names its holder (pid, host, addresses) for the second one's error.

@@ -150,6 +150,8 @@ class PeerDaemon:
         self.config, self.faults = config, faults  # faults: failures a test injects around the handlers
         self.spec = load_spec(config.model)
         self.swarm_key = load_swarm_key(config.swarm_key)
+        # an identity file from before this run may be serving elsewhere already (a copy on another machine)
+        self.known_identity = config.identity is not None and Path(config.identity).exists()
         self.identity = Identity.load_or_create(config.identity)
         locks = [lock_path_of_identity(self.identity.path)]
         if config.checkpoint_dir:
@@ -538,20 +540,19 @@ class PeerDaemon:
         relays = await choose_relays(
             config.initial_peers, config.host, config.port, announce, config.relay, self.swarm_key
         )
-        try:
-            self.dht = join_dht(
-                config.initial_peers,
-                self.identity,
-                self.swarm_key,
-                host=config.host,
-                port=config.port,
-                announce_maddrs=announce,
-                relays=relays,
-                join_timeout=config.join_timeout,
-            )
-        except IdentityInUseError as e:
-            where = await asyncio.to_thread(self._where_else_serving)
-            raise IdentityInUseError(f"{e}, {where}: {IN_USE_HINT}") from None
+        if self.known_identity and config.initial_peers:
+            await self._refuse_if_serving_elsewhere()
+        self.dht = join_dht(
+            config.initial_peers,
+            self.identity,
+            self.swarm_key,
+            host=config.host,
+            port=config.port,
+            announce_maddrs=announce,
+            relays=relays,
+            join_timeout=config.join_timeout,
+            check_identity=False,  # looked for just above, where it can be: a fresh identity file is nobody's
+        )
         p2p = await self.dht.replicate_p2p()
         self.transport = Transport(p2p, self.swarm_key, on_unresponsive=partial(suspect, self.dht))
         try:
@@ -658,20 +659,38 @@ class PeerDaemon:
         logger.info("a client finds blocks %s without a live server: looking at the swarm now", spans_text(blocks))
         self._loop.call_soon_threadsafe(self.balance_now.set)
 
-    def _where_else_serving(self) -> str:
-        """Where the other process with this identity serves, from its records (through a throwaway identity)."""
-        dht = join_dht(self.config.initial_peers, Identity.load_or_create(None), self.swarm_key, client_mode=True)
+    async def _refuse_if_serving_elsewhere(self) -> None:
+        """Stop before joining if a live process serves under this identity. hivemind's own check looks the peer id up
+        in libp2p's routing table, which a node that just joined may not have filled yet (it let a copy of a serving
+        peer's identity join); the swarm's records name the addresses to ask."""
+        live, where = await self._serving_elsewhere()
+        if live:
+            raise IdentityInUseError(
+                f"identity {self.identity.peer_id} ({self.identity.path}) is already in use by another process in the "
+                f"swarm, {where}: {IN_USE_HINT}"
+            )
+
+    async def _serving_elsewhere(self) -> tuple[bool, str]:
+        """Whether a process with this identity answers at the addresses its records announce, and where it serves
+        (looked at through a throwaway identity: a node with this one would be taken for it). Records a crashed
+        previous run left behind name addresses where nobody answers."""
+        throwaway = Identity.load_or_create(None)
+        dht = await asyncio.to_thread(join_dht, self.config.initial_peers, throwaway, self.swarm_key, client_mode=True)
         try:
-            servers = read_servers(dht, self.spec.name, self.spec.num_blocks)
+            servers = await asyncio.to_thread(read_servers, dht, self.spec.name, self.spec.num_blocks)
+            me = self.identity.peer_id
+            mine = [r for records in servers.values() for r in records if r.peer_id == me]
+            if not mine:
+                return False, "which announces no blocks of this model"
+            transport = Transport(await dht.replicate_p2p(), self.swarm_key)
+            transport.learn(mine)
+            live = await transport.answers(me)
         finally:
             dht.shutdown()
-        mine = [r for records in servers.values() for r in records if r.peer_id == self.identity.peer_id]
-        if not mine:
-            return "which announces no blocks of this model"
         spans = sorted({(r.start, r.end) for r in mine})
         maddrs = sorted({m for r in mine for m in r.maddrs})
         blocks = ", ".join(f"{a}:{b}" for a, b in spans)
-        return f"serving blocks {blocks} of {self.spec.name} at {' '.join(maddrs) or 'an unannounced address'}"
+        return live, f"serving blocks {blocks} of {self.spec.name} at {' '.join(maddrs) or 'an unannounced address'}"
 
     async def _addresses(self, p2p, relays: list[str]) -> list[str]:
         """Where others dial this peer: its own addresses, or (behind NAT) its addresses through the relays that

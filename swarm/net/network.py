@@ -81,17 +81,21 @@ def join_dht(
     announce_maddrs: list[str] | None = None,
     relays: list[str] | None = None,
     join_timeout: float = 0.0,
+    check_identity: bool = True,
 ) -> DHT:
     """A DHT node whose records are signed by ``identity`` and, in a private swarm, sealed with the key.
 
     ``announce_maddrs``: the only addresses to announce. ``relays``: this node cannot be dialed; it reserves a slot on
     these relays and is reached through them (and takes no part in storing DHT records, which needs dialing).
     ``join_timeout``: for so long, initial peers that do not answer are tried again, with backoff (a bootstrap node
-    still starting, a link coming up), said once; then SwarmAccessError."""
+    still starting, a link coming up), said once; then SwarmAccessError. ``check_identity``: ask hivemind whether a
+    live peer has this identity (a caller that looked for itself passes False: the look costs a p2pd start)."""
     deadline, pause, said = time.monotonic() + join_timeout, 1.0, False
     while True:
         try:
-            return _join_dht(initial_peers, identity, swarm_key, client_mode, host, port, announce_maddrs, relays)
+            return _join_dht(
+                initial_peers, identity, swarm_key, client_mode, host, port, announce_maddrs, relays, check_identity
+            )
         except SwarmAccessError:
             if time.monotonic() + pause > deadline:
                 raise
@@ -115,9 +119,10 @@ def _join_dht(
     port: int,
     announce_maddrs: list[str] | None,
     relays: list[str] | None,
+    check_identity: bool,
 ) -> DHT:
     compact_on_store()  # before the DHT process forks: its storage must not grow with every rewritten record
-    kwargs: dict = {}
+    kwargs: dict = {"check_if_identity_free": check_identity}
     if not client_mode:
         kwargs["host_maddrs"] = [f"/ip4/{host}/tcp/{port}"]
     if announce_maddrs:
