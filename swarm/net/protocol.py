@@ -481,6 +481,7 @@ class ReachableRequest(Request):
 class ReachableReply(Reply):
     reachable: bool = wire(read_bool)
     why: str | None = wire(optional(read_text), default=None)
+    refused: bool = wire(read_bool, default=False)  # a relay that relays for nobody: asking again changes nothing
 
 
 @dataclass(frozen=True)

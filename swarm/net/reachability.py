@@ -59,7 +59,7 @@ class ReachabilityProbe:
             await self._p2p.shutdown()
 
 
-async def _ask(transport: Transport, checker: str, question: ReachableRequest) -> bool | None:
+async def _ask(transport: Transport, checker: str, question: ReachableRequest) -> ReachableReply | None:
     """Ask ``checker`` (``reachable``) about a peer: whether it can dial it at ``maddrs``, or will pass requests on
     to it (``relayed``); None if it did not answer."""
     try:
@@ -69,7 +69,7 @@ async def _ask(transport: Transport, checker: str, question: ReachableRequest) -
         return None
     if not reply.reachable:
         logger.debug("%s says it cannot reach %s: %s", checker, question, reply.why)
-    return reply.reachable
+    return reply
 
 
 async def check_direct(
@@ -89,12 +89,12 @@ async def check_direct(
         mine = [m for m in mine if not is_loopback(m)] or mine
         transport = Transport(temp, swarm_key)
         question = ReachableRequest(temp.peer_id, maddrs=mine)
-        answers = [await _ask(transport, checker, question) for checker in initial_peers]
+        replies = [await _ask(transport, checker, question) for checker in initial_peers]
     finally:
         await temp.shutdown()
-    if any(answers):
+    if any(reply is not None and reply.reachable for reply in replies):
         return True
-    return False if any(answer is False for answer in answers) else None
+    return False if any(reply is not None for reply in replies) else None
 
 
 async def verify_relayed(
@@ -102,12 +102,16 @@ async def verify_relayed(
 ) -> list[str]:
     """This peer's addresses through the relays that work: each relay is asked whether it will pass requests on
     to this peer (it relays, and holds this peer's connection); keep asking until ``timeout``, as the connection
-    may still be coming up, or the relay may refuse (``swarm dht --no-relay``)."""
-    deadline = time.monotonic() + timeout
+    may still be coming up, but not a relay that refused (``swarm dht --no-relay``)."""
+    deadline, asking = time.monotonic() + timeout, list(relays)
     while True:
         question = ReachableRequest(me, relayed=True)
-        working = [relayed_maddr(relay, me) for relay in relays if await _ask(transport, relay, question)]
-        if working or time.monotonic() > deadline:
+        replies = {relay: await _ask(transport, relay, question) for relay in asking}
+        working = [relayed_maddr(relay, me) for relay, reply in replies.items() if reply and reply.reachable]
+        asking = [relay for relay, reply in replies.items() if reply is None or not reply.refused]
+        for relay in replies.keys() - set(asking):
+            logger.warning("%s refuses to relay: %s", relay, replies[relay].why)
+        if working or not asking or time.monotonic() > deadline:
             return working
         await asyncio.sleep(1.0)
 

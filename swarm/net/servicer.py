@@ -238,7 +238,7 @@ class Doorkeeper:
         if not request.relayed:
             return await self.probe.handle(request)
         if not self.relays:
-            return ReachableReply(False, "this node does not relay (started with --no-relay)")
+            return ReachableReply(False, "this node does not relay (started with --no-relay)", refused=True)
         return ReachableReply(await self.relay.connected(request.peer))
 
     async def _hello(self, request: HelloRequest) -> HelloReply:

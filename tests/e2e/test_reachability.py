@@ -85,6 +85,7 @@ def test_a_relay_that_refuses_is_a_clear_error(lab, tiny_models, tmp_path: Path)
         assert peer.popen.wait(timeout=180) == 2, peer.tail()
         text = peer.log.read_text()
         assert "not reachable from outside, and no relay let it through" in text, text[-2000:]
+        assert "refuses to relay: this node does not relay" in text, text[-2000:]  # said at once, not asked for 30 s
         assert "Traceback" not in text, text[-3000:]
 
 
