@@ -192,7 +192,7 @@ def main() -> None:
             print(f"adapter saved to {adapter_dir} (load it with peft.PeftModel.from_pretrained)")
         finally:
             model.shutdown()
-        print(status(local.initial_peers, None, None, replication=2))
+        print(status(local.initial_peers, None, None, replication=2, peers=True))
         if args.keep_running:
             print(f"--- the swarm stays up: {url} ; Ctrl-C to stop ---")
             try:

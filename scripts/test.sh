@@ -15,4 +15,4 @@ if [ "$(id -u)" = 0 ] && ! command -v chromium >/dev/null && ! command -v chromi
     echo "could not install chromium: the monitor's browser test will skip" >&2
 fi
 .venv/bin/ruff check .
-exec .venv/bin/python -m pytest -q -rs --durations=25 "$@"
+exec .venv/bin/python -m pytest -q -rs --durations=50 --durations-min=5 "$@"

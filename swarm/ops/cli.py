@@ -108,7 +108,7 @@ def cmd_status(args: argparse.Namespace) -> None:
     from swarm.ops.status import status
 
     peers = _initial_peers(args)
-    print(status(peers, load_swarm_key(args.swarm_key), args.model, args.replication), flush=True)
+    print(status(peers, load_swarm_key(args.swarm_key), args.model, args.replication, args.peers), flush=True)
 
 
 def cmd_monitor(args: argparse.Namespace) -> None:
@@ -332,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     stat.add_argument("--swarm-key", default=None, help="key file of a private swarm")
     stat.add_argument("--model", default=None, help="only this model (its name as peers announce it)")
     stat.add_argument("--replication", type=_positive, default=2, help="target replication to compare against")
+    stat.add_argument("--peers", action="store_true", help="a row per peer too: state, span, steps, memory")
     stat.set_defaults(func=cmd_status)
 
     mon = sub.add_parser("monitor", help="serve a health page (and JSON) of the swarm, refreshed as it changes")

@@ -133,10 +133,10 @@ def moved_to(*peers: Process, span: str, timeout: float = 30) -> list[Process]:
     return []
 
 
-def swarm_status(local: LocalSwarm, prefix: list[str] = ()) -> str:
-    """What `swarm status` prints for this swarm, run as a user runs it (after ``prefix``: elsewhere)."""
+def swarm_status(local: LocalSwarm, prefix: list[str] = (), options: list[str] = ()) -> str:
+    """What `swarm status [options]` prints for this swarm, run as a user runs it (after ``prefix``: elsewhere)."""
     status = subprocess.run(
-        [*prefix, sys.executable, "-m", "swarm", "status", "--initial-peers", *local.initial_peers],
+        [*prefix, sys.executable, "-m", "swarm", "status", *options, "--initial-peers", *local.initial_peers],
         capture_output=True,
         text=True,
         timeout=120,

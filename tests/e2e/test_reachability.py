@@ -23,7 +23,7 @@ from failover_helpers import (
 from swarm.testing.localswarm import LocalSwarm
 
 RELAY_LINE = "not reachable from outside; serving through relay"
-SERVER_ENTRY = re.compile(r"(\w{6}\.\.\w{4}) (online|joining|leaving)( relayed)?")  # in `swarm status`
+SERVER_ENTRY = re.compile(r"(\w{6}\.\.\w{4}) (online|joining|leaving)( relayed)?")  # in `swarm status --peers`
 
 
 def short_id(peer_log: str) -> str:
@@ -63,7 +63,7 @@ def test_peer_behind_nat_trains_through_the_relay_and_a_kill_is_routed_around(la
             short_id(peers[name].log.read_text()): relayed for name, relayed in (("home", " relayed"), ("pub-b", ""))
         }
         for _ in range(3):
-            table = swarm_status(local, prefix=outside.command())
+            table = swarm_status(local, prefix=outside.command(), options=["--peers"])
             shown = {(short, state): relayed for short, state, relayed in SERVER_ENTRY.findall(table)}
             online = {
                 short: [r for (peer, state), r in shown.items() if peer == short and state == "online"]

@@ -85,7 +85,7 @@ def test_each_peers_memory_is_shown_against_its_bounds_and_trouble_is_a_problem(
     assert "1.0 GiB of 24.0 GiB memory left" in troubled[0] and "killed for memory" in troubled[0]
     assert "3.8 GiB of its 4.0 GiB" in troubled[1] and "--kept-inputs-mb" in troubled[1]
     assert json.loads(json.dumps(asdict(health)))["peers"][0]["memory"]["kept_inputs_max"] == 4096 * MiB
-    text = render_health(health)
+    text = render_health(health, peers=True)
     assert f"{short(B1.to_base58())} 2:4  20.0 GiB resident, machine 1.0 GiB free of 24.0 GiB" in text, text
     assert "kept inputs 3.8 GiB / 4.0 GiB  forward cache 0 MiB / 1.0 GiB" in text, text
     assert text.count(" resident, machine ") == 4
@@ -160,22 +160,22 @@ def test_status_groups_contiguous_blocks_that_read_the_same_into_one_row():
         return SwarmView(records, {p: info for p, info in infos.items() if p in alive})
 
     table = render("m", 30, view({A0, A1, B0}), replication=2).splitlines()
-    assert [line.split()[:2] for line in table[2:] if not line.startswith(" " * 8)] == [
+    assert [line.split()[:2] for line in table[2:-1] if not line.startswith(" " * 8)] == [
         ["0-9", "1"],
         ["10-19", "1"],
         ["20-29", "1"],
     ]
-    assert len(table) == 2 + 3 * 2 and all("(under-replicated)" in table[i] for i in (2, 4, 6)), table
+    assert len(table) == 2 + 3 * 2 + 1 and all("(under-replicated)" in table[i] for i in (2, 4, 6)), table
     assert table[3].strip() == "copies: a@5: 1  (one failure would lose it)"
 
     broken = render("m", 30, view({A0, A1}), replication=2).splitlines()
-    assert "UNCOVERED" in broken[-3] and broken[-3].split()[:2] == ["20-29", "0"]
+    assert "UNCOVERED" in broken[-4] and broken[-4].split()[:2] == ["20-29", "0"]
     assert broken[-1].startswith("UNCOVERED blocks 20-29: start `swarm peer`")
 
     one_differs = render("m", 30, view({A0, A1, B0}, standby={12: 5}), replication=2).splitlines()
-    labels = [line.split()[0] for line in one_differs[2:] if not line.startswith(" " * 8)]
+    labels = [line.split()[0] for line in one_differs[2:-1] if not line.startswith(" " * 8)]
     assert labels == ["0-9", "10-11", "12", "13-19", "20-29"], one_differs
-    assert f"standby: {short(A0.to_base58())} [a@5]" in one_differs[7] and "copies: a@5: 2" in one_differs[8]
+    assert "standby: 1 peer [a@5]" in one_differs[7] and "copies: a@5: 2" in one_differs[8]
 
 
 def test_the_tracker_keeps_gone_peers_for_a_while_and_measures_steps_per_minute():
@@ -214,5 +214,35 @@ def test_a_peer_serving_other_weights_shows_as_mismatched_and_is_not_counted():
     assert states.pop(B1.to_base58()) == "mismatched" and set(states.values()) == {"online"}
     assert [b.online for b in health.blocks] == [2, 2, 1, 1] and health.status == DEGRADED
     assert any("serves other weights" in problem and short(B1.to_base58()) in problem for problem in health.problems)
-    assert f"{short(B1.to_base58())} mismatched 2:4" in render("m", 4, view, replication=2, committed=committed)
-    assert "mismatched" not in render("m", 4, view, replication=2)  # no pin known: nobody to mismatch
+    table = render("m", 4, view, replication=2, committed=committed, peers=True)
+    assert f"{short(B1.to_base58())} mismatched 2:4" in table and "1 online, 1 mismatched" in table, table
+    assert "mismatched" not in render("m", 4, view, replication=2, peers=True)  # no pin known: nobody to mismatch
+
+
+def test_status_at_twenty_peers_is_a_row_per_span_and_the_peers_on_request():
+    """20 peers in 4 spans of 8 blocks, 5 replicas each, one of them a step behind: the default table is one row per
+    span, readable (no line over 100 characters), the lagging replica visible in its span's row; ``--peers`` adds
+    one line per peer."""
+    peers = [PeerID(bytes([10 + i]) * 8) for i in range(20)]
+    spans = {peer: (8 * (i % 4), 8 * (i % 4) + 8) for i, peer in enumerate(peers)}
+    records = {
+        b: [ServerRecord(p, ServerState.ONLINE, s, e, 10.0) for p, (s, e) in spans.items() if s <= b < e]
+        for b in range(32)
+    }
+    infos = {
+        p: PeerInfo("m", s, e, "online", 10.0, {"a": AdapterInfo(META, dict.fromkeys(range(s, e), 7), {})}, [])
+        for p, (s, e) in spans.items()
+    }
+    behind = peers[1]  # serves 8:16
+    infos[behind] = PeerInfo(
+        "m", 8, 16, "online", 10.0, {"a": AdapterInfo(META, dict.fromkeys(range(8, 16), 6), {})}, []
+    )
+    view = SwarmView(records, infos)
+    table = render("m", 32, view, replication=2).splitlines()
+    rows = [line for line in table[2:-1] if line[:6].strip()]
+    assert [row.split()[:2] for row in rows] == [["0-7", "5"], ["8-15", "5"], ["16-23", "5"], ["24-31", "5"]], table
+    assert "5 online [a@7]" in rows[0] and "5 online [a@6x1/7x4]" in rows[1], table
+    assert max(len(line) for line in table) <= 100, table
+    detailed = render("m", 32, view, replication=2, peers=True)
+    assert all(detailed.count(short(p.to_base58())) == 1 for p in peers), detailed
+    assert f"{short(behind.to_base58())} online 8:16 10 tok/s [a@6]" in detailed, detailed
