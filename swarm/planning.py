@@ -165,10 +165,10 @@ def block_forward_seconds(shape: ModelShape, lora: Lora, tokens: int, seq: int, 
 WEIGHT_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "int8": 1.0, "none": 2.0}
 DAEMON_QUANT_BYTES = {"nf4": 0.55, "int8": 1.05}  # peers/daemon.py QUANT_BYTES: its --num-blocks estimate
 DAEMON_MARGIN, DAEMON_FREE_SHARE = 1.25, 0.8  # peers/daemon.py blocks_that_fit: 0.8 x free / (1.25 x weights)
-CUDA_CONTEXT_GIB = 0.4  # in use before a peer loads: ~23.6 GiB free on a 24 GiB card (docs/benchmarks/scale.md, 70B blocks)
+CUDA_CONTEXT_GIB = 0.4  # in use before a peer loads: ~23.6 GiB free on a 24 GiB card (docs/benchmarks/scale.md)
 USABLE_SHARE, RESERVE_GIB = 0.9, 1.5  # scripts/bench_70b_block.py's budget: context, one dequantized weight, slack
-# Values autograd saves per token and block, in hidden sizes (docs/benchmarks/scale.md "70B-shaped blocks": 46.8 MB per block
-# per 128-token micro-batch in bf16 = 22.3 x 8192 x 2 B a token).
+# Values autograd saves per token and block, in hidden sizes (docs/benchmarks/scale.md "70B-shaped blocks": 46.8 MB
+# per block per 128-token micro-batch in bf16 = 22.3 x 8192 x 2 B a token).
 SAVED_PER_TOKEN = 22.3
 ACTIVATION_CACHE_MIB = 1024  # peers/daemon.py --activation-cache-mb: graphs kept between forward and backward
 ACTIVATIONS = ("block", "span")

@@ -2,8 +2,8 @@
 chain tails, standby holders, a relayed peer and its relay) trains 1500 steps while every process tree is sampled;
 from the middle of the run to its end no tree may gain more than a small fixed slack of resident memory, nor open
 files or threads. The first half is the allocators' warm-up: peers' processes grow ~8 MB over their first ~800 steps,
-then stay within a few MB (docs/benchmarks/memory.md, "Memory over thousands of steps"). ``scripts/bench_soak.py`` runs it for
-thousands of steps at two widths."""
+then stay within a few MB (docs/benchmarks/memory.md, "Memory over thousands of steps"). ``scripts/bench_soak.py``
+runs it for thousands of steps at two widths."""
 
 from __future__ import annotations
 
