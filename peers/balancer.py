@@ -26,6 +26,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 
 MAX_PLAN_STATES = 2000  # swarm states a plan search expands at most: a few hundred ms in the worst case
@@ -162,32 +163,41 @@ def safe_to_drop(block: int, others: list[tuple[str, bool]], my_peer_id: str) ->
     return any(not moving or peer_id > my_peer_id for peer_id, moving in others if peer_id != my_peer_id)
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """The swarm as a peer's move weighs it. ``spans``: every settled live peer's span (the deciding peer's
+    included); ``pinned``: per block, the servers no plan moves (joining or moving peers); ``capacity``: peer -> the
+    blocks it may grow to, as announced; ``speeds``: each peer in ``spans`` -> its span throughput (tokens/s, as
+    announced); ``pinned_throughput``: per block, the throughput the pinned servers will bring there."""
+
+    spans: Mapping[str, range]
+    num_blocks: int
+    replication: int
+    pinned: Mapping[int, int] | None = None
+    capacity: Mapping[str, int] | None = None
+    speeds: Mapping[str, float] | None = None
+    pinned_throughput: Mapping[int, float] | None = None
+
+
 def next_move(
-    spans: Mapping[str, range],
+    swarm: Snapshot,
     me: str,
-    num_blocks: int,
     span_len: int,
-    replication: int,
     max_blocks: int | None = None,
-    pinned: Mapping[int, int] | None = None,
-    capacity: Mapping[str, int] | None = None,
-    speeds: Mapping[str, float] | None = None,
-    pinned_throughput: Mapping[int, float] | None = None,
     relieve_below: float = RELIEVE_BELOW,
     min_gain: float = MIN_GAIN,
 ) -> range | None:
-    """This peer's move this round, or None: the `plan_move` one if it leaves no block without a server, else this
-    peer's step of the `cover_plan` while some block has no server, else, given `speeds` and once every block has
-    its `replication` servers, the `relief_move` if it falls to this peer.
+    """This peer's (``me``) move this round, or None: the `plan_move` one if it leaves no block without a server,
+    else this peer's step of the `cover_plan` while some block has no server, else, given speeds and once every block
+    has its `replication` servers, the `relief_move` if it falls to this peer.
 
-    `spans` holds every settled live peer's span, this one's (`me`) included; `pinned` counts, per block, the servers
-    no plan moves (joining or moving peers). A move dropping a block nobody else serves is no move at all: the daemon
-    would load it, have `safe_to_drop` refuse it, and try again every round. With `capacity` (peer -> the blocks it
-    may grow to, as announced), a growth over orphaned blocks is left to the peer that covers one of them at least
-    cost (fewest blocks added, then smallest id), so that one peer takes them over instead of every one in reach.
-    `speeds` maps each peer in `spans` to its span throughput (tokens/s, as announced), `pinned_throughput` each block
-    to the throughput the pinned servers will bring there; without `speeds` nobody moves for throughput.
+    A move dropping a block nobody else serves is no move at all: the daemon would load it, have `safe_to_drop`
+    refuse it, and try again every round. With capacities, a growth over orphaned blocks is left to the peer that
+    covers one of them at least cost (fewest blocks added, then smallest id), so that one peer takes them over
+    instead of every one in reach. Without speeds nobody moves for throughput.
     """
+    spans, num_blocks, replication, pinned = swarm.spans, swarm.num_blocks, swarm.replication, swarm.pinned
+    capacity, speeds, pinned_throughput = swarm.capacity, swarm.speeds, swarm.pinned_throughput
     counts = _counts(spans, num_blocks, pinned)
     target = _own_move(spans, me, counts, num_blocks, span_len, replication, max_blocks)
     if target is not None:

@@ -9,14 +9,12 @@ import logging
 import os
 import random
 import signal
-import statistics
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
 
 import psutil
 import torch
@@ -24,12 +22,13 @@ from hivemind.p2p import PeerID
 
 from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
-from peers.balancer import badness, block_throughput, choose_span, coverage_with, next_move, safe_to_drop
+from peers.balancer import badness, choose_span, coverage_with, safe_to_drop
 from peers.checkpoints import CheckpointStore, CheckpointWriter
 from peers.claim import IN_USE_HINT, ProcessClaim, lock_path_of_checkpoints, lock_path_of_identity
 from peers.compute import Compute
 from peers.links import LinkProber
 from peers.peer_client import PeerClient
+from peers.placement import Placement, decide_move, movers, others_serving, planned_throughput
 from peers.pullers import RecentPullers
 from peers.replication import Replicator, StandbyPolicy
 from peers.service import InfoDoors, PeerHooks, PeerService
@@ -443,7 +442,7 @@ class PeerDaemon:
                 logger.info("not moving to %d:%d: a peer moving at the same time does", target.start, target.stop)
                 await self._cancel_move(old, target)
                 return
-            unsafe = [b for b in handed_over if not safe_to_drop(b, _others(view, b, me), me.to_base58())]
+            unsafe = [b for b in handed_over if not safe_to_drop(b, others_serving(view, b, me), me.to_base58())]
             if unsafe:
                 logger.info("not moving: blocks %s would be left without a server; keeping them", unsafe)
                 await self._cancel_move(old, target)
@@ -776,120 +775,6 @@ class StartTimeline:
             parts.append(f"{at - last:.1f} s to {phase}")
             last = at
         return f"{last - self.started:.1f} s after the process started: " + ", ".join(parts)
-
-
-class Settled(NamedTuple):
-    """The view as ``next_move`` takes it (see ``settled_spans``)."""
-
-    spans: dict[str, range]  # settled live peers (online on one span, not moving): a plan may move them
-    pinned: dict[int, int]  # per block, how many joining or moving live peers will serve it
-    speeds: dict[str, float]  # settled peers' span throughput (tokens/s through the whole span), as announced
-    pinned_throughput: dict[int, float]  # per block, the span throughput the joining and moving peers will bring
-
-
-def settled_spans(
-    view: SwarmView, num_blocks: int, exclude: PeerID | None = None, yielding: frozenset[PeerID] = frozenset()
-) -> Settled:
-    """The view as ``next_move`` takes it: each settled live peer's span and throughput, and per block how many other
-    live peers will serve it and with what throughput. A joining or moving peer counts where it is going, not where
-    it is leaving: two peers counting on each other to keep a block would both leave it, or both rush to the same
-    slow one. A moving peer keeps its speed (span throughput times span length) on the span it moves to; a joining
-    one has not measured it yet and counts as the median settled peer. ``exclude``: a peer left out (one choosing
-    its own span). ``yielding``: moving peers counted where they serve now, not where they go (they give way to the
-    peer asking: see ``PeerDaemon._move``)."""
-    online: dict = {}  # peer -> the spans it announces online
-    going: dict = {}  # peer -> the blocks it is loading or moving to
-    rates: dict = {}  # peer -> (span throughput, span length) of an online record
-    for records in view.records.values():
-        for r in records:
-            if r.peer_id not in view.alive or r.peer_id == exclude:
-                continue
-            if r.peer_id in yielding and r.state != ServerState.ONLINE:
-                continue
-            if r.state == ServerState.ONLINE:
-                online.setdefault(r.peer_id, set()).add(r.blocks)
-                rates[r.peer_id] = (r.throughput, len(r.blocks))
-            target = {ServerState.ONLINE: r.moving_to, ServerState.JOINING: r.blocks}.get(r.state)
-            if target is not None and r.peer_id not in yielding:
-                going.setdefault(r.peer_id, set()).update(b for b in target if b < num_blocks)
-    settled = {
-        peer: span
-        for peer, spans in online.items()
-        if peer not in going and len(spans) == 1 and (span := next(iter(spans))).stop <= num_blocks
-    }
-    speeds = {peer.to_base58(): rates[peer][0] for peer in settled}
-    guess = statistics.median(speeds.values()) if speeds else 0.0
-    pinned: dict[int, int] = {}
-    flow: dict[int, float] = {}
-    for peer in (online.keys() - settled.keys()) | going.keys():
-        blocks = going.get(peer) or {b for span in online.get(peer, ()) for b in span if b < num_blocks}
-        if not blocks:
-            continue
-        rate = rates[peer][0] * rates[peer][1] / len(blocks) if peer in rates else guess
-        for b in blocks:
-            pinned[b] = pinned.get(b, 0) + 1
-            flow[b] = flow.get(b, 0.0) + rate
-    return Settled({peer.to_base58(): span for peer, span in settled.items()}, pinned, speeds, flow)
-
-
-def planned_throughput(view: SwarmView, num_blocks: int, exclude: PeerID | None = None) -> dict[int, float]:
-    """Per block, the summed span throughput its live servers will give once joining and moving ones are where they
-    go (``exclude`` left out): what a new peer weighs, so that two peers joining one after the other spread out."""
-    settled = settled_spans(view, num_blocks, exclude)
-    return dict(enumerate(block_throughput(settled.spans, settled.speeds, num_blocks, settled.pinned_throughput)))
-
-
-def movers(view: SwarmView) -> set[PeerID]:
-    """Peers serving one span while moving to another (online there, and joining or ``moving_to`` elsewhere)."""
-    records = [r for records in view.records.values() for r in records]
-    online = {r.peer_id for r in records if r.state == ServerState.ONLINE}
-    going = {r.peer_id for r in records if r.moving_to is not None or r.state == ServerState.JOINING}
-    return online & going
-
-
-@dataclass(frozen=True)
-class Placement:
-    """What a peer's move depends on besides the view: the model's size and the swarm's placement settings."""
-
-    num_blocks: int
-    span_len: int
-    replication: int
-    max_blocks: int | None
-
-
-def decide_move(
-    view: SwarmView,
-    me: PeerID,
-    serving: range,
-    throughput: float,
-    placement: Placement,
-    yielding: frozenset[PeerID] = frozenset(),
-) -> range | None:
-    """This peer's move (``next_move``) from the view, standing on ``serving``, its own moves left out."""
-    spans, pinned, speeds, pinned_throughput = settled_spans(view, placement.num_blocks, me, yielding)
-    mine = me.to_base58()
-    spans[mine], speeds[mine] = serving, throughput
-    capacity = {r.peer_id.to_base58(): r.max_blocks for records in view.records.values() for r in records}
-    return next_move(
-        spans,
-        mine,
-        placement.num_blocks,
-        placement.span_len,
-        placement.replication,
-        placement.max_blocks,
-        pinned,
-        capacity,
-        speeds,
-        pinned_throughput,
-    )
-
-
-def _others(view: SwarmView, block: int, me) -> list[tuple[str, bool]]:
-    """Other live servers of ``block`` and whether each is moving away from it too."""
-    return [
-        (r.peer_id.to_base58(), r.moving_to is not None and block not in r.moving_to)
-        for r in view.online(block, exclude=me)
-    ]
 
 
 def _steps_by_block(states: dict) -> dict[int, int]:

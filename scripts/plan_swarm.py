@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from peers.balancer import choose_span, choose_standby, next_move  # noqa: E402
+from peers.balancer import Snapshot, choose_span, choose_standby, next_move  # noqa: E402
 from swarm.net.compression import WireFormat  # noqa: E402
 from swarm.planning import (  # noqa: E402
     ACTIVATIONS,
@@ -57,7 +57,7 @@ from swarm.planning import (  # noqa: E402
     usable_bytes,
 )
 
-RULES = Rules(choose_span, next_move, choose_standby)
+RULES = Rules(choose_span, next_move, choose_standby, Snapshot)
 WIRES = {
     "exact": WireFormat(),
     "bfloat16": WireFormat("bfloat16"),

@@ -251,11 +251,12 @@ def daemon_num_blocks(shape: ModelShape, memory_gib: float, quant: str) -> int:
 @dataclass(frozen=True)
 class Rules:
     """The swarm's decisions this module may not import (they live above it in the layout): peers/balancer.py
-    ``choose_span``, ``next_move`` and ``choose_standby``."""
+    ``choose_span``, ``next_move`` (with its ``Snapshot``) and ``choose_standby``."""
 
     choose_span: Callable
     next_move: Callable
     choose_standby: Callable
+    snapshot: Callable
 
 
 def peer_names(count: int) -> list[str]:
@@ -291,7 +292,7 @@ def place(
         moved = False
         for peer in sorted(spans):
             speeds = {p: 1 / len(s) for p, s in spans.items()}
-            target = rules.next_move(spans, peer, num_blocks, span_len, replication, speeds=speeds)
+            target = rules.next_move(rules.snapshot(spans, num_blocks, replication, speeds=speeds), peer, span_len)
             if target is not None and target != spans[peer]:
                 spans[peer], moved = target, True
         if not moved:

@@ -76,6 +76,7 @@ from tqdm import tqdm
 from peers.balancer import (
     MIN_GAIN,
     RELIEVE_BELOW,
+    Snapshot,
     badness,
     block_throughput,
     choose_span,
@@ -83,7 +84,7 @@ from peers.balancer import (
     relief_move,
     safe_to_drop,
 )
-from peers.daemon import Settled, _others, settled_spans
+from peers.placement import Settled, others_serving, settled_spans
 from swarm.client.flowplan import Server, plan_flow
 from swarm.client.routing import NoRouteError, Router
 from swarm.net.protocol import PeerInfo
@@ -494,15 +495,17 @@ class Simulation:
         spans, pinned, speeds, pinned_throughput = self._snapshot()[1]
         started = time.perf_counter()
         target = next_move(
-            spans,
+            Snapshot(
+                spans,
+                config.num_blocks,
+                config.replication,
+                pinned=pinned,
+                speeds=speeds,
+                pinned_throughput=pinned_throughput,
+            ),
             peer.name,
-            config.num_blocks,
             peer.capacity,
-            config.replication,
             peer.capacity,
-            pinned,
-            speeds=speeds,
-            pinned_throughput=pinned_throughput,
             relieve_below=config.relieve_below,
             min_gain=config.min_gain,
         )
@@ -539,7 +542,7 @@ class Simulation:
             return
         view = self.view()
         handed_over = [b for b in peer.serving if b not in peer.joining]
-        if all(safe_to_drop(b, _others(view, b, peer.peer_id), peer.name) for b in handed_over):
+        if all(safe_to_drop(b, others_serving(view, b, peer.peer_id), peer.name) for b in handed_over):
             self._finish_move(peer)
             return
         self.stats.aborted += 1
@@ -678,7 +681,9 @@ def settle(
         moved = False
         for me in rng.sample(sorted(spans), len(spans)):
             counts = _counts(spans, num_blocks)
-            target = next_move(spans, me, num_blocks, len(spans[me]), replication, len(spans[me]), speeds=speeds)
+            target = next_move(
+                Snapshot(spans, num_blocks, replication, speeds=speeds), me, len(spans[me]), len(spans[me])
+            )
             if target is None:
                 continue
             assert all(counts[b] > 1 for b in spans[me] if b not in target), f"{me} uncovers a block: {spans}"

@@ -14,7 +14,7 @@ from typing import TypeVar
 import pytest
 from safetensors.torch import load_file
 
-from peers.daemon import settled_spans
+from peers.placement import settled_spans
 from swarm.net.records import ServerState
 from swarm.net.view import SwarmView
 from swarm.testing.inprocess import InProcessPeer

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from peers.balancer import (
+    Snapshot,
     badness,
     block_throughput,
     choose_span,
@@ -245,7 +246,7 @@ def _rounds(
         moved = False
         for me in rng.sample(sorted(spans), len(spans)) if rng else sorted(spans):
             counts = _counts(spans, num_blocks)
-            target = next_move(spans, me, num_blocks, len(spans[me]), replication, len(spans[me]))
+            target = next_move(Snapshot(spans, num_blocks, replication), me, len(spans[me]), len(spans[me]))
             if target is None:
                 continue
             assert len(target) == len(spans[me]), (me, target, spans)
@@ -266,7 +267,12 @@ def test_cover_plan_breaks_the_known_stall():
 
 
 def test_only_the_plans_first_mover_moves():
-    assert {p: next_move(STALL, p, 8, 2, 2) for p in STALL} == {"a": None, "b": range(2, 4), "c": None, "d": None}
+    assert {p: next_move(Snapshot(STALL, 8, 2), p, 2) for p in STALL} == {
+        "a": None,
+        "b": range(2, 4),
+        "c": None,
+        "d": None,
+    }
     after = {**STALL, "b": range(2, 4)}
     assert cover_plan(after, 8, 2) == [("c", range(4, 6))]
 
@@ -293,13 +299,13 @@ def test_next_move_never_drops_a_block_nobody_else_serves():
     # refuse that after loading, every round. B, whose blocks A also serves, covers a hole instead.
     spans = {"A": range(0, 3), "B": range(1, 3)}
     assert plan_move(_others(spans, "A"), 6, spans["A"], 3, 1) == range(3, 6)
-    assert next_move(spans, "A", 6, 3, 1) is None
-    assert next_move(spans, "B", 6, 2, 1) == range(3, 5)
+    assert next_move(Snapshot(spans, 6, 1), "A", 3) is None
+    assert next_move(Snapshot(spans, 6, 1), "B", 2) == range(3, 5)
 
 
 def test_pinned_servers_count_but_never_move():
     # A joining peer (pinned) is about to serve block 5: nobody needs to move.
-    assert all(next_move(STALL, p, 8, 2, 2, pinned={5: 1}) is None for p in STALL)
+    assert all(next_move(Snapshot(STALL, 8, 2, pinned={5: 1}), p, 2) is None for p in STALL)
     # Pinned servers relieve a peer of its blocks: with block 0 pinned, a may leave it and cover block 5 at once.
     assert cover_plan(STALL, 8, 2, pinned={0: 1}) == [("a", range(4, 6))]
 
@@ -330,7 +336,9 @@ def test_next_move_is_fast_on_a_thousand_peers():
         if 40 not in range(start, start + length):
             spans[f"peer-{len(spans):04d}"] = range(start, start + length)
     started = time.perf_counter()
-    moves = {p: t for p in spans if (t := next_move(spans, p, 80, len(spans[p]), 2, len(spans[p]))) is not None}
+    moves = {
+        p: t for p in spans if (t := next_move(Snapshot(spans, 80, 2), p, len(spans[p]), len(spans[p]))) is not None
+    }
     assert (time.perf_counter() - started) / len(spans) < 0.01
     assert moves and all(40 in t for t in moves.values())
 
@@ -347,14 +355,14 @@ def test_an_orphan_is_grown_over_by_the_nearest_peer_with_room_only():
     # adding 2 blocks, A adding 5; both have room. Only C grows: A leaves it to C instead of both taking it over.
     spans = {"A": range(0, 3), "C": range(3, 6)}
     room = {"A": 8, "C": 8}
-    moves = {p: next_move(spans, p, 8, 3, 2, max_blocks=8, capacity=room) for p in spans}
+    moves = {p: next_move(Snapshot(spans, 8, 2, capacity=room), p, 3, max_blocks=8) for p in spans}
     assert moves == {"A": None, "C": range(3, 8)}
     # C has no room to grow: A grows (nobody waits on a peer that cannot take it).
     room["C"] = 3
-    moves = {p: next_move(spans, p, 8, 3, 2, max_blocks=8 if p == "A" else 3, capacity=room) for p in spans}
+    moves = {p: next_move(Snapshot(spans, 8, 2, capacity=room), p, 3, max_blocks=8 if p == "A" else 3) for p in spans}
     assert moves == {"A": range(0, 8), "C": None}
     # Without capacities (peers that do not announce them), every peer in reach grows, as before.
-    assert next_move(spans, "A", 8, 3, 2, max_blocks=8) == range(0, 8)
+    assert next_move(Snapshot(spans, 8, 2), "A", 3, max_blocks=8) == range(0, 8)
 
 
 # --- throughput: choose_span and relief_move ------------------------------------------------------------------------
@@ -383,13 +391,13 @@ def test_a_fast_peer_on_strong_blocks_relieves_the_slowest_one():
     # Blocks 6:8 run at 30 tokens/s, the mean is 132.5. a, b, c or d can leave two servers' blocks (200 tokens/s) for
     # 6:8: the least over the blocks it touches goes from 30 to 100. Only a (smallest id) moves: one per snapshot.
     assert relief_move(RELIEF, FAST, 8, 1) == ("a", range(6, 8))
-    moves = {p: next_move(RELIEF, p, 8, 2, 1, speeds=FAST) for p in RELIEF}
+    moves = {p: next_move(Snapshot(RELIEF, 8, 1, speeds=FAST), p, 2) for p in RELIEF}
     assert moves == {"a": range(6, 8), "b": None, "c": None, "d": None, "e": None, "s": None}
     # Without speeds, nothing changes: every block has its replica.
-    assert all(next_move(RELIEF, p, 8, 2, 1) is None for p in RELIEF)
+    assert all(next_move(Snapshot(RELIEF, 8, 1), p, 2) is None for p in RELIEF)
     # Once a is there, nobody moves again: 0:2 and 4:6 at 100, 6:8 at 130, 2:4 at 200 (no block below 0.6 x mean).
     after = {**RELIEF, "a": range(6, 8)}
-    assert all(next_move(after, p, 8, 2, 1, speeds=FAST) is None for p in after)
+    assert all(next_move(Snapshot(after, 8, 1, speeds=FAST), p, 2) is None for p in after)
 
 
 def test_the_relief_that_leaves_the_swarm_strongest_wins():
@@ -412,13 +420,13 @@ def test_no_move_below_the_gain_or_above_the_level():
     assert relief_move(spans, {p: 100.0 for p in spans} | {"s": 80.0}, 8, 1) == ("a", range(6, 8))
     # next_move passes its own level on: at 0.7, 90 against the mean of 147.5 is slow enough.
     at_90 = {p: 100.0 for p in spans} | {"s": 90.0}
-    assert next_move(spans, "a", 8, 2, 1, speeds=at_90) is None
-    assert next_move(spans, "a", 8, 2, 1, speeds=at_90, relieve_below=0.7) == range(6, 8)
+    assert next_move(Snapshot(spans, 8, 1, speeds=at_90), "a", 2) is None
+    assert next_move(Snapshot(spans, 8, 1, speeds=at_90), "a", 2, relieve_below=0.7) == range(6, 8)
     # Blocks 6:8 at 30, but the fast peers are only 39 tokens/s: a move would lift the blocks it touches to 39 at
     # best, less than MIN_GAIN (a third) above 30; a gain of a fifth is enough.
     slow = {p: 39.0 for p in RELIEF} | {"s": 30.0}
     assert relief_move(RELIEF, slow, 8, 1) is None
-    assert next_move(RELIEF, "a", 8, 2, 1, speeds=slow, min_gain=0.2) == range(6, 8)
+    assert next_move(Snapshot(RELIEF, 8, 1, speeds=slow), "a", 2, min_gain=0.2) == range(6, 8)
     # A gain above a third, on the same blocks, moves.
     slow |= {"a": 41.0, "b": 41.0}
     assert relief_move(RELIEF, slow, 8, 1) == ("a", range(6, 8))
@@ -430,7 +438,7 @@ def test_relief_never_costs_coverage_or_replication():
     spans = _swarm({"a": 0, "b": 0, "c": 2, "d": 2, "e": 4, "f": 4, "s": 6, "t": 6})
     speeds = {p: 100.0 for p in spans} | {"s": 10.0, "t": 10.0}
     assert relief_move(spans, speeds, 8, 2) is None
-    assert all(next_move(spans, p, 8, 2, 2, speeds=speeds) is None for p in spans)
+    assert all(next_move(Snapshot(spans, 8, 2, speeds=speeds), p, 2) is None for p in spans)
     # A third server on 0:2 can go: the blocks it leaves keep two.
     spans["g"], speeds["g"] = range(0, 2), 100.0
     assert relief_move(spans, speeds, 8, 2) == ("a", range(6, 8))
@@ -442,7 +450,7 @@ def test_relief_waits_for_every_block_to_have_its_replicas():
     # R=2: 4:6 and 6:8 have one server each, and no count move helps (a leaving 0:2 costs it a replica). a moving to
     # 6:8 would keep the deficit and lift the slowest block, but replicas come first: nobody moves.
     assert relief_move(RELIEF, FAST, 8, 2) == ("a", range(6, 8))
-    assert all(next_move(RELIEF, p, 8, 2, 2, speeds=FAST) is None for p in RELIEF)
+    assert all(next_move(Snapshot(RELIEF, 8, 2, speeds=FAST), p, 2) is None for p in RELIEF)
 
 
 def test_a_peer_already_going_counts_so_others_do_not_pile_on():
@@ -453,7 +461,8 @@ def test_a_peer_already_going_counts_so_others_do_not_pile_on():
     pinned, flow = {6: 1, 7: 1}, {6: 100.0, 7: 100.0}
     assert relief_move(spans, speeds, 8, 1, pinned, flow) is None
     assert all(
-        next_move(spans, p, 8, 2, 1, pinned=pinned, speeds=speeds, pinned_throughput=flow) is None for p in spans
+        next_move(Snapshot(spans, 8, 1, pinned=pinned, speeds=speeds, pinned_throughput=flow), p, 2) is None
+        for p in spans
     )
     # Counting a as a server of 6:8 without its throughput, c would rush there too.
     assert relief_move(spans, speeds, 8, 1, pinned) == ("c", range(6, 8))
@@ -469,7 +478,9 @@ def _throughput_rounds(
         moved = False
         for me in rng.sample(sorted(spans), len(spans)):
             counts = _counts(spans, num_blocks)
-            target = next_move(spans, me, num_blocks, len(spans[me]), replication, len(spans[me]), speeds=speeds)
+            target = next_move(
+                Snapshot(spans, num_blocks, replication, speeds=speeds), me, len(spans[me]), len(spans[me])
+            )
             if target is None:
                 continue
             before = badness(counts, replication), sorted(block_throughput(spans, speeds, num_blocks))

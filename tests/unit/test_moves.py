@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hivemind.p2p import PeerID
 
-from peers.daemon import Placement, decide_move, movers
+from peers.placement import Placement, decide_move, movers
 from swarm.net.protocol import PeerInfo
 from swarm.net.records import ServerRecord, ServerState
 from swarm.net.view import SwarmView

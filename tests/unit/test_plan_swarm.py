@@ -11,7 +11,7 @@ import pytest
 import tomllib
 import torch
 
-from peers.balancer import choose_span, choose_standby, next_move
+from peers.balancer import Snapshot, choose_span, choose_standby, next_move
 from swarm.net.compression import WireFormat
 from swarm.planning import (
     CLIENT,
@@ -44,7 +44,7 @@ from swarm.planning import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-RULES = Rules(choose_span, next_move, choose_standby)
+RULES = Rules(choose_span, next_move, choose_standby, Snapshot)
 LLAMA_70B = load_shape(CONFIGS / "llama-3-70b.json")
 LORA = Lora()  # r=16 on all seven projections
 

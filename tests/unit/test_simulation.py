@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hivemind.p2p import PeerID
 
-from peers.daemon import planned_throughput, settled_spans
+from peers.placement import planned_throughput, settled_spans
 from swarm.client import routing
 from swarm.net.protocol import PeerInfo
 from swarm.net.records import ServerRecord, ServerState
