@@ -12,7 +12,7 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -33,6 +33,7 @@ from peers.pullers import RecentPullers
 from peers.replication import Replicator, StandbyPolicy
 from peers.service import InfoDoors, PeerHooks, PeerService
 from swarm.blocks import spans_text
+from swarm.hub import resolve_model
 from swarm.net.errors import PEER_ERRORS, IdentityInUseError, SwarmAccessError
 from swarm.net.network import check_access, join_dht, load_swarm_key
 from swarm.net.numerics import Numerics
@@ -59,7 +60,7 @@ LEAVE_TIMEOUT = 20.0  # seconds past the leave grace after which a leaving peer 
 class PeerConfig:
     """Everything ``swarm peer`` is told on its command line."""
 
-    model: str
+    model: str  # a model folder, or a hub id ORG/NAME[@REVISION] (swarm/hub.py)
     initial_peers: list[str]
     blocks: range | None = None
     num_blocks: int | None = None
@@ -90,6 +91,8 @@ class PeerConfig:
     max_tokens: int = 1 << 16
     max_inference_mb: int = 1024
     inference_timeout: float = 300.0
+    revision: str | None = None  # of a hub id: a branch, tag or commit (default: main, or the id's @REVISION)
+    token: str | None = field(default=None, repr=False)  # for a gated or private hub repository (else HF_TOKEN)
 
     @property
     def quant_mode(self) -> str:
@@ -147,7 +150,9 @@ class PeerDaemon:
 
     def __init__(self, config: PeerConfig, faults: FaultHook | None = None):
         self.config, self.faults = config, faults  # faults: failures a test injects around the handlers
-        self.spec = load_spec(config.model)
+        # a hub id: its revision resolved to a commit, its small files fetched; the shards come with each span
+        self.source = resolve_model(config.model, config.revision, config.token)
+        self.spec = load_spec(self.source.folder, name=self.source.name)
         self.swarm_key = load_swarm_key(config.swarm_key)
         # an identity file from before this run may be serving elsewhere already (a copy on another machine)
         self.known_identity = config.identity is not None and Path(config.identity).exists()
@@ -347,6 +352,9 @@ class PeerDaemon:
         from swarm.blocks import DTYPES
 
         config = self.config
+        digests = self._fetch(blocks)
+        if digests is not None:
+            self.digests = digests
         adapters = AdapterStore(
             self.spec,
             weight_digests=self.digests,
@@ -381,6 +389,22 @@ class PeerDaemon:
             f", {torch.backends.cpu.get_cpu_capability()} CPU kernels" if config.device == "cpu" else "",
         )
         return backend
+
+    def _fetch(self, blocks: range) -> dict[int, str] | None:
+        """Download the shards holding ``blocks`` when the model comes from the hub (slow: in a thread); then the
+        digests of every block now present (what this peer announces and checks adapters' pins against), or None when
+        nothing changed: no shard came and ``blocks``' digests are known (a local folder; another peer of this machine
+        may have brought the shards into the shared cache since the digests were taken)."""
+        fetched = self.source.fetch_blocks(self.spec.weight_files, blocks)
+        if not fetched and all(block in self.digests for block in blocks):
+            return None
+        return block_digests(self.spec, known=self.digests)
+
+    def _use_digests(self, digests: dict[int, str]) -> None:
+        """The block digests after new shards came (on the compute thread, where the adapters' store reads them)."""
+        self.digests = digests
+        if self.parts is not None:
+            self.parts.adapters.weight_digests = digests
 
     def _throughput(self, backend: SpanBackend) -> float:
         """What this peer announces of its speed: as its user told it (``--throughput``), else measured."""
@@ -425,6 +449,9 @@ class PeerDaemon:
         self.joining = target
         await self._announce()
         async with self._announcing():
+            digests = await asyncio.to_thread(self._fetch, target)
+            if digests is not None:
+                await self.parts.compute(self._use_digests, digests)
             layers = await asyncio.to_thread(self.parts.backend.load_layers, target)
             await self.parts.replicator.take_state(await self._observe(), target)
         await self.parts.compute(self.parts.backend.install, layers)

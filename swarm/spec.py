@@ -13,10 +13,25 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from swarm.net.errors import ModelFolderError
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2", "gemma3_text")
 # Config fields a family's decoder layer applies in training only (dropout): peers run blocks in eval mode, so a
 # folder that sets one would train otherwise than local peft does, and is refused.
-TRAINING_ONLY_FIELDS = {"phi3": ("resid_pdrop", "attention_dropout")}
+TRAINING_ONLY_FIELDS = {
+    "phi3": ("resid_pdrop", "attention_dropout"),
+    "gemma2": ("attention_dropout",),
+    "gemma3_text": ("attention_dropout",),
+}
+# Config fields whose every true value the swarm cannot serve as the family's model computes it, with why.
+UNSERVED_FIELDS = {
+    family: {
+        "use_bidirectional_attention": "the model then builds bidirectional masks (an encoder, as EmbeddingGemma), "
+        "and peers build the causal masks of a decoder; set it to false in config.json"
+    }
+    for family in ("gemma2", "gemma3_text")
+}
+# Families whose model multiplies the input embeddings by sqrt(hidden_size), in the embeddings' dtype (their
+# ``TextScaledWordEmbedding``): the client, which holds the embeddings, scales them as they do.
+SCALED_EMBEDDINGS = ("gemma2", "gemma3_text")
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
 
@@ -28,6 +43,7 @@ class ModelSpec:
     path: Path
     config: transformers.PretrainedConfig
     weight_files: dict[str, Path] = field(repr=False)
+    model_name: str | None = None  # the name given (a hub model's, with its revision); None: the folder's name
 
     @property
     def family(self) -> str:
@@ -43,8 +59,9 @@ class ModelSpec:
 
     @property
     def name(self) -> str:
-        """The name peers and clients agree on in DHT keys: the folder's own name."""
-        return self.path.resolve().name
+        """The name peers and clients agree on in DHT keys: the folder's own name, or the one given (a model by hub
+        id is ``ORG--NAME@<commit>``: swarm/hub.py)."""
+        return self.model_name or self.path.resolve().name
 
     @property
     def modeling(self) -> ModuleType:
@@ -65,6 +82,16 @@ class ModelSpec:
             return layer_types[block]
         return "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
 
+    @property
+    def embed_scale(self) -> float | None:
+        """What the family's model multiplies the input embeddings by (Gemma: sqrt(hidden_size)), or None."""
+        return self.hidden_size**0.5 if self.family in SCALED_EMBEDDINGS else None
+
+    @property
+    def logit_softcapping(self) -> float | None:
+        """Gemma's final logit soft-capping: the model's logits are ``tanh(logits / cap) * cap``; None: none."""
+        return getattr(self.config, "final_logit_softcapping", None)
+
     def block_prefix(self, block: int) -> str:
         return f"model.layers.{block}."
 
@@ -83,8 +110,9 @@ class ModelSpec:
         return sorted(name for name in self.weight_files if name.startswith(prefix))
 
 
-def load_spec(model_dir: str | Path) -> ModelSpec:
-    """Read config.json and the safetensors layout of an HF model folder, without loading any tensor."""
+def load_spec(model_dir: str | Path, name: str | None = None) -> ModelSpec:
+    """Read config.json and the safetensors layout of an HF model folder, without loading any tensor. ``name``: the
+    model's name in the swarm, if not the folder's (swarm/hub.py gives a hub model's)."""
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise ModelFolderError(f"{path}: no config.json; point --model at a Hugging Face model folder")
@@ -93,22 +121,40 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
         raise ModelFolderError(
             f"{path}: model_type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}"
         )
-    for name in TRAINING_ONLY_FIELDS.get(config.model_type, ()):
-        if getattr(config, name, 0.0):
+    for field_name in TRAINING_ONLY_FIELDS.get(config.model_type, ()):  # not ``name``: that is the argument
+        if getattr(config, field_name, 0.0):
             raise ModelFolderError(
-                f"{path}: {config.model_type} with {name}={getattr(config, name)} is not supported: its decoder "
-                "layers apply that dropout in training, and peers run blocks without it; set it to 0.0 in config.json"
+                f"{path}: {config.model_type} with {field_name}={getattr(config, field_name)} is not supported: its "
+                "decoder layers apply that dropout in training, and peers run blocks without it; set it to 0.0 in "
+                "config.json"
             )
-    config._attn_implementation = "sdpa"
-    return ModelSpec(path=path, config=config, weight_files=_weight_files(path))
+    for field_name, why in UNSERVED_FIELDS.get(config.model_type, {}).items():
+        if getattr(config, field_name, None):
+            raise ModelFolderError(
+                f"{path}: {config.model_type} with {field_name}={getattr(config, field_name)} is not supported: {why}"
+            )
+    config._attn_implementation = attention_implementation(config.model_type)
+    return ModelSpec(path=path, config=config, weight_files=_weight_files(path), model_name=name)
+
+
+def attention_implementation(model_type: str) -> str:
+    """The attention peers (and the parity tests' local reference) run: sdpa, or eager for a family whose model does
+    not support sdpa (Gemma 2: sdpa has no attention-logit soft-capping), as transformers itself would choose."""
+    model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    return "sdpa" if model_class._supports_sdpa else "eager"
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
-def load_tokenizer(model_dir: str | Path) -> transformers.PreTrainedTokenizerBase:
-    """The model folder's tokenizer, to turn text into ``input_ids`` for training and ``generate``."""
-    path = Path(model_dir)
+def load_tokenizer(
+    model_dir: str | Path, revision: str | None = None, token: str | None = None
+) -> transformers.PreTrainedTokenizerBase:
+    """The model folder's tokenizer, to turn text into ``input_ids`` for training and ``generate``; or a hub id's
+    (``ORG/NAME[@REVISION]``: its tokenizer files, fetched into the cache as swarm/hub.py does)."""
+    from swarm.hub import resolve_model
+
+    path = resolve_model(model_dir, revision, token).folder
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ModelFolderError(
             f"{path}: no tokenizer ({' / '.join(TOKENIZER_FILES)}); copy the tokenizer files of the original model "

@@ -47,11 +47,15 @@ BLOCK_CONFIG_FIELDS = (
     "sliding_window",
     "max_position_embeddings",
 )
+# Gemma's: its MLP's activation, the attention's query scaling and logit soft-capping.
+FAMILY_BLOCK_FIELDS = ("hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping")
 
 
 def block_config(spec: ModelSpec, block: int) -> str:
     """The config of one block as canonical JSON: what two folders must agree on for their blocks to compute alike."""
     fields = {name: getattr(spec.config, name, None) for name in BLOCK_CONFIG_FIELDS}
+    # A family's own fields, only where its config has them (the other families' digests stay as they were).
+    fields.update({name: getattr(spec.config, name) for name in FAMILY_BLOCK_FIELDS if hasattr(spec.config, name)})
     fields["attention_kind"] = spec.attention_kind(block)
     return json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
 
@@ -144,14 +148,17 @@ def _write_cache(spec: ModelSpec, fingerprint: dict, digests: dict[int, str]) ->
     )
 
 
-def block_digests(spec: ModelSpec) -> dict[int, str]:
+def block_digests(spec: ModelSpec, known: dict[int, str] | None = None) -> dict[int, str]:
     """The digest of every block whose tensors this folder holds (a client's folder may hold none), from the cache
-    when the shards did not change since it was written."""
+    when the shards did not change since it was written. ``known``: digests of blocks whose shards cannot have changed
+    since (a hub snapshot's files are its commit's), kept rather than hashed again when more shards arrive."""
     fingerprint = _fingerprint(spec)
     cached = _read_cache(spec, fingerprint)
     if cached is not None:
         return cached
-    blocks = [block for block in range(spec.num_blocks) if _present(spec, block)]
+    present = [block for block in range(spec.num_blocks) if _present(spec, block)]
+    kept = {block: known[block] for block in present if known and block in known}
+    blocks = [block for block in present if block not in kept]
     headers = {
         path: _header(path)
         for path in {spec.weight_files[n] for b in blocks for n in spec.tensor_names(spec.block_prefix(b))}
@@ -160,6 +167,7 @@ def block_digests(spec: ModelSpec) -> dict[int, str]:
         block: _hash_block(spec, block, headers)
         for block in tqdm(blocks, desc=f"hashing the blocks of {spec.name}", unit="block", disable=len(blocks) < 8)
     }
+    digests = dict(sorted({**kept, **digests}.items()))
     _write_cache(spec, fingerprint, digests)
     return digests
 

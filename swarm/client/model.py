@@ -40,6 +40,7 @@ from swarm.client.session import (
     committed_or_raise,
     open_session,
 )
+from swarm.hub import resolve_model
 from swarm.lora_options import resolve_lora_config
 from swarm.net.compression import WireFormat
 from swarm.net.errors import AdapterConfigError, AdapterStateLostError, CommitError, RequestError
@@ -139,7 +140,25 @@ class SwarmModelForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Parameter(tensors[LM_HEAD].to(dtype), requires_grad=False)
         )
+        # Gemma's scaled embeddings: a float32 scalar cast to the embeddings' dtype at each forward, as its model does
+        scale = self.spec.embed_scale
+        self.register_buffer("embed_scale", None if scale is None else torch.tensor(scale), persistent=False)
         self.to(device)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings as the family's model computes them (Gemma: scaled by sqrt(hidden_size))."""
+        hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale.to(self.embed_tokens.weight.dtype)
+        return hidden
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of the last block's hidden states: final norm, LM head, and (Gemma) the final soft-capping."""
+        logits = self.lm_head(self.norm(hidden.to(self.device)))
+        cap = self.spec.logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     @classmethod
     def from_pretrained(
@@ -164,8 +183,15 @@ class SwarmModelForCausalLM(nn.Module):
         grad_compression: str | None = None,
         is_trainable: bool = True,
         chain: bool = True,
+        revision: str | None = None,
+        token: str | None = None,
     ) -> SwarmModelForCausalLM:
         """Join the swarm as a client and open (or resume) ``adapter`` on the peers serving ``model_dir``.
+
+        ``model_dir``: a model folder, or a hub id ``"ORG/NAME"`` (``"ORG/NAME@REVISION"``, or ``revision=``): its
+        config and tokenizer are fetched into the Hugging Face cache, and of its weights only the shards holding the
+        embeddings, the final norm and the LM head (the blocks are the peers'); ``token`` (else ``HF_TOKEN``) for a
+        gated or private repository. Peers must serve the same revision (docs/models-by-name.md).
 
         ``patience``: seconds to wait when some blocks have no live server (or, on resume, no peer holding the
         adapter's committed step), or when no initial peer answers yet, before raising.
@@ -214,7 +240,9 @@ class SwarmModelForCausalLM(nn.Module):
         if wire_dtype is None and dtype == torch.bfloat16:
             wire_dtype = "bfloat16"  # the hidden states are bf16 already: no rounding is added, half the bytes
         wire = WireFormat(wire_dtype, compression, grad_compression)
-        spec = load_spec(model_dir)
+        source = resolve_model(model_dir, revision, token)
+        spec = load_spec(source.folder, name=source.name)
+        source.fetch_client(spec.weight_files)
         if lora_config is not None:
             lora_config = resolve_lora_config(lora_config, spec)  # refused options fail here, before joining
         peers = initial_peers_or_env(initial_peers)
@@ -295,7 +323,7 @@ class SwarmModelForCausalLM(nn.Module):
             raise ValueError(f"input_ids must be [batch, seq], got shape {list(input_ids.shape)}")
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask must have the shape of input_ids {list(input_ids.shape)}")
-        hidden = self.embed_tokens(input_ids.to(self.device)).cpu()
+        hidden = self._embed(input_ids.to(self.device)).cpu()
         mask = None if attention_mask is None else attention_mask.to(torch.int64).cpu()
         self.session.hops.autocast = autocast_dtype(self.device)
         return hidden, mask
@@ -303,7 +331,7 @@ class SwarmModelForCausalLM(nn.Module):
     def _head(
         self, hidden: torch.Tensor, labels: torch.Tensor | None, num_items_in_batch: NumItems = None
     ) -> CausalLMOutputWithPast:
-        logits = self.lm_head(self.norm(hidden.to(self.device)))
+        logits = self._logits(hidden)
         loss = None
         if labels is not None:
             loss = ForCausalLMLoss(
@@ -463,9 +491,9 @@ class SwarmModelForCausalLM(nn.Module):
                 input_ids.to(self.device),
                 mask,
                 config,
-                lambda ids: self.embed_tokens(ids).cpu(),
+                lambda ids: self._embed(ids).cpu(),
                 chain,
-                lambda hidden: self.lm_head(self.norm(hidden.to(self.device))),
+                self._logits,
             )
         finally:
             chain.end()

@@ -30,6 +30,11 @@ class ModelFolderError(SwarmError, ValueError):
     """The model folder is missing, unsupported or incomplete."""
 
 
+class ModelHubError(ModelFolderError):
+    """A model named by its hub id (``ORG/NAME[@REVISION]``) that cannot be fetched: an unknown repository or
+    revision, a gated one without access, no network (and not in the cache)."""
+
+
 class AdapterConfigError(SwarmError, ValueError):
     """A LoRA config that the swarm cannot train exactly."""
 

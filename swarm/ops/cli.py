@@ -185,19 +185,23 @@ def cmd_convert_gguf(args: argparse.Namespace) -> None:
 
 def cmd_peer(args: argparse.Namespace) -> None:
     from peers.daemon import PeerConfig, run_peer
+    from swarm.hub import resolve_model
     from swarm.net.network import load_swarm_key
     from swarm.spec import load_spec
 
     peers = _initial_peers(args)
     announce = _announce(args)
     _check_port(args.host, args.port)
-    spec = load_spec(args.model)
+    source = resolve_model(args.model, args.revision, args.token)  # a hub id: small files fetched, its commit pinned
+    spec = load_spec(source.folder, name=source.name)
     if args.blocks and args.blocks[1] > spec.num_blocks:
         raise UsageError(f"--blocks {args.blocks[0]}:{args.blocks[1]} is outside {spec.name}'s 0:{spec.num_blocks}")
     load_swarm_key(args.swarm_key)
     run_peer(
         PeerConfig(
-            model=args.model,
+            model=args.model if source.repo_id is None else source.repo_id,
+            revision=source.commit,  # the commit resolved here: the daemon serves that one, wherever the branch goes
+            token=args.token,
             initial_peers=peers,
             blocks=range(*args.blocks) if args.blocks else None,
             num_blocks=args.num_blocks,
@@ -259,7 +263,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     peer = sub.add_parser("peer", help="serve a span of a model's decoder blocks")
     common(peer)
-    peer.add_argument("--model", required=True, help="Hugging Face model folder (config.json + safetensors)")
+    peer.add_argument(
+        "--model",
+        required=True,
+        help="Hugging Face model folder (config.json + safetensors), or a hub id ORG/NAME[@REVISION]: its config is "
+        "fetched at start, then only the shards of the blocks this peer serves (docs/models-by-name.md)",
+    )
+    peer.add_argument(
+        "--revision", default=None, help="of a hub id: a branch, tag or commit (default: main, or ORG/NAME@REVISION)"
+    )
+    peer.add_argument(
+        "--token", default=None, help="Hugging Face token for a gated or private hub model (default: HF_TOKEN)"
+    )
     peer.add_argument(
         "--blocks", type=_parse_blocks, default=None, help="START:END, the blocks to start with (default: chosen)"
     )
