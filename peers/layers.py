@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from transformers import DynamicCache
@@ -36,18 +38,29 @@ def run_layers(
         position_ids=position_ids,
     )
     masks: dict[str, torch.Tensor | None] = {}
-    position_embeddings = rotary(hidden, position_ids)
+    position_embeddings: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for block in blocks:
         kind = spec.attention_kind(block)
         if kind not in masks:
             make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
             masks[kind] = make(**mask_args, layer_idx=block if cache is not None else None)
+            position_embeddings[kind] = _rotary(rotary, hidden, position_ids, kind)
         hidden = layers[block](
             hidden,
             attention_mask=masks[kind],
             position_ids=position_ids,
-            position_embeddings=position_embeddings,
+            position_embeddings=position_embeddings[kind],
             cache=cache,
             use_cache=cache is not None,
         )
     return hidden
+
+
+def _rotary(
+    rotary: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor, kind: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos/sin a block of attention ``kind`` takes: one rotary for all blocks, or, where the family's rotary
+    module holds one per layer type (Gemma 3: local and global bases, the global one scaled), that type's own."""
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        return rotary(hidden, position_ids, kind)
+    return rotary(hidden, position_ids)

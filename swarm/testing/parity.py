@@ -11,6 +11,7 @@ import transformers
 
 import swarm
 from swarm.net.protocol import Method, method_of
+from swarm.spec import attention_implementation
 
 LORA = dict(
     r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -46,8 +47,12 @@ def train(model, optimizer, batches: list[list[dict]], accumulation: int = MICRO
 
 
 def local_peft(model_dir: str | Path, adapter_dir: str | Path) -> peft.PeftModel:
-    """The reference: the base model in fp32 (sdpa) with the adapter in ``adapter_dir``, trainable."""
-    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    """The reference: the base model in fp32 (sdpa, or eager where the family has no sdpa, as the peers run it) with
+    the adapter in ``adapter_dir``, trainable."""
+    attention = attention_implementation(transformers.AutoConfig.from_pretrained(model_dir).model_type)
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation=attention
+    )
     return peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
 
 

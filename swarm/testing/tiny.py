@@ -6,7 +6,7 @@ that sharded loading code paths get exercised in tests and benchmarks.
 
 Usage::
 
-    python -m swarm.testing.tiny OUT_DIR [--family llama|mistral|qwen2|qwen3|olmo2|phi3] \
+    python -m swarm.testing.tiny OUT_DIR [--family llama|mistral|qwen2|qwen3|olmo2|phi3|gemma2|gemma3_text] \
         [--layers N] [--hidden H] [--heads N] [--kv-heads N] [--intermediate N] \
         [--vocab N] [--seed S] [--tie-embeddings] [--shard-size BYTES_OR_STR]
 
@@ -23,6 +23,10 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -49,9 +53,12 @@ FAMILIES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "olmo2": (Olmo2Config, Olmo2ForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+    "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
 # Token ids as Llama's config has them: the other families' defaults (a pad or eos id of 32000 or 50279) lie outside
-# a tiny vocabulary.
+# a tiny vocabulary, or (Gemma's pad id 0) is a token of the tests' random ids, which transformers' generate would
+# take for padding.
 TOKEN_IDS = {"pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}
 
 MAX_POSITION_EMBEDDINGS = 512
@@ -99,6 +106,44 @@ def _validate(
         )
 
 
+GEMMA = ("gemma2", "gemma3_text")
+# What makes a Gemma a Gemma, at a scale where each part shows in the logits: a sliding window shorter than the
+# tests' sequences, soft-capping that bites on a tiny model's small logits and scores, a head_dim that is not
+# hidden / heads and a query scaling that is not head_dim. Embeddings are tied, as in every Gemma.
+GEMMA_SLIDING_WINDOW = 4
+GEMMA_FINAL_SOFTCAP = 0.5
+GEMMA_ATTN_SOFTCAP = 0.5
+
+
+def _gemma_settings(family: str, layers: int, hidden: int, heads: int) -> dict[str, object]:
+    head_dim = 2 * hidden // heads
+    settings: dict[str, object] = {
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": head_dim // 4,
+        "sliding_window": GEMMA_SLIDING_WINDOW,
+        "final_logit_softcapping": GEMMA_FINAL_SOFTCAP,
+        "tie_word_embeddings": True,
+    }
+    if family == "gemma2":  # layers alternate sliding, full (Gemma 2's own default)
+        settings["attn_logit_softcapping"] = GEMMA_ATTN_SOFTCAP
+    else:  # every third layer global (Gemma 3's default is every sixth), with its own scaled rotary base
+        settings["layer_types"] = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(layers)]
+        settings["rope_parameters"] = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        }
+    return settings
+
+
+def _perturb_norms(model: torch.nn.Module, seed: int) -> None:
+    """Gemma initializes its norms' weights to 0 (they scale by 1 + weight): random ones, so that the norms count."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+
+
 def _model_bytes(model: torch.nn.Module) -> int:
     """Return the size in bytes of the model's unique (tied counted once) parameters."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
@@ -140,13 +185,17 @@ def make_tiny_model(
         config_kwargs["use_sliding_window"] = False
     if family == "qwen3":
         config_kwargs["head_dim"] = hidden // heads  # Qwen3's default is 128 whatever the hidden size
-    if family in ("qwen3", "olmo2", "phi3"):
+    if family in ("qwen3", "olmo2", "phi3", *GEMMA):
         config_kwargs.update(TOKEN_IDS)
+    if family in GEMMA:
+        config_kwargs.update(_gemma_settings(family, layers, hidden, heads))
     config = config_cls(**config_kwargs)
 
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
     model.eval()
+    if family in GEMMA:
+        _perturb_norms(model, seed)
 
     if max_shard_size is None:
         max_shard_size = max(_model_bytes(model) // 3, MIN_DEFAULT_SHARD_BYTES)

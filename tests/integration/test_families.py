@@ -19,12 +19,14 @@ from swarm.blocks import load_block
 from swarm.lora_options import resolve_lora_config
 from swarm.net.errors import ModelFolderError
 from swarm.spec import load_spec
-from swarm.testing.parity import HPARAMS, local_peft
+from swarm.testing.parity import HPARAMS, local_peft, make_batches, train
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
 # Phi-3 fuses q/k/v and gate/up into one projection each: LoRA targets them as peft names them.
 TARGETS = {"phi3": ["qkv_proj", "gate_up_proj", "down_proj"]}
-FAMILIES = ["mistral", "qwen2", "qwen3", "olmo2", "phi3"]
+# Gemma 2 / Gemma 3: scaled embeddings, final (and Gemma 2's attention) soft-capping, (1 + weight) norms, sliding
+# layers with a window shorter than the batch, Gemma 3's local and global rotary (swarm/testing/tiny.py GEMMA).
+FAMILIES = ["mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2", "gemma3_text"]
 NEW_TOKENS = 4
 
 
@@ -81,6 +83,45 @@ def test_family_trains_one_step_like_local_peft(family, inprocess_swarm, tiny_mo
     assert torch.equal(swarm_tokens, local_tokens), (swarm_tokens, local_tokens)
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_gemma_with_padding_trains_and_generates_like_local(family, inprocess_swarm, tiny_models, tmp_path):
+    """Padding beside sliding windows shorter than the sequences: a step of two accumulated right-padded
+    micro-batches equals local peft (losses, adapter), and left-padded prompts of different lengths generate, past
+    the window, what local transformers generates with the swarm's adapter."""
+    model_dir = tiny_models[family]
+    local = inprocess_swarm(family)
+    local.start_peers({"a": "0:2", "b": "2:4"})
+    model = swarm.SwarmModelForCausalLM.from_pretrained(
+        model_dir, initial_peers=local.initial_peers, adapter=f"{family}-padded", lora_config=peft.LoraConfig(**LORA)
+    )
+    step = make_batches(model.spec.config.vocab_size)[:1]
+    prompts = torch.tensor([[0, 0, 0, 9, 33, 120, 7], [14, 2, 77, 5, 61, 200, 3]])
+    prompt_mask = (torch.arange(7) >= torch.tensor([[3], [0]])).long()
+    try:
+        model.save_adapter(tmp_path / "initial")
+        swarm_losses = train(model, swarm.RemoteOptimizer(model, **HPARAMS), step)
+        model.save_adapter(tmp_path / "final")
+        swarm_tokens = model.generate(prompts, attention_mask=prompt_mask, max_new_tokens=8, do_sample=False)
+    finally:
+        model.shutdown()
+    reference = local_peft(model_dir, tmp_path / "initial")
+    local_losses = train(
+        reference, torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], **HPARAMS), step
+    )
+    reference.save_pretrained(tmp_path / "local")
+    assert swarm_losses == pytest.approx(local_losses, rel=1e-5)
+    swarm_state = load_file(tmp_path / "final" / "adapter_model.safetensors")
+    local_state = load_file(tmp_path / "local" / "adapter_model.safetensors")
+    for key in local_state:
+        torch.testing.assert_close(swarm_state[key], local_state[key], rtol=1e-4, atol=1e-5, msg=key)
+    exported = local_peft(model_dir, tmp_path / "final").eval()
+    with torch.no_grad():
+        local_tokens = exported.generate(
+            input_ids=prompts, attention_mask=prompt_mask, max_new_tokens=8, do_sample=False
+        )
+    assert torch.equal(swarm_tokens, local_tokens), (swarm_tokens, local_tokens)
+
+
 @pytest.mark.parametrize("family", ["llama", *FAMILIES])
 def test_all_linear_names_what_peft_names(family, tiny_models):
     """``target_modules='all-linear'`` resolves to the projections local peft puts LoRA on (Phi-3: the fused ones)."""
@@ -108,16 +149,23 @@ def test_nf4_blocks_of_each_family_run_close_to_fp32(family, tiny_models):
     assert 0 < difference < 0.5 * outputs["none"].abs().max().item(), difference
 
 
-@pytest.mark.parametrize("family", ["qwen3", "olmo2", "phi3"])
+@pytest.mark.parametrize("family", ["qwen3", "olmo2", "phi3", "gemma2", "gemma3_text"])
 def test_block_digests_of_each_family_cover_its_own_tensors(family, tiny_models, tmp_path):
     """Each block's weight digest covers the family's own tensors (Qwen3's and OLMo 2's q/k norms, OLMo 2's
-    post-norms, Phi-3's fused projections): one byte changed in one of them changes that block's digest only."""
+    post-norms, Phi-3's fused projections, Gemma's pre-feedforward norms and Gemma 3's q norms): one byte changed in
+    one of them changes that block's digest only."""
     import shutil
 
     folder = shutil.copytree(tiny_models[family], tmp_path / family, ignore=shutil.ignore_patterns(weights.CACHE_FILE))
     before = weights.block_digests(load_spec(folder))
     assert len(set(before.values())) == 4 and family in weights.block_config(load_spec(folder), 0)
-    name = {"qwen3": "self_attn.k_norm", "olmo2": "post_feedforward_layernorm", "phi3": "mlp.gate_up_proj"}[family]
+    name = {
+        "qwen3": "self_attn.k_norm",
+        "olmo2": "post_feedforward_layernorm",
+        "phi3": "mlp.gate_up_proj",
+        "gemma2": "pre_feedforward_layernorm",
+        "gemma3_text": "self_attn.q_norm",
+    }[family]
     spec = load_spec(folder)
     shard = spec.weight_files[f"model.layers.2.{name}.weight"]
     state = load_file(shard)
@@ -136,6 +184,44 @@ def test_phi3_with_dropout_is_refused_with_why(tiny_models, tmp_path):
     (folder / "config.json").write_text(json.dumps({**config, "resid_pdrop": 0.1}))
     with pytest.raises(ModelFolderError, match="phi3 with resid_pdrop=0.1 is not supported"):
         load_spec(folder)
+
+
+@pytest.mark.parametrize(
+    ("family", "field", "value", "why"),
+    [
+        ("gemma2", "attention_dropout", 0.1, "apply that dropout in training"),
+        ("gemma3_text", "attention_dropout", 0.1, "apply that dropout in training"),
+        ("gemma2", "use_bidirectional_attention", True, "bidirectional masks"),
+        ("gemma3_text", "use_bidirectional_attention", True, "bidirectional masks"),
+    ],
+)
+def test_gemma_configurations_peers_cannot_serve_are_refused_with_why(family, field, value, why, tiny_models, tmp_path):
+    """A Gemma folder with attention dropout (peers run blocks in eval mode) or bidirectional attention (peers build
+    causal masks) is refused at load, naming the field and why."""
+    import shutil
+
+    folder = shutil.copytree(tiny_models[family], tmp_path / f"{family}-{field}")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ModelFolderError, match=f"{family} with {field}={value} is not supported: .*{why}"):
+        load_spec(folder)
+
+
+def test_gemma_peers_attend_as_the_family_does(tiny_models):
+    """Gemma 2 runs eager attention (its model has no sdpa: sdpa cannot soft-cap attention logits), Gemma 3 sdpa;
+    a digest tells Gemma blocks apart by their soft-capping and query scaling."""
+    assert load_spec(tiny_models["gemma2"]).config._attn_implementation == "eager"
+    assert load_spec(tiny_models["gemma3_text"]).config._attn_implementation == "sdpa"
+    block = json.loads(weights.block_config(load_spec(tiny_models["gemma2"]), 0))
+    assert block["attn_logit_softcapping"] == 0.5 and block["query_pre_attn_scalar"] == 8
+    assert "query_pre_attn_scalar" not in weights.block_config(load_spec(tiny_models["llama"]), 0)
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3_text"])
+def test_a_family_with_refused_fields_keeps_its_name(family, tiny_models):
+    """The checks of a family's refused fields leave the model's name as the folder's (or the one given)."""
+    assert load_spec(tiny_models[family]).name == tiny_models[family].name
+    assert load_spec(tiny_models[family], name="given").name == "given"
 
 
 def test_nf4_and_int8_peers_train_on_cpu(inprocess_swarm, tiny_models):
