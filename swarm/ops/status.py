@@ -68,7 +68,8 @@ def render_health(health: ModelHealth, peers: bool = False) -> str:
             rows.append("memory: resident (daemon, DHT, p2pd) / kept inputs / forward cache / generation, of bounds")
             rows.extend(f"  {_memory_line(peer)}" for peer in reported)
     else:
-        rows.append(f"({len(health.peers)} peers; `swarm status --peers` lists each, with its memory)")
+        noun = "peer" if len(health.peers) == 1 else "peers"
+        rows.append(f"({len(health.peers)} {noun}; `swarm status --peers` lists each, with its memory)")
     uncovered = [b.block for b in health.blocks if not b.online]
     if uncovered:
         runs = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges(uncovered))

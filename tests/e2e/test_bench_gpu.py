@@ -63,6 +63,7 @@ def of_run(run_id: str) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.slow
 def test_the_cpu_run_prints_one_table_with_every_part_ok(tmp_path):
     workdir = tmp_path / "bench"
     result = bench_gpu("--cpu", "--workdir", str(workdir), run_id=str(tmp_path), timeout=RUN_TIMEOUT)

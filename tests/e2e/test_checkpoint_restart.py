@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from failover_helpers import assert_matches_local_peft, connect, finish_client, start_client, train, wait_for_text
 
 from peers.checkpoints import CheckpointStore
@@ -66,6 +67,7 @@ def test_a_kill_mid_checkpoint_write_leaves_the_previous_checkpoint(tiny_models,
             model.shutdown()
 
 
+@pytest.mark.slow
 def test_the_whole_swarm_killed_resumes_from_its_last_committed_step(tiny_models, tmp_path):
     model_dir = tiny_models["llama"]
     dirs = {"p1": tmp_path / "ckpt-p1", "p2": tmp_path / "ckpt-p2"}

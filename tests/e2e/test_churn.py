@@ -10,9 +10,12 @@ The same driver, longer and with a no-churn run beside it, is scripts/bench_chur
 
 from __future__ import annotations
 
+import pytest
+
 from swarm.testing import churn
 
 
+@pytest.mark.slow
 def test_a_minute_of_churn_lose_nothing_unreported_and_end_equal_to_local_peft(tiny_models, tmp_path):
     run = churn.run_churn(
         tiny_models["llama"], tmp_path, seconds=60, interval=2.5, seed=4, peers=5, span=2, other_kernels=2

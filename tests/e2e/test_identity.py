@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from failover_helpers import connect, train
 
 from swarm.testing.localswarm import LocalSwarm, Process
@@ -25,6 +26,7 @@ def refused(peer: Process, timeout: float = 120.0) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_two_processes_with_one_identity_never_both_serve_and_the_first_serves_on(tiny_models, tmp_path):
     model_dir = tiny_models["llama"]
     identity, checkpoints = tmp_path / "peer.key", tmp_path / "checkpoints"

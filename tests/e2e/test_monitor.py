@@ -137,6 +137,7 @@ def test_without_the_key_the_page_says_the_swarm_is_private(private_swarm, tmp_p
             assert "--swarm-key" in _dom(_chromium(), url, tmp_path / "outsider.png")
 
 
+@pytest.mark.browser
 def test_a_browser_shows_every_peer_and_block_healthy_then_degraded(private_swarm, tmp_path):
     """With the key, headless chromium draws the page (its script fetches the state): every peer and block,
     healthy; after a SIGKILL, degraded and which blocks."""

@@ -7,6 +7,8 @@ runs it for thousands of steps at two widths."""
 
 from __future__ import annotations
 
+import pytest
+
 from swarm.testing.soak import SoakConfig, run_soak
 
 STEPS = 1500
@@ -19,6 +21,7 @@ FILES_SLACK = 8  # connections come and go (the relay's, the DHT's)
 THREADS_SLACK = 4
 
 
+@pytest.mark.slow
 def test_no_process_grows_over_1500_steps(tiny_models, tmp_path):
     result = run_soak(tiny_models["llama"], tmp_path, SoakConfig(steps=STEPS, sample_every=50), progress=False)
     print(result.table())  # shown with -rA or on failure: the figures behind the verdict

@@ -12,7 +12,7 @@ def test_a_peer_slow_to_answer_its_first_ping_shows_online(inprocess_swarm):
     swarm = inprocess_swarm()
     peer = swarm.start_peers({"a": "0:4"})["a"]  # alone: nobody else pings it, the first ping is status's
     slow = peer.faults.arm(Fault(Action.FREEZE, Method.INFO, nth=1, freeze_for=5.0))
-    table = status(swarm.initial_peers, None, None, replication=1)
+    table = status(swarm.initial_peers, None, None, replication=1, peers=True)
     assert slow.fired.is_set()
     assert "UNCOVERED" not in table, table
     assert f"{peer.peer_id.to_base58()[:6]}" in table and " online " in table, table
