@@ -123,11 +123,21 @@ def blocks_that_fit(spec: ModelSpec, config: PeerConfig) -> int:
     q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim  # Qwen3: q wider than hidden
     params = 2 * c.hidden_size * q + 2 * c.hidden_size * kv + 3 * c.hidden_size * c.intermediate_size
     per_param = QUANT_BYTES.get(config.quant_mode, torch.finfo(DTYPES[config.dtype]).bits / 8)
+    block_bytes = params * per_param
+    experts = getattr(c, "num_local_experts", 0) or 0
+    if experts:  # Mixtral / Qwen3-MoE: a sparse block's experts and router, bare parameters that stay unquantized
+        width = getattr(c, "moe_intermediate_size", None) or c.intermediate_size  # Mixtral's: an expert's width
+        attention = params - 3 * c.hidden_size * c.intermediate_size
+        sparse = (
+            attention * per_param
+            + experts * (3 * width + 1) * c.hidden_size * torch.finfo(DTYPES[config.dtype]).bits / 8
+        )
+        block_bytes = max(block_bytes, sparse)
     if config.device.startswith("cuda"):
         free = torch.cuda.mem_get_info(torch.device(config.device))[0]
     else:
         free = psutil.virtual_memory().available
-    fit = int(0.8 * free / (1.25 * params * per_param))
+    fit = int(0.8 * free / (1.25 * block_bytes))
     return max(1, min(spec.num_blocks, fit))
 
 

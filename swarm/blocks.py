@@ -57,7 +57,7 @@ def load_block(
     if quant not in QUANT_MODES:
         raise ValueError(f"--quant must be one of {QUANT_MODES}, got {quant!r}")
     stored = stored_tensors(spec, block) if stored is None else stored
-    state = {name: tensor.to(dtype, copy=True) for name, tensor in stored.items()}
+    state = fused_experts(spec, {name: tensor.to(dtype, copy=True) for name, tensor in stored.items()})
     with torch.device("meta"):
         layer = spec.family_class("DecoderLayer")(spec.config, layer_idx=block)
     layer.load_state_dict(state, strict=True, assign=True)
@@ -65,6 +65,45 @@ def load_block(
     if quant != "none":
         _quantize_linears(layer, quant, dtype)
     return layer.to(device).eval()
+
+
+# How a mixture-of-experts checkpoint stores a block's experts, one nn.Linear per expert and projection (the layout of
+# every hub checkpoint: transformers 5 saves it so too), and what the family's module holds: each sparse block's
+# experts fused into 3-D parameters ``mlp.experts.gate_up_proj`` (experts, 2 x intermediate, hidden: gate rows, then
+# up rows) and ``mlp.experts.down_proj`` (experts, hidden, intermediate), as transformers' conversion mapping for the
+# family fuses them at load. Per family: the stored MoE module's name, then the gate, up and down projections' names.
+EXPERT_LAYOUT = {
+    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+    "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+def fused_experts(spec: ModelSpec, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A block's stored tensors (names relative to the block) in its module's layout: per-expert projections fused
+    as the family's experts hold them, the MoE module renamed ``mlp`` (Mixtral's ``block_sparse_moe``); the state of
+    any other family, or already fused, unchanged."""
+    if spec.family not in EXPERT_LAYOUT:
+        return state
+    moe, gate, up, down = EXPERT_LAYOUT[spec.family]
+    experts = sorted(
+        {int(name.split(".")[2]) for name in state if name.startswith(f"{moe}.experts.") and name.endswith(".weight")}
+    )
+    if not experts:
+        return state
+    if experts != list(range(len(experts))):
+        raise ValueError(f"the block's experts are numbered {experts}, not 0..{len(experts) - 1}")
+
+    def take(projection: str) -> list[torch.Tensor]:
+        return [state.pop(f"{moe}.experts.{e}.{projection}.weight") for e in experts]
+
+    fused = {
+        "mlp.experts.gate_up_proj": torch.stack([torch.cat(pair) for pair in zip(take(gate), take(up), strict=True)]),
+        "mlp.experts.down_proj": torch.stack(take(down)),
+    }
+    renamed = {
+        f"mlp.{name.removeprefix(moe + '.')}" if name.startswith(moe + ".") else name: t for name, t in state.items()
+    }
+    return {**renamed, **fused}
 
 
 def _quantize_linears(module: nn.Module, quant: str, compute_dtype: torch.dtype) -> None:

@@ -69,7 +69,8 @@ REFUSED: dict[str, str] = {
     "monteclora_config": "MonteCLoRA is not supported; leave it None",
     "layer_replication": "peers serve the model's own blocks; leave it None",
     "lora_bias": "LoRA bias terms are not trained in the swarm; leave it False",
-    "target_parameters": "LoRA on bare parameters (MoE experts) is not supported; use target_modules",
+    "target_parameters": "LoRA on bare parameters (the fused experts or the router of a mixture-of-experts block) is "
+    "not supported: peers train LoRA on nn.Linear projections only; name the attention projections in target_modules",
     "use_bdlora": "BD-LoRA is not supported; leave it None",
     "arrow_config": "Arrow routing is not supported; leave it None",
     "kasa_config": "KaSA is not supported; leave it None",
@@ -139,15 +140,33 @@ def has_lora(config: peft.LoraConfig, spec: ModelSpec, block: int, layer: nn.Mod
 
 def blocks_without_lora(config: peft.LoraConfig, spec: ModelSpec) -> set[int]:
     """The blocks that get no LoRA tensor: they train nothing and export nothing."""
-    with torch.device("meta"):
-        layer = spec.family_class("DecoderLayer")(spec.config, layer_idx=0)
-    return {block for block in range(spec.num_blocks) if not has_lora(config, spec, block, layer)}
+    with torch.device("meta"):  # each block's own: Qwen3-MoE's dense blocks have other modules than its sparse ones
+        decoder = spec.family_class("DecoderLayer")
+        layers = {block: decoder(spec.config, layer_idx=block) for block in range(spec.num_blocks)}
+    return {block for block, layer in layers.items() if not has_lora(config, spec, block, layer)}
 
 
 def linear_names(layer: nn.Module) -> set[str]:
     """The names of a block's linear projections, as peft resolves ``target_modules='all-linear'`` for a causal LM
     (the LM head is the client's and never a block's)."""
     return {name.rsplit(".", 1)[-1] for name, module in layer.named_modules() if isinstance(module, nn.Linear)}
+
+
+def peft_expert_targets(config: peft.LoraConfig, spec: ModelSpec, layers: dict[int, nn.Module]) -> set[str]:
+    """What local peft adapts as bare parameters on this family's model although ``config`` names modules: under
+    transformers 5, peft (``convert_peft_config_for_transformers``) reads a Mixtral or Qwen3-MoE config's expert and
+    router names (``w1`` / ``w3`` / ``w2``; ``gate_proj`` / ``up_proj`` / ``down_proj``, which are also the names of
+    Qwen3-MoE's dense MLP; ``gate``; and what ``'all-linear'`` meant for the v4 model) as the fused experts'
+    ``gate_up_proj`` / ``down_proj`` and the router's ``gate.weight``. Empty for every other family."""
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:  # a peft without the conversion: it adapts what the names name
+        return set()
+    probe = copy.deepcopy(config)
+    shell = BlockShell(spec, layers)
+    shell.config = spec.config  # what peft reads the model type from, as on the full model
+    convert_peft_config_for_transformers(probe, model=shell, conversions=None)
+    return set(probe.target_parameters or ())
 
 
 def resolve_lora_config(config: peft.LoraConfig, spec: ModelSpec) -> peft.LoraConfig:
@@ -159,13 +178,22 @@ def resolve_lora_config(config: peft.LoraConfig, spec: ModelSpec) -> peft.LoraCo
     with torch.device("meta"):
         decoder = spec.family_class("DecoderLayer")
         layers = {block: decoder(spec.config, layer_idx=block) for block in range(spec.num_blocks)}
+    experts = peft_expert_targets(config, spec, layers)
+    if experts:
+        raise AdapterConfigError(
+            f"LoraConfig.target_modules={config.target_modules!r} on {spec.family} is not supported: local peft puts "
+            f"that LoRA on the bare parameters {sorted(experts)} (transformers 5 fuses each block's experts into 3-D "
+            "parameters and its router is no nn.Linear, so peft adapts them as target_parameters), and peers train "
+            "LoRA on nn.Linear projections only; name the attention projections instead, e.g. "
+            "['q_proj', 'k_proj', 'v_proj', 'o_proj']"
+        )
     if resolved.target_modules is None:
         defaults = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(spec.family)
         if defaults is None:
             raise AdapterConfigError(f"LoraConfig.target_modules: peft has no default for {spec.family!r}; name them")
         resolved.target_modules = set(defaults)
     elif isinstance(resolved.target_modules, str) and resolved.target_modules.lower() == "all-linear":
-        resolved.target_modules = linear_names(layers[0])
+        resolved.target_modules = set().union(*(linear_names(layer) for layer in layers.values()))
     try:
         peft.inject_adapter_in_model(copy.deepcopy(resolved), BlockShell(spec, layers), low_cpu_mem_usage=True)
     except ValueError as e:

@@ -13,13 +13,27 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from swarm.net.errors import ModelFolderError
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2", "gemma3_text")
+SUPPORTED_FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "olmo2",
+    "phi3",
+    "gemma2",
+    "gemma3_text",
+    "mixtral",
+    "qwen3_moe",
+)
 # Config fields a family's decoder layer applies in training only (dropout): peers run blocks in eval mode, so a
 # folder that sets one would train otherwise than local peft does, and is refused.
 TRAINING_ONLY_FIELDS = {
     "phi3": ("resid_pdrop", "attention_dropout"),
     "gemma2": ("attention_dropout",),
     "gemma3_text": ("attention_dropout",),
+    # Mixtral's router multiplies its input by uniform noise in training (``router_jitter_noise``)
+    "mixtral": ("router_jitter_noise", "attention_dropout"),
+    "qwen3_moe": ("attention_dropout",),
 }
 # Config fields whose every true value the swarm cannot serve as the family's model computes it, with why.
 UNSERVED_FIELDS = {
@@ -29,6 +43,19 @@ UNSERVED_FIELDS = {
     }
     for family in ("gemma2", "gemma3_text")
 }
+# Mixture-of-experts: with ``output_router_logits`` the model adds ``router_aux_loss_coef`` times the routers'
+# load-balancing loss to the loss (transformers' default is off, as in Mixtral's and Qwen3-MoE's config.json).
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
+UNSERVED_FIELDS.update(
+    {
+        family: {
+            "output_router_logits": "the model then adds router_aux_loss_coef x the routers' load-balancing loss, "
+            "computed from every block's router logits, to the loss, and peers hand the client only hidden states, "
+            "so the swarm's loss and gradients would not be the model's; set it to false in config.json"
+        }
+        for family in MOE_FAMILIES
+    }
+)
 # Families whose model multiplies the input embeddings by sqrt(hidden_size), in the embeddings' dtype (their
 # ``TextScaledWordEmbedding``): the client, which holds the embeddings, scales them as they do.
 SCALED_EMBEDDINGS = ("gemma2", "gemma3_text")
@@ -134,6 +161,8 @@ def load_spec(model_dir: str | Path, name: str | None = None) -> ModelSpec:
                 f"{path}: {config.model_type} with {field_name}={getattr(config, field_name)} is not supported: {why}"
             )
     config._attn_implementation = attention_implementation(config.model_type)
+    if config.model_type in MOE_FAMILIES:
+        config._experts_implementation = experts_implementation(config.model_type)
     return ModelSpec(path=path, config=config, weight_files=_weight_files(path), model_name=name)
 
 
@@ -142,6 +171,14 @@ def attention_implementation(model_type: str) -> str:
     not support sdpa (Gemma 2: sdpa has no attention-logit soft-capping), as transformers itself would choose."""
     model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
     return "sdpa" if model_class._supports_sdpa else "eager"
+
+
+def experts_implementation(model_type: str) -> str:
+    """How a mixture-of-experts family's fused experts run, as transformers' ``from_pretrained`` chooses by default
+    (``grouped_mm`` where the experts class dispatches on it, else the class's own loop): what local peft runs, so
+    that peers run the same kernels."""
+    model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    return "grouped_mm" if model_class._can_set_experts_implementation() else "eager"
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")

@@ -47,8 +47,20 @@ BLOCK_CONFIG_FIELDS = (
     "sliding_window",
     "max_position_embeddings",
 )
-# Gemma's: its MLP's activation, the attention's query scaling and logit soft-capping.
-FAMILY_BLOCK_FIELDS = ("hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping")
+# Gemma's: its MLP's activation, the attention's query scaling and logit soft-capping. Mixture-of-experts (Mixtral,
+# Qwen3-MoE): how many experts a token goes to, whether their weights are renormalised, the experts' width and which
+# blocks are sparse.
+FAMILY_BLOCK_FIELDS = (
+    "hidden_activation",
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "norm_topk_prob",
+    "moe_intermediate_size",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+)
 
 
 def block_config(spec: ModelSpec, block: int) -> str:

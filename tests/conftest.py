@@ -26,6 +26,8 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
             "phi3",
             "gemma2",
             "gemma3_text",
+            "mixtral",
+            "qwen3_moe",
         )
     }
 

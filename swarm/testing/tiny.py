@@ -6,7 +6,8 @@ that sharded loading code paths get exercised in tests and benchmarks.
 
 Usage::
 
-    python -m swarm.testing.tiny OUT_DIR [--family llama|mistral|qwen2|qwen3|olmo2|phi3|gemma2|gemma3_text] \
+    python -m swarm.testing.tiny OUT_DIR [--family llama|mistral|qwen2|qwen3|olmo2|phi3|gemma2|gemma3_text|
+        mixtral|qwen3_moe] \
         [--layers N] [--hidden H] [--heads N] [--kv-heads N] [--intermediate N] \
         [--vocab N] [--seed S] [--tie-embeddings] [--shard-size BYTES_OR_STR]
 
@@ -31,6 +32,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
     Phi3Config,
@@ -42,6 +45,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 logger = logging.getLogger(__name__)
@@ -55,6 +60,8 @@ FAMILIES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
     "phi3": (Phi3Config, Phi3ForCausalLM),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
+    "mixtral": (MixtralConfig, MixtralForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
 }
 # Token ids as Llama's config has them: the other families' defaults (a pad or eos id of 32000 or 50279) lie outside
 # a tiny vocabulary, or (Gemma's pad id 0) is a token of the tests' random ids, which transformers' generate would
@@ -135,6 +142,36 @@ def _gemma_settings(family: str, layers: int, hidden: int, heads: int) -> dict[s
     return settings
 
 
+MOE = ("mixtral", "qwen3_moe")
+# Mixture-of-experts at a tiny scale: 4 experts, each token to 2, experts a quarter of the dense width (Qwen3-MoE
+# renormalises the top-2 weights, as Qwen3-30B-A3B does; Mixtral always does); Qwen3-MoE's first block is dense, as
+# ``mlp_only_layers`` makes some, so that one peer's span holds both kinds.
+MOE_EXPERTS = 4
+MOE_TOP_K = 2
+ROUTER_STD = 1.0
+
+
+def _moe_settings(family: str, intermediate: int) -> dict[str, object]:
+    settings: dict[str, object] = {"num_local_experts": MOE_EXPERTS, "num_experts_per_tok": MOE_TOP_K}
+    if family == "mixtral":
+        settings["intermediate_size"] = intermediate // 4  # each expert's width
+    else:
+        settings.update(
+            moe_intermediate_size=intermediate // 4, norm_topk_prob=True, mlp_only_layers=[0], use_sliding_window=False
+        )
+    return settings
+
+
+def _spread_routers(model: torch.nn.Module, seed: int) -> None:
+    """Routers initialised at std 0.02 give every expert nearly the same score on a tiny model: wider ones, so that
+    which experts a token goes to is decided by a margin (and changes the output), not by rounding."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight") and param.dim() == 2 and "experts" not in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * ROUTER_STD)
+
+
 def _perturb_norms(model: torch.nn.Module, seed: int) -> None:
     """Gemma initializes its norms' weights to 0 (they scale by 1 + weight): random ones, so that the norms count."""
     generator = torch.Generator().manual_seed(seed)
@@ -185,8 +222,12 @@ def make_tiny_model(
         config_kwargs["use_sliding_window"] = False
     if family == "qwen3":
         config_kwargs["head_dim"] = hidden // heads  # Qwen3's default is 128 whatever the hidden size
-    if family in ("qwen3", "olmo2", "phi3", *GEMMA):
+    if family in ("qwen3", "olmo2", "phi3", *GEMMA, *MOE):
         config_kwargs.update(TOKEN_IDS)
+    if family == "qwen3_moe":
+        config_kwargs["head_dim"] = hidden // heads  # Qwen3-MoE's default is 128, as Qwen3's
+    if family in MOE:
+        config_kwargs.update(_moe_settings(family, intermediate))
     if family in GEMMA:
         config_kwargs.update(_gemma_settings(family, layers, hidden, heads))
     config = config_cls(**config_kwargs)
@@ -196,6 +237,8 @@ def make_tiny_model(
     model.eval()
     if family in GEMMA:
         _perturb_norms(model, seed)
+    if family in MOE:
+        _spread_routers(model, seed)
 
     if max_shard_size is None:
         max_shard_size = max(_model_bytes(model) // 3, MIN_DEFAULT_SHARD_BYTES)

@@ -17,16 +17,23 @@ from peers.layers import run_layers
 from swarm import weights
 from swarm.blocks import load_block
 from swarm.lora_options import resolve_lora_config
-from swarm.net.errors import ModelFolderError
+from swarm.net.errors import AdapterConfigError, ModelFolderError
 from swarm.spec import load_spec
 from swarm.testing.parity import HPARAMS, local_peft, make_batches, train
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
 # Phi-3 fuses q/k/v and gate/up into one projection each: LoRA targets them as peft names them.
-TARGETS = {"phi3": ["qkv_proj", "gate_up_proj", "down_proj"]}
+# Mixtral / Qwen3-MoE: LoRA on the attention (peft adapts the experts' and router's names as bare parameters, which the
+# swarm refuses).
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+TARGETS = {"phi3": ["qkv_proj", "gate_up_proj", "down_proj"], "mixtral": ATTENTION, "qwen3_moe": ATTENTION}
 # Gemma 2 / Gemma 3: scaled embeddings, final (and Gemma 2's attention) soft-capping, (1 + weight) norms, sliding
 # layers with a window shorter than the batch, Gemma 3's local and global rotary (swarm/testing/tiny.py GEMMA).
-FAMILIES = ["mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2", "gemma3_text"]
+DENSE = ["mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2", "gemma3_text"]
+# Mixture-of-experts: 4 experts, top-2, routers wide enough that routing decides the output; Qwen3-MoE's block 0
+# dense (swarm/testing/tiny.py MOE).
+MOE = ["mixtral", "qwen3_moe"]
+FAMILIES = DENSE + MOE
 NEW_TOKENS = 4
 
 
@@ -122,7 +129,7 @@ def test_gemma_with_padding_trains_and_generates_like_local(family, inprocess_sw
     assert torch.equal(swarm_tokens, local_tokens), (swarm_tokens, local_tokens)
 
 
-@pytest.mark.parametrize("family", ["llama", *FAMILIES])
+@pytest.mark.parametrize("family", ["llama", *DENSE])
 def test_all_linear_names_what_peft_names(family, tiny_models):
     """``target_modules='all-linear'`` resolves to the projections local peft puts LoRA on (Phi-3: the fused ones)."""
     spec = load_spec(tiny_models[family])
@@ -133,10 +140,37 @@ def test_all_linear_names_what_peft_names(family, tiny_models):
     assert set(resolved) == names, (resolved, names)
 
 
+@pytest.mark.parametrize("family", MOE)
+def test_moe_lora_on_experts_or_router_is_refused_naming_what_peft_would_adapt(family, tiny_models):
+    """On Mixtral and Qwen3-MoE, local peft (transformers 5) adapts 'all-linear', the experts' names and ``gate`` as
+    bare parameters (the fused experts' ``gate_up_proj`` / ``down_proj``, the router's ``gate.weight``): the swarm
+    refuses them, naming those parameters, as it refuses ``target_parameters``; attention targets resolve as given."""
+    spec = load_spec(tiny_models[family])
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_models[family], dtype=torch.float32)
+    local = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules="all-linear"))
+    assert set(local.peft_config["default"].target_parameters) == {"gate_up_proj", "down_proj", "gate.weight"}
+    expert = {"mixtral": "w2", "qwen3_moe": "down_proj"}[family]
+    for targets, named in [
+        ("all-linear", "gate_up_proj"),
+        (["q_proj", expert], "down_proj"),
+        (["gate"], "gate.weight"),
+    ]:
+        with pytest.raises(AdapterConfigError, match=f"on {family} is not supported: .*'{named}'.*target_parameters"):
+            resolve_lora_config(peft.LoraConfig(r=2, target_modules=targets), spec)
+    with pytest.raises(AdapterConfigError, match="target_parameters=.*is not supported: .*nn.Linear projections"):
+        resolve_lora_config(
+            peft.LoraConfig(r=2, target_modules=ATTENTION, target_parameters=["mlp.experts.gate_up_proj"]), spec
+        )
+    assert set(resolve_lora_config(peft.LoraConfig(r=2, target_modules=ATTENTION), spec).target_modules) == set(
+        ATTENTION
+    )
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_nf4_blocks_of_each_family_run_close_to_fp32(family, tiny_models):
-    """A family's blocks load with ``--quant nf4`` (its every projection quantized, norms kept) and compute what the
-    fp32 blocks compute, up to quantization."""
+    """A family's blocks load with ``--quant nf4`` (its every nn.Linear projection quantized, norms kept; a
+    mixture-of-experts block's fused experts and router, bare parameters, as stored) and compute what the fp32 blocks
+    compute, up to quantization."""
     spec = load_spec(tiny_models[family])
     rotary = spec.family_class("RotaryEmbedding")(config=spec.config)
     hidden = torch.randn(1, 6, spec.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -145,18 +179,25 @@ def test_nf4_blocks_of_each_family_run_close_to_fp32(family, tiny_models):
         layers = {block: load_block(spec, block, torch.device("cpu"), torch.float32, quant) for block in range(2)}
         with torch.no_grad():
             outputs[quant] = run_layers(spec, layers, rotary, hidden, None, range(2))
+        if family in MOE and quant == "nf4":
+            moe = layers[1].mlp
+            assert type(layers[1].self_attn.q_proj).__name__ == "Linear4bit"
+            assert (
+                moe.experts.gate_up_proj.dtype == moe.experts.down_proj.dtype == moe.gate.weight.dtype == torch.float32
+            )
     difference = (outputs["nf4"] - outputs["none"]).abs().max().item()
     assert 0 < difference < 0.5 * outputs["none"].abs().max().item(), difference
 
 
-@pytest.mark.parametrize("family", ["qwen3", "olmo2", "phi3", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("family", ["qwen3", "olmo2", "phi3", "gemma2", "gemma3_text", *MOE, "qwen3_moe-router"])
 def test_block_digests_of_each_family_cover_its_own_tensors(family, tiny_models, tmp_path):
     """Each block's weight digest covers the family's own tensors (Qwen3's and OLMo 2's q/k norms, OLMo 2's
-    post-norms, Phi-3's fused projections, Gemma's pre-feedforward norms and Gemma 3's q norms): one byte changed in
-    one of them changes that block's digest only."""
+    post-norms, Phi-3's fused projections, Gemma's pre-feedforward norms and Gemma 3's q norms, one expert of a
+    mixture-of-experts block, its router): one byte changed in one of them changes that block's digest only."""
     import shutil
 
-    folder = shutil.copytree(tiny_models[family], tmp_path / family, ignore=shutil.ignore_patterns(weights.CACHE_FILE))
+    case, family = family, family.removesuffix("-router")
+    folder = shutil.copytree(tiny_models[family], tmp_path / case, ignore=shutil.ignore_patterns(weights.CACHE_FILE))
     before = weights.block_digests(load_spec(folder))
     assert len(set(before.values())) == 4 and family in weights.block_config(load_spec(folder), 0)
     name = {
@@ -165,7 +206,10 @@ def test_block_digests_of_each_family_cover_its_own_tensors(family, tiny_models,
         "phi3": "mlp.gate_up_proj",
         "gemma2": "pre_feedforward_layernorm",
         "gemma3_text": "self_attn.q_norm",
-    }[family]
+        "mixtral": "block_sparse_moe.experts.1.w2",  # as stored: one nn.Linear per expert
+        "qwen3_moe": "mlp.experts.3.up_proj",
+        "qwen3_moe-router": "mlp.gate",
+    }[case]
     spec = load_spec(folder)
     shard = spec.weight_files[f"model.layers.2.{name}.weight"]
     state = load_file(shard)
@@ -173,6 +217,29 @@ def test_block_digests_of_each_family_cover_its_own_tensors(family, tiny_models,
     save_file(state, shard, metadata={"format": "pt"})
     after = weights.block_digests(load_spec(folder))
     assert [block for block in before if before[block] != after[block]] == [2]
+
+
+@pytest.mark.parametrize(
+    ("family", "field", "value"),
+    [
+        ("mixtral", "num_experts_per_tok", 1),
+        ("qwen3_moe", "norm_topk_prob", False),
+        ("qwen3_moe", "mlp_only_layers", []),
+    ],
+)
+def test_moe_block_digests_cover_the_routing_config(family, field, value, tiny_models, tmp_path):
+    """How many experts a token goes to, whether their weights are renormalised and which blocks are sparse change
+    what a block computes from the same tensors: they change the digests (every block's), and no other family's
+    block config names them."""
+    import shutil
+
+    folder = shutil.copytree(tiny_models[family], tmp_path / family, ignore=shutil.ignore_patterns(weights.CACHE_FILE))
+    before = weights.block_digests(load_spec(folder))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, field: value}))
+    after = weights.block_digests(load_spec(folder))
+    assert all(before[block] != after[block] for block in before)
+    assert field not in weights.block_config(load_spec(tiny_models["llama"]), 0)
 
 
 def test_phi3_with_dropout_is_refused_with_why(tiny_models, tmp_path):
@@ -193,6 +260,10 @@ def test_phi3_with_dropout_is_refused_with_why(tiny_models, tmp_path):
         ("gemma3_text", "attention_dropout", 0.1, "apply that dropout in training"),
         ("gemma2", "use_bidirectional_attention", True, "bidirectional masks"),
         ("gemma3_text", "use_bidirectional_attention", True, "bidirectional masks"),
+        ("mixtral", "output_router_logits", True, "load-balancing loss"),
+        ("qwen3_moe", "output_router_logits", True, "load-balancing loss"),
+        ("mixtral", "router_jitter_noise", 0.1, "apply that dropout in training"),
+        ("qwen3_moe", "attention_dropout", 0.1, "apply that dropout in training"),
     ],
 )
 def test_gemma_configurations_peers_cannot_serve_are_refused_with_why(family, field, value, why, tiny_models, tmp_path):
@@ -217,7 +288,7 @@ def test_gemma_peers_attend_as_the_family_does(tiny_models):
     assert "query_pre_attn_scalar" not in weights.block_config(load_spec(tiny_models["llama"]), 0)
 
 
-@pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3_text", *MOE])
 def test_a_family_with_refused_fields_keeps_its_name(family, tiny_models):
     """The checks of a family's refused fields leave the model's name as the folder's (or the one given)."""
     assert load_spec(tiny_models[family]).name == tiny_models[family].name
