@@ -12,6 +12,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from peers.behaviour import Behaviour
 from peers.state import (
     ActivationCache,
     Adapter,
@@ -54,8 +55,10 @@ class AdapterStore:
         weight_digests: dict[int, str] | None = None,
         activation_cache_bytes: int = 1 << 30,
         kept_inputs_bytes: int = 4 << 30,
+        behaviour: Behaviour | None = None,
     ):
         self.spec = spec
+        self.behaviour = behaviour  # what it does to the gradients and updates it hands on (peers/behaviour.py)
         # block -> digest of the base weights this peer loads (swarm/weights.py)
         self.weight_digests = weight_digests or {}
         self.mismatched: dict[str, list[int]] = {}  # adapter -> the blocks whose weights differ from its pin
@@ -189,7 +192,9 @@ class AdapterStore:
         for state in states.values():
             count = len(state.params)
             block_grads, grads = grads[:count], grads[count:]
-            state.grads.setdefault(micro_batch, [g.detach() for g in block_grads])
+            if micro_batch not in state.grads:
+                held = [g.detach() for g in block_grads]
+                state.grads[micro_batch] = held if self.behaviour is None else self.behaviour.held_grads(held)
 
     # --- commit ---------------------------------------------------------------------------------------------
 
@@ -296,7 +301,7 @@ class AdapterStore:
             else:
                 continue
             found[block] = {mb: held[mb] for mb in mbs if mb in held}
-        return found
+        return found if self.behaviour is None else self.behaviour.served_grads(found)
 
     def partial_sums(self, name: str, step: int, wanted: dict[int, list[str]]) -> GradsByBlock:
         """This peer's partial sum of the step on each block: the ``wanted`` micro-batches' gradients held here,
@@ -307,7 +312,7 @@ class AdapterStore:
             by_mb = held.get(block, {})
             if all(mb in by_mb for mb in mbs):
                 sums[block] = {SUM: partial_sum(by_mb, tuple(sorted(mbs)))}
-        return sums
+        return sums if self.behaviour is None else self.behaviour.partial_sums(sums)
 
     def add_partials(self, name: str, step: int, partials: dict[int, dict[Group, list[torch.Tensor]]]) -> None:
         """Take other holders' partial sums of the step (block -> their micro-batches -> the sum); checked like any
@@ -343,6 +348,7 @@ class AdapterStore:
         missing = self.missing(name, step, groups)
         if missing:
             raise MissingGradientsError(f"no gradients for {missing} at step {step}", missing)
+        moved: set[int] = set()
         for block, state in states.items():
             if state.step != step:
                 continue
@@ -359,7 +365,10 @@ class AdapterStore:
             state.last_update = BlockUpdate(step, grads, hparams, before.digest())
             state.grads, state.partials = {}, {}
             state.step += 1
+            moved.add(block)
         self._forget_forwards(name)
+        if self.behaviour is not None:
+            self.behaviour.updated([state for block, state in adapter.blocks.items() if block in moved])
         return adapter.steps()
 
     def revert(self, name: str, step: int) -> dict[int, int]:

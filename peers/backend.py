@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from peers.adapters import AdapterStore
+from peers.behaviour import Behaviour
 from peers.calibration import block_error, exact
 from peers.inference import InferenceSession, InferenceSessions
 from peers.layers import run_layers
@@ -44,9 +45,11 @@ class SpanBackend:
         max_tokens: int = 1 << 16,
         inference_bytes: int = 1 << 30,
         inference_timeout: float = 300.0,
+        behaviour: Behaviour | None = None,
     ):
         self.spec, self.device, self.dtype, self.quant, self.max_tokens = spec, device, dtype, quant, max_tokens
         self.adapters = adapters
+        self.behaviour = behaviour  # what it does to its outputs (peers/behaviour.py): None, nothing
         self.layers: dict[int, nn.Module] = {}
         self.errors: dict[int, float] = {}  # block -> its error against exact fp32 (peers/calibration.py)
         self.rotary = spec.family_class("RotaryEmbedding")(config=spec.config).to(device)
@@ -258,7 +261,7 @@ class SpanBackend:
         mask = None if attention_mask is None else attention_mask.to(self.device)
         if micro_batch is None:
             with torch.no_grad(), self._autocast(autocast):
-                return self.run(inputs, mask, blocks).to(hidden.dtype).cpu()
+                return self._hand_on(self.run(inputs, mask, blocks).to(hidden.dtype).cpu())
         key = (name, micro_batch, blocks.start, blocks.stop)
         store.kept.put(key, hidden, attention_mask)
         inputs.requires_grad_(True)
@@ -275,7 +278,11 @@ class SpanBackend:
         ):
             outputs = self.run(inputs, mask, blocks)
         store.cache.put(key, inputs, outputs, saved.bytes)
-        return outputs.detach().to(hidden.dtype).cpu()
+        return self._hand_on(outputs.detach().to(hidden.dtype).cpu())
+
+    def _hand_on(self, outputs: torch.Tensor) -> torch.Tensor:
+        """A forward's outputs as the caller gets them: as computed, unless this peer's behaviour changes them."""
+        return outputs if self.behaviour is None else self.behaviour.forward(outputs)
 
     def backward(
         self,

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Protocol
 
 import psutil
 import torch
@@ -23,6 +24,7 @@ from hivemind.p2p import PeerID
 from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
 from peers.balancer import badness, choose_span, coverage_with, safe_to_drop
+from peers.behaviour import Behaviour
 from peers.checkpoints import CheckpointStore, CheckpointWriter
 from peers.claim import IN_USE_HINT, ProcessClaim, lock_path_of_checkpoints, lock_path_of_identity
 from peers.compute import Compute
@@ -155,11 +157,30 @@ class PeerParts:
     pullers: RecentPullers  # who pulled copies of these blocks lately: told of each commit with the view's watchers
 
 
-class PeerDaemon:
-    """One process serving a span of one model's blocks, moving it when the swarm needs it elsewhere."""
+class PlanHook(Protocol):
+    """Sees a peer's loads and moves: how tests give it a slow disk or a scripted move
+    (tests/integration/test_crowded_start.py) without patching the daemon."""
 
-    def __init__(self, config: PeerConfig, faults: FaultHook | None = None):
-        self.config, self.faults = config, faults  # faults: failures a test injects around the handlers
+    def loading(self, blocks: range) -> None:
+        """Runs in the loading thread just before ``blocks`` load (a join's, or a move's new blocks)."""
+
+    def decided(self, target: range | None) -> range | None:
+        """The move the balancer decided (None: stay); returns the one the peer makes."""
+
+
+class PeerDaemon:
+    """One process serving a span of one model's blocks, moving it when the swarm needs it elsewhere. What tests
+    inject, each given here and None in a real peer: ``faults`` (failures around the handlers), ``behaviour`` (what
+    its compute does to its results: a liar's, peers/behaviour.py), ``plan`` (sees its loads and moves)."""
+
+    def __init__(
+        self,
+        config: PeerConfig,
+        faults: FaultHook | None = None,
+        behaviour: Behaviour | None = None,
+        plan: PlanHook | None = None,
+    ):
+        self.config, self.faults, self.behaviour, self.plan = config, faults, behaviour, plan
         # a hub id: its revision resolved to a commit, its small files fetched; the shards come with each span
         self.source = resolve_model(config.model, config.revision, config.token)
         self.spec = load_spec(self.source.folder, name=self.source.name)
@@ -362,6 +383,8 @@ class PeerDaemon:
         from swarm.blocks import DTYPES
 
         config = self.config
+        if self.plan is not None:
+            self.plan.loading(blocks)
         digests = self._fetch(blocks)
         if digests is not None:
             self.digests = digests
@@ -370,6 +393,7 @@ class PeerDaemon:
             weight_digests=self.digests,
             activation_cache_bytes=config.activation_cache_mb << 20,
             kept_inputs_bytes=config.kept_inputs_mb << 20,
+            behaviour=self.behaviour,
         )
         backend = SpanBackend(
             self.spec,
@@ -381,6 +405,7 @@ class PeerDaemon:
             max_tokens=config.max_tokens,
             inference_bytes=config.max_inference_mb << 20,
             inference_timeout=config.inference_timeout,
+            behaviour=self.behaviour,
         )
         if self.store is not None:
             for name, (meta, states) in self.store.load().items():
@@ -426,7 +451,7 @@ class PeerDaemon:
         config, adapters = self.config, backend.adapters
         compute = Compute()
         policy = StandbyPolicy(config.standby_blocks, config.standby_every)
-        peers = PeerClient(self.transport)
+        peers = PeerClient(self.transport, self.behaviour)
         replicator = Replicator(adapters, compute, peers, self.identity.peer_id, policy, self._checkpoint)
         hooks = PeerHooks(
             after_commit=self._after_commit,
@@ -462,7 +487,7 @@ class PeerDaemon:
             digests = await asyncio.to_thread(self._fetch, target)
             if digests is not None:
                 await self.parts.compute(self._use_digests, digests)
-            layers = await asyncio.to_thread(self.parts.backend.load_layers, target)
+            layers = await asyncio.to_thread(self._load_layers, target)
             await self.parts.replicator.take_state(await self._observe(), target)
         await self.parts.compute(self.parts.backend.install, layers)
         handed_over = [b for b in old if b not in target]
@@ -492,6 +517,12 @@ class PeerDaemon:
         self.throughput = await self.parts.compute(self._throughput, self.parts.backend)
         logger.info("now serving blocks %d:%d, %.0f tokens/s", target.start, target.stop, self.throughput)
 
+    def _load_layers(self, blocks: range) -> dict[int, torch.nn.Module]:
+        """A move's new blocks, loaded beside serving (slow: in a thread)."""
+        if self.plan is not None:
+            self.plan.loading(blocks)
+        return self.parts.backend.load_layers(blocks)
+
     async def _cancel_move(self, old: range, target: range) -> None:
         """Stay on ``old``: drop what was loaded of ``target`` and the records announcing the move."""
         self.moving_to, self.joining = None, None
@@ -519,9 +550,10 @@ class PeerDaemon:
     async def _decide_move(self, view: SwarmView, yielding: frozenset[PeerID] = frozenset()) -> range | None:
         placement = Placement(self.spec.num_blocks, self.span_len, self.config.replication, self.max_blocks)
         me, serving, throughput = self.identity.peer_id, self.serving, self.throughput
-        return await asyncio.to_thread(  # a plan search may take a few hundred ms: not on the event loop
+        target = await asyncio.to_thread(  # a plan search may take a few hundred ms: not on the event loop
             decide_move, view, me, serving, throughput, placement, yielding
         )
+        return target if self.plan is None else self.plan.decided(target)
 
     def _next_hops(self, view: SwarmView) -> list[PeerID]:
         """Where this peer's hops pass activations on: the live servers of the block after its span."""

@@ -8,6 +8,7 @@ import logging
 
 from hivemind.p2p import PeerID
 
+from peers.behaviour import Behaviour
 from peers.state import BlockState, BlockUpdate, GradsByBlock, unpack_states
 from swarm.net.chain import ChainFailure, ChainHop, FailureKind, route_timeout
 from swarm.net.errors import PEER_ERRORS, TRANSPORT_ERRORS, RemoteError, ReplyError
@@ -36,10 +37,11 @@ logger = logging.getLogger(__name__)
 
 
 class PeerClient:
-    """One peer's calls to the others, over its transport."""
+    """One peer's calls to the others, over its transport; ``behaviour``: what it does to the gradients it fetches
+    (peers/behaviour.py)."""
 
-    def __init__(self, transport: Transport):
-        self.transport = transport
+    def __init__(self, transport: Transport, behaviour: Behaviour | None = None):
+        self.transport, self.behaviour = transport, behaviour
 
     async def pass_on(self, hop: ChainHop, request: ForwardRequest | BackwardRequest | InferRequest) -> Reply:
         """Hand a chained request to its next hop (which passes it on along the request's route) and wait for the
@@ -77,7 +79,7 @@ class PeerClient:
         except PEER_ERRORS as e:
             logger.warning("could not fetch gradients from %s: %s", peer, e)
             return {}
-        return reply.grads
+        return reply.grads if self.behaviour is None else self.behaviour.fetched_grads(reply.grads)
 
     async def fetch_state(self, peer: PeerID, name: str, blocks: range) -> dict[int, BlockState]:
         """The state of ``blocks`` (served or standby) as another peer holds it."""

@@ -44,6 +44,7 @@ if str(ROOT) not in sys.path:
 import swarm  # noqa: E402
 from swarm.client.remote import PUBLIC_SPOT_CHECK, VOTERS  # noqa: E402
 from swarm.net.protocol import InfoRequest, Method, method_of  # noqa: E402
+from swarm.testing.faults import CallTap  # noqa: E402
 from swarm.testing.localswarm import LocalSwarm  # noqa: E402
 from swarm.testing.tiny import make_tiny_model  # noqa: E402
 
@@ -173,15 +174,15 @@ def split_blocks(layers: int, peers: int) -> list[str]:
     return [f"{a}:{b}" for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
-def count_norms_requests(model: swarm.SwarmModelForCausalLM) -> list[int]:
-    """A counter (in a list) of the norms requests the client sends from now on."""
-    counter, original = [0], model.session.calls.call
+def count_norms_requests(tap: CallTap) -> list[int]:
+    """A counter (in a list) of the norms requests the client sends from now on (``tap``: its call hook)."""
+    counter = [0]
 
-    def call(peer, meta, tensors, *args, **kwargs):
-        counter[0] += method_of(meta) == Method.NORMS
-        return original(peer, meta, tensors, *args, **kwargs)
+    def call(peer, message, send):
+        counter[0] += method_of(message.meta) == Method.NORMS
+        return send(message)
 
-    model.session.calls.call = call
+    tap.arm(call)
     return counter
 
 
@@ -209,6 +210,7 @@ def run_swarm(
         for index, span in enumerate(split_blocks(layers, peers) * replicas):
             logger.info("swarm: starting peer%d for blocks %s", index, span)
             local_swarm.start_peer(model_dir, span, name=f"peer{index}")
+        tap = CallTap()
         model = swarm.SwarmModelForCausalLM.from_pretrained(
             model_dir,
             initial_peers=local_swarm.initial_peers,
@@ -217,10 +219,11 @@ def run_swarm(
             dtype=torch.float32,
             seed=0,
             spot_check=0.0,  # the unchecked baseline, whatever the public default
+            call_hook=tap,
         )
         optimizer = swarm.RemoteOptimizer(model, **HPARAMS)
         runs = [train("swarm", model, optimizer, batches, steps, warmup, pipelined)]
-        norms_requests = count_norms_requests(model)
+        norms_requests = count_norms_requests(tap)
         if max_norm > 0:
             clip = lambda: model.clip_grad_norm_(max_norm)  # noqa: E731
             runs.append(train("swarm clipped", model, optimizer, batches, steps, warmup, pipelined, clip=clip))

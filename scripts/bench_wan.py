@@ -40,9 +40,11 @@ for path in (ROOT, ROOT / "scripts"):  # swarm, and bench_step.py's recipe (one 
 
 import bench_step  # noqa: E402
 import bench_wan_home  # noqa: E402
+from hivemind.p2p import PeerID  # noqa: E402
 
 import swarm  # noqa: E402
-from swarm.net.message import payload_bytes  # noqa: E402
+from swarm.client.calls import Send  # noqa: E402
+from swarm.net.message import Message, payload_bytes  # noqa: E402
 from swarm.net.protocol import method_of  # noqa: E402
 from swarm.testing.localswarm import LocalSwarm  # noqa: E402
 from swarm.testing.tiny import make_tiny_model  # noqa: E402
@@ -77,20 +79,18 @@ class Run:
 
 
 class Meter:
-    """Counts the client's requests (by method) and bytes (sent + received, per peer) as they go out."""
+    """Counts the client's requests (by method) and bytes (sent + received, per peer) as they go out: its call hook
+    (``from_pretrained(call_hook=meter)``)."""
 
-    def __init__(self, model: swarm.SwarmModelForCausalLM):
+    def __init__(self) -> None:
         self.calls: Counter = Counter()
         self.bytes: Counter = Counter()
-        original = model.session.transport.call
 
-        def call(peer, message, timeout=None):
-            reply = original(peer, message, timeout)
-            self.calls[method_of(message.meta)] += 1
-            self.bytes[peer.to_base58()] += payload_bytes(message.tensors) + payload_bytes(reply.tensors)
-            return reply
-
-        model.session.transport.call = call
+    def __call__(self, peer: PeerID, message: Message, send: Send) -> Message:
+        reply = send(message)
+        self.calls[method_of(message.meta)] += 1
+        self.bytes[peer.to_base58()] += payload_bytes(message.tensors) + payload_bytes(reply.tensors)
+        return reply
 
     def take(self) -> tuple[Counter, Counter]:
         calls, sent = self.calls, self.bytes
@@ -98,9 +98,8 @@ class Meter:
         return calls, sent
 
 
-def train(model, batches: list[dict], mode: str, steps: int, warmup: int, run: Run) -> None:
+def train(model, meter: Meter, batches: list[dict], mode: str, steps: int, warmup: int, run: Run) -> None:
     optimizer = swarm.RemoteOptimizer(model, **bench_step.HPARAMS)
-    meter = Meter(model)
     for index in range(warmup + steps):
         meter.take()
         started = time.perf_counter()
@@ -152,16 +151,18 @@ def run_swarm(
                 process.wait_for_line("serving blocks", 120)
             batches = bench_step.make_batches(args.vocab, args.batch, args.seq, args.micro_batches)
             for mode in args.modes:
+                meter = Meter()
                 model = swarm.SwarmModelForCausalLM.from_pretrained(
                     model_dir,
                     initial_peers=local.initial_peers,
                     adapter=f"wan-{mode}",
                     lora_config=bench_step.lora_config(),
                     seed=0,
+                    call_hook=meter,
                 )
                 try:
                     run = Run(mode, peers, rtt_ms, mbit)
-                    train(model, batches, mode, args.steps, args.warmup, run)
+                    train(model, meter, batches, mode, args.steps, args.warmup, run)
                     runs.append(run)
                 finally:
                     model.shutdown()

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
-import torch
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.p2p import PeerID
-from hivemind.proto import runtime_pb2
 
 from swarm.client.current import CurrentPeers
 from swarm.client.routing import Hop, Router
@@ -28,6 +28,12 @@ from swarm.net.protocol import PEER_STATE_ERRORS, ErrorKind, Held, Reply, Reques
 from swarm.net.transport import Transport
 
 logger = logging.getLogger(__name__)
+
+# A request sent on: the call itself, its timeout, ban and error handling included (what a call hook is handed).
+Send = Callable[[Message], Message]
+# Sees each request the client makes, with the peer it goes to, and sends it on (or runs code before or after it):
+# how tests watch a client's requests or time a fault at one (``swarm.testing.faults.CallTap``) without patching.
+CallHook = Callable[[PeerID, Message, Send], Message]
 
 
 class PeerFailure(SwarmError):
@@ -50,9 +56,10 @@ class Recovery:
 
 
 class PeerCalls:
-    """Every request the client makes for its adapter goes through ``call``: the transport's errors and a peer's
+    """Every request the client makes for its adapter goes through ``ask``: the transport's errors and a peer's
     refusals for its own state become ``PeerFailure`` after a ban (and the peer's step is forgotten); a refusal of
-    the request itself raises. Anything else is a bug on this side and surfaces."""
+    the request itself raises. Anything else is a bug on this side and surfaces. ``hook``: sees each request (see
+    ``CallHook``); None costs nothing."""
 
     def __init__(
         self,
@@ -62,10 +69,12 @@ class PeerCalls:
         adapter: str,
         patience: float,
         wire: WireFormat | None = None,
+        hook: CallHook | None = None,
     ):
         self.transport, self.router, self.current = transport, router, current
         self.adapter, self.patience = adapter, patience
         self.wire = wire or WireFormat()
+        self.hook = hook
         self.recoveries: list[Recovery] = []
 
     def holder_maddrs(self, ledger: dict[int, dict[str, Held]]) -> dict[str, list[str]]:
@@ -82,32 +91,25 @@ class PeerCalls:
         PeerFailure after a ban, refusals of the request raise. ``measured``: the time it takes is the peer's own
         (not that of a chain behind it)."""
         message = request.to_message()
-        tensors, compression = message.tensors, message.compression
-        reply = self.call(
-            peer, message.meta, tensors, units=units, floor=floor, compression=compression, measured=measured
-        )
+        if self.hook is None:
+            reply = self.call(peer, message, units, floor, measured)
+        else:
+            reply = self.hook(peer, message, partial(self.call, peer, units=units, floor=floor, measured=measured))
         try:
             return read_reply(request, reply)
         except ReplyError as e:
             raise self.peer_failed(peer, str(e)) from e
 
     def call(
-        self,
-        peer: PeerID,
-        meta: dict,
-        tensors: list[torch.Tensor],
-        units: float = 1.0,
-        floor: float = 0.0,
-        compression: int = runtime_pb2.CompressionType.NONE,
-        measured: bool = True,
+        self, peer: PeerID, message: Message, units: float = 1.0, floor: float = 0.0, measured: bool = True
     ) -> Message:
-        """One encoded request (what :meth:`ask` sends; tests and the chaos driver watch requests here); failures of
-        the peer become PeerFailure (after a ban), refusals of the request raise."""
-        method = str(method_of(meta))
+        """One encoded request (what :meth:`ask` sends, through the hook if there is one); failures of the peer
+        become PeerFailure (after a ban), refusals of the request raise."""
+        method = str(method_of(message.meta))
         started = time.monotonic()
         timeout = floor + self.router.timeout(peer, method, units)
         try:
-            reply = self.transport.call(peer, Message(meta, tensors, compression), timeout, watch=True)
+            reply = self.transport.call(peer, message, timeout, watch=True)
         except RemoteError as e:
             if e.kind == ErrorKind.FENCED:
                 raise LeaseLostError(str(e)) from None

@@ -23,7 +23,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPast
 
 from swarm.blocks import lora_config_from_wire, lora_config_to_wire
-from swarm.client.calls import Recovery
+from swarm.client.calls import CallHook, Recovery
 from swarm.client.clipping import clip_factor
 from swarm.client.commit import LOST_GRACE, StepsLost
 from swarm.client.export import save_peft_adapter
@@ -185,6 +185,7 @@ class SwarmModelForCausalLM(nn.Module):
         chain: bool = True,
         revision: str | None = None,
         token: str | None = None,
+        call_hook: CallHook | None = None,
     ) -> SwarmModelForCausalLM:
         """Join the swarm as a client and open (or resume) ``adapter`` on the peers serving ``model_dir``.
 
@@ -226,6 +227,9 @@ class SwarmModelForCausalLM(nn.Module):
         ``chain`` (default): hidden states pass from peer to peer, so the client sends a micro-batch in and gets the
         last span's output back, and its own link carries the same bytes whatever the number of spans; ``False``:
         every hop is a round trip from the client (client-driven hops).
+        ``call_hook(peer, message, send)``: sees each request the client makes and returns its reply,
+        ``send(message)``, with code before or after it (a test recording requests, or killing a peer at one:
+        ``swarm.testing.faults.CallTap``); none by default.
         """
         if lora_config is None and is_trainable:
             raise ValueError("pass lora_config=peft.LoraConfig(r=..., lora_alpha=..., target_modules=[...])")
@@ -259,7 +263,7 @@ class SwarmModelForCausalLM(nn.Module):
                 raise
             lora_config, seed = lora_config_from_wire(recorded.lora), recorded.seed
         options = SessionOptions(
-            patience, spot_check, min_copies, resume, unreachable_wait, wire, chain, lost_grace, dtype
+            patience, spot_check, min_copies, resume, unreachable_wait, wire, chain, lost_grace, dtype, call_hook
         )
         trainer = (trainer or f"{getpass.getuser()}@{socket.gethostname()}") if is_trainable else None
         identity_of_adapter = AdapterIdentity(adapter, lora_config_to_wire(lora_config), seed)

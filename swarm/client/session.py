@@ -16,7 +16,7 @@ from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.p2p import PeerID
 
 from swarm.blocks import lora_config_from_wire, spans_text
-from swarm.client.calls import PeerCalls, PeerFailure, Recovery
+from swarm.client.calls import CallHook, PeerCalls, PeerFailure, Recovery
 from swarm.client.clipping import step_norm
 from swarm.client.commit import LOST_GRACE, ReplicaSet, StepsLost, commit, take_back_abandoned
 from swarm.client.copies import CopyKeeper
@@ -68,6 +68,7 @@ class SessionOptions:
     chain: bool = True
     lost_grace: float = LOST_GRACE
     dtype: torch.dtype = torch.float32  # what the client computes in: hidden states travel in it unless ``wire`` casts
+    call_hook: CallHook | None = None  # sees each request the client makes (swarm/client/calls.py)
 
 
 class TrainerTracking:
@@ -402,7 +403,7 @@ def open_session(
             chained=options.chain,
         )
         undo.callback(router.stop)
-        calls = PeerCalls(transport, router, current, adapter.name, options.patience, options.wire)
+        calls = PeerCalls(transport, router, current, adapter.name, options.patience, options.wire, options.call_hook)
         session_id = uuid.uuid4().hex[:16]
         replicas = ReplicaSet(
             calls,

@@ -27,10 +27,13 @@ from pathlib import Path
 
 import peft
 import torch
+from hivemind.p2p import PeerID
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 import swarm
+from swarm.client.calls import CallHook, Send
+from swarm.net.message import Message
 from swarm.net.protocol import method_of
 from swarm.testing.chaos import (
     ChaosDriver,
@@ -42,6 +45,7 @@ from swarm.testing.chaos import (
     chaos_schedule,
     count_moves,
 )
+from swarm.testing.faults import CallTap
 from swarm.testing.localswarm import LocalSwarm
 
 logger = logging.getLogger(__name__)
@@ -141,6 +145,7 @@ def run_churn(
         closing.callback(driver.close)  # runs last: after the peers it restarted are stopped
         closing.callback(local.close)
         shadows = _shadow_starts(closing, workdir / "logs" / "shadow", model_dir, schedule if shadow else [], span)
+        tap = CallTap()
         model = swarm.SwarmModelForCausalLM.from_pretrained(
             model_dir,
             initial_peers=local.initial_peers,
@@ -151,11 +156,12 @@ def run_churn(
             # down twice in a row can outlast the default 60 s. The pause is reported (longest pauses).
             patience=CLIENT_PATIENCE,
             min_copies=min_copies,
+            call_hook=tap,
         )
         run = ChurnRun(seconds=0.0, steps=0)
         try:
             model.save_adapter(workdir / "initial")
-            _hook(model, driver)
+            tap.arm(_strikes_see(driver))
             driver.start()
             shadows.start()
             started = time.monotonic()
@@ -223,15 +229,14 @@ def _vocab(model_dir: Path) -> int:
     return transformers.AutoConfig.from_pretrained(model_dir).vocab_size
 
 
-def _hook(model: swarm.SwarmModelForCausalLM, driver: ChaosDriver) -> None:
+def _strikes_see(driver: ChaosDriver) -> CallHook:
     """Let phase-aimed strikes see each request the client is about to send."""
-    original = model.session.calls.call
 
-    def call(peer, meta, tensors, *args, **kwargs):
-        driver.on_request(str(method_of(meta)), peer.to_base58())
-        return original(peer, meta, tensors, *args, **kwargs)
+    def call(peer: PeerID, message: Message, send: Send) -> Message:
+        driver.on_request(str(method_of(message.meta)), peer.to_base58())
+        return send(message)
 
-    model.session.calls.call = call
+    return call
 
 
 def _train(model: swarm.SwarmModelForCausalLM, vocab: int, deadline: float, run: ChurnRun, started: float) -> None:

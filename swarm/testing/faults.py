@@ -1,8 +1,11 @@
-"""Failures injected into real peers at chosen calls, in torchft's manner: a peer is built with a ``FaultInjector``
-(``PeerDaemon(config, faults=...)``), a test arms ``Fault``s on it, and at the chosen call of a method the peer
-dies, loses the reply, freezes in the handler, or the handler has a bug. Nothing is patched: the peer's own doors run
-every handler through the injector (``swarm.net.servicer.FaultHook``), so what fails is the real code path a real
-failure takes."""
+"""Failures injected at chosen calls, in torchft's manner, through hooks the code takes at construction: nothing is
+patched. A peer is built with a ``FaultInjector`` (``PeerDaemon(config, faults=...)``), a test arms ``Fault``s on it,
+and at the chosen call of a method the peer dies, loses the reply, freezes in the handler, or the handler has a bug:
+the peer's own doors run every handler through the injector (``swarm.net.servicer.FaultHook``), so what fails is the
+real code path a real failure takes. A client is built with a ``CallTap`` (``from_pretrained(call_hook=...)``), on
+which a test arms hooks that see each request before it goes (to record it, or kill its peer at that moment). Peers
+that lie are built with a behaviour (``swarm.testing.dishonest``), slow disks and scripted moves with a
+``peers.daemon.PlanHook``."""
 
 from __future__ import annotations
 
@@ -14,6 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
+from hivemind.p2p import PeerID
+
+from swarm.client.calls import CallHook, Send
 from swarm.net.servicer import DroppedReply, MessageHandler
 from swarm.net.wire import Message
 
@@ -107,3 +113,30 @@ class FaultInjector:
         if fault.action is Action.KILL:
             self.kill()
         raise DroppedReply(f"{method}: the reply was lost to an injected {fault.action.value}")
+
+
+class CallTap:
+    """A client's call hook (``from_pretrained(call_hook=tap)``) that a test arms as it goes, as it arms faults on a
+    peer: each hook armed sees every request sent from then on (the latest armed first), until it is disarmed."""
+
+    def __init__(self) -> None:
+        self._hooks: tuple[CallHook, ...] = ()
+        self._lock = threading.Lock()
+
+    def arm(self, hook: CallHook) -> CallHook:
+        with self._lock:
+            self._hooks = (*self._hooks, hook)
+        return hook
+
+    def disarm(self, hook: CallHook) -> None:
+        with self._lock:
+            self._hooks = tuple(h for h in self._hooks if h is not hook)
+
+    def __call__(self, peer: PeerID, message: Message, send: Send) -> Message:
+        for hook in self._hooks:  # each wraps those armed before it
+            send = _through(hook, peer, send)
+        return send(message)
+
+
+def _through(hook: CallHook, peer: PeerID, send: Send) -> Send:
+    return lambda message: hook(peer, message, send)

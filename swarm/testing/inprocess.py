@@ -3,7 +3,8 @@
 
 It is the daemon's own code that runs (join, load, announce, serve, leave), only not in a process of its own: a
 client in the same process trains through these peers as through any, and a test reaches into them (their backend,
-adapters, ``FaultInjector``) without a wire protocol of its own. Every peer and node is stopped on exit, failures too.
+adapters, ``FaultInjector``) without a wire protocol of its own; what it injects (faults, a liar's behaviour, a plan
+hook) each peer takes at construction. Every peer and node is stopped on exit, failures too.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from hivemind.p2p import PeerID
 
 from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
-from peers.daemon import PeerConfig, PeerDaemon
+from peers.behaviour import Behaviour
+from peers.daemon import PeerConfig, PeerDaemon, PlanHook
 from swarm.net.records import ServerState
 from swarm.net.security import Identity, SwarmKey
 from swarm.ops.cli import start_bootstrap
@@ -42,12 +44,13 @@ class InProcessPeerError(RuntimeError):
 
 
 class InProcessPeer:
-    """A real ``PeerDaemon`` serving from a thread of this process. ``faults``: where a test arms failures."""
+    """A real ``PeerDaemon`` serving from a thread of this process. ``faults``: where a test arms failures;
+    ``behaviour``, ``plan``: see ``PeerDaemon``."""
 
-    def __init__(self, name: str, config: PeerConfig):
+    def __init__(self, name: str, config: PeerConfig, behaviour: Behaviour | None = None, plan: PlanHook | None = None):
         self.name, self.config = name, config
         self.faults = FaultInjector(kill=self.kill)
-        self.daemon = PeerDaemon(config, faults=self.faults)
+        self.daemon = PeerDaemon(config, faults=self.faults, behaviour=behaviour, plan=plan)
         self.killed = False
         self._loop = asyncio.new_event_loop()
         self._stop = asyncio.Event()
@@ -203,10 +206,19 @@ class InProcessSwarm:
         dht, _ = self._bootstrap
         self.initial_peers = [str(m) for m in dht.get_visible_maddrs() if "/ip4/127.0.0.1/" in str(m)]
 
-    def add_peer(self, blocks: str | None, name: str | None = None, wait: bool = True, **config) -> InProcessPeer:
+    def add_peer(
+        self,
+        blocks: str | None,
+        name: str | None = None,
+        wait: bool = True,
+        behaviour: Behaviour | None = None,
+        plan: PlanHook | None = None,
+        **config,
+    ) -> InProcessPeer:
         """Start a peer serving ``blocks`` (START:END; None: the span it chooses, as ``swarm peer`` without
         ``--blocks``, of ``num_blocks`` blocks); by default wait until it serves. Its identity file is named after
-        it unless ``identity`` says which (a peer restarted as itself)."""
+        it unless ``identity`` says which (a peer restarted as itself). ``behaviour``, ``plan``: see
+        ``PeerDaemon``."""
         name = name or f"peer{len(self.peers)}"
         if name in self.peers:
             raise ValueError(f"there is a peer {name!r} already")
@@ -217,15 +229,26 @@ class InProcessSwarm:
             blocks=span,
             **{"identity": str(self.workdir / f"{name}.key"), **config},
         )
-        peer = self.peers[name] = InProcessPeer(name, peer_config)
+        peer = self.peers[name] = InProcessPeer(name, peer_config, behaviour, plan)
         peer.start()
         if wait:
             peer.wait_serving()
         return peer
 
-    def start_peers(self, spans: dict[str, str], timeout: float = 60.0, **config) -> dict[str, InProcessPeer]:
-        """One peer per name -> START:END, started at once; returns when all serve."""
-        started = {name: self.add_peer(blocks, name, wait=False, **config) for name, blocks in spans.items()}
+    def start_peers(
+        self,
+        spans: dict[str, str],
+        timeout: float = 60.0,
+        behaviours: dict[str, Behaviour] | None = None,
+        **config,
+    ) -> dict[str, InProcessPeer]:
+        """One peer per name -> START:END, started at once; returns when all serve. ``behaviours``: by name, the
+        peers that lie (``swarm.testing.dishonest``)."""
+        behaviours = behaviours or {}
+        started = {
+            name: self.add_peer(blocks, name, wait=False, behaviour=behaviours.get(name), **config)
+            for name, blocks in spans.items()
+        }
         for peer in started.values():
             peer.wait_serving(timeout)
         return started

@@ -8,10 +8,13 @@ from pathlib import Path
 import peft
 import torch
 import transformers
+from hivemind.p2p import PeerID
 
-import swarm
+from swarm.client.calls import Send
+from swarm.net.message import Message
 from swarm.net.protocol import Method, method_of
 from swarm.spec import attention_implementation
+from swarm.testing.faults import CallTap
 
 LORA = dict(
     r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -56,27 +59,28 @@ def local_peft(model_dir: str | Path, adapter_dir: str | Path) -> peft.PeftModel
     return peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
 
 
-def client_requests(model: swarm.SwarmModelForCausalLM) -> list[dict]:
-    """Every request's meta the client sends from now on."""
-    sent, original = [], model.session.calls.call
+def client_requests(tap: CallTap) -> list[dict]:
+    """Every request's meta the client sends from now on (``tap``: its call hook)."""
+    sent = []
 
-    def call(peer, meta, tensors, *args, **kwargs):
-        sent.append(meta)
-        return original(peer, meta, tensors, *args, **kwargs)
+    def record(peer: PeerID, message: Message, send: Send) -> Message:
+        sent.append(message.meta)
+        return send(message)
 
-    model.session.calls.call = call
+    tap.arm(record)
     return sent
 
 
-def record_backwards(model: swarm.SwarmModelForCausalLM) -> list[dict]:
-    """What each backward request carried and got back (its meta, tensors sent, tensors returned)."""
-    calls, original = [], model.session.calls.call
+def record_backwards(tap: CallTap) -> list[dict]:
+    """What each backward request carried and got back (its meta, tensors sent, tensors returned); ``tap``: the
+    client's call hook."""
+    calls = []
 
-    def call(peer, meta, tensors, *args, **kwargs):
-        reply = original(peer, meta, tensors, *args, **kwargs)
-        if method_of(meta) == Method.BACKWARD:
-            calls.append(dict(meta=meta, sent=len(tensors), returned=len(reply.tensors)))
+    def record(peer: PeerID, message: Message, send: Send) -> Message:
+        reply = send(message)
+        if method_of(message.meta) == Method.BACKWARD:
+            calls.append(dict(meta=message.meta, sent=len(message.tensors), returned=len(reply.tensors)))
         return reply
 
-    model.session.calls.call = call
+    tap.arm(record)
     return calls

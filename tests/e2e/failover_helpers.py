@@ -11,7 +11,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from hivemind.p2p import PeerID
+
 import swarm
+from swarm.client.calls import Send
+from swarm.net.message import Message
+from swarm.testing.faults import CallTap
 from swarm.testing.localswarm import LocalSwarm, Process
 from swarm.testing.recipe import (
     HPARAMS,
@@ -106,20 +111,20 @@ def wait_for_text(log: Path, needle: str, process: subprocess.Popen, timeout: fl
 Hook = Callable[[str, str, int], None]
 
 
-def instrument(model: swarm.SwarmModelForCausalLM, hook: Hook, next_hop: bool = False) -> None:
-    """Call ``hook(method, peer_id, step)`` just before each request the client sends (to time a fault); with
-    ``next_hop``, ``peer_id`` is the hop after the one called, named in the request's route (a chain's second
-    peer, which only the first calls), and requests without a route are not shown."""
-    original = model.session.calls.call
+def instrument(tap: CallTap, model: swarm.SwarmModelForCausalLM, hook: Hook, next_hop: bool = False) -> None:
+    """Call ``hook(method, peer_id, step)`` just before each request ``model`` sends from now on (``tap``: its call
+    hook), to time a fault; with ``next_hop``, ``peer_id`` is the hop after the one called, named in the request's
+    route (a chain's second peer, which only the first calls), and requests without a route are not shown."""
 
-    def call(peer, meta, tensors, *args, **kwargs):
+    def call(peer: PeerID, message: Message, send: Send) -> Message:
+        meta = message.meta
         if not next_hop:
             hook(meta["method"], peer.to_base58(), model.step)
         elif meta.get("route"):
             hook(meta["method"], meta["route"][0][0], model.step)
-        return original(peer, meta, tensors, *args, **kwargs)
+        return send(message)
 
-    model.session.calls.call = call
+    tap.arm(call)
 
 
 def moved_to(*peers: Process, span: str, timeout: float = 30) -> list[Process]:

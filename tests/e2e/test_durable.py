@@ -32,6 +32,7 @@ from failover_helpers import (
 
 from peers.checkpoints import CheckpointStore
 from swarm.net.errors import AdapterStateLostError, SwarmUnavailableError
+from swarm.testing.faults import CallTap
 from swarm.testing.localswarm import LocalSwarm, Process
 
 EXTRA = ["--balance-interval", "1", "--record-ttl", "300"]
@@ -61,7 +62,8 @@ def test_the_only_server_of_a_span_killed_in_the_first_steps_loses_nothing(case,
     model_dir = tiny_models["llama"]
     with LocalSwarm(tmp_path / "swarm") as local:
         peers = start_impatiently(local, model_dir, {"a1": "0:2", "a2": "0:2", "c": "2:4"}, EXTRA)
-        model = connect(local, model_dir, adapter=f"first-steps-{case}", patience=120)
+        tap = CallTap()
+        model = connect(local, model_dir, adapter=f"first-steps-{case}", patience=120, call_hook=tap)
         killed_at: list[float] = []
 
         def kill(*_) -> None:
@@ -73,7 +75,7 @@ def test_the_only_server_of_a_span_killed_in_the_first_steps_loses_nothing(case,
             model.save_adapter(tmp_path / "initial")
             if when == "backward":
                 instrument(
-                    model, lambda method, peer, step: kill() if method == "backward" and step == at_step else None
+                    tap, model, lambda method, peer, step: kill() if method == "backward" and step == at_step else None
                 )
                 train(model, steps=at_step + 1)
             else:

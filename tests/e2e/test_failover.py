@@ -26,6 +26,7 @@ from failover_helpers import (
 )
 
 from swarm.net.errors import SwarmUnavailableError
+from swarm.testing.faults import CallTap
 from swarm.testing.localswarm import LocalSwarm
 
 FAULTS = {
@@ -58,10 +59,11 @@ def test_training_survives_a_replica_failure(fault, tiny_models, tmp_path):
                 victim.append(by_id[peer_id])
                 by_id[peer_id].signal(sig)
 
-        model = connect(local, model_dir, adapter=fault, chain=fault not in CLIENT_DRIVEN)
+        tap = CallTap()
+        model = connect(local, model_dir, adapter=fault, chain=fault not in CLIENT_DRIVEN, call_hook=tap)
         try:
             model.save_adapter(tmp_path / "initial")
-            instrument(model, hook, next_hop=fault in NEXT_HOP)
+            instrument(tap, model, hook, next_hop=fault in NEXT_HOP)
             train(model, steps=2, pipelined=pipelined)
             assert victim, f"the fault was never injected (no {method} at step 1)"
             if sig == signal.SIGSTOP:

@@ -25,6 +25,7 @@ from failover_helpers import (
 
 import swarm
 from swarm.net.errors import RemoteError
+from swarm.testing.faults import CallTap
 from swarm.testing.localswarm import LocalSwarm
 
 PROMPTS = torch.tensor([[5, 17, 99, 3, 42, 7], [8, 1, 250, 31, 64, 2]])
@@ -56,7 +57,8 @@ def test_greedy_generation_equals_local_peft_and_survives_a_replica_kill(tiny_mo
     with LocalSwarm(tmp_path / "swarm") as local:
         peers = start_replicated_swarm(local, model_dir)
         by_id = {p.peer_id: p for p in peers.values()}
-        model = connect(local, model_dir, adapter="generate")
+        tap = CallTap()
+        model = connect(local, model_dir, adapter="generate", call_hook=tap)
         try:
             train(model, steps=2)
             model.save_adapter(tmp_path / "trained")
@@ -68,20 +70,20 @@ def test_greedy_generation_equals_local_peft_and_survives_a_replica_kill(tiny_mo
 
             killed: list[str] = []
             calls: list[str] = []
-            original = model.session.calls.call
 
-            def kill_mid_chain(peer, meta, tensors, *args, **kwargs):
+            def kill_mid_chain(peer, message, send):
                 # a few tokens in (both spans hold sessions), the second span's peer dies: the chain breaks after
                 # the first span, whose peer answers with the failure
+                meta = message.meta
                 if meta["method"] == "infer":
                     calls.append(peer.to_base58())
                     if len(calls) == 5 and not killed:
                         victim = meta["route"][0][0] if meta["route"] else peer.to_base58()
                         killed.append(victim)
                         by_id[victim].signal(signal.SIGKILL)
-                return original(peer, meta, tensors, *args, **kwargs)
+                return send(message)
 
-            model.session.calls.call = kill_mid_chain
+            tap.arm(kill_mid_chain)
             after_kill = model.generate(PROMPTS, max_new_tokens=NEW_TOKENS, do_sample=False)
             assert killed, "the fault was never injected"
             assert any(r.during == "generation" for r in model.recoveries), model.recoveries
@@ -104,7 +106,8 @@ def test_a_dropped_session_is_replayed_and_bad_input_is_refused_clearly(tiny_mod
         extra = ["--max-tokens", "48", "--inference-timeout", "1"]
         for name, span in {"a": "0:2", "b": "2:4"}.items():
             local.start_peer(model_dir, span, name=name, extra=extra, wait=False)
-        model = connect(local, model_dir, adapter="sessions", patience=120)
+        tap = CallTap()
+        model = connect(local, model_dir, adapter="sessions", patience=120, call_hook=tap)
         try:
             model.save_adapter(tmp_path / "initial")
             paused: list[int] = []
@@ -117,20 +120,20 @@ def test_a_dropped_session_is_replayed_and_bad_input_is_refused_clearly(tiny_mod
                     time.sleep(2.5)  # longer than --inference-timeout: the first span's session expires
 
             sent: list[tuple[int, int, int]] = []  # (first block, position, tokens sent) of each infer request
-            original = model.session.calls.call
 
-            def record(peer, meta, tensors, *args, **kwargs):
+            def record(peer, message, send):
+                meta = message.meta
                 if meta["method"] == "infer":
-                    sent.append((meta["start"], meta["position"], tensors[0].shape[1]))
-                return original(peer, meta, tensors, *args, **kwargs)
+                    sent.append((meta["start"], meta["position"], message.tensors[0].shape[1]))
+                return send(message)
 
-            model.session.calls.call = record
+            tap.arm(record)
             expected = model.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
             prompt = PROMPTS.shape[1]
             # the prompt once, then one token per round, each one request to the first span, which passes it on:
             # the keys and values stay on the peers
             assert sent == [(0, 0, prompt)] + [(0, prompt + i, 1) for i in range(NEW_TOKENS - 1)], sent
-            instrument(model, pause_once)
+            instrument(tap, model, pause_once)
             replayed = model.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
             assert any(r.during == "generation" for r in model.recoveries), "the expired session was not replayed"
             with pytest.raises(RemoteError, match="--max-tokens of 48; shorten the prompt or max_new_tokens"):

@@ -20,6 +20,7 @@ from failover_helpers import (
 from hivemind.p2p import PeerID
 
 from swarm.net.wire import Message
+from swarm.testing.faults import CallTap
 from swarm.testing.localswarm import LocalSwarm, Process
 
 FAST = ["--balance-interval", "1"]
@@ -65,7 +66,8 @@ def test_two_peers_killed_at_once_including_every_replica_of_a_span(tiny_models,
     model_dir = tiny_models["llama"]
     with LocalSwarm(tmp_path / "swarm") as local:
         peers = start_swarm(local, model_dir, {"a1": "0:2", "a2": "0:2", "b1": "2:4", "b2": "2:4"}, FAST)
-        model = connect(local, model_dir, adapter="double-kill", patience=120)
+        tap = CallTap()
+        model = connect(local, model_dir, adapter="double-kill", patience=120, call_hook=tap)
         try:
             model.save_adapter(tmp_path / "initial")
             train(model, steps=1)
@@ -78,7 +80,7 @@ def test_two_peers_killed_at_once_including_every_replica_of_a_span(tiny_models,
                         victim.signal(signal.SIGKILL)
                     victims.clear()
 
-            instrument(model, hook)
+            instrument(tap, model, hook)
             train(model, steps=STEPS)
             assert not victims, "the fault was never injected"
             assert model.steps_lost == []

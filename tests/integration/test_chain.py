@@ -12,7 +12,7 @@ import torch
 
 from swarm.net.errors import ErrorKind, RemoteError
 from swarm.net.protocol import Method, method_of
-from swarm.testing.faults import Action, Fault
+from swarm.testing.faults import Action, CallTap, Fault
 from swarm.testing.parity import client_requests
 from swarm.testing.recipe import MICRO_BATCHES, STEPS, assert_matches_local_peft, batches_for_step, connect
 from swarm.testing.recipe import train as train_steps
@@ -20,9 +20,10 @@ from swarm.testing.recipe import train as train_steps
 
 def train(swarm, model_dir, out, adapter: str, **client) -> list[dict]:
     """Train the recipe's steps through chains; the adapter before and after in ``out``; the client's requests."""
-    model = connect(swarm, model_dir, adapter, **client)
+    tap = CallTap()
+    model = connect(swarm, model_dir, adapter, call_hook=tap, **client)
     try:
-        sent = client_requests(model)
+        sent = client_requests(tap)
         model.save_adapter(out / "initial")
         train_steps(model, STEPS)
         model.save_adapter(out / "final")

@@ -18,6 +18,7 @@ import swarm
 from swarm.client.model import label_tokens
 from swarm.net.errors import CommitError
 from swarm.net.protocol import Method, method_of
+from swarm.testing.faults import CallTap
 from swarm.testing.parity import client_requests, local_peft
 from swarm.testing.recipe import HPARAMS, LORA
 
@@ -81,9 +82,14 @@ def local_reference(model_dir, initial, out, norm_types: list[float]) -> tuple[l
     return losses, norms, load_file(out / "adapter_model.safetensors")
 
 
-def connect(swarm_, model_dir, adapter: str) -> swarm.SwarmModelForCausalLM:
+def connect(swarm_, model_dir, adapter: str, **client) -> swarm.SwarmModelForCausalLM:
     return swarm.SwarmModelForCausalLM.from_pretrained(
-        model_dir, initial_peers=swarm_.initial_peers, adapter=adapter, lora_config=peft.LoraConfig(**LORA), seed=5
+        model_dir,
+        initial_peers=swarm_.initial_peers,
+        adapter=adapter,
+        lora_config=peft.LoraConfig(**LORA),
+        seed=5,
+        **client,
     )
 
 
@@ -99,10 +105,11 @@ def test_clipping_and_token_weighting_equal_local_peft_with_torch_clipping(llama
     shares from the backward replies: no norms request), the inf-norm (the same), and the 1-norm (asked for: one
     request per replica). Norms, losses and the adapter equal local peft with torch's clip_grad_norm_."""
     model_dir, norm_types = tiny_models["llama"], [2.0, 2.0, math.inf, 1.0]
-    model = connect(llama_pair, model_dir, "clipped")
+    tap = CallTap()
+    model = connect(llama_pair, model_dir, "clipped", call_hook=tap)
     try:
         model.save_adapter(tmp_path / "initial")
-        sent = client_requests(model)
+        sent = client_requests(tap)
         optimizer = swarm.RemoteOptimizer(model, **HPARAMS)
         losses, norms = train_clipped(model, optimizer, lambda p: model.clip_grad_norm_(MAX_NORM, p), norm_types)
         model.save_adapter(tmp_path / "final")
@@ -177,7 +184,8 @@ def test_failures_before_and_after_clipping_change_neither_the_norm_nor_the_adap
     model_dir, norm_types = tiny_models["llama"], [2.0, 2.0, 2.0]
     swarm_ = inprocess_swarm()
     peers = swarm_.start_peers({"a": "0:2", "b": "2:4", "c": "2:4", "d": "2:4"})
-    model = connect(swarm_, model_dir, "clip-failures")
+    tap = CallTap()
+    model = connect(swarm_, model_dir, "clip-failures", call_hook=tap)
     killed = []
 
     def kill_holder(step: int) -> None:
@@ -188,7 +196,7 @@ def test_failures_before_and_after_clipping_change_neither_the_norm_nor_the_adap
 
     try:
         model.save_adapter(tmp_path / "initial")
-        sent = client_requests(model)
+        sent = client_requests(tap)
         optimizer = swarm.RemoteOptimizer(model, **HPARAMS)
         losses, norms = train_clipped(
             model,

@@ -9,7 +9,6 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
 
 import pytest
 from safetensors.torch import load_file
@@ -21,7 +20,6 @@ from swarm.testing.inprocess import InProcessPeer
 from swarm.testing.recipe import assert_matches_local_peft, connect, train
 from swarm.testing.tiny import make_tiny_model
 
-T = TypeVar("T")
 PEERS, SPAN, LAYERS = 6, 3, 8  # as scripts/bench_churn.py starts them: 18 block copies over 8 blocks
 
 
@@ -47,9 +45,21 @@ def test_six_peers_started_at_once_then_save_right_after_from_pretrained(inproce
 TTL = 3.0  # a record lifetime that a test can outlast twice
 
 
-def _gated(load: Callable[[range], T], gate: threading.Event) -> Callable[[range], T]:
-    """A slow disk: ``load`` waits until the test opens ``gate``."""
-    return lambda blocks: (gate.wait(60.0), load(blocks))[1]
+class Plan:
+    """A peer's plan hook (``peers.daemon.PlanHook``): a slow disk, on which loading ``slow`` (None: any blocks)
+    waits until the test sets ``loaded``; ``moves``: what its balance rounds decide, one a round, then to stay (None:
+    the balancer's own decisions)."""
+
+    def __init__(self, slow: range | None = None, moves: list[range] | None = None):
+        self.slow, self.loaded = slow, threading.Event()
+        self.moves = None if moves is None else iter(moves)
+
+    def loading(self, blocks: range) -> None:
+        if self.slow is None or blocks == self.slow:
+            self.loaded.wait(60.0)
+
+    def decided(self, target: range | None) -> range | None:
+        return target if self.moves is None else next(self.moves, None)
 
 
 def _wait_until(condition: Callable[[], bool], failure: str) -> None:
@@ -73,9 +83,9 @@ def test_a_peer_still_loading_answers_as_joining_and_keeps_its_record(inprocess_
     model_dir = make_tiny_model(tmp_path / "model", layers=4, seed=1)
     local = inprocess_swarm(model=model_dir, record_ttl=TTL, balance_interval=1.0)
     first = local.add_peer("0:2", "first")
-    slow = local.add_peer(None, "slow", wait=False, num_blocks=2)
-    loaded = threading.Event()
-    slow.daemon._load = _gated(slow.daemon._load, loaded)
+    plan = Plan()
+    slow = local.add_peer(None, "slow", wait=False, num_blocks=2, plan=plan)
+    loaded = plan.loaded
     try:
         view = _view_while_loading(slow, first)
         assert slow.peer_id in view.alive, "a loading peer does not answer info"
@@ -95,15 +105,9 @@ def test_a_peer_moving_keeps_its_records_while_it_loads(inprocess_swarm, tmp_pat
     model_dir = make_tiny_model(tmp_path / "model", layers=4, seed=1)
     local = inprocess_swarm(model=model_dir, record_ttl=TTL, balance_interval=1.0)
     first = local.add_peer("0:2", "first")
-    mover = local.add_peer("2:4", "mover", rebalance=True)
-    loaded = threading.Event()
-    mover.backend.load_layers = _gated(mover.backend.load_layers, loaded)
-    moves = iter([range(0, 4)])  # its next round decides this move, and no other
-
-    async def decide(view, yielding=frozenset()):
-        return next(moves, None)
-
-    mover.daemon._decide_move = decide
+    plan = Plan(slow=range(0, 4), moves=[range(0, 4)])  # its first round decides this move, and no other
+    mover = local.add_peer("2:4", "mover", rebalance=True, plan=plan)
+    loaded = plan.loaded
     try:
         view = _view_while_loading(mover, first)
         states = {b: [r.state for r in view.records.get(b, []) if r.peer_id == mover.peer_id] for b in range(4)}

@@ -11,7 +11,7 @@ import time
 from hivemind.p2p import PeerID
 
 import swarm
-from swarm.testing.dishonest import corrupt_partial_sums, corrupt_served_grads, frame_holders
+from swarm.testing.dishonest import CorruptPartialSums, CorruptServedGrads, FrameHolders
 from swarm.testing.recipe import (
     HPARAMS,
     MAX_GRAD_NORM,
@@ -45,8 +45,7 @@ def test_a_holder_handing_on_other_gradients_than_it_reported_is_caught_at_commi
     gradients; an honest replica joins before the commit and fetches them from it: the hashes do not match."""
     model_dir = tiny_models["llama"]
     local = inprocess_swarm()
-    peers = local.start_peers({"dishonest": "0:2", "honest-2": "2:4"})
-    corrupt_served_grads(peers["dishonest"].adapters)
+    peers = local.start_peers({"dishonest": "0:2", "honest-2": "2:4"}, behaviours={"dishonest": CorruptServedGrads()})
     model = connect(local, model_dir, adapter="hashed")
     try:
         model.save_adapter(tmp_path / "initial")
@@ -75,8 +74,7 @@ def test_a_holder_handing_on_a_partial_sum_other_than_its_gradients_sum_is_caugh
     adapter equals local peft."""
     model_dir = tiny_models["llama"]
     local = inprocess_swarm()
-    peers = local.start_peers({"dishonest": "0:2", "tail": "2:4"})
-    corrupt_partial_sums(peers["dishonest"].adapters)
+    peers = local.start_peers({"dishonest": "0:2", "tail": "2:4"}, behaviours={"dishonest": CorruptPartialSums()})
     model = connect(local, model_dir, adapter="summed")
     try:
         model.save_adapter(tmp_path / "initial")
@@ -106,8 +104,7 @@ def test_a_replica_accusing_an_honest_holder_is_itself_caught(inprocess_swarm, t
     try:
         model.save_adapter(tmp_path / "initial")
         _accumulate(model)
-        accuser = local.start_peers({"accuser": "0:2"})["accuser"]
-        frame_holders(accuser)
+        accuser = local.start_peers({"accuser": "0:2"}, behaviours={"accuser": FrameHolders()})["accuser"]
         _wait_seen(model, accuser.peer_id)
         model.clip_grad_norm_(MAX_GRAD_NORM)
         swarm.RemoteOptimizer(model, **HPARAMS).step()

@@ -14,11 +14,12 @@ import transformers
 
 from swarm.net.numerics import Numerics
 from swarm.net.records import read_servers
-from swarm.testing.dishonest import corrupt_forwards
+from swarm.testing.dishonest import CorruptForwards
 from swarm.testing.inprocess import InProcessSwarm
 from swarm.testing.recipe import assert_matches_local_peft, batches_for_step, connect, reference_adapter, train
 
 STEPS = 3
+MAX_ROUNDS = 5  # of STEPS steps, for a liar the router may leave idle a while
 
 
 def announced(swarm: InProcessSwarm, name: str, timeout: float = 30.0) -> Numerics:
@@ -83,14 +84,20 @@ def test_a_liar_inside_the_nf4_class_is_caught_by_its_class(inprocess_swarm, tin
     swarm = inprocess_swarm()
     swarm.add_peer("0:2", "head", wait=False)
     swarm.add_peer("2:4", "exact", wait=False)
+    liar = CorruptForwards()
     for name in ("nf4-a", "nf4-b", "nf4-liar"):
-        swarm.add_peer("2:4", name, wait=False, quant="nf4")
+        swarm.add_peer("2:4", name, wait=False, behaviour=liar if name == "nf4-liar" else None, quant="nf4")
     for peer in swarm.peers.values():
         peer.wait_serving()
-    corrupt_forwards(swarm.peers["nf4-liar"].backend)
     model = connect(swarm, model_dir, adapter="nf4-class", spot_check=1.0)
     try:
-        train(model, steps=STEPS)
+        # Four servers of 2:4: on a loaded machine the router may send the (slower) NF4 liar nothing for a few
+        # steps; a lie told is caught at once, so train on, a bounded while, until it has told one.
+        for _ in range(MAX_ROUNDS):
+            train(model, steps=STEPS)
+            if liar.told:
+                break
+        assert liar.told, "the router never sent the liar a forward"
         assert list(model.dishonest) == [swarm.peers["nf4-liar"].peer_id]
     finally:
         model.shutdown()
@@ -101,8 +108,8 @@ def test_a_liar_just_above_the_rounding_of_the_exact_class_is_caught(inprocess_s
     the rounding of other kernels; training still matches local peft within fp32 rounding."""
     model_dir = tiny_models["llama"]
     swarm = inprocess_swarm()
-    peers = swarm.start_peers({"honest-1": "0:2", "honest-2": "0:2", "liar": "0:2", "tail": "2:4"})
-    corrupt_forwards(peers["liar"].backend, scale=1e-4)
+    spans = {"honest-1": "0:2", "honest-2": "0:2", "liar": "0:2", "tail": "2:4"}
+    peers = swarm.start_peers(spans, behaviours={"liar": CorruptForwards(scale=1e-4)})
     model = connect(swarm, model_dir, adapter="exact-class", spot_check=1.0)
     try:
         model.save_adapter(tmp_path / "initial")

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 import swarm
 from swarm.net.records import ServerState
+from swarm.testing.faults import CallTap
 from swarm.testing.parity import HPARAMS, LORA, MICRO_BATCHES, STEPS, local_peft, make_batches, record_backwards, train
 from swarm.testing.recipe import assert_matches_local_peft, connect
 from swarm.testing.recipe import train as train_recipe
@@ -24,6 +25,7 @@ def parity_run(request, llama_pair, tiny_models, tmp_path_factory):
     default), and hop by hop from the client."""
     model_dir = tiny_models["llama"]
     out = tmp_path_factory.mktemp("parity")
+    tap = CallTap()
     model = swarm.SwarmModelForCausalLM.from_pretrained(
         model_dir,
         initial_peers=llama_pair.initial_peers,
@@ -32,8 +34,9 @@ def parity_run(request, llama_pair, tiny_models, tmp_path_factory):
         dtype=torch.float32,
         seed=7,
         chain=request.param,
+        call_hook=tap,
     )
-    backwards = record_backwards(model)
+    backwards = record_backwards(tap)
     try:
         model.save_adapter(out / "initial")
         batches = make_batches(model.spec.config.vocab_size)
@@ -116,6 +119,7 @@ def test_parity_holds_when_peers_keep_no_forwards(inprocess_swarm, tiny_models, 
     model_dir = tiny_models["llama"]
     local = inprocess_swarm()
     local.add_peer("0:4", "forgetful", activation_cache_mb=0)
+    tap = CallTap()
     model = swarm.SwarmModelForCausalLM.from_pretrained(
         model_dir,
         initial_peers=local.initial_peers,
@@ -123,8 +127,9 @@ def test_parity_holds_when_peers_keep_no_forwards(inprocess_swarm, tiny_models, 
         lora_config=peft.LoraConfig(**LORA),
         seed=7,
         chain=chain,
+        call_hook=tap,
     )
-    backwards = record_backwards(model)
+    backwards = record_backwards(tap)
     try:
         model.save_adapter(tmp_path / "initial")
         batches = make_batches(model.spec.config.vocab_size)[:2]
@@ -141,25 +146,26 @@ def test_parity_holds_when_peers_keep_no_forwards(inprocess_swarm, tiny_models, 
 def test_pipelined_steps_equal_local_peft(llama_pair, tiny_models, tmp_path):
     """model.train_step keeps several micro-batches in the swarm at once (fed from a generator here) and still
     gives the gradients of the plain loop: the adapter equals local peft's, and requests really overlapped."""
-    model_dir, count = tiny_models["llama"], 4
+    model_dir, count, tap = tiny_models["llama"], 4, CallTap()
     model = swarm.SwarmModelForCausalLM.from_pretrained(
         model_dir,
         initial_peers=llama_pair.initial_peers,
         adapter="pipelined",
         lora_config=peft.LoraConfig(**LORA),
         seed=11,
+        call_hook=tap,
     )
     g = torch.Generator().manual_seed(3)
     vocab = model.spec.config.vocab_size
     micro = [dict(input_ids=ids, labels=ids) for ids in torch.randint(0, vocab, (count, 2, 12), generator=g)]
-    busy, most, original, lock = [0], [0], model.session.calls.call, threading.Lock()
+    busy, most, lock = [0], [0], threading.Lock()
 
-    def call(peer, meta, tensors, *args, **kwargs):
+    def call(peer, message, send):
         with lock:
             busy[0] += 1
             most[0] = max(most[0], busy[0])
         try:
-            return original(peer, meta, tensors, *args, **kwargs)
+            return send(message)
         finally:
             with lock:
                 busy[0] -= 1
@@ -167,12 +173,12 @@ def test_pipelined_steps_equal_local_peft(llama_pair, tiny_models, tmp_path):
     try:
         model.save_adapter(tmp_path / "initial")
         optimizer = swarm.RemoteOptimizer(model, **HPARAMS)
-        model.session.calls.call = call
+        tap.arm(call)
         swarm_losses = []
         for _ in range(3):
             swarm_losses.append(model.train_step((b for b in micro), accumulation=count).item())
             optimizer.step()
-        model.session.calls.call = original
+        tap.disarm(call)
         model.save_adapter(tmp_path / "final")
         with pytest.raises(TypeError, match="accumulation"):
             model.train_step(b for b in micro)
@@ -208,22 +214,22 @@ def test_compressed_wire_trains_close_to_exact_and_is_off_by_default(
     logits, sent = {}, {}
     compressed = dict(wire_dtype="bfloat16", compression=compression, grad_compression=grad_compression)
     for name, options in {"exact": {}, "compressed": compressed}.items():
+        requests = []
+
+        def call(peer, message, send, requests=requests):
+            requests.append((message.meta, [t.dtype for t in message.tensors], message.compression))
+            return send(message)
+
         model = swarm.SwarmModelForCausalLM.from_pretrained(
             model_dir,
             initial_peers=llama_pair.initial_peers,
             adapter=f"wire-{name}-{compression}",
             lora_config=peft.LoraConfig(**LORA),
             seed=7,
+            call_hook=call,
             **options,
         )
-        requests, original = [], model.session.calls.call
-
-        def call(peer, meta, tensors, *args, original=original, requests=requests, **kwargs):
-            requests.append((meta, [t.dtype for t in tensors], kwargs.get("compression", 0)))
-            return original(peer, meta, tensors, *args, **kwargs)
-
         try:
-            model.session.calls.call = call
             with torch.no_grad():
                 logits[name] = model(ids).logits
             loss = model.train_step([dict(input_ids=ids, labels=ids)])

@@ -18,7 +18,7 @@ from swarm.net.records import ServerRecord, ServerState, announce, block_key, re
 from swarm.net.security import Identity, SwarmKey, keygen
 from swarm.net.transport import Transport
 from swarm.net.wire import Message
-from swarm.testing.dishonest import corrupt_backward_grads, corrupt_forwards
+from swarm.testing.dishonest import CorruptBackwardGrads, CorruptForwards
 from swarm.testing.inprocess import InProcessSwarm
 from swarm.testing.recipe import assert_matches_local_peft, connect, train
 
@@ -145,7 +145,7 @@ def test_an_outsider_can_neither_call_nor_read_nor_write(private_swarm, tmp_path
         outsider.shutdown()
 
 
-@pytest.mark.parametrize("corrupt", [corrupt_forwards, corrupt_backward_grads], ids=["activations", "lora-gradients"])
+@pytest.mark.parametrize("corrupt", [CorruptForwards, CorruptBackwardGrads], ids=["activations", "lora-gradients"])
 def test_a_peer_computing_wrong_results_is_caught_by_spot_checks_and_training_matches_the_honest_run(
     inprocess_swarm, tiny_models, tmp_path, cpu_load, corrupt
 ):
@@ -153,8 +153,8 @@ def test_a_peer_computing_wrong_results_is_caught_by_spot_checks_and_training_ma
     consistently, so only a recomputation shows them): three replicas of 0:2, every micro-batch checked."""
     model_dir = tiny_models["llama"]
     local = inprocess_swarm()
-    peers = local.start_peers({"honest-1": "0:2", "honest-2": "0:2", "dishonest": "0:2", "honest-3": "2:4"})
-    corrupt(peers["dishonest"].backend)
+    spans = {"honest-1": "0:2", "honest-2": "0:2", "dishonest": "0:2", "honest-3": "2:4"}
+    peers = local.start_peers(spans, behaviours={"dishonest": corrupt()})
     model = connect(local, model_dir, adapter="spot-checked", spot_check=1.0)
     try:
         model.save_adapter(tmp_path / "initial")

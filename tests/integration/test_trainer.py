@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 import swarm
 from swarm.client.trainer import SWARM_CHECKPOINT
+from swarm.testing.faults import CallTap
 from swarm.testing.parity import LORA, local_peft
 
 MAX_STEPS, SAVE_STEPS = 4, 2
@@ -113,27 +114,33 @@ def assert_same_adapter(adapter_dir: Path, reference_dir: Path) -> None:
         torch.testing.assert_close(state[key], reference[key], rtol=1e-4, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
 
 
-def calls_in_flight(model: swarm.SwarmModelForCausalLM) -> list[int]:
-    """How many requests of this client were in flight at once, recorded at each request's start."""
-    seen, active, lock, original = [], [0], threading.Lock(), model.session.calls.call
+def calls_in_flight(tap: CallTap) -> list[int]:
+    """How many requests of this client (``tap``: its call hook) were in flight at once, recorded at each request's
+    start."""
+    seen, active, lock = [], [0], threading.Lock()
 
-    def call(*args, **kwargs):
+    def call(peer, message, send):
         with lock:
             active[0] += 1
             seen.append(active[0])
         try:
-            return original(*args, **kwargs)
+            return send(message)
         finally:
             with lock:
                 active[0] -= 1
 
-    model.session.calls.call = call
+    tap.arm(call)
     return seen
 
 
-def connect(swarm_, model_dir, adapter: str) -> swarm.SwarmModelForCausalLM:
+def connect(swarm_, model_dir, adapter: str, **client) -> swarm.SwarmModelForCausalLM:
     return swarm.SwarmModelForCausalLM.from_pretrained(
-        model_dir, initial_peers=swarm_.initial_peers, adapter=adapter, lora_config=peft.LoraConfig(**LORA), seed=5
+        model_dir,
+        initial_peers=swarm_.initial_peers,
+        adapter=adapter,
+        lora_config=peft.LoraConfig(**LORA),
+        seed=5,
+        **client,
     )
 
 
@@ -163,12 +170,13 @@ def test_trainer_equals_local_trainer(llama_pair, tiny_models, reference, tmp_pa
     warmup and decay, weight decay: the logs, the adapter (saved with save_model and at each checkpoint) and the
     eval loss equal the local Trainer's; a checkpoint folder loads with peft and gives the local model's logits."""
     model_dir = tiny_models["llama"]
-    model = connect(llama_pair, model_dir, "trainer")
+    tap = CallTap()
+    model = connect(llama_pair, model_dir, "trainer", call_hook=tap)
     try:
         model.save_adapter(tmp_path / "initial")
         assert_same_adapter(tmp_path / "initial", reference["initial"])
         trainer = make_trainer(swarm.SwarmTrainer, model, tmp_path / "out")
-        in_flight = calls_in_flight(model)
+        in_flight = calls_in_flight(tap)
         assert isinstance(trainer.optimizer or trainer.create_optimizer(), swarm.RemoteOptimizer)
         trainer.train()
         assert model.step == MAX_STEPS

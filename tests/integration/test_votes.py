@@ -9,7 +9,7 @@ import pytest
 
 import swarm
 from swarm.ops.status import status
-from swarm.testing.dishonest import corrupt_updates
+from swarm.testing.dishonest import CorruptUpdates
 from swarm.testing.recipe import HPARAMS, assert_matches_local_peft, batches_for_step, connect, train
 
 STEPS = 3
@@ -27,8 +27,8 @@ def _train_and_export(model, tmp_path, liar) -> None:
 def test_a_replica_corrupting_its_update_is_outvoted_by_two(inprocess_swarm, tiny_models, tmp_path, cpu_load):
     model_dir = tiny_models["llama"]
     local = inprocess_swarm()
-    peers = local.start_peers({"honest-1": "0:2", "honest-2": "0:2", "liar": "0:2", "honest-3": "2:4"})
-    corrupt_updates(peers["liar"].adapters)
+    spans = {"honest-1": "0:2", "honest-2": "0:2", "liar": "0:2", "honest-3": "2:4"}
+    peers = local.start_peers(spans, behaviours={"liar": CorruptUpdates()})
     model = connect(local, model_dir, adapter="outvoted")
     try:
         _train_and_export(model, tmp_path, peers["liar"].peer_id)
@@ -43,8 +43,7 @@ def test_two_replicas_that_disagree_are_judged_by_a_standby_copy(inprocess_swarm
     """Blocks 0:2 have two replicas; min_copies=3 has the third peer keep a copy of them, which breaks the tie."""
     model_dir = tiny_models["llama"]
     local = inprocess_swarm()
-    peers = local.start_peers({"honest": "0:2", "liar": "0:2", "keeper": "2:4"})
-    corrupt_updates(peers["liar"].adapters)
+    peers = local.start_peers({"honest": "0:2", "liar": "0:2", "keeper": "2:4"}, behaviours={"liar": CorruptUpdates()})
     model = connect(local, model_dir, adapter="tie-broken", min_copies=3)
     try:
         _train_and_export(model, tmp_path, peers["liar"].peer_id)
@@ -55,8 +54,7 @@ def test_two_replicas_that_disagree_are_judged_by_a_standby_copy(inprocess_swarm
 
 def test_two_replicas_that_disagree_with_nobody_to_break_the_tie_stop_the_step(inprocess_swarm, tiny_models, cpu_load):
     local = inprocess_swarm(standby_blocks=0)  # no copies of 0:2 anywhere but its two replicas
-    peers = local.start_peers({"honest": "0:2", "liar": "0:2", "other": "2:4"})
-    corrupt_updates(peers["liar"].adapters)
+    peers = local.start_peers({"honest": "0:2", "liar": "0:2", "other": "2:4"}, behaviours={"liar": CorruptUpdates()})
     model = connect(local, tiny_models["llama"], adapter="undecided")
     try:
         optimizer = swarm.RemoteOptimizer(model, **HPARAMS)
