@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from swarm.spec import SUPPORTED_FAMILIES
 from swarm.testing.tiny import make_tiny_model
 
 
@@ -17,18 +18,7 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     return {
         family: make_tiny_model(root / f"tiny-{family}", family=family, layers=4, seed=1)
-        for family in (
-            "llama",
-            "mistral",
-            "qwen2",
-            "qwen3",
-            "olmo2",
-            "phi3",
-            "gemma2",
-            "gemma3_text",
-            "mixtral",
-            "qwen3_moe",
-        )
+        for family in SUPPORTED_FAMILIES
     }
 
 
