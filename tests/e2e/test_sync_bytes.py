@@ -6,6 +6,10 @@ Two spans of two replicas, every peer alone on a host of its own (its own networ
 standby copies (copies are another promise's bytes); the client trains 8 micro-batches a step with LoRA r=64 on all
 seven projections (G = 2.5 MB per span, the micro-batches' hidden states 0.13 MB a hop), and reads every peer's
 interface counters around each step (swarm/testing/linkmeter.py). Bytes, not times, are compared.
+
+The median over seven steps is compared: a replica audits 5 % of the partial sums it fetches, and an audit costs
+the holder's micro-batch gradients of one block (4 x G/2 here) in that one step; a median over two steps (their
+mean) failed whenever an audit fell into either of them. Seven steps need four audits of one peer's sums to move it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from swarm.testing.localswarm import LocalSwarm
 from swarm.testing.tiny import make_tiny_model
 
 HIDDEN, INTERMEDIATE, BLOCKS, SPAN = 256, 688, 4, 2
-CONFIG = MeterConfig(adapter="reduced", steps=2, warmup=1, batch=1, seq=16, micro_batches=8, lora_rank=64)
+CONFIG = MeterConfig(adapter="reduced", steps=7, warmup=1, batch=1, seq=16, micro_batches=8, lora_rank=64)
 GOAL = 1.5  # Gs each way per peer and step
 PEER_FLAGS = ["--leave-grace", "0.2", "--standby-blocks", "0", "--no-rebalance"]
 
