@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import statistics
 import sys
 import tempfile
@@ -42,7 +43,7 @@ if str(ROOT) not in sys.path:
 
 import swarm  # noqa: E402
 from swarm.gguf import smollm2_folder  # noqa: E402
-from swarm.net.compression import WireFormat, deserialize, serialize  # noqa: E402
+from swarm.net.compression import COMPRESSIONS, WireFormat, deserialize, serialize  # noqa: E402
 from swarm.testing.instructions import collate, instruction_batches, instruction_examples, read_rows  # noqa: E402
 from swarm.testing.localswarm import LocalSwarm  # noqa: E402
 
@@ -58,6 +59,15 @@ FORMATS = {
     "bfloat16 + hadamard4sr": dict(wire_dtype="bfloat16", compression="hadamard4sr"),
     "bfloat16 + hadamard3": dict(wire_dtype="bfloat16", compression="hadamard3"),
     "bfloat16 + hadamard3sr": dict(wire_dtype="bfloat16", compression="hadamard3sr"),
+    "bfloat16 + hadamard4 / 3sr grads": dict(
+        wire_dtype="bfloat16", compression="hadamard4", grad_compression="hadamard3sr"
+    ),
+    "bfloat16 + hadamard4 / 3 grads": dict(
+        wire_dtype="bfloat16", compression="hadamard4", grad_compression="hadamard3"
+    ),
+    "bfloat16 + hadamard4 / blockwise8 grads": dict(
+        wire_dtype="bfloat16", compression="hadamard4", grad_compression="blockwise8"
+    ),
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CHECKPOINTS = (50, 100, 150, 200)
@@ -91,26 +101,26 @@ def probe(model_dir: Path, batch: dict[str, torch.Tensor], block: int) -> tuple[
     return hidden.detach().clone(), hidden.grad.detach().clone()
 
 
-def wire_costs(options: dict, tensors: list[torch.Tensor], repeats: int) -> dict:
-    """Bytes on the wire of ``tensors`` (serialized protobufs), their relative error after the round trip, and the
-    best encode+decode time per MiB of fp32 in."""
-    wire = WireFormat(options.get("wire_dtype"), options.get("compression", "none"))
+def wire_costs(options: dict, hidden: torch.Tensor, grad: torch.Tensor, repeats: int) -> dict:
+    """Bytes on the wire of a hidden state (forward) and its gradient (backward, in the backward's compression) as
+    serialized protobufs, their relative errors after the round trip, and the best encode+decode time per MiB of fp32
+    in."""
+    wire = WireFormat(options.get("wire_dtype"), options.get("compression", "none"), options.get("grad_compression"))
     nbytes, errors, seconds = 0, [], 0.0
-    for tensor in tensors:
-        encoded = serialize(wire.cast(tensor), wire.compression_type)
+    for tensor, compression in ((hidden, wire.compression), (grad, wire.backward_compression)):
+        code = COMPRESSIONS[compression]
+        encoded = serialize(wire.cast(tensor), code)
         nbytes += encoded.ByteSize()
         decoded = deserialize(encoded).float()
         errors.append(((decoded - tensor).norm() / tensor.norm()).item())
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            deserialize(serialize(wire.cast(tensor), wire.compression_type))
+            deserialize(serialize(wire.cast(tensor), code))
             best = min(best, time.perf_counter() - start)
         seconds += best
-    mib = sum(t.numel() * 4 for t in tensors) / 2**20
-    return dict(
-        bytes=nbytes, rel_error=errors, ms_per_mib=1000 * seconds / mib, value_bytes=wire.value_bytes(torch.float32)
-    )
+    mib = 2 * hidden.numel() * 4 / 2**20
+    return dict(bytes=nbytes, rel_error=errors, ms_per_mib=1000 * seconds / mib)
 
 
 def evaluate(model: swarm.SwarmModelForCausalLM, eval_batch: dict[str, torch.Tensor]) -> float:
@@ -120,7 +130,7 @@ def evaluate(model: swarm.SwarmModelForCausalLM, eval_batch: dict[str, torch.Ten
 
 
 def adapter_name(name: str) -> str:
-    return "wire-" + name.replace(" ", "").replace("+", "-").replace("(", "").replace(")", "")
+    return "wire-" + re.sub(r"[^A-Za-z0-9_-]+", "-", name).strip("-")
 
 
 def run(local: LocalSwarm, model_dir: Path, name: str, options: dict, tokenizer, train_rows, eval_batch, args) -> dict:
@@ -249,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
         args.layers = transformers.AutoConfig.from_pretrained(model_dir).num_hidden_layers
         first = instruction_batches(tokenizer, train_rows, 0, size=args.batch, count=1)[0]
         hidden, grad = probe(model_dir, first, args.probe_block or args.layers // 2)
-        costs = {name: wire_costs(FORMATS[name], [hidden, grad], args.timing_repeats) for name in formats}
+        costs = {name: wire_costs(FORMATS[name], hidden, grad, args.timing_repeats) for name in formats}
         costs["shape"] = list(hidden.shape)
         for name in formats:
             logger.info(
