@@ -16,9 +16,13 @@ window whose weakest block is weakest. A settled peer moves for throughput only 
 block has less than RELIEVE_BELOW of the mean block throughput and the move lifts the least throughput over the blocks
 it touches by more than MIN_GAIN (`relief_move`). Joining peers arrive about as often as peers leave and go to the
 weakest blocks for free, so a block only somewhat slow waits for them; a move costs loading time, during which the peer
-still serves its old span. Each such move raises the sorted vector of per-block throughputs (the blocks it touches all
-end above the weakest one before it, the others stay as they were) without raising the badness, and one peer per
-snapshot makes it: with consistent views peers cannot oscillate.
+still serves its old span, and download time for blocks whose weights are not on its disk (a model from the hub). A move
+that takes T seconds gives nothing for T seconds of a PAYBACK horizon, so its lift counts for (1 - T / PAYBACK) of what
+it would be at once: a peer with the weights on disk relieves a block before one that must download them, and a move
+taking longer than the horizon is not made (peers announce what a move costs them: ``MoveCost``). Each such move raises
+the sorted vector of per-block throughputs (the blocks it touches all end above the weakest one before it, the others
+stay as they were) without raising the badness, and one peer per snapshot makes it: with consistent views peers cannot
+oscillate.
 """
 
 from __future__ import annotations
@@ -29,9 +33,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from swarm.net.records import MoveCost
+
 MAX_PLAN_STATES = 2000  # swarm states a plan search expands at most: a few hundred ms in the worst case
 RELIEVE_BELOW = 0.6  # a move relieves a block below this fraction of the mean block throughput; others wait for joins
 MIN_GAIN = 1 / 3  # ... and lifts the blocks it touches by a third: Petals moves for that gain (balance quality 0.75)
+# A throughput move pays for its loading within this time, or is not made: joins and departures reshape a volunteer
+# swarm within about an hour, so a lift that would arrive later is likely overtaken by them.
+PAYBACK = 3600.0
 
 
 def badness(counts: Sequence[int], replication: int) -> tuple[int, int]:
@@ -84,21 +93,24 @@ def choose_span(
     throughput: dict[int, float] | None = None,
     rng: random.Random | None = None,
     held: set[int] | None = None,
+    on_disk: set[int] | None = None,
 ) -> range:
     """Start-up span: the window that most reduces badness, then the one holding most of the blocks whose state this
     peer has on disk (``held``: a restarted peer serves again without copying state, and may hold the newest copy),
     then the one whose weakest block has the least `throughput` (then its second weakest, and so on): the swarm is as
-    fast as its slowest block, and a new peer lifts it at no cost.
+    fast as its slowest block, and a new peer lifts it at no cost; then the one with most blocks whose weights are on
+    this peer's disk (``on_disk``: nothing to download).
 
     Remaining ties are broken at random so that peers starting at the same moment spread out instead of piling up.
     """
     if num_blocks < 1 or span_len < 1:
         raise ValueError(f"need num_blocks >= 1 and span_len >= 1, got {num_blocks} and {span_len}")
-    throughput, held = throughput or {}, held or set()
+    throughput, held, on_disk = throughput or {}, held or set(), on_disk or set()
     bad = _badness_with(coverage, num_blocks, replication)
 
-    def key(w: range) -> tuple[tuple[int, int], int, tuple[float, ...]]:
-        return bad(w), -len(held.intersection(w)), tuple(sorted(throughput.get(b, 0.0) for b in w))
+    def key(w: range) -> tuple[tuple[int, int], int, tuple[float, ...], int]:
+        weakest = tuple(sorted(throughput.get(b, 0.0) for b in w))
+        return bad(w), -len(held.intersection(w)), weakest, -len(on_disk.intersection(w))
 
     windows = _windows(num_blocks, min(span_len, num_blocks))
     best = min(key(w) for w in windows)
@@ -168,7 +180,8 @@ class Snapshot:
     """The swarm as a peer's move weighs it. ``spans``: every settled live peer's span (the deciding peer's
     included); ``pinned``: per block, the servers no plan moves (joining or moving peers); ``capacity``: peer -> the
     blocks it may grow to, as announced; ``speeds``: each peer in ``spans`` -> its span throughput (tokens/s, as
-    announced); ``pinned_throughput``: per block, the throughput the pinned servers will bring there."""
+    announced); ``pinned_throughput``: per block, the throughput the pinned servers will bring there; ``costs``: peer
+    -> what a move costs it, as announced (a peer without one moves for free)."""
 
     spans: Mapping[str, range]
     num_blocks: int
@@ -177,6 +190,7 @@ class Snapshot:
     capacity: Mapping[str, int] | None = None
     speeds: Mapping[str, float] | None = None
     pinned_throughput: Mapping[int, float] | None = None
+    costs: Mapping[str, MoveCost] | None = None
 
 
 def next_move(
@@ -208,7 +222,9 @@ def next_move(
     if 0 not in counts:
         if speeds is None or badness(counts, replication) != (0, 0):
             return None
-        move = relief_move(spans, speeds, num_blocks, replication, pinned, pinned_throughput, relieve_below, min_gain)
+        move = relief_move(
+            spans, speeds, num_blocks, replication, pinned, pinned_throughput, relieve_below, min_gain, swarm.costs
+        )
         return move[1] if move is not None and move[0] == me else None
     plan = cover_plan(spans, num_blocks, replication, pinned)
     return plan[0][1] if plan and plan[0][0] == me else None
@@ -239,17 +255,20 @@ def relief_move(
     pinned_throughput: Mapping[int, float] | None = None,
     level: float = RELIEVE_BELOW,
     gain: float = MIN_GAIN,
+    costs: Mapping[str, MoveCost] | None = None,
+    payback: float = PAYBACK,
 ) -> tuple[str, range] | None:
     """The one move for throughput that this snapshot calls for, as (peer, window), or None.
 
     It relieves the weakest block, if that block has less than `level` of the mean block throughput: some settled peer
     of span throughput x takes a window of its span's length holding that block, such that the least throughput over
-    the blocks it leaves and enters, after the move, exceeds (1 + `gain`) x the weakest block's now. Among those moves,
-    the one after which the swarm's weakest block is strongest wins, then the one lifting the blocks it touches most,
-    then the one loading fewest blocks, then the smallest peer id and start. A move must not raise the badness (holes,
-    then replication deficit, counting `pinned` servers); `pinned_throughput` is what joining and moving peers will
-    bring where they go, so that two peers do not both rush to the same block. Every peer computes the same move from
-    the same snapshot and only its peer makes it.
+    the blocks it leaves and enters, after the move, exceeds (1 + `gain`) x the weakest block's now. A move taking T
+    seconds (`costs`: its peer's announced load and download times) counts that lift for (1 - T / `payback`) of it.
+    Among those moves, the one after which the swarm's weakest block is strongest wins, then the one lifting the blocks
+    it touches most, then the one loading fewest blocks, then the smallest peer id and start. A move must not raise the
+    badness (holes, then replication deficit, counting `pinned` servers); `pinned_throughput` is what joining and
+    moving peers will bring where they go, so that two peers do not both rush to the same block. Every peer computes the
+    same move from the same snapshot and only its peer makes it.
     """
     counts = _counts(spans, num_blocks, pinned)
     flow = block_throughput(spans, speeds, num_blocks, pinned_throughput)
@@ -268,7 +287,10 @@ def relief_move(
             window = range(start, start + len(span))
             if not neutral(span, window):
                 continue
-            lifted = _lifted(flow, span, window, speed)
+            seconds = costs[peer].seconds(span, window) if costs and peer in costs else 0.0
+            if seconds >= payback:
+                continue
+            lifted = floor + (_lifted(flow, span, window, speed) - floor) * (1 - seconds / payback)
             if lifted <= (1 + gain) * floor:
                 continue
             rest = next((flow[b] for b in order if b not in span and b not in window), lifted)

@@ -29,6 +29,7 @@ from peers.checkpoints import CheckpointStore, CheckpointWriter
 from peers.claim import IN_USE_HINT, ProcessClaim, lock_path_of_checkpoints, lock_path_of_identity
 from peers.compute import Compute
 from peers.links import LinkProber
+from peers.movecost import MoveTimer
 from peers.peer_client import PeerClient
 from peers.placement import Placement, decide_move, movers, others_serving, planned_throughput
 from peers.pullers import RecentPullers
@@ -41,7 +42,15 @@ from swarm.net.network import check_access, join_dht, load_swarm_key
 from swarm.net.numerics import Numerics
 from swarm.net.protocol import AdapterInfo, CommittedRequest, MemoryUse, PeerInfo
 from swarm.net.reachability import choose_relays, verify_relayed
-from swarm.net.records import RECORD_TTL, ServerRecord, ServerState, announce, announce_model, read_servers
+from swarm.net.records import (
+    RECORD_TTL,
+    MoveCost,
+    ServerRecord,
+    ServerState,
+    announce,
+    announce_model,
+    read_servers,
+)
 from swarm.net.security import Identity
 from swarm.net.servicer import FaultHook
 from swarm.net.suspects import suspect
@@ -199,6 +208,8 @@ class PeerDaemon:
         self.joining: range | None = None
         self.moving_to: range | None = None
         self.throughput = 0.0
+        self.timer = MoveTimer(self.source, self.spec)
+        self.cost: MoveCost | None = None  # what a move costs this peer (announced once it has loaded)
         self.rng = random.Random(self.identity.peer_id.to_bytes())
         self.store = CheckpointStore(config.checkpoint_dir) if config.checkpoint_dir else None
         self.writer = CheckpointWriter(self.store, config.checkpoint_every) if self.store else None
@@ -243,6 +254,7 @@ class PeerDaemon:
                 max_blocks=self.max_blocks,
                 links=self.parts.links.announced() if self.parts is not None else {},
                 numerics=self._numerics(self.serving),
+                cost=self.cost,
             )
             records.append((record, self.serving))
         if self.joining:
@@ -313,9 +325,11 @@ class PeerDaemon:
     async def _choose_span(self) -> range:
         """Pick the span that helps most; announce it as joining; look again, and yield to a smaller-id peer that
         chose the same span at the same moment. A peer restarting on the blocks its checkpoint holds goes at once:
-        it may hold their newest state, and a second server of them is no waste."""
+        it may hold their newest state, and a second server of them is no waste. Of equal spans, one whose weights are
+        on disk wins (a model from the hub: nothing to download)."""
         config, me = self.config, self.identity.peer_id
         held = await asyncio.to_thread(self.store.blocks) if self.store is not None else set()
+        on_disk = set(await asyncio.to_thread(self.source.blocks_on_disk, self.spec.weight_files, self.spec.num_blocks))
         if not held:
             await asyncio.sleep(self.rng.uniform(0.0, 1.0))  # fresh peers starting together spread out
         view = await self._observe()
@@ -327,6 +341,7 @@ class PeerDaemon:
             planned_throughput(view, self.spec.num_blocks, me),
             self.rng,
             held,
+            on_disk,
         )
         if held.issuperset(span):
             self.joining = span
@@ -341,7 +356,7 @@ class PeerDaemon:
             coverage = view.coverage(me, joining_before=me)
             throughput = planned_throughput(view, self.spec.num_blocks, me)
             best = choose_span(
-                coverage, self.spec.num_blocks, self.span_len, config.replication, throughput, self.rng, held
+                coverage, self.spec.num_blocks, self.span_len, config.replication, throughput, self.rng, held, on_disk
             )
             mine = badness(coverage_with(coverage, self.spec.num_blocks, span), config.replication)
             if mine <= badness(coverage_with(coverage, self.spec.num_blocks, best), config.replication):
@@ -388,6 +403,7 @@ class PeerDaemon:
         digests = self._fetch(blocks)
         if digests is not None:
             self.digests = digests
+        started = time.monotonic()
         adapters = AdapterStore(
             self.spec,
             weight_digests=self.digests,
@@ -411,6 +427,8 @@ class PeerDaemon:
             for name, (meta, states) in self.store.load().items():
                 adapters.keep_standby(name, meta, states, keep=None)
                 logger.info("loaded checkpoint of adapter %r: steps %s", name, _steps_by_block(states))
+        self.timer.loaded(len(blocks), time.monotonic() - started)
+        self.cost = self.timer.cost()
         self.throughput = self._throughput(backend)
         logger.info(
             "blocks %d:%d loaded, %.0f tokens/s (torch %s on %s, %s/%s%s)",
@@ -430,7 +448,9 @@ class PeerDaemon:
         digests of every block now present (what this peer announces and checks adapters' pins against), or None when
         nothing changed: no shard came and ``blocks``' digests are known (a local folder; another peer of this machine
         may have brought the shards into the shared cache since the digests were taken)."""
+        started = time.monotonic()
         fetched = self.source.fetch_blocks(self.spec.weight_files, blocks)
+        self.timer.downloaded(fetched, time.monotonic() - started)
         if not fetched and all(block in self.digests for block in blocks):
             return None
         return block_digests(self.spec, known=self.digests)
@@ -521,7 +541,11 @@ class PeerDaemon:
         """A move's new blocks, loaded beside serving (slow: in a thread)."""
         if self.plan is not None:
             self.plan.loading(blocks)
-        return self.parts.backend.load_layers(blocks)
+        started = time.monotonic()
+        layers = self.parts.backend.load_layers(blocks)
+        self.timer.loaded(len(layers), time.monotonic() - started)
+        self.cost = self.timer.cost()  # the new blocks' shards are on disk now
+        return layers
 
     async def _cancel_move(self, old: range, target: range) -> None:
         """Stay on ``old``: drop what was loaded of ``target`` and the records announcing the move."""
@@ -551,7 +575,7 @@ class PeerDaemon:
         placement = Placement(self.spec.num_blocks, self.span_len, self.config.replication, self.max_blocks)
         me, serving, throughput = self.identity.peer_id, self.serving, self.throughput
         target = await asyncio.to_thread(  # a plan search may take a few hundred ms: not on the event loop
-            decide_move, view, me, serving, throughput, placement, yielding
+            decide_move, view, me, serving, throughput, placement, yielding, self.cost
         )
         return target if self.plan is None else self.plan.decided(target)
 

@@ -10,7 +10,7 @@ from typing import NamedTuple
 from hivemind.p2p import PeerID
 
 from peers.balancer import Snapshot, block_throughput, next_move
-from swarm.net.records import ServerState
+from swarm.net.records import MoveCost, ServerState
 from swarm.net.view import SwarmView
 
 
@@ -100,12 +100,18 @@ def decide_move(
     throughput: float,
     placement: Placement,
     yielding: frozenset[PeerID] = frozenset(),
+    cost: MoveCost | None = None,
 ) -> range | None:
-    """This peer's move (``next_move``) from the view, standing on ``serving``, its own moves left out."""
+    """This peer's move (``next_move``) from the view, standing on ``serving``, its own moves left out (``cost``:
+    what a move costs this peer, as it announces it)."""
     spans, pinned, speeds, pinned_throughput = settled_spans(view, placement.num_blocks, me, yielding)
     mine = me.to_base58()
     spans[mine], speeds[mine] = serving, throughput
-    capacity = {r.peer_id.to_base58(): r.max_blocks for records in view.records.values() for r in records}
+    records = [r for records in view.records.values() for r in records]
+    capacity = {r.peer_id.to_base58(): r.max_blocks for r in records}
+    costs = {r.peer_id.to_base58(): r.cost for r in records if r.cost is not None and r.state == ServerState.ONLINE}
+    if cost is not None:
+        costs[mine] = cost
     return next_move(
         Snapshot(
             spans,
@@ -115,6 +121,7 @@ def decide_move(
             capacity=capacity,
             speeds=speeds,
             pinned_throughput=pinned_throughput,
+            costs=costs,
         ),
         mine,
         placement.span_len,

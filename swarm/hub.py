@@ -18,6 +18,7 @@ client and a peer given the same id and revision agree on it.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -123,6 +124,30 @@ class ModelSource:
             return []
         blocks = list(blocks)
         return self._fetch(shards_for_blocks(self._relative(weight_files), blocks), f"blocks {_span(blocks)}")
+
+    def blocks_on_disk(self, weight_files: Mapping[str, Path], num_blocks: int) -> list[int]:
+        """The blocks whose shards are all here (every block of a local folder): a move onto them downloads
+        nothing."""
+        if self.repo_id is None:
+            return list(range(num_blocks))
+        relative = self._relative(weight_files)
+        return [
+            block
+            for block in range(num_blocks)
+            if all((self.folder / file).is_file() for file in shards_for_blocks(relative, [block]))
+        ]
+
+    def bytes_per_block(self, num_blocks: int) -> float:
+        """About what one block's shards weigh: the checkpoint's size (its index says it) over its blocks; 0 for a
+        local folder or a checkpoint without a size in its index."""
+        index = self.folder / SHARD_INDEX
+        if self.repo_id is None or not index.is_file():
+            return 0.0
+        try:
+            total = json.loads(index.read_text())["metadata"]["total_size"]
+        except (ValueError, KeyError, TypeError):
+            return 0.0
+        return float(total) / max(1, num_blocks) if isinstance(total, int | float) else 0.0
 
     def fetch_client(self, weight_files: Mapping[str, Path]) -> list[str]:
         """Download the shards holding the tensors a client reads (embeddings, final norm, LM head)."""

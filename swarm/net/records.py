@@ -56,6 +56,65 @@ class Link:
     bandwidth: float
 
 
+MAX_DISK_SPANS = 64  # runs of blocks on disk one record may name
+
+
+@dataclass(frozen=True)
+class MoveCost:
+    """What a peer announces of what a move costs it: seconds to load a block whose weights are on its disk
+    (``load``), seconds to download and load one that is not (``fetch``), and the runs of blocks on its disk
+    (``on_disk``, as [start, stop) pairs). The balancer weighs a throughput move by the time it takes."""
+
+    load: float
+    fetch: float
+    on_disk: tuple[tuple[int, int], ...] = ()
+
+    def seconds(self, span: range, window: range) -> float:
+        """How long moving from ``span`` to ``window`` takes: every block of ``window`` not in ``span`` loaded, from
+        disk where it is there, else downloaded first."""
+        new = [b for b in window if b not in span]
+        present = sum(1 for b in new if any(start <= b < stop for start, stop in self.on_disk))
+        return present * self.load + (len(new) - present) * self.fetch
+
+    def to_wire(self) -> list:
+        return [self.load, self.fetch, [list(run) for run in self.on_disk]]
+
+    @classmethod
+    def from_wire(cls, value: object) -> MoveCost:
+        """Raises TypeError or ValueError on anything but [load, fetch, [[start, stop], ...]] with finite
+        non-negative seconds and at most MAX_DISK_SPANS runs."""
+        if not isinstance(value, list | tuple) or len(value) != 3:
+            raise TypeError(f"a move cost is [load, fetch, runs], got {value!r}")
+        load, fetch, runs = value
+        if not isinstance(runs, list | tuple) or len(runs) > MAX_DISK_SPANS:
+            raise TypeError(f"at most {MAX_DISK_SPANS} runs of blocks on disk")
+        on_disk = []
+        for run in runs:
+            if not isinstance(run, list | tuple) or len(run) != 2 or not all(type(x) is int for x in run):
+                raise TypeError(f"{run!r} is not [start, stop]")
+            if not 0 <= run[0] < run[1]:
+                raise ValueError(f"{run!r} is no run of blocks")
+            on_disk.append((run[0], run[1]))
+        return cls(_seconds(load), _seconds(fetch), tuple(on_disk))
+
+
+def runs(blocks: list[int]) -> tuple[tuple[int, int], ...]:
+    """Sorted blocks as [start, stop) runs: what a record says of a peer's disk in a few numbers."""
+    found: list[list[int]] = []
+    for block in sorted(set(blocks)):
+        if found and found[-1][1] == block:
+            found[-1][1] += 1
+        else:
+            found.append([block, block + 1])
+    return tuple((start, stop) for start, stop in found)
+
+
+def _seconds(value: object) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{value!r} is not a finite number of seconds")
+    return float(value)
+
+
 class ServerState(str, Enum):
     JOINING = "joining"
     ONLINE = "online"
@@ -79,6 +138,7 @@ class ServerRecord:
     max_blocks: int = 0  # how many blocks it may grow to, to serve orphaned ones (0: not said; its span)
     links: dict[PeerID, Link] = field(default_factory=dict)  # next-hop peer -> its link from here (peers/links.py)
     numerics: Numerics = EXACT  # how it computes, and each block's error at load (swarm/net/numerics.py)
+    cost: MoveCost | None = None  # what a move costs it (None: not said; a move counts as free)
 
     @property
     def blocks(self) -> range:
@@ -116,6 +176,8 @@ class ServerRecord:
             value["links"] = write_links(self.links)
         if self.numerics != EXACT or self.numerics.errors:
             value["numerics"] = self.numerics.to_wire()
+        if self.cost is not None:
+            value["cost"] = self.cost.to_wire()
         return value
 
     @classmethod
@@ -136,6 +198,7 @@ class ServerRecord:
                 max_blocks=int(value.get("max_blocks", 0)),
                 links=read_links(value.get("links", {})),
                 numerics=Numerics.from_wire(value["numerics"]) if "numerics" in value else EXACT,
+                cost=MoveCost.from_wire(value["cost"]) if "cost" in value else None,
             )
         except (TypeError, KeyError, ValueError, AttributeError):
             logger.debug("ignoring a malformed record from %s", peer_id)

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 import swarm
 from peers.daemon import PeerConfig, PeerDaemon
+from peers.movecost import ASSUMED_DOWNLOAD_RATE
 from swarm.hub import model_name, resolve_model, shards_for_blocks, shards_for_client
 from swarm.net.errors import ModelHubError
 from swarm.spec import load_spec, load_tokenizer
@@ -88,11 +89,19 @@ def test_a_move_fetches_just_the_new_shards_and_refreshes_the_digests(hub, weigh
     assert daemon.digests == {}  # only the small files so far
     local = block_digests(load_spec(hub.repos[REPO].commits[daemon.source.commit].folder))
 
+    before = daemon.timer.cost()  # what it would announce: every block downloaded first, none on disk
+    assert before.on_disk == () and before.fetch > before.load
+    assert before.fetch == pytest.approx(daemon.source.bytes_per_block(4) / ASSUMED_DOWNLOAD_RATE)
+
     hub.clear()
     daemon.digests = daemon._fetch(range(2, 4))
     first = set(hub.fetched())
     assert first == set(shards_for_blocks(weight_map, range(2, 4)))
     assert daemon._digests_of(range(2, 4)) == {2: local[2], 3: local[3]}
+    whole = {b for b in range(4) if set(shards_for_blocks(weight_map, [b])) <= first}
+    assert {2, 3} <= whole and set(daemon.source.blocks_on_disk(daemon.spec.weight_files, 4)) == whole
+    after = daemon.timer.cost()
+    assert after.seconds(range(0, 2), range(2, 4)) == 2 * after.load < before.seconds(range(0, 2), range(2, 4))
 
     hub.clear()
     daemon.digests = daemon._fetch(range(0, 2))
@@ -212,6 +221,8 @@ def test_peers_and_a_client_from_the_hub_id_train_like_local_peft(
     local_digests = block_digests(load_spec(repo_folder))
     assert b.daemon._digests_of(b.daemon.serving) == local_digests  # what it announces for its new span
     assert b.adapters.weight_digests == local_digests  # what it checks adapters' pins against
+    (announced, _), *_ = asyncio.run_coroutine_threadsafe(b.daemon._records(), b._loop).result(timeout=10)
+    assert announced.cost is not None and announced.cost.on_disk == ((0, 4),)  # a move back downloads nothing
 
     # the client on a machine of its own: a cache of its own, where only the shards it reads arrive
     hub.clear()
@@ -235,6 +246,8 @@ def test_peers_and_a_client_from_the_hub_id_train_like_local_peft(
         swarm_loss = out.loss.item()
         model.save_adapter(tmp_path / "final")
         assert model.step == 1
+        saved = json.loads((tmp_path / "final" / "adapter_config.json").read_text())
+        assert (saved["base_model_name_or_path"], saved["revision"]) == (REPO, hub.repos[REPO].refs["main"])
     finally:
         model.shutdown()
     reference = local_peft(repo_folder, tmp_path / "initial")

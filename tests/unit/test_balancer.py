@@ -8,6 +8,7 @@ import time
 import pytest
 
 from peers.balancer import (
+    PAYBACK,
     Snapshot,
     badness,
     block_throughput,
@@ -20,6 +21,7 @@ from peers.balancer import (
     relief_move,
     safe_to_drop,
 )
+from swarm.net.records import MoveCost
 
 
 def test_badness_counts_uncovered_then_deficit():
@@ -466,6 +468,61 @@ def test_a_peer_already_going_counts_so_others_do_not_pile_on():
     )
     # Counting a as a server of 6:8 without its throughput, c would rush there too.
     assert relief_move(spans, speeds, 8, 1, pinned) == ("c", range(6, 8))
+
+
+# --- what a throughput move costs: loading, and downloading shards not on disk ----------------------------------------
+
+EVERYWHERE = ((0, 8),)  # runs of blocks on disk: all of a local folder
+
+
+def test_a_peer_with_the_weights_on_disk_relieves_before_one_that_must_download_them():
+    # a, b, c and d could each lift 6:8 from 30 to 100. Only d has blocks 6:8 on disk; the others would download
+    # them, 20 minutes a block (a 70B block at ~1.7 GB over a 100 Mbit/s home link is about 2 minutes; a slow one
+    # takes this long). a's lift counts for 1 - 2400/3600 of it: 30 + 70/3 = 53, still above the gain, but d's is whole.
+    far = MoveCost(load=5.0, fetch=1200.0, on_disk=((0, 4),))
+    costs = {p: far for p in ("a", "b", "c")} | {"d": MoveCost(5.0, 1200.0, ((2, 4), (6, 8)))}
+    assert relief_move(RELIEF, FAST, 8, 1, costs=costs) == ("d", range(6, 8))
+    moves = {p: next_move(Snapshot(RELIEF, 8, 1, speeds=FAST, costs=costs), p, 2) for p in RELIEF}
+    assert moves == {"a": None, "b": None, "c": None, "d": range(6, 8), "e": None, "s": None}
+    # Without d, a downloads: a late lift beats none.
+    assert relief_move({p: s for p, s in RELIEF.items() if p != "d"}, FAST, 8, 1, costs=costs) == ("a", range(6, 8))
+    # Costs said by nobody, or all on disk at the same load time: as before (a, the smallest id).
+    assert relief_move(RELIEF, FAST, 8, 1, costs={}) == ("a", range(6, 8))
+    local = MoveCost(5.0, 5.0, EVERYWHERE)
+    assert relief_move(RELIEF, FAST, 8, 1, costs=dict.fromkeys(RELIEF, local)) == ("a", range(6, 8))
+
+
+def test_a_move_slower_than_the_payback_horizon_is_not_made():
+    slow_link = MoveCost(load=5.0, fetch=PAYBACK / 2, on_disk=((0, 5),))  # two blocks: the whole horizon
+    assert slow_link.seconds(range(0, 2), range(6, 8)) == slow_link.seconds(range(0, 2), range(5, 7)) == PAYBACK
+    assert relief_move(RELIEF, FAST, 8, 1, costs=dict.fromkeys(RELIEF, slow_link)) is None
+    assert relief_move(RELIEF, FAST, 8, 1, costs=dict.fromkeys(RELIEF, slow_link), payback=2 * PAYBACK) is not None
+
+
+def test_a_costly_move_needs_a_larger_lift():
+    # 6:8 at 30, a and b at 41: the lift to 41 is 0.367 of 30, above MIN_GAIN (a third) when the move is quick. The
+    # same move taking a tenth of the horizon counts for 0.9 x 0.367 = 0.33: not enough.
+    slow = {p: 39.0 for p in RELIEF} | {"s": 30.0, "a": 41.0, "b": 41.0}
+    quick = MoveCost(load=1.0, fetch=1.0, on_disk=EVERYWHERE)
+    assert relief_move(RELIEF, slow, 8, 1, costs=dict.fromkeys(RELIEF, quick)) == ("a", range(6, 8))
+    tenth = MoveCost(load=PAYBACK / 20, fetch=PAYBACK / 20, on_disk=EVERYWHERE)
+    assert relief_move(RELIEF, slow, 8, 1, costs=dict.fromkeys(RELIEF, tenth)) is None
+
+
+def test_a_move_costs_the_blocks_it_adds_only():
+    cost = MoveCost(load=2.0, fetch=50.0, on_disk=((0, 3), (5, 6)))
+    assert cost.seconds(range(0, 4), range(0, 4)) == 0.0
+    assert cost.seconds(range(0, 2), range(1, 3)) == 2.0  # block 2: on disk
+    assert cost.seconds(range(0, 2), range(3, 6)) == 50.0 + 50.0 + 2.0  # 3 and 4 downloaded, 5 on disk
+
+
+def test_a_new_peer_prefers_the_equal_window_whose_weights_are_on_its_disk():
+    for seed in range(10):
+        assert choose_span({}, 8, 2, 1, rng=random.Random(seed), on_disk={4, 5, 6}) in (range(4, 6), range(5, 7))
+    # Coverage, held state and throughput come first.
+    assert choose_span({b: 1 for b in range(4)}, 8, 2, 1, rng=random.Random(0), on_disk={0, 1}).start >= 4
+    tput = {b: 100.0 for b in range(8)} | {7: 10.0}
+    assert choose_span({}, 8, 2, 1, throughput=tput, rng=random.Random(0), on_disk={0, 1}) == range(6, 8)
 
 
 def _throughput_rounds(

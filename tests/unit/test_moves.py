@@ -6,7 +6,7 @@ from hivemind.p2p import PeerID
 
 from peers.placement import Placement, decide_move, movers
 from swarm.net.protocol import PeerInfo
-from swarm.net.records import ServerRecord, ServerState
+from swarm.net.records import MAX_DISK_SPANS, MoveCost, ServerRecord, ServerState, runs
 from swarm.net.view import SwarmView
 
 FIRST, SECOND, SETTLED_HIGH, SETTLED_LOW = (PeerID(bytes([i + 1]) * 8) for i in range(4))
@@ -54,3 +54,47 @@ def test_deciding_as_each_did_at_first_both_would_move():
     for me in (FIRST, SECOND):
         others = frozenset(movers(view) - {me})
         assert decide_move(view, me, range(2, 4), 100.0, PLACEMENT, others) == range(0, 2)
+
+
+# --- what a move costs, as records carry it --------------------------------------------------------------------------
+
+SPANS = {"a": range(0, 2), "b": range(0, 2), "c": range(2, 4), "d": range(2, 4), "e": range(4, 6), "s": range(6, 8)}
+IDS = {name: PeerID(bytes([10 + i]) * 8) for i, name in enumerate(SPANS)}
+SPEEDS = {name: 100.0 for name in SPANS} | {"s": 30.0}  # blocks 6:8 at 30 tokens/s: a fast peer should relieve them
+
+
+def _relief_decisions(costs: dict[str, MoveCost | None]) -> dict[str, range | None]:
+    """Each peer's decision on a view of records as read back from their wire values, each deciding with its own
+    cost (as the daemon passes it)."""
+    said = {
+        name: ServerRecord(IDS[name], ServerState.ONLINE, span.start, span.stop, SPEEDS[name], cost=costs[name])
+        for name, span in SPANS.items()
+    }
+    records = {name: ServerRecord.from_value(IDS[name], record.to_value()) for name, record in said.items()}
+    view = SwarmView(
+        {b: [records[n] for n, span in SPANS.items() if b in span] for b in range(8)},
+        {peer: PeerInfo("m", 0, 0, "online", 1.0, {}, []) for peer in IDS.values()},
+    )
+    placement = Placement(num_blocks=8, span_len=2, replication=1, max_blocks=None)
+    return {n: decide_move(view, IDS[n], SPANS[n], SPEEDS[n], placement, cost=costs[n]) for n in SPANS}
+
+
+def test_the_peer_with_the_weights_on_disk_relieves_the_slow_blocks():
+    far = MoveCost(load=5.0, fetch=1200.0, on_disk=((0, 4),))  # 6:8 would be downloaded: 40 minutes
+    near = MoveCost(load=5.0, fetch=1200.0, on_disk=((2, 4), (6, 8)))
+    costs = dict.fromkeys(SPANS, far) | {"c": near}
+    assert {n: m for n, m in _relief_decisions(costs).items() if m is not None} == {"c": range(6, 8)}
+    # Nobody says what a move costs: the smallest id among the fast peers moves.
+    first = min("abcd", key=lambda n: IDS[n].to_base58())
+    assert {n: m for n, m in _relief_decisions(dict.fromkeys(SPANS)).items() if m is not None} == {first: range(6, 8)}
+
+
+def test_a_malformed_move_cost_drops_the_record():
+    value = ServerRecord(IDS["a"], ServerState.ONLINE, 0, 2, 1.0, cost=MoveCost(1.0, 2.0, ((0, 2),))).to_value()
+    assert ServerRecord.from_value(IDS["a"], value).cost == MoveCost(1.0, 2.0, ((0, 2),))
+    assert "cost" not in ServerRecord(IDS["a"], ServerState.ONLINE, 0, 2, 1.0).to_value()
+    for bad in ([1.0, 2.0], [-1.0, 2.0, []], [1.0, float("inf"), []], [1.0, 2.0, [[3, 2]]], [1.0, 2.0, [[0, 1.5]]]):
+        assert ServerRecord.from_value(IDS["a"], {**value, "cost": bad}) is None, bad
+    many = [[2 * i, 2 * i + 1] for i in range(MAX_DISK_SPANS + 1)]
+    assert ServerRecord.from_value(IDS["a"], {**value, "cost": [1.0, 2.0, many]}) is None
+    assert runs([5, 1, 2, 3, 7, 8]) == ((1, 4), (5, 6), (7, 9))
