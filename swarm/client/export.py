@@ -24,13 +24,20 @@ def peft_key(block: int, name: str) -> str:
 
 
 def save_peft_adapter(
-    out_dir: str | Path, lora_config: peft.LoraConfig, base_model: str, tensors: dict[int, dict[str, torch.Tensor]]
+    out_dir: str | Path,
+    lora_config: peft.LoraConfig,
+    base_model: str,
+    tensors: dict[int, dict[str, torch.Tensor]],
+    revision: str | None = None,
 ) -> Path:
-    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` as ``PeftModel.save_pretrained`` would."""
+    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` as ``PeftModel.save_pretrained`` would
+    (``revision``: the base model's commit, for a model from the hub)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = copy.deepcopy(lora_config)
     config.base_model_name_or_path = base_model
+    if revision is not None:
+        config.revision = revision
     config.task_type = peft.TaskType.CAUSAL_LM
     config.save_pretrained(str(out))
     flat = {peft_key(block, name): t.contiguous() for block, named in tensors.items() for name, t in named.items()}

@@ -40,7 +40,7 @@ from swarm.client.session import (
     committed_or_raise,
     open_session,
 )
-from swarm.hub import resolve_model
+from swarm.hub import ModelSource, resolve_model
 from swarm.lora_options import resolve_lora_config
 from swarm.net.compression import WireFormat
 from swarm.net.errors import AdapterConfigError, AdapterStateLostError, CommitError, RequestError
@@ -115,9 +115,17 @@ class SwarmModelForCausalLM(nn.Module):
 
     accepts_loss_kwargs = True  # transformers' Trainer passes num_items_in_batch and leaves the loss as it is
 
-    def __init__(self, spec: ModelSpec, session: AdapterSession, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        session: AdapterSession,
+        dtype: torch.dtype,
+        device: torch.device,
+        source: ModelSource | None = None,
+    ):
         super().__init__()
         self.spec, self.session, self.dtype, self.device = spec, session, dtype, device
+        self.source = source or ModelSource(spec.path)  # where the base model came from: what a saved adapter names
         self.adapter = session.adapter.name
         self.lora_config = lora_config_from_wire(session.adapter.lora)
         self.generation_config = _generation_config(spec)
@@ -269,7 +277,7 @@ class SwarmModelForCausalLM(nn.Module):
         identity_of_adapter = AdapterIdentity(adapter, lora_config_to_wire(lora_config), seed)
         session = open_session(spec, dht, identity, key, peers, identity_of_adapter, options, trainer)
         try:
-            return cls(spec, session, dtype, torch.device(device))
+            return cls(spec, session, dtype, torch.device(device), source)
         except BaseException:
             session.close()
             raise
@@ -602,8 +610,10 @@ class SwarmModelForCausalLM(nn.Module):
         return self.session.replica_digests()
 
     def save_adapter(self, out_dir: str | Path) -> Path:
-        """Write a standard peft adapter folder for this model."""
-        return save_peft_adapter(out_dir, self.lora_config, str(self.spec.path.resolve()), self.adapter_state())
+        """Write a standard peft adapter folder for this model: its base model is the hub id and commit it came from
+        (what ``PeftModel.from_pretrained`` and the hub's model cards read), else the model folder's path."""
+        base = self.source.repo_id or str(self.spec.path.resolve())
+        return save_peft_adapter(out_dir, self.lora_config, base, self.adapter_state(), self.source.commit)
 
     def __enter__(self) -> SwarmModelForCausalLM:
         return self

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import transformers
 
-from swarm.gguf import smollm2_gguf
+from swarm.gguf import convert_gguf, smollm2_gguf
+from swarm.net.errors import ModelFolderError
 from swarm.spec import load_spec
 
 
@@ -31,3 +33,19 @@ def test_a_converted_gguf_is_the_same_model_and_the_swarm_can_serve_it(smollm2_d
     assert tokenizer.decode(converted.generate(ids, max_new_tokens=3, do_sample=False)[0]).startswith(
         "The capital of France is Paris"
     )
+
+
+@pytest.mark.parametrize("architecture", ["gemma2", "gemma3"])
+def test_a_gguf_whose_architecture_the_loader_reads_in_part_is_refused_naming_what_it_drops(tmp_path, architecture):
+    import gguf
+
+    path = tmp_path / f"{architecture}.gguf"
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelFolderError, match=f"a {architecture} model, .* drops its query_pre_attn_scalar"):
+        convert_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
