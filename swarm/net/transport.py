@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
 from functools import partial
 
@@ -87,6 +88,7 @@ class Transport:
         self.gone: dict[PeerID, float] = {}  # peer -> wall-clock time its connection was found closed
         self.rechecked: dict[PeerID, float] = {}  # gone peer -> wall-clock time of the last dial that tried it again
         self.addresses: dict[PeerID, list[str]] = {}  # peer -> the multiaddrs it announced
+        self.laned: Counter[str] = Counter()  # method -> requests sent as parallel lanes (too large for one call)
 
     @classmethod
     def for_dht(cls, dht: DHT, swarm_key: SwarmKey | None = None) -> Transport:
@@ -205,6 +207,7 @@ class Transport:
         payload = payload_bytes(message.tensors)
         streamed = method_of(message.meta) in STREAMED_REPLIES
         if payload > lanes.LANE_BYTES and not streamed:
+            self.laned[method_of(message.meta)] += 1
             return await asyncio.wait_for(self._send_lanes(stub, message, payload), timeout=timeout)
         parts = encode(message, self.swarm_key)
         if len(parts) == 1 and not streamed:
