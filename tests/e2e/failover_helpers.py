@@ -31,6 +31,7 @@ from swarm.testing.recipe import (
     reference_adapter,
     train,
 )
+from swarm.testing.zygote import Forked
 
 __all__ = [  # the recipe, for the e2e tests that import it from here
     "HPARAMS",
@@ -67,14 +68,10 @@ def start_replicated_swarm(local: LocalSwarm, model_dir: Path) -> dict[str, Proc
 
 def start_client(
     local: LocalSwarm, model_dir: Path, out: Path, name: str, adapter: str, *extra: str, prefix: list[str] = ()
-) -> subprocess.Popen:
-    """tests/train_client.py as its own process (so it can be SIGKILLed), training ``adapter`` to step 4; after
-    ``prefix`` if given (``ip netns exec NS``)."""
-    log = open(out / f"{name}.log", "wb")
+) -> subprocess.Popen | Forked:
+    """tests/train_client.py as its own process (so it can be SIGKILLed), training ``adapter`` to step 4, its log
+    ``OUT/NAME.log``; after ``prefix`` if given (``ip netns exec NS``)."""
     args = [
-        *prefix,
-        sys.executable,
-        str(Path(__file__).with_name("train_client.py")),
         "--model",
         str(model_dir),
         "--initial-peers",
@@ -87,10 +84,11 @@ def start_client(
         str(out),
         *extra,
     ]
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    script = Path(__file__).with_name("train_client.py")
+    return local.start_script(name, script, args, prefix=list(prefix) or None, log=out / f"{name}.log").popen
 
 
-def finish_client(client: subprocess.Popen, log: Path, timeout: float = 240) -> str:
+def finish_client(client: subprocess.Popen | Forked, log: Path, timeout: float = 240) -> str:
     """Wait for a client to exit 0 (killing it if it does not) and return its log."""
     try:
         assert client.wait(timeout) == 0, log.read_text()[-3000:]
@@ -100,7 +98,7 @@ def finish_client(client: subprocess.Popen, log: Path, timeout: float = 240) -> 
     return log.read_text()
 
 
-def wait_for_text(log: Path, needle: str, process: subprocess.Popen, timeout: float = 240) -> None:
+def wait_for_text(log: Path, needle: str, process: subprocess.Popen | Forked, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while needle not in (log.read_text() if log.exists() else ""):
         assert process.poll() is None, f"client exited early:\n{log.read_text()[-3000:]}"

@@ -21,7 +21,7 @@ from swarm.testing.localswarm import LocalSwarm
 def test_dht_prints_multiaddrs_and_peer_announces_then_leaves_cleanly(tiny_models, tmp_path):
     model_dir = tiny_models["llama"]
     name = load_spec(model_dir).name
-    with LocalSwarm(tmp_path) as local:
+    with LocalSwarm(tmp_path, forks=None) as local:  # `python -m swarm` exec'd, as a user starts it (no fork server)
         dht_process = local.start_dht()
         lines = [ln for ln in dht_process.log.read_text().splitlines() if ln.startswith("/")]
         assert lines and all(ln.startswith(("/ip4/", "/ip6/")) and "/p2p/" in ln for ln in lines)
@@ -79,8 +79,9 @@ SIGNALS = [(sig, target) for sig in (signal.SIGTERM, signal.SIGINT) for target i
 def test_a_peer_exits_on_sigterm_or_sigint_to_it_or_to_its_whole_process_group(tiny_models, tmp_path):
     """Sent to the group (systemd's stop, ``kill -- -PGID``), the signal stops the peer's P2P daemon and DHT
     process too: the peer must exit anyway, within its leave grace plus a bound. One peer per signal and target,
-    started and signalled together (one swarm for the four cases: each peer costs its imports, not a swarm)."""
-    with LocalSwarm(tmp_path) as local:
+    started and signalled together (one swarm for the four cases: each peer costs its imports, not a swarm). Exec'd
+    as a user starts them, not forked: what a signal does to a process group is what this test is about."""
+    with LocalSwarm(tmp_path, forks=None) as local:
         local.start_dht()
         names = {f"{sig.name.lower()}-{target}": (sig, target) for sig, target in SIGNALS}
         peers = local.start_peers(tiny_models["llama"], dict.fromkeys(names, "0:2"), extra=["--leave-grace", "1"])

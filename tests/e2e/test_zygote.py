@@ -1,0 +1,63 @@
+"""The test suite's fork server (swarm/testing/zygote.py): a child is the process ``python -m swarm ARGS`` would have
+been (its exit code, its own session and process group, its environment and log, SIGKILL's code), and a start whose
+environment the server's imports could have read otherwise is not taken."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from swarm.testing.zygote import Zygote
+
+
+@pytest.fixture(scope="module")
+def server():
+    forks = Zygote()
+    yield forks
+    forks.close()
+
+
+def test_a_child_runs_the_command_and_ends_with_its_code(server: Zygote, tmp_path: Path):
+    env = {**server.base_env, "SWARM_MARK": "1"}
+    keygen = server.start("swarm", ["keygen", str(tmp_path / "swarm.key")], env, tmp_path / "keygen.log")
+    assert keygen.wait(60) == 0, (tmp_path / "keygen.log").read_text()
+    assert (tmp_path / "swarm.key").stat().st_size > 0
+    usage = server.start("swarm", ["peer"], env, tmp_path / "usage.log")
+    assert usage.wait(60) == 2
+    assert "--model" in (tmp_path / "usage.log").read_text()  # argparse's error, in the child's own log
+
+
+def test_a_child_is_its_own_process_group_with_its_environment_and_dies_by_signal(server: Zygote, tmp_path: Path):
+    dht = server.start("swarm", ["dht", "--host", "127.0.0.1"], server.base_env, tmp_path / "dht.log")
+    try:
+        deadline = time.monotonic() + 60
+        while "/ip4/" not in (tmp_path / "dht.log").read_text() and time.monotonic() < deadline:
+            assert dht.poll() is None, (tmp_path / "dht.log").read_text()
+            time.sleep(0.1)
+        assert os.getpgid(dht.pid) == dht.pid and os.getsid(dht.pid) == dht.pid
+        # the environment it was given is the one its code reads: status finds the DHT through SWARM_INITIAL_PEERS
+        maddrs = [line for line in (tmp_path / "dht.log").read_text().splitlines() if line.startswith("/ip4/")]
+        told = {**server.base_env, "SWARM_INITIAL_PEERS": " ".join(maddrs)}
+        status = server.start("swarm", ["status"], told, tmp_path / "status.log")
+        assert status.wait(120) == 0, (tmp_path / "status.log").read_text()
+        untold = server.start("swarm", ["status"], server.base_env, tmp_path / "untold.log")
+        assert untold.wait(60) == 2 and "SWARM_INITIAL_PEERS" in (tmp_path / "untold.log").read_text()
+        os.killpg(dht.pid, signal.SIGKILL)
+        assert dht.wait(30) == -signal.SIGKILL
+    finally:
+        if dht.poll() is None:
+            os.killpg(dht.pid, signal.SIGKILL)
+
+
+def test_only_what_the_imports_cannot_have_seen_differently_is_forked(server: Zygote):
+    assert server.accepts(dict(server.base_env))
+    assert server.accepts({**server.base_env, "SWARM_INITIAL_PEERS": "/ip4/127.0.0.1/tcp/1"})
+    assert not server.accepts({**server.base_env, "ATEN_CPU_CAPABILITY": "default"})  # read by torch at import
+    assert not server.accepts({**server.base_env, "HF_HOME": "/elsewhere"})  # read by huggingface_hub at import
+    missing = dict(server.base_env)
+    missing.pop("PATH", None)
+    assert not server.accepts(missing)
