@@ -207,8 +207,8 @@ def next_move(
 
     A move dropping a block nobody else serves is no move at all: the daemon would load it, have `safe_to_drop`
     refuse it, and try again every round. With capacities, a growth over orphaned blocks is left to the peer that
-    covers one of them at least cost (fewest blocks added, then smallest id), so that one peer takes them over
-    instead of every one in reach. Without speeds nobody moves for throughput.
+    covers one of them at least cost (least time by the announced costs, then fewest blocks added, then smallest id),
+    so that one peer takes them over instead of every one in reach. Without speeds nobody moves for throughput.
     """
     spans, num_blocks, replication, pinned = swarm.spans, swarm.num_blocks, swarm.replication, swarm.pinned
     capacity, speeds, pinned_throughput = swarm.capacity, swarm.speeds, swarm.pinned_throughput
@@ -216,8 +216,9 @@ def next_move(
     target = _own_move(spans, me, counts, num_blocks, span_len, replication, max_blocks)
     if target is not None:
         grows = len(target) > len(spans[me])
-        if grows and capacity is not None and _outgrown(spans, me, target, counts, num_blocks, replication, capacity):
-            return None
+        if grows and capacity is not None:
+            if _outgrown(spans, me, target, counts, num_blocks, replication, capacity, swarm.costs or {}):
+                return None
         return target
     if 0 not in counts:
         if speeds is None or badness(counts, replication) != (0, 0):
@@ -354,18 +355,26 @@ def _outgrown(
     num_blocks: int,
     replication: int,
     capacity: Mapping[str, int],
+    costs: Mapping[str, MoveCost],
 ) -> bool:
-    """Whether another settled peer's own move serves one of the orphaned blocks `target` grows over, adding fewer
-    blocks than this growth does (ties: the smaller id). Each peer's move is judged as it judges it itself, with the
-    span it serves as its span length (the other peer's --num-blocks is not announced)."""
+    """Whether another settled peer's own move serves one of the orphaned blocks `target` grows over sooner: in less
+    time (`costs`: what each peer announced a move costs it; none said: no time), then adding fewer blocks than this
+    growth does, then the smaller id. Orphaned blocks stop training until someone serves them: the peer that has
+    their weights on disk takes them before one that must download them. Each peer's move is judged as it judges it
+    itself, with the span it serves as its span length (the other peer's --num-blocks is not announced)."""
+
+    def cost(peer: str, grown: range) -> tuple[float, int, str]:
+        seconds = costs[peer].seconds(spans[peer], grown) if peer in costs else 0.0
+        return seconds, len(grown) - len(spans[peer]), peer
+
     orphans = {b for b in target if counts[b] == 0}
-    mine = (len(target) - len(spans[me]), me)
+    mine = cost(me, target)
     for peer, span in spans.items():
         room = capacity.get(peer, 0)
         if peer == me:
             continue
         theirs = _own_move(spans, peer, counts, num_blocks, len(span), replication, max(len(span), room))
-        if theirs is not None and orphans.intersection(theirs) and (len(theirs) - len(span), peer) < mine:
+        if theirs is not None and orphans.intersection(theirs) and cost(peer, theirs) < mine:
             return True
     return False
 

@@ -23,6 +23,8 @@ from peers.balancer import (
 )
 from swarm.net.records import MoveCost
 
+EVERYWHERE = ((0, 8),)  # runs of blocks on disk (MoveCost): all of a local folder
+
 
 def test_badness_counts_uncovered_then_deficit():
     assert badness([0, 1, 2, 3], 2) == (1, 3)
@@ -367,6 +369,20 @@ def test_an_orphan_is_grown_over_by_the_nearest_peer_with_room_only():
     assert next_move(Snapshot(spans, 8, 2), "A", 3, max_blocks=8) == range(0, 8)
 
 
+def test_orphans_go_to_the_peer_that_serves_them_soonest_by_its_announced_cost():
+    # As above, C reaches [6, 8) adding 2 blocks, A adding 5. But C lacks their weights (a model from the hub, a
+    # slow link: 20 minutes a block) and A has the whole model on disk (5 s a block): A grows, C waits.
+    spans = {"A": range(0, 3), "C": range(3, 6)}
+    room = {"A": 8, "C": 8}
+    costs = {"A": MoveCost(5.0, 1200.0, EVERYWHERE), "C": MoveCost(5.0, 1200.0, ((0, 6),))}
+    snapshot = Snapshot(spans, 8, 2, capacity=room, costs=costs)
+    assert {p: next_move(snapshot, p, 3, max_blocks=8) for p in spans} == {"A": range(0, 8), "C": None}
+    # Both with the weights on disk: the fewer blocks to load win again.
+    costs["C"] = MoveCost(5.0, 1200.0, EVERYWHERE)
+    snapshot = Snapshot(spans, 8, 2, capacity=room, costs=costs)
+    assert {p: next_move(snapshot, p, 3, max_blocks=8) for p in spans} == {"A": None, "C": range(3, 8)}
+
+
 # --- throughput: choose_span and relief_move ------------------------------------------------------------------------
 
 
@@ -471,8 +487,6 @@ def test_a_peer_already_going_counts_so_others_do_not_pile_on():
 
 
 # --- what a throughput move costs: loading, and downloading shards not on disk ----------------------------------------
-
-EVERYWHERE = ((0, 8),)  # runs of blocks on disk: all of a local folder
 
 
 def test_a_peer_with_the_weights_on_disk_relieves_before_one_that_must_download_them():
