@@ -1,12 +1,13 @@
 """A fork server for the test suite's processes: one Python that has imported torch, transformers, peft and hivemind
-once, and forks a child for each ``swarm ...`` (or ``python -m MODULE ...``) a test starts.
+once, and forks a child for each ``swarm ...`` (or ``python -m MODULE ...``, ``python SCRIPT ...``) a test starts.
 
 Each child is a real process, as ``python -m swarm ARGS`` would be: its own PID, session and process group (SIGKILL
 and SIGSTOP reach it and its DHT process and p2pd), its own log, the environment it was given, and it dies with the
 server, which dies with the test run. What it skips is ~5 s of imports per start on two cores, most of an e2e test's
 start-up. Only what the imports cannot have seen differently goes through it: a start whose environment differs from
-the server's in anything but ``SWARM_*`` variables (other CPU kernels, another Hugging Face cache or endpoint: read at
-import), or that runs inside a network namespace, is started the ordinary way (``LocalSwarm`` decides).
+the server's in anything but ``SWARM_*`` variables and pytest's name of the current test (other CPU kernels, another
+Hugging Face cache or endpoint: read at import), or that runs inside a network namespace, is started the ordinary way
+(``LocalSwarm`` decides).
 
 The protocol is JSON lines over the server's stdin and stdout: a request ``{"module" or "script", "argv", "env", "log",
 "cwd"}`` is answered ``{"pid"}``; each child's end is told ``{"exit", "code"}`` (the code as ``Popen.returncode``: -N
@@ -29,7 +30,8 @@ from pathlib import Path
 
 # What the server imports before it forks: the modules every swarm process spends its start-up on.
 PRELOAD = ("torch", "transformers", "peft", "hivemind", "peers.daemon", "swarm.ops.cli", "swarm.client.model")
-SAME_ENV_EXCEPT = ("SWARM_",)  # variables a child may have otherwise: read when used, never at import
+# Variables a child may have otherwise: read when used, never at import (pytest sets the current test's name).
+SAME_ENV_EXCEPT = ("SWARM_", "PYTEST_CURRENT_TEST")
 REAP_EVERY = 0.05  # seconds between the server's looks for children that ended
 
 

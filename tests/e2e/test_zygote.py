@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from swarm.testing.zygote import Zygote
+from swarm.testing.localswarm import LocalSwarm
+from swarm.testing.zygote import Forked, Zygote
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +57,17 @@ def test_a_child_is_its_own_process_group_with_its_environment_and_dies_by_signa
 def test_only_what_the_imports_cannot_have_seen_differently_is_forked(server: Zygote):
     assert server.accepts(dict(server.base_env))
     assert server.accepts({**server.base_env, "SWARM_INITIAL_PEERS": "/ip4/127.0.0.1/tcp/1"})
+    assert server.accepts({**server.base_env, "PYTEST_CURRENT_TEST": "another test (call)"})
     assert not server.accepts({**server.base_env, "ATEN_CPU_CAPABILITY": "default"})  # read by torch at import
     assert not server.accepts({**server.base_env, "HF_HOME": "/elsewhere"})  # read by huggingface_hub at import
     missing = dict(server.base_env)
     missing.pop("PATH", None)
     assert not server.accepts(missing)
+
+
+def test_a_swarm_of_a_later_test_is_forked(server: Zygote, tmp_path: Path):
+    """The server was started in an earlier test: this one's environment differs in what pytest names the current
+    test, and its processes still come from the server."""
+    assert os.environ.get("PYTEST_CURRENT_TEST") != server.base_env.get("PYTEST_CURRENT_TEST")
+    with LocalSwarm(tmp_path, forks=server) as local:
+        assert isinstance(local.start_dht().popen, Forked)
