@@ -423,11 +423,11 @@ class PeerDaemon:
             inference_timeout=config.inference_timeout,
             behaviour=self.behaviour,
         )
+        self.timer.loaded(len(blocks), time.monotonic() - started)  # the blocks alone, not the adapters' checkpoint
         if self.store is not None:
             for name, (meta, states) in self.store.load().items():
                 adapters.keep_standby(name, meta, states, keep=None)
                 logger.info("loaded checkpoint of adapter %r: steps %s", name, _steps_by_block(states))
-        self.timer.loaded(len(blocks), time.monotonic() - started)
         self.cost = self.timer.cost()
         self.throughput = self._throughput(backend)
         logger.info(
