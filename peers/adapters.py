@@ -21,6 +21,7 @@ from peers.state import (
     BlockUpdate,
     GradsByBlock,
     KeptInputs,
+    Reduced,
     Undo,
     session_of,
 )
@@ -38,7 +39,7 @@ from swarm.net.errors import (
 from swarm.net.gradhash import grad_hash
 from swarm.net.gradnorm import GradNorm, covers_digest
 from swarm.net.protocol import SUM, AdapterInfo, Group, OptimizerHParams, lora_and_seed
-from swarm.net.reduction import add_up, partial_sum
+from swarm.net.reduction import add_up, chunk_of, from_chunks, partial_sum
 from swarm.spec import ModelSpec
 from swarm.weights import differing
 
@@ -225,7 +226,7 @@ class AdapterStore:
         missing = {
             block: [mb for group in groups[block] if not _can_sum(state, group) for mb in group]
             for block, state in states.items()
-            if state.step == step
+            if state.step == step and not _gathered(state, groups[block])
         }
         return {block: mbs for block, mbs in missing.items() if mbs}
 
@@ -303,16 +304,58 @@ class AdapterStore:
             found[block] = {mb: held[mb] for mb in mbs if mb in held}
         return found if self.behaviour is None else self.behaviour.served_grads(found)
 
-    def partial_sums(self, name: str, step: int, wanted: dict[int, list[str]]) -> GradsByBlock:
+    def partial_sums(
+        self, name: str, step: int, wanted: dict[int, list[str]], chunk: int = 0, chunks: int = 0
+    ) -> GradsByBlock:
         """This peer's partial sum of the step on each block: the ``wanted`` micro-batches' gradients held here,
-        summed in sorted order (under the key ``SUM``); a block where some are not held is left out."""
+        summed in sorted order (under the key ``SUM``; with ``chunks``, only that chunk of it: see
+        swarm/net/reduction.py); a block where some are not held is left out."""
         held = self.micro_batch_grads(name, step, wanted)
         sums: GradsByBlock = {}
         for block, mbs in wanted.items():
             by_mb = held.get(block, {})
             if all(mb in by_mb for mb in mbs):
                 sums[block] = {SUM: partial_sum(by_mb, tuple(sorted(mbs)))}
-        return sums if self.behaviour is None else self.behaviour.partial_sums(sums)
+        if self.behaviour is not None:
+            sums = self.behaviour.partial_sums(sums)
+        if chunks:
+            sums = {block: {SUM: [chunk_of(by_key[SUM], chunk, chunks)]} for block, by_key in sums.items()}
+        return sums
+
+    def blocks_at(self, name: str, step: int, groups: dict[int, list[Group]]) -> list[int]:
+        """The ledger's blocks held here still at ``step`` (checked like a commit's: see ``_ledger_states``)."""
+        return sorted(block for block, state in self._ledger_states(name, step, groups).items() if state.step == step)
+
+    def chunk_parts(
+        self, name: str, step: int, block: int, groups: list[Group], chunk: int, chunks: int
+    ) -> list[torch.Tensor | None]:
+        """Per group of a block's ledger, in order, the chunk of its partial sum this peer can make (from gradients
+        or a partial sum held here), or None where the group's holder must send it."""
+        state = self.adapter(name).blocks[block]
+        return [
+            chunk_of(state.partials[g] if g in state.partials else partial_sum(state.grads, g), chunk, chunks)
+            if _can_sum(state, g)
+            else None
+            for g in groups
+        ]
+
+    def gathered(self, name: str, step: int, block: int, groups: list[Group]) -> list[torch.Tensor] | None:
+        """The block's reduced gradient of the step for these groups, if it was gathered here."""
+        state = self.adapter(name).blocks.get(block)
+        return state.reduced.grads if state is not None and state.step == step and _gathered(state, groups) else None
+
+    def set_gathered(self, name: str, step: int, block: int, groups: list[Group], chunks: list[torch.Tensor]) -> None:
+        """Take a block's reduced gradient of the step, gathered in chunks from its reducers; checked like any
+        input."""
+        state = self.adapter(name).blocks.get(block)
+        if state is None or state.step != step:
+            return
+        try:
+            grads = from_chunks(chunks, [lp.param for lp in state.params])
+        except ValueError as e:
+            raise RequestError(f"the reduced gradient of block {block} does not fit its LoRA tensors: {e}") from None
+        _check_grads(state, block, "(reduced)", grads)
+        state.reduced = Reduced(tuple(groups), grads)
 
     def add_partials(self, name: str, step: int, partials: dict[int, dict[Group, list[torch.Tensor]]]) -> None:
         """Take other holders' partial sums of the step (block -> their micro-batches -> the sum); checked like any
@@ -327,10 +370,11 @@ class AdapterStore:
                 state.partials[group] = [t.to(lp.param.dtype) for t, lp in zip(tensors, state.params, strict=True)]
 
     def drop_partials(self, name: str, step: int) -> None:
-        """Forget the partial sums fetched for ``step``: an audited commit fetches each one again."""
+        """Forget the partial sums (and reduced gradients) fetched for ``step``: an audited commit fetches each
+        holder's partial sum again."""
         for state in self.adapter(name).blocks.values():
             if state.step == step:
-                state.partials = {}
+                state.partials, state.reduced = {}, None
 
     def apply(
         self,
@@ -363,7 +407,7 @@ class AdapterStore:
             state.optimizer.step([lp.param for lp in state.params], summed, hparams)
             grads = {lp.name: grad.detach().cpu() for lp, grad in zip(state.params, summed, strict=True)}
             state.last_update = BlockUpdate(step, grads, hparams, before.digest())
-            state.grads, state.partials = {}, {}
+            state.grads, state.partials, state.reduced = {}, {}, None
             state.step += 1
             moved.add(block)
         self._forget_forwards(name)
@@ -546,9 +590,16 @@ def _can_sum(state: BlockAdapter, group: Group) -> bool:
     return group in state.partials or all(mb in state.grads for mb in group)
 
 
+def _gathered(state: BlockAdapter, groups: list[Group]) -> bool:
+    return state.reduced is not None and state.reduced.groups == tuple(groups)
+
+
 def _reduced(state: BlockAdapter, groups: list[Group]) -> list[torch.Tensor]:
     """A block's gradient of the step: each group's partial sum (fetched from its holder, or summed here from the
-    gradients held here, which are its holder's bits: see ``drop_unlike``), added up in the order of ``groups``."""
+    gradients held here, which are its holder's bits: see ``drop_unlike``), added up in the order of ``groups``; or
+    the same bits gathered in chunks from the block's reducers."""
+    if _gathered(state, groups):
+        return [g.clone() for g in state.reduced.grads]
     return add_up([state.partials[g] if g in state.partials else partial_sum(state.grads, g) for g in groups])
 
 

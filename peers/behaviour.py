@@ -32,6 +32,10 @@ class Behaviour:
         """Partial sums handed to another replica (``AdapterStore.partial_sums``)."""
         return sums
 
+    def reduced_chunks(self, found: GradsByBlock) -> GradsByBlock:
+        """Chunks of reduced gradients handed to another replica (``PeerService._reduced_chunks``)."""
+        return found
+
     def fetched_grads(self, found: GradsByBlock) -> GradsByBlock:
         """Gradients fetched from another holder at commit (``PeerClient.fetch_grads``)."""
         return found

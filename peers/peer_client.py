@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import torch
 from hivemind.p2p import PeerID
 
 from peers.behaviour import Behaviour
@@ -13,6 +14,7 @@ from peers.state import BlockState, BlockUpdate, GradsByBlock, unpack_states
 from swarm.net.chain import ChainFailure, ChainHop, FailureKind, route_timeout
 from swarm.net.errors import PEER_ERRORS, TRANSPORT_ERRORS, RemoteError, ReplyError
 from swarm.net.protocol import (
+    SUM,
     SYNC_TIMEOUT,
     BackwardRequest,
     CommittedRequest,
@@ -22,6 +24,7 @@ from swarm.net.protocol import (
     InferRequest,
     Reply,
 )
+from swarm.net.reduction import ChunkKey
 from swarm.net.transport import Transport
 
 
@@ -69,17 +72,39 @@ class PeerClient:
             self.transport.hint(PeerID.from_base58(peer), maddrs)
 
     async def fetch_grads(
-        self, peer: str, name: str, step: int, wanted: dict[int, list[str]], timeout: float, summed: bool = False
+        self,
+        peer: str,
+        name: str,
+        step: int,
+        wanted: dict[int, list[str]],
+        timeout: float,
+        summed: bool = False,
+        chunk: int = 0,
+        chunks: int = 0,
     ) -> GradsByBlock:
-        """A replica's gradients of the step (``summed``: its partial sum of each block, see ``GradsRequest``); a
-        dead or silent replica just yields nothing (the client replays)."""
-        request = GradsRequest(name, step, wanted, summed)
+        """A replica's gradients of the step (``summed``: its partial sum of each block, or one chunk of it with
+        ``chunks``: see ``GradsRequest``); a dead or silent replica just yields nothing (the client replays)."""
+        request = GradsRequest(name, step, wanted, summed, chunk, chunks)
         try:
             reply = await self.transport.aask(PeerID.from_base58(peer), request, timeout)
         except PEER_ERRORS as e:
             logger.warning("could not fetch gradients from %s: %s", peer, e)
             return {}
         return reply.grads if self.behaviour is None else self.behaviour.fetched_grads(reply.grads)
+
+    async def fetch_chunk(self, reducer: str, key: ChunkKey, wait: float, timeout: float) -> torch.Tensor | None:
+        """One chunk of a block's reduced gradient from its reducer (peers/scatter.py), which waits up to ``wait``
+        seconds while it is still reducing it; None if it has none, fails or is silent."""
+        request = GradsRequest(
+            key.adapter, key.step, {}, True, key.chunk, key.chunks, reduced={key.block: key.groups}, wait=wait
+        )
+        try:
+            reply = await self.transport.aask(PeerID.from_base58(reducer), request, timeout)
+        except PEER_ERRORS as e:
+            logger.warning("could not fetch a reduced chunk from %s: %s", reducer, e)
+            return None
+        sums = reply.grads.get(key.block, {}).get(SUM)
+        return sums[0] if sums is not None and len(sums) == 1 else None
 
     async def fetch_state(self, peer: PeerID, name: str, blocks: range) -> dict[int, BlockState]:
         """The state of ``blocks`` (served or standby) as another peer holds it."""

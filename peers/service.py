@@ -18,6 +18,7 @@ from peers.backend import SpanBackend
 from peers.compute import Compute
 from peers.peer_client import ChainBroken, PeerClient
 from peers.pullers import RecentPullers
+from peers.scatter import ChunkedReduction
 from peers.state import GradsByBlock, pack_states
 from swarm.blocks import lora_config_from_wire
 from swarm.net.chain import ChainFailure, HopAck
@@ -62,7 +63,7 @@ from swarm.net.protocol import (
     TieBreakRequest,
     UnservedRequest,
 )
-from swarm.net.reduction import partial_sum, same_bits
+from swarm.net.reduction import ChunkKey, chunk_of, partial_sum, same_bits
 from swarm.net.security import SwarmKey
 from swarm.net.servicer import Doorkeeper, FaultHook
 from swarm.net.wire import DEFAULT_MAX_PAYLOAD_BYTES
@@ -129,6 +130,9 @@ class PeerService(InfoDoors):
         self.backend, self.adapters, self.peers = backend, adapters, peers
         self.audit_rate, self.random = audit_rate, random.Random()
         self.compute, self.hooks, self.pullers = compute, hooks, pullers
+        self.reduction = ChunkedReduction(
+            lambda: self.me, adapters, compute, peers, self._audit, audit_rate, self.random
+        )
         self.handlers.update(
             {
                 Method.OPEN: self._open,
@@ -306,9 +310,13 @@ class PeerService(InfoDoors):
         }
         await self.compute(self.adapters.drop_unlike, name, step, others)
         audit = isinstance(request, CommitRequest) and request.audit
+        groups = request.groups()
         if audit:
             await self.compute(self.adapters.drop_partials, name, step)
-        groups = request.groups()
+        else:
+            bad = await self.reduction.run(request, groups)
+            if bad:
+                raise _bad_gradients(step, bad)
         missing = await self.compute(self.adapters.missing, name, step, groups)
         wanted_from: dict[str, dict[int, list[str]]] = {}
         for block, mbs in missing.items():
@@ -337,15 +345,16 @@ class PeerService(InfoDoors):
         part: dict[int, list[str]],
         partials: dict[int, dict[Group, list[torch.Tensor]]],
         always: bool = False,
+        chunk: tuple[int, int] | None = None,
     ) -> bool:
         """With probability ``audit_rate`` (``always``: every block): fetch the micro-batch gradients behind a
-        block's partial sum from its holder, check them against the hashes its acks reported, and check that they
-        add up to the partial sum, to the bit. A holder that sends a partial sum other than the sum of what it
-        reported fails."""
+        block's partial sum (or that ``chunk`` of it: index, count) from its holder, check them against the hashes
+        its acks reported, and check that they add up to the partial sum, to the bit. A holder that sends a partial
+        sum other than the sum of what it reported fails."""
         if not always and self.random.random() >= self.audit_rate:
             return True
         blocks = sorted(partials) if always else [self.random.choice(sorted(partials))]
-        return all([await self._audit_block(request, peer, part, partials, block) for block in blocks])
+        return all([await self._audit_block(request, peer, part, partials, block, chunk) for block in blocks])
 
     async def _audit_block(
         self,
@@ -354,6 +363,7 @@ class PeerService(InfoDoors):
         part: dict[int, list[str]],
         partials: dict[int, dict[Group, list[torch.Tensor]]],
         block: int,
+        chunk: tuple[int, int] | None,
     ) -> bool:
         wanted = {block: part[block]}
         grads = await self.peers.fetch_grads(peer, request.adapter, request.step, wanted, request.fetch_timeout)
@@ -365,6 +375,8 @@ class PeerService(InfoDoors):
             return False
         ((group, summed),) = partials[block].items()
         recomputed = await self.compute(partial_sum, matching[block], group)
+        if chunk is not None:
+            recomputed = [chunk_of(recomputed, *chunk)]
         if same_bits(recomputed, summed):
             return True
         logger.warning("audit of %s's partial sum of block %d: not the sum of its reported gradients", peer, block)
@@ -400,8 +412,25 @@ class PeerService(InfoDoors):
         return StepsReply(steps)
 
     async def _grads(self, request: GradsRequest) -> GradsReply:
-        held = self.adapters.partial_sums if request.summed else self.adapters.micro_batch_grads
-        return GradsReply(await self.compute(held, request.adapter, request.step, request.wanted))
+        name, step = request.adapter, request.step
+        if request.reduced:
+            return GradsReply(await self._reduced_chunks(request))
+        if request.summed:
+            sums = self.adapters.partial_sums
+            return GradsReply(await self.compute(sums, name, step, request.wanted, request.chunk, request.chunks))
+        return GradsReply(await self.compute(self.adapters.micro_batch_grads, name, step, request.wanted))
+
+    async def _reduced_chunks(self, request: GradsRequest) -> GradsByBlock:
+        """The asked chunk of each block's reduced gradient that this peer reduces (peers/scatter.py)."""
+        if not request.chunks:
+            raise RequestError("a reduced chunk is asked with 'chunks' > 0")
+        found: GradsByBlock = {}
+        for block, digest in request.reduced.items():
+            key = ChunkKey(request.adapter, request.step, block, digest, request.chunk, request.chunks)
+            reduced = await self.reduction.serve(key, request.wait)
+            if reduced is not None:
+                found[block] = {SUM: [reduced]}
+        return found if self.adapters.behaviour is None else self.adapters.behaviour.reduced_chunks(found)
 
     async def _export(self, request: ExportRequest) -> ExportReply:
         """State of blocks; with ``held`` (block -> the step of the asker's copy), the last update of served blocks

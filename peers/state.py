@@ -25,6 +25,14 @@ def session_of(micro_batch: str) -> str:
     return micro_batch.split(":", 1)[0]
 
 
+@dataclass(frozen=True)
+class Reduced:
+    """A block's reduced gradient of a step, gathered from its reducers' chunks, and the groups it is the sum of."""
+
+    groups: tuple[Group, ...]
+    grads: list[torch.Tensor]
+
+
 @dataclass
 class BlockAdapter:
     """One adapter on one block: LoRA tensors, AdamW state, committed step and this step's gradients."""
@@ -34,6 +42,7 @@ class BlockAdapter:
     step: int = 0
     grads: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     partials: dict[Group, list[torch.Tensor]] = field(default_factory=dict)  # other holders' sums, fetched at commit
+    reduced: Reduced | None = None  # the step's whole reduced gradient, gathered in chunks at commit
     last_update: BlockUpdate | None = None  # what took the state from step - 1 to step, for copies one step behind
     undo: Undo | None = None  # the block as it was before its last apply
 

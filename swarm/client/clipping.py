@@ -5,7 +5,8 @@ The shares of the norm come with the backward replies (each peer reports its blo
 micro-batches it holds), so clipping costs no round trip when one peer holds all of a block's micro-batches, as it
 does unless a failure re-routed part of the step. Other blocks, and norm types other than 2 and inf, are asked for:
 one request per replica, which first fetches the gradients it lacks (as a commit does; the commit then finds them
-there), with the lost ones replayed from what the client kept.
+there), with the lost ones replayed from what the client kept. A block of three replicas or more is asked of all of
+them: they reduce its gradient in chunks together (peers/scatter.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from swarm.client.ledger import StepLedger
 from swarm.client.remote import RemoteStack
 from swarm.net.errors import CommitError, ErrorKind, RemoteError, ReplyError
 from swarm.net.gradnorm import combine
-from swarm.net.protocol import FETCH_TIMEOUT, NormsRequest, bad_holders, missing_gradients
+from swarm.net.protocol import COMMIT_FLOOR, NormsRequest, bad_holders, missing_gradients
+from swarm.net.reduction import MIN_REDUCERS
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +67,8 @@ def _ask_parts(
             hops.calls.router.refresh()
             continue
         lost: dict[int, set[str]] = {}
-        for shares, lacking in replicas.each(partial(_ask, hops, ledger, asked, norm_type), list(asked)):
+        ask = partial(_ask, hops, ledger, asked, _reducers(asked), norm_type)
+        for shares, lacking in replicas.each(ask, list(asked)):
             parts.update(shares)
             for block, mbs in lacking.items():
                 lost.setdefault(block, set()).update(mbs)
@@ -80,18 +83,34 @@ def _ask_parts(
 
 
 def _askees(spans: dict[PeerID, range], ledger: StepLedger, blocks: list[int]) -> dict[PeerID, list[int]]:
-    """For each block, the current replica holding the most of its micro-batches' gradients."""
+    """For each block, the current replica holding the most of its micro-batches' gradients; or, where the block has
+    ``MIN_REDUCERS`` replicas or more, every one of them: they reduce its gradient in chunks together (each then
+    holds the whole reduced gradient, which its commit finds there)."""
     asked: dict[PeerID, list[int]] = {}
     for block in blocks:
         holders = list(ledger.holders[block].values())
         serving = [peer for peer, span in spans.items() if block in span]
-        if serving:
-            asked.setdefault(max(serving, key=holders.count), []).append(block)
+        for peer in serving if len(serving) >= MIN_REDUCERS else [max(serving, key=holders.count)] if serving else []:
+            asked.setdefault(peer, []).append(block)
     return asked
 
 
+def _reducers(asked: dict[PeerID, list[int]]) -> dict[int, list[str]]:
+    """The blocks asked of several replicas, and those replicas, sorted: they reduce it in chunks."""
+    by_block: dict[int, list[str]] = {}
+    for peer, blocks in asked.items():
+        for block in blocks:
+            by_block.setdefault(block, []).append(peer.to_base58())
+    return {block: sorted(peers) for block, peers in by_block.items() if len(peers) >= MIN_REDUCERS}
+
+
 def _ask(
-    hops: RemoteStack, ledger: StepLedger, asked: dict[PeerID, list[int]], norm_type: float, peer: PeerID
+    hops: RemoteStack,
+    ledger: StepLedger,
+    asked: dict[PeerID, list[int]],
+    reducers: dict[int, list[str]],
+    norm_type: float,
+    peer: PeerID,
 ) -> tuple[dict[int, float], dict[int, list[str]]]:
     """One replica's shares of its ``asked`` blocks, or the gradients nobody could give it (nothing at all when it
     failed), counting those of a holder caught handing on gradients unlike those it reported (it is banned)."""
@@ -99,9 +118,14 @@ def _ask(
     holders = {block: ledger.wire_holders(range(block, block + 1))[block] for block in asked[peer]}
     try:
         request = NormsRequest(
-            calls.adapter, ledger.step, holders, norm_type, holder_maddrs=calls.holder_maddrs(holders)
+            calls.adapter,
+            ledger.step,
+            holders,
+            norm_type,
+            holder_maddrs=calls.holder_maddrs(holders),
+            reducers={block: reducers[block] for block in asked[peer] if block in reducers},
         )
-        return calls.ask(peer, request, floor=2 * FETCH_TIMEOUT).parts, {}
+        return calls.ask(peer, request, floor=COMMIT_FLOOR).parts, {}
     except PeerFailure:
         return {}, {}
     except RemoteError as e:

@@ -29,7 +29,7 @@ from swarm.client.remote import RemoteStack
 from swarm.client.votes import tally
 from swarm.net.errors import CommitError, RemoteError, ReplicasDisagreeError, SwarmUnavailableError
 from swarm.net.protocol import (
-    FETCH_TIMEOUT,
+    COMMIT_FLOOR,
     CommitReply,
     CommitRequest,
     DigestRequest,
@@ -44,6 +44,7 @@ from swarm.net.protocol import (
     bad_holders,
     missing_gradients,
 )
+from swarm.net.reduction import MIN_REDUCERS
 from swarm.net.waiting import Deadline, WaitLine
 
 logger = logging.getLogger(__name__)
@@ -518,7 +519,7 @@ def _tiebreak(
             holder_maddrs=calls.holder_maddrs(holders),
         )
         try:
-            digest = calls.ask(holder, request, floor=2 * FETCH_TIMEOUT).digests[block]
+            digest = calls.ask(holder, request, floor=COMMIT_FLOOR).digests[block]
         except (PeerFailure, RemoteError, KeyError) as e:
             logger.warning("peer %s could not break the tie on block %d at step %d: %r", holder, block, step, e)
             continue
@@ -622,9 +623,10 @@ def _commit_all(
             grad_scale=ledger.grad_scale,
             audit=audit,
             holder_maddrs=calls.holder_maddrs(holders),
+            reducers=reducers(peers, peers[peer]),
         )
         try:
-            return Outcome(Phase.APPLIED, reply=calls.ask(peer, request, floor=2 * FETCH_TIMEOUT))
+            return Outcome(Phase.APPLIED, reply=calls.ask(peer, request, floor=COMMIT_FLOOR))
         except PeerFailure:
             return Outcome(Phase.SILENT)
         except RemoteError as e:
@@ -639,6 +641,17 @@ def _commit_all(
                 return Outcome(Phase.SILENT)
 
     return CommitRound(dict(zip(peers, replicas.each(attempt, list(peers)), strict=True)))
+
+
+def reducers(spans: dict[PeerID, range], blocks: range) -> dict[int, list[str]]:
+    """Per block of ``blocks`` committed on at least ``MIN_REDUCERS`` of the replicas asked (``spans``), those
+    replicas, sorted: they reduce its gradient in chunks (peers/scatter.py); fewer exchange partial sums directly."""
+    found = {}
+    for block in blocks:
+        serving = sorted(peer.to_base58() for peer, span in spans.items() if block in span)
+        if len(serving) >= MIN_REDUCERS:
+            found[block] = serving
+    return found
 
 
 def judge_accused(hops: RemoteStack, ledger: StepLedger, accused: list[tuple[PeerID, PeerID]]) -> list[PeerID]:

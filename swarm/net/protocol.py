@@ -100,6 +100,9 @@ PEER_STATE_ERRORS = frozenset(
     }
 )
 FETCH_TIMEOUT = 3.0  # how long a replica waits for another's gradients before the client replays them
+# how long a client waits for a replica's commit beyond its usual time: a chunked reduction's rounds (peers/scatter.py),
+# then the direct fetch of a block whose reducer failed
+COMMIT_FLOOR = 3 * FETCH_TIMEOUT
 SYNC_TIMEOUT = 60.0  # how long a state transfer between peers may take
 MAX_MADDRS = 16  # addresses a reachability question may name
 MAX_HOLDERS = 256  # peers a commit's ledger may name with their addresses
@@ -768,6 +771,34 @@ def read_fetch_timeout(meta: dict, key: str) -> float:
     return float(timeout)
 
 
+MAX_CHUNKS = 16  # a block's replicas that reduce it in chunks, at most
+
+
+def _reducers(value: object) -> list[str]:
+    if not isinstance(value, list) or len(value) > MAX_CHUNKS or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{value!r} is not a list of at most {MAX_CHUNKS} peer ids")
+    if value != sorted(set(value)):
+        raise ValueError(f"{value!r} is not sorted without repeats")
+    for peer in value:
+        PeerID.from_base58(peer)
+    return value
+
+
+def read_chunks(meta: dict, key: str) -> int:
+    """How many chunks a block's sum is cut into (0: whole); ``chunk`` must be one of them."""
+    chunks, chunk = meta.get(key), meta.get("chunk")
+    if not _is_int(chunks) or not 0 <= chunks <= MAX_CHUNKS or (chunks and not (_is_int(chunk) and chunk < chunks)):
+        raise RequestError(f"{key!r} must be 0 or at most {MAX_CHUNKS}, and 'chunk' one of them")
+    return chunks
+
+
+def read_wait(meta: dict, key: str) -> float:
+    value = meta.get(key)
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value <= 600:
+        raise RequestError(f"{key!r} must be a number of seconds in [0, 600]")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class CommitRequest(Request):
     """Commit a step on the blocks of ``ledger`` (block -> {micro-batch id: the peer holding its gradients, and
@@ -782,6 +813,8 @@ class CommitRequest(Request):
     grad_scale: float = wire(read_grad_scale, default=1.0)  # the global clipping factor, the same on every replica
     audit: bool = wire(read_bool, default=False)  # refetch every other holder's partial sum, each one audited
     holder_maddrs: dict[str, list[str]] = wire(read_holder_maddrs, default_factory=dict)
+    # per block, the replicas asked to commit it, sorted: with three or more, they reduce it in chunks
+    reducers: dict[int, list[str]] = wire(by_blocks(_reducers, "peer ids"), by_block, default_factory=dict)
 
     def micro_batches(self) -> dict[int, list[str]]:
         """Per block, the micro-batches to sum, in the canonical (sorted) order."""
@@ -811,6 +844,7 @@ class NormsRequest(Request):
     norm_type: float = wire(read_norm_type, default=2.0)
     fetch_timeout: float = wire(read_fetch_timeout, default=FETCH_TIMEOUT)
     holder_maddrs: dict[str, list[str]] = wire(read_holder_maddrs, default_factory=dict)
+    reducers: dict[int, list[str]] = wire(by_blocks(_reducers, "peer ids"), by_block, default_factory=dict)
 
     def micro_batches(self) -> dict[int, list[str]]:
         return {block: sorted(by_mb) for block, by_mb in self.ledger.items()}
@@ -869,6 +903,13 @@ class GradsRequest(Request):
     step: int = wire(read_int)
     wanted: dict[int, list[str]] = wire(by_blocks(_strings, "micro-batch ids"), by_block)
     summed: bool = wire(read_bool, default=False)
+    # with ``chunks`` > 0, only chunk ``chunk`` of each block's sum (swarm/net/reduction.py ``chunk_of``)
+    chunk: int = wire(read_int, default=0)
+    chunks: int = wire(read_chunks, default=0)
+    # with a groups digest (``reduction.groups_digest``) per block: the chunk of the step's reduced gradient that
+    # this peer reduces, waited for at most ``wait`` seconds while it is still being reduced
+    reduced: dict[int, str] = wire(by_blocks(_string, "groups digest"), by_block, default_factory=dict)
+    wait: float = wire(read_wait, default=0.0)
 
 
 SUM = "+"  # the key of a partial sum in a GradsReply (never a micro-batch id: those are session:step:counter)

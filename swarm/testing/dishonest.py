@@ -63,6 +63,14 @@ class CorruptPartialSums(Liar):
         return self.perturbed_by_block(sums)
 
 
+class CorruptReducedChunks(Liar):
+    """A wrong chunk of a reduced gradient (peers/scatter.py): the one it hands the block's other replicas is
+    perturbed; its partial sums, and what it applies itself, are honest."""
+
+    def reduced_chunks(self, found: GradsByBlock) -> GradsByBlock:
+        return self.perturbed_by_block(found)
+
+
 class FrameHolders(Liar):
     """A false accuser at commit: it perturbs the gradients it fetches from their honest holders, so that they fail
     its hash check and it refuses the commit naming those holders (``bad_gradients``)."""

@@ -5,12 +5,13 @@ holder's partial sum applies the same bits as one that summed the holder's gradi
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
 from swarm.net.protocol import SUM, Held, OptimizerHParams, ledger_groups
-from swarm.net.reduction import add_up, partial_sum
+from swarm.net.reduction import add_up, chunk_bounds, chunk_of, from_chunks, partial_sum, same_bits
 from swarm.spec import load_spec
 
 U = 2.0**-24  # fp32's unit roundoff
@@ -85,3 +86,64 @@ def test_a_fetched_partial_sum_applies_the_same_bits_as_one_summed_here(tiny_mod
     for name in "AC":
         replicas[name].adapters.apply("a", 0, groups, HPARAMS)
     assert replicas["A"].adapters.digests("a") == replicas["C"].adapters.digests("a")
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 5])
+def test_chunks_cover_the_tensors_end_to_end_and_put_back_together(chunks):
+    tensors = [torch.randn(7, 3), torch.randn(11), torch.randn(2, 2, 2)]
+    sizes = [t.numel() for t in tensors]
+    bounds = [chunk_bounds(sizes, k, chunks) for k in range(chunks)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == sum(sizes)
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+    assert max(b - a for a, b in bounds) - min(b - a for a, b in bounds) <= 1
+    assert same_bits(from_chunks([chunk_of(tensors, k, chunks) for k in range(chunks)], tensors), tensors)
+    with pytest.raises(ValueError):
+        chunk_of(tensors, chunks, chunks)
+
+
+def test_a_reduction_in_chunks_is_the_bits_of_the_whole_sum():
+    """Each reducer adds one chunk of every partial sum in the ledger's order; put together, the chunks are the
+    whole partial sums added in that order, to the bit (a sum is elementwise)."""
+    grads = _grads(9)
+    mbs = sorted(grads)
+    groups = [tuple(mbs[0::3]), tuple(mbs[1::3]), tuple(mbs[2::3])]
+    partials = [partial_sum(grads, group) for group in groups]
+    chunks = [add_up([[chunk_of(part, k, 3)] for part in partials])[0] for k in range(3)]
+    assert same_bits(from_chunks(chunks, partials[0]), add_up(partials))
+
+
+def test_a_gradient_gathered_in_chunks_applies_the_same_bits_as_the_direct_exchange(tiny_models):
+    """Replicas A, B and C each computed two of six micro-batches. A fetches B's and C's partial sums (the direct
+    exchange); D, which computed none, is handed the reduced gradient in three chunks, each the sum of that chunk of
+    every partial sum: the same state after the step."""
+    spec = load_spec(tiny_models["llama"])
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    replicas = {name: SpanBackend(spec, range(0, 2), cpu, fp32, "none", AdapterStore(spec)) for name in "ABCD"}
+    hidden = {
+        f"s:0:{i:09d}": torch.randn(1, 5, spec.hidden_size, generator=torch.Generator().manual_seed(i))
+        for i in range(6)
+    }
+    mbs = sorted(hidden)
+    computes = {"A": (mbs[0], mbs[3]), "B": (mbs[1], mbs[4]), "C": (mbs[2], mbs[5])}
+    groups = {block: sorted(computes.values()) for block in range(2)}
+    for backend in replicas.values():
+        backend.adapters.open_adapter("a", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}, 7)
+    for name, group in computes.items():
+        for mb in group:
+            replicas[name].forward("a", range(0, 2), 0, hidden[mb], None, mb)
+            replicas[name].backward("a", range(0, 2), 0, mb, hidden[mb], None, torch.ones_like(hidden[mb]))
+    sums = {
+        name: replicas[name].adapters.partial_sums("a", 0, {block: list(group) for block in range(2)})
+        for name, group in computes.items()
+    }
+    for name in "BC":
+        partials = {block: {computes[name]: by_key[SUM]} for block, by_key in sums[name].items()}
+        replicas["A"].adapters.add_partials("a", 0, partials)
+    for block in range(2):
+        parts = [sums[name][block][SUM] for name in sorted(computes, key=computes.get)]
+        chunks = [add_up([[chunk_of(part, k, 3)] for part in parts])[0] for k in range(3)]
+        replicas["D"].adapters.set_gathered("a", 0, block, groups[block], chunks)
+    assert replicas["D"].adapters.missing("a", 0, groups) == {}
+    for name in "AD":
+        replicas[name].adapters.apply("a", 0, groups, HPARAMS)
+    assert replicas["A"].adapters.digests("a") == replicas["D"].adapters.digests("a")

@@ -1,0 +1,235 @@
+"""A block committed on three or more replicas reduces its step's gradient in chunks (a reduce-scatter, then an
+all-gather): the k-th of the replicas the client names (``reducers``, sorted) reduces chunk k, fetching only that
+chunk of each holder's partial sum, and every replica gathers the reduced chunks from their reducers. Each peer
+moves 2(R-1)/R of the block's gradient each way instead of the direct exchange's R-1 (1.33 G instead of 2 G at
+R = 3), in two rounds instead of one; the bits are the direct exchange's (a sum is elementwise). Anything that
+fails (a reducer gone, slow, or caught by an audit) leaves the block to the direct exchange (peers/service.py
+``_fetch_missing``). ARCHITECTURE.md "One reduction per step"."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+
+import torch
+
+from peers.adapters import AdapterStore
+from peers.compute import Compute
+from peers.peer_client import PeerClient
+from swarm.net.errors import RequestError
+from swarm.net.protocol import SUM, CommitRequest, Group, NormsRequest
+from swarm.net.reduction import MIN_REDUCERS, ChunkKey, add_up, chunk_of, groups_digest, same_bits
+
+logger = logging.getLogger(__name__)
+
+MAX_WAITING = 4096  # chunks asked for before this peer reduced them, at most (asks beyond it are answered "none")
+KEPT_STEPS = 2  # a reducer keeps its chunks for replicas that commit late, this many steps back
+
+# the service's audit of a holder's partial sum (request, holder, wanted, partials; keywords always, chunk)
+Audit = Callable[..., Awaitable[bool]]
+
+
+class ChunkBoard:
+    """The chunks this peer reduced, posted for the block's other replicas, who may ask before it is done."""
+
+    def __init__(self) -> None:
+        self._chunks: dict[ChunkKey, asyncio.Future] = {}
+        self._newest: dict[str, int] = {}
+
+    def _future(self, key: ChunkKey, create: bool) -> asyncio.Future | None:
+        future = self._chunks.get(key)
+        if future is None and (create or len(self._chunks) < MAX_WAITING):
+            future = self._chunks[key] = asyncio.get_running_loop().create_future()
+        return future
+
+    def post(self, key: ChunkKey, chunk: torch.Tensor | None) -> None:
+        """This peer's reduced chunk (None: it could not reduce it); chunks of steps long past are forgotten."""
+        future = self._future(key, create=True)
+        if not future.done():
+            future.set_result(chunk)
+        newest = self._newest[key.adapter] = max(self._newest.get(key.adapter, key.step), key.step)
+        for old in [k for k in self._chunks if k.adapter == key.adapter and k.step < newest - KEPT_STEPS]:
+            self._chunks.pop(old).cancel()
+
+    async def take(self, key: ChunkKey, wait: float) -> torch.Tensor | None:
+        """The chunk once it is posted, waiting at most ``wait`` seconds; None if it is not by then."""
+        future = self._future(key, create=False)
+        if future is None:
+            return None
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), wait)
+        except (TimeoutError, asyncio.CancelledError):
+            return None
+
+
+class ChunkedReduction:
+    """One peer's part in chunked reductions: reduce its chunks, gather the others'."""
+
+    def __init__(
+        self,
+        me: Callable[[], str],
+        adapters: AdapterStore,
+        compute: Compute,
+        peers: PeerClient,
+        audit: Audit,
+        audit_rate: float,
+        rng: random.Random,
+    ) -> None:
+        self.whoami, self.adapters, self.compute, self.peers = me, adapters, compute, peers
+        self.audit, self.audit_rate, self.random = audit, audit_rate, rng
+        self.board = ChunkBoard()
+        self.distrusted: set[str] = set()  # reducers whose chunk failed an audit here: their blocks go direct
+        self.gathered = 0  # block gradients gathered in chunks (the rest went the direct way)
+
+    @property
+    def me(self) -> str:
+        """This peer's id (known once its service is registered)."""
+        return self.whoami()
+
+    async def run(self, request: CommitRequest | NormsRequest, groups: dict[int, list[Group]]) -> list[str]:
+        """Reduce this peer's chunks of the ledger's blocks with enough reducers and, at the same time, gather
+        every chunk of those whose gradient this peer lacks (but from no reducer it distrusts: those blocks go the
+        direct way). Returns the holders whose partial sum failed an audit."""
+        name, step = request.adapter, request.step
+        at_step = await self.compute(self.adapters.blocks_at, name, step, groups)
+        plan = {block: request.reducers.get(block, []) for block in at_step}
+        plan = {block: rs for block, rs in plan.items() if len(rs) >= MIN_REDUCERS}
+        if not plan:
+            return []
+        trusted = [block for block, rs in plan.items() if not self.distrusted.intersection(rs)]
+        lacking = await self.compute(self.adapters.missing, name, step, {block: groups[block] for block in trusted})
+        bad: list[str] = []
+        await asyncio.gather(
+            *(
+                self._reduce(request, block, groups[block], rs.index(self.me), len(rs), bad)
+                for block, rs in plan.items()
+                if self.me in rs
+            ),
+            *(self._gather(request, block, groups[block], plan[block]) for block in lacking),
+        )
+        return bad
+
+    def key(self, request: CommitRequest | NormsRequest, block: int, groups: list[Group], chunk: int, n: int):
+        return ChunkKey(request.adapter, request.step, block, groups_digest(groups), chunk, n)
+
+    async def _reduce(
+        self,
+        request: CommitRequest | NormsRequest,
+        block: int,
+        groups: list[Group],
+        chunk: int,
+        n: int,
+        bad: list[str],
+    ) -> None:
+        """Reduce chunk ``chunk`` of the block: this peer's parts, and the others' fetched from their holders (each
+        audited at ``audit_rate``); posted, or None posted if some part could not be had."""
+        reduced = None
+        try:
+            reduced = await self._reduced_chunk(request, block, groups, chunk, n, bad)
+        finally:
+            self.board.post(self.key(request, block, groups, chunk, n), reduced)
+
+    async def _reduced_chunk(
+        self,
+        request: CommitRequest | NormsRequest,
+        block: int,
+        groups: list[Group],
+        chunk: int,
+        n: int,
+        bad: list[str],
+    ) -> torch.Tensor | None:
+        name, step = request.adapter, request.step
+        gathered = await self.compute(self.adapters.gathered, name, step, block, groups)
+        if gathered is not None:
+            return await self.compute(chunk_of, gathered, chunk, n)
+        parts = await self.parts(request, block, groups, chunk, n, bad)
+        return None if parts is None else await self.compute(_add_chunks, parts)
+
+    async def parts(
+        self,
+        request: CommitRequest | NormsRequest,
+        block: int,
+        groups: list[Group],
+        chunk: int,
+        n: int,
+        bad: list[str],
+    ) -> list[torch.Tensor] | None:
+        """Chunk ``chunk`` of each group's partial sum, in order: made here where this peer can, else fetched from
+        the group's holder and audited at ``audit_rate`` (a holder that fails is added to ``bad``). None if some
+        holder did not answer or failed."""
+        name, step = request.adapter, request.step
+        parts = await self.compute(self.adapters.chunk_parts, name, step, block, groups, chunk, n)
+        lacking = [i for i, part in enumerate(parts) if part is None]
+        holders = [request.ledger[block][groups[i][0]].holder for i in lacking]
+        fetched = await asyncio.gather(
+            *(
+                self.peers.fetch_grads(
+                    holder, name, step, {block: list(groups[i])}, request.fetch_timeout, True, chunk, n
+                )
+                for i, holder in zip(lacking, holders, strict=True)
+            )
+        )
+        for i, holder, got in zip(lacking, holders, fetched, strict=True):
+            sums = got.get(block, {}).get(SUM)
+            if sums is None or len(sums) != 1:
+                return None
+            wanted = {block: list(groups[i])}
+            partials = {block: {groups[i]: sums}}
+            if not await self.audit(request, holder, wanted, partials, chunk=(chunk, n)):
+                bad.append(holder)
+                return None
+            parts[i] = sums[0]
+        return parts
+
+    async def _gather(
+        self, request: CommitRequest | NormsRequest, block: int, groups: list[Group], rs: list[str]
+    ) -> None:
+        """Every chunk of the block from its reducer (this peer's own from the board); the whole reduced gradient
+        kept for the commit. One chunk of another reducer's is audited at ``audit_rate``: its parts fetched from
+        their holders and added up here; a reducer whose chunk is not their sum is distrusted by this peer (its
+        blocks go the direct way) and named in the log. Any chunk missing: nothing kept (the direct exchange)."""
+        n = len(rs)
+        wait, timeout = request.fetch_timeout, 2 * request.fetch_timeout
+
+        async def one(chunk: int, reducer: str) -> torch.Tensor | None:
+            key = self.key(request, block, groups, chunk, n)
+            if reducer == self.me:
+                return await self.board.take(key, wait)
+            return await self.peers.fetch_chunk(reducer, key, wait, timeout)
+
+        chunks = await asyncio.gather(*(one(chunk, reducer) for chunk, reducer in enumerate(rs)))
+        if any(chunk is None for chunk in chunks):
+            return
+        others = [chunk for chunk, reducer in enumerate(rs) if reducer != self.me]
+        if others and self.random.random() < self.audit_rate:
+            chunk = self.random.choice(others)
+            parts = await self.parts(request, block, groups, chunk, n, [])
+            if parts is not None and not same_bits([await self.compute(_add_chunks, parts)], [chunks[chunk]]):
+                logger.warning(
+                    "audit of %s's reduced chunk %d/%d of block %d (step %d): not the sum of its parts; reducing its "
+                    "blocks without it from now on",
+                    rs[chunk],
+                    chunk,
+                    n,
+                    block,
+                    request.step,
+                )
+                self.distrusted.add(rs[chunk])
+                return
+        try:
+            await self.compute(self.adapters.set_gathered, request.adapter, request.step, block, groups, chunks)
+        except RequestError as e:  # a chunk of the wrong size or with non-finite values: this block goes direct
+            logger.warning("the reduced chunks of block %d (step %d) from %s: %s", block, request.step, rs, e)
+            return
+        self.gathered += 1
+
+    async def serve(self, key: ChunkKey, wait: float) -> torch.Tensor | None:
+        """A reduced chunk this peer reduces, for another replica (waited for while it is being reduced)."""
+        return await self.board.take(key, wait)
+
+
+def _add_chunks(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The chunk of the reduced gradient: its parts added in the ledger's group order (reduction.add_up)."""
+    return add_up([[part] for part in parts])[0]
