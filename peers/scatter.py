@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 MAX_WAITING = 4096  # chunks asked for before this peer reduced them, at most (asks beyond it are answered "none")
 KEPT_STEPS = 2  # a reducer keeps its chunks for replicas that commit late, this many steps back
 
-# the service's audit of a holder's partial sum (request, holder, wanted, partials; keywords always, chunk)
+# the service's audit of a holder's partial sum (request, holder, wanted, partials; keywords always, chunk): its
+# micro-batch gradients fetched, checked against their hashes, and added up again
 Audit = Callable[..., Awaitable[bool]]
 
 
@@ -100,16 +101,32 @@ class ChunkedReduction:
             return []
         trusted = [block for block, rs in plan.items() if not self.distrusted.intersection(rs)]
         lacking = await self.compute(self.adapters.missing, name, step, {block: groups[block] for block in trusted})
+        reducing = [block for block, rs in plan.items() if self.me in rs]
+        audited = self._audited(request, reducing)
+        checked = self.random.choice(sorted(lacking)) if lacking and self.random.random() < self.audit_rate else None
         bad: list[str] = []
         await asyncio.gather(
             *(
-                self._reduce(request, block, groups[block], rs.index(self.me), len(rs), bad)
-                for block, rs in plan.items()
-                if self.me in rs
+                self._reduce(request, block, groups[block], plan[block].index(self.me), len(plan[block]), bad, audited)
+                for block in reducing
             ),
-            *(self._gather(request, block, groups[block], plan[block]) for block in lacking),
+            *(self._gather(request, block, groups[block], plan[block], block == checked) for block in lacking),
         )
         return bad
+
+    def _audited(self, request: CommitRequest | NormsRequest, blocks: list[int]) -> dict[str, int]:
+        """The holders whose part this peer audits in this request, each on one block drawn at random: each other
+        holder with probability ``audit_rate``, as the direct exchange audits each partial sum it fetches (an audit
+        fetches the micro-batch gradients behind one block's part)."""
+        by_holder: dict[str, list[int]] = {}
+        for block in blocks:
+            for holder in sorted({held.holder for held in request.ledger[block].values()} - {self.me}):
+                by_holder.setdefault(holder, []).append(block)
+        return {
+            holder: self.random.choice(held)
+            for holder, held in sorted(by_holder.items())
+            if self.random.random() < self.audit_rate
+        }
 
     def key(self, request: CommitRequest | NormsRequest, block: int, groups: list[Group], chunk: int, n: int):
         return ChunkKey(request.adapter, request.step, block, groups_digest(groups), chunk, n)
@@ -122,12 +139,13 @@ class ChunkedReduction:
         chunk: int,
         n: int,
         bad: list[str],
+        audited: dict[str, int],
     ) -> None:
-        """Reduce chunk ``chunk`` of the block: this peer's parts, and the others' fetched from their holders (each
-        audited at ``audit_rate``); posted, or None posted if some part could not be had."""
+        """Reduce chunk ``chunk`` of the block: this peer's parts, and the others' fetched from their holders (those
+        ``audited`` on this block audited); posted, or None posted if some part could not be had."""
         reduced = None
         try:
-            reduced = await self._reduced_chunk(request, block, groups, chunk, n, bad)
+            reduced = await self._reduced_chunk(request, block, groups, chunk, n, bad, audited)
         finally:
             self.board.post(self.key(request, block, groups, chunk, n), reduced)
 
@@ -139,12 +157,13 @@ class ChunkedReduction:
         chunk: int,
         n: int,
         bad: list[str],
+        audited: dict[str, int],
     ) -> torch.Tensor | None:
         name, step = request.adapter, request.step
         gathered = await self.compute(self.adapters.gathered, name, step, block, groups)
         if gathered is not None:
             return await self.compute(chunk_of, gathered, chunk, n)
-        parts = await self.parts(request, block, groups, chunk, n, bad)
+        parts = await self.parts(request, block, groups, chunk, n, bad, audited)
         return None if parts is None else await self.compute(_add_chunks, parts)
 
     async def parts(
@@ -155,10 +174,11 @@ class ChunkedReduction:
         chunk: int,
         n: int,
         bad: list[str],
+        audited: dict[str, int],
     ) -> list[torch.Tensor] | None:
         """Chunk ``chunk`` of each group's partial sum, in order: made here where this peer can, else fetched from
-        the group's holder and audited at ``audit_rate`` (a holder that fails is added to ``bad``). None if some
-        holder did not answer or failed."""
+        the group's holder, audited if ``audited`` names the holder with this block (a holder that fails is added to
+        ``bad``). None if some holder did not answer or failed."""
         name, step = request.adapter, request.step
         parts = await self.compute(self.adapters.chunk_parts, name, step, block, groups, chunk, n)
         lacking = [i for i, part in enumerate(parts) if part is None]
@@ -177,19 +197,22 @@ class ChunkedReduction:
                 return None
             wanted = {block: list(groups[i])}
             partials = {block: {groups[i]: sums}}
-            if not await self.audit(request, holder, wanted, partials, chunk=(chunk, n)):
+            if audited.get(holder) == block and not await self.audit(
+                request, holder, wanted, partials, always=True, chunk=(chunk, n)
+            ):
                 bad.append(holder)
                 return None
             parts[i] = sums[0]
         return parts
 
     async def _gather(
-        self, request: CommitRequest | NormsRequest, block: int, groups: list[Group], rs: list[str]
+        self, request: CommitRequest | NormsRequest, block: int, groups: list[Group], rs: list[str], check: bool
     ) -> None:
         """Every chunk of the block from its reducer (this peer's own from the board); the whole reduced gradient
-        kept for the commit. One chunk of another reducer's is audited at ``audit_rate``: its parts fetched from
-        their holders and added up here; a reducer whose chunk is not their sum is distrusted by this peer (its
-        blocks go the direct way) and named in the log. Any chunk missing: nothing kept (the direct exchange)."""
+        kept for the commit. With ``check`` (one block a request, at ``audit_rate``), one chunk of another
+        reducer's is audited: its parts fetched from their holders and added up here; a reducer whose chunk is not
+        their sum is distrusted by this peer (its blocks go the direct way) and named in the log. Any chunk
+        missing: nothing kept (the direct exchange)."""
         n = len(rs)
         wait, timeout = request.fetch_timeout, 2 * request.fetch_timeout
 
@@ -203,9 +226,9 @@ class ChunkedReduction:
         if any(chunk is None for chunk in chunks):
             return
         others = [chunk for chunk, reducer in enumerate(rs) if reducer != self.me]
-        if others and self.random.random() < self.audit_rate:
+        if others and check:
             chunk = self.random.choice(others)
-            parts = await self.parts(request, block, groups, chunk, n, [])
+            parts = await self.parts(request, block, groups, chunk, n, [], {})
             if parts is not None and not same_bits([await self.compute(_add_chunks, parts)], [chunks[chunk]]):
                 logger.warning(
                     "audit of %s's reduced chunk %d/%d of block %d (step %d): not the sum of its parts; reducing its "

@@ -27,6 +27,7 @@ import torch
 from swarm.net.compression import WireFormat
 from swarm.net.lanes import chunk_bytes
 from swarm.net.message import payload_bytes
+from swarm.net.reduction import MIN_REDUCERS
 
 CONFIGS = Path(__file__).parent / "configs"  # config.json shapes of public models, no weights
 GIB = 1 << 30
@@ -517,6 +518,10 @@ def reduction(
         raise ValueError(f"mode must be before or after, got {mode!r}")
     phase = Exchange(round_trips=1.0)  # the grads request and its streamed reply
     for b, replicas in enumerate(servers):
+        if mode == "after" and len(replicas) >= MIN_REDUCERS:
+            if not (clipped and len(holders[b]) > 1):  # clipping reduced it already (``clip_fetch``)
+                _chunked(phase, replicas, holders[b], grad[b])
+            continue
         for replica in replicas:
             if clipped and replica == norm_holder(holders[b]):
                 continue
@@ -526,17 +531,41 @@ def reduction(
     return phase
 
 
+def _chunked(phase: Exchange, replicas: Sequence[str], counts: Mapping[str, int], grad: float) -> None:
+    """peers/scatter.py: each of a block's R replicas reduces one chunk (a gradient / R) of every holder's partial
+    sum, then fetches the other chunks from their reducers: two rounds."""
+    share = grad / len(replicas)
+    for reducer in replicas:
+        for holder, count in counts.items():
+            if holder != reducer and count:
+                phase.add(holder, reducer, share)
+        for other in replicas:
+            if other != reducer:
+                phase.add(reducer, other, share)
+    phase.round_trips = 2.0
+
+
 def norm_holder(counts: Mapping[str, int]) -> str | None:
     """The replica the client asks for a block's share of the gradient norm when the block's micro-batches are
     spread over several (swarm/client/clipping.py): the one holding most of them; None when one holds them all."""
     return max(sorted(counts), key=counts.__getitem__) if len(counts) > 1 else None
 
 
-def clip_fetch(holders: Sequence[Mapping[str, int]], grad: Sequence[float], mode: str) -> Exchange:
+def clip_fetch(
+    holders: Sequence[Mapping[str, int]],
+    grad: Sequence[float],
+    mode: str,
+    servers: Sequence[Sequence[str]] | None = None,
+) -> Exchange:
     """Global clipping: the norm's holder fetches the other holders' gradients first (``norms``, like a commit);
-    the commit then finds them there."""
+    the commit then finds them there. A block of ``MIN_REDUCERS`` replicas or more (``servers``) is reduced in
+    chunks by all of them at this point instead."""
     phase = Exchange(round_trips=2.0)  # the client's norms request, the holder's grads request
     for b, counts in enumerate(holders):
+        if mode == "after" and servers is not None and len(servers[b]) >= MIN_REDUCERS and len(counts) > 1:
+            _chunked(phase, servers[b], counts, grad[b])  # every replica is asked: they reduce it together
+            phase.round_trips = 3.0
+            continue
         chosen = norm_holder(counts)
         for holder, count in counts.items():
             if chosen is not None and holder != chosen and count:
@@ -669,7 +698,7 @@ def plan_step(
 
     clip_s = 0.0
     if clip:
-        fetch = clip_fetch(holders, grad, mode)
+        fetch = clip_fetch(holders, grad, mode, servers)
         clip_s = fetch.seconds(net)
         _count(up, down, fetch, "reduction")
     ledger = Exchange(round_trips=1.0)  # the commit request, to every replica at once, and its reply

@@ -115,6 +115,22 @@ def test_after_is_one_gradient_a_peer_whatever_m_and_before_grows_with_m():
     assert before[2] == pytest.approx(16 * (2 - 1) / 2 * span_g, rel=0.05)  # M(R-1)/R G at M=16, R=2
 
 
+def test_three_replicas_move_two_thirds_of_a_gradient_twice_in_chunks():
+    """R = 3 (9 peers, three pipelines): the chunked reduction's 2(R-1)/R G each way per peer, not the direct
+    exchange's (R-1) G."""
+    cuts = [range(0, 27), range(27, 54), range(54, 80)]
+    spans = {peer: cuts[i % 3] for i, peer in enumerate(peer_names(9))}
+    chains = chains_of(spans, LLAMA_70B.layers)
+    grad = [float(block_grad_bytes(LLAMA_70B, LORA))] * 80
+    servers = servers_of(spans, 80)
+    assert all(len(s) == 3 for s in servers)
+    span_g = 27 * grad[0]
+    fetch = reduction(servers, holders_of(chains, 16, 80), grad, "after")
+    worst = max([*fetch.up.values(), *fetch.down.values()])
+    assert worst == pytest.approx(2 * (3 - 1) / 3 * span_g, rel=0.1)
+    assert fetch.round_trips == 2.0
+
+
 def test_a_step_over_home_links_against_one_box():
     peers, spans, chains = seed_case()
     gpu = GPUS["rtx3090"]
