@@ -39,6 +39,10 @@ class ChunkBoard:
         self._chunks: dict[ChunkKey, asyncio.Future] = {}
         self._newest: dict[str, int] = {}
 
+    def __len__(self) -> int:
+        """Chunks posted and asks waiting, held now."""
+        return len(self._chunks)
+
     def _future(self, key: ChunkKey, create: bool) -> asyncio.Future | None:
         future = self._chunks.get(key)
         if future is None and (create or len(self._chunks) < MAX_WAITING):

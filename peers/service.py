@@ -425,9 +425,10 @@ class PeerService(InfoDoors):
         if not request.chunks:
             raise RequestError("a reduced chunk is asked with 'chunks' > 0")
         found: GradsByBlock = {}
+        deadline = time.monotonic() + request.wait  # one wait for the whole request, however many blocks it names
         for block, digest in request.reduced.items():
             key = ChunkKey(request.adapter, request.step, block, digest, request.chunk, request.chunks)
-            reduced = await self.reduction.serve(key, request.wait)
+            reduced = await self.reduction.serve(key, max(0.0, deadline - time.monotonic()))
             if reduced is not None:
                 found[block] = {SUM: [reduced]}
         return found if self.adapters.behaviour is None else self.adapters.behaviour.reduced_chunks(found)
