@@ -15,6 +15,4 @@ if [ "$(id -u)" = 0 ] && ! command -v chromium >/dev/null && ! command -v chromi
     echo "could not install chromium: the monitor's browser test will skip" >&2
 fi
 .venv/bin/ruff check .
-# Two workers (SWARM_TEST_WORKERS=0: one process), whole files to each: most tests wait on their swarm's protocol, so
-# two at once finish the suite in about two thirds of the time on 2 cores (docs/development.md).
-exec .venv/bin/python -m pytest -q -rs --durations=50 --durations-min=5 -n "${SWARM_TEST_WORKERS:-2}" --dist loadfile "$@"
+exec .venv/bin/python -m pytest -q -rs --durations=50 --durations-min=5 "$@"

@@ -49,10 +49,7 @@ _started = time.time()  # this module is imported as the session starts
 def pytest_collection_modifyitems(config, items) -> None:
     """Each test marked with its tier (``-m unit``), and ``netns`` where it builds network namespaces (the ``lab``
     fixture): select or leave out a kind of test without knowing the files. ``slow`` and ``browser`` are marked
-    where the tests are. With several workers (pytest-xdist, as scripts/test.sh runs the suite) the files of slow
-    tests are handed out first, so that the soak's minutes do not end the run alone on one worker."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # the long runs start first
+    where the tests are."""
     for item in items:
         parts = Path(str(item.fspath)).parts
         tier = next((part for part in reversed(parts) if part in TIERS), None)
@@ -80,8 +77,6 @@ def pytest_terminal_summary(terminalreporter) -> None:
 def pytest_unconfigure(config) -> None:
     """If the interpreter has not exited two minutes after the session, print every thread's stack and exit: a
     thread or a child left behind must fail the run with its traceback, not hang CI until its time limit."""
-    if hasattr(config, "workerinput"):
-        return  # a pytest-xdist worker that is done waits, idle, for the others; the controller watches the end
     import faulthandler
 
     faulthandler.dump_traceback_later(120, exit=True)
