@@ -309,7 +309,7 @@ class PeerService(InfoDoors):
             for block, by_mb in request.ledger.items()
         }
         await self.compute(self.adapters.drop_unlike, name, step, others)
-        audit = isinstance(request, CommitRequest) and request.audit
+        audit = request.audit
         groups = request.groups()
         if audit:
             await self.compute(self.adapters.drop_partials, name, step)

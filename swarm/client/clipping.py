@@ -56,22 +56,38 @@ def _ask_parts(
     hops: RemoteStack, replicas: ReplicaSet, ledger: StepLedger, wanted: list[int], norm_type: float
 ) -> dict[int, float]:
     """Ask current replicas for the norm shares of ``wanted`` blocks: for each block, the replica that already holds
-    the most of its micro-batches (the fewest to fetch). Gradients that died with a peer are replayed first."""
+    the most of its micro-batches (the fewest to fetch), or every replica of a block reduced in chunks. Gradients
+    that died with a peer are replayed first. Replicas whose shares of a block differ (one was handed a wrong chunk
+    or partial sum) are asked again, one of them, with every partial sum fetched and audited, as a commit is."""
     step = ledger.step
     parts: dict[int, float] = {}
+    audit = False
     for _ in range(MAX_NORM_ROUNDS):
         replicas.refresh(step)
-        asked = _askees(replicas.peers(step), ledger, [block for block in wanted if block not in parts])
+        left = [block for block in wanted if block not in parts]
+        asked = _askees(replicas.peers(step), ledger, left, every=not audit)
         if not asked:
             time.sleep(1.0)  # no current replica of some block right now: it may be syncing or restarting
             hops.calls.router.refresh()
             continue
         lost: dict[int, set[str]] = {}
-        ask = partial(_ask, hops, ledger, asked, _reducers(asked), norm_type)
+        ask = partial(_ask, hops, ledger, asked, {} if audit else _reducers(asked), norm_type, audit)
+        answers: dict[int, set[float]] = {}
         for shares, lacking in replicas.each(ask, list(asked)):
-            parts.update(shares)
+            for block, share in shares.items():
+                answers.setdefault(block, set()).add(share)
             for block, mbs in lacking.items():
                 lost.setdefault(block, set()).update(mbs)
+        parts.update({block: next(iter(got)) for block, got in answers.items() if len(got) == 1})
+        disputed = sorted(block for block, got in answers.items() if len(got) > 1)
+        if disputed:
+            logger.warning(
+                "replicas disagree on the gradient norm of blocks %s (step %d); asking again with every partial sum "
+                "audited",
+                disputed,
+                step,
+            )
+            audit = True
         if all(block in parts for block in wanted):
             return parts
         if lost:
@@ -82,15 +98,18 @@ def _ask_parts(
     )
 
 
-def _askees(spans: dict[PeerID, range], ledger: StepLedger, blocks: list[int]) -> dict[PeerID, list[int]]:
+def _askees(
+    spans: dict[PeerID, range], ledger: StepLedger, blocks: list[int], every: bool = True
+) -> dict[PeerID, list[int]]:
     """For each block, the current replica holding the most of its micro-batches' gradients; or, where the block has
-    ``MIN_REDUCERS`` replicas or more, every one of them: they reduce its gradient in chunks together (each then
-    holds the whole reduced gradient, which its commit finds there)."""
+    ``MIN_REDUCERS`` replicas or more (and ``every``), every one of them: they reduce its gradient in chunks together
+    (each then holds the whole reduced gradient, which its commit finds there)."""
     asked: dict[PeerID, list[int]] = {}
     for block in blocks:
         holders = list(ledger.holders[block].values())
         serving = [peer for peer, span in spans.items() if block in span]
-        for peer in serving if len(serving) >= MIN_REDUCERS else [max(serving, key=holders.count)] if serving else []:
+        chosen = serving if every and len(serving) >= MIN_REDUCERS else [max(serving, key=holders.count)]
+        for peer in chosen if serving else []:
             asked.setdefault(peer, []).append(block)
     return asked
 
@@ -110,6 +129,7 @@ def _ask(
     asked: dict[PeerID, list[int]],
     reducers: dict[int, list[str]],
     norm_type: float,
+    audit: bool,
     peer: PeerID,
 ) -> tuple[dict[int, float], dict[int, list[str]]]:
     """One replica's shares of its ``asked`` blocks, or the gradients nobody could give it (nothing at all when it
@@ -124,6 +144,7 @@ def _ask(
             norm_type,
             holder_maddrs=calls.holder_maddrs(holders),
             reducers={block: reducers[block] for block in asked[peer] if block in reducers},
+            audit=audit,
         )
         return calls.ask(peer, request, floor=COMMIT_FLOOR).parts, {}
     except PeerFailure:

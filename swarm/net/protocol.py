@@ -845,6 +845,7 @@ class NormsRequest(Request):
     fetch_timeout: float = wire(read_fetch_timeout, default=FETCH_TIMEOUT)
     holder_maddrs: dict[str, list[str]] = wire(read_holder_maddrs, default_factory=dict)
     reducers: dict[int, list[str]] = wire(by_blocks(_reducers, "peer ids"), by_block, default_factory=dict)
+    audit: bool = wire(read_bool, default=False)  # as CommitRequest's: replicas gave different shares
 
     def micro_batches(self) -> dict[int, list[str]]:
         return {block: sorted(by_mb) for block, by_mb in self.ledger.items()}
