@@ -12,6 +12,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Awaitable, Callable
+from typing import NamedTuple
 
 import torch
 
@@ -30,6 +31,21 @@ KEPT_STEPS = 2  # a reducer keeps its chunks for replicas that commit late, this
 # the service's audit of a holder's partial sum (request, holder, wanted, partials; keywords always, chunk): its
 # micro-batch gradients fetched, checked against their hashes, and added up again
 Audit = Callable[..., Awaitable[bool]]
+
+
+class Chunk(NamedTuple):
+    """One chunk of one block's reduction, as a commit or norms request asks for it."""
+
+    request: CommitRequest | NormsRequest
+    block: int
+    groups: list[Group]
+    chunk: int
+    chunks: int
+
+    def key(self) -> ChunkKey:
+        return ChunkKey(
+            self.request.adapter, self.request.step, self.block, groups_digest(self.groups), self.chunk, self.chunks
+        )
 
 
 class ChunkBoard:
@@ -111,7 +127,9 @@ class ChunkedReduction:
         bad: list[str] = []
         await asyncio.gather(
             *(
-                self._reduce(request, block, groups[block], plan[block].index(self.me), len(plan[block]), bad, audited)
+                self._reduce(
+                    Chunk(request, block, groups[block], plan[block].index(self.me), len(plan[block])), bad, audited
+                )
                 for block in reducing
             ),
             *(self._gather(request, block, groups[block], plan[block], block == checked) for block in lacking),
@@ -132,57 +150,26 @@ class ChunkedReduction:
             if self.random.random() < self.audit_rate
         }
 
-    def key(self, request: CommitRequest | NormsRequest, block: int, groups: list[Group], chunk: int, n: int):
-        return ChunkKey(request.adapter, request.step, block, groups_digest(groups), chunk, n)
-
-    async def _reduce(
-        self,
-        request: CommitRequest | NormsRequest,
-        block: int,
-        groups: list[Group],
-        chunk: int,
-        n: int,
-        bad: list[str],
-        audited: dict[str, int],
-    ) -> None:
-        """Reduce chunk ``chunk`` of the block: this peer's parts, and the others' fetched from their holders (those
-        ``audited`` on this block audited); posted, or None posted if some part could not be had."""
+    async def _reduce(self, job: Chunk, bad: list[str], audited: dict[str, int]) -> None:
+        """Reduce the chunk: this peer's parts, and the others' fetched from their holders (those ``audited`` on this
+        block audited); posted, or None posted if some part could not be had."""
+        request, block, groups, chunk, n = job
         reduced = None
         try:
-            reduced = await self._reduced_chunk(request, block, groups, chunk, n, bad, audited)
+            gathered = await self.compute(self.adapters.gathered, request.adapter, request.step, block, groups)
+            if gathered is not None:
+                reduced = await self.compute(chunk_of, gathered, chunk, n)
+            else:
+                parts = await self.parts(job, bad, audited)
+                reduced = None if parts is None else await self.compute(_add_chunks, parts)
         finally:
-            self.board.post(self.key(request, block, groups, chunk, n), reduced)
+            self.board.post(job.key(), reduced)
 
-    async def _reduced_chunk(
-        self,
-        request: CommitRequest | NormsRequest,
-        block: int,
-        groups: list[Group],
-        chunk: int,
-        n: int,
-        bad: list[str],
-        audited: dict[str, int],
-    ) -> torch.Tensor | None:
-        name, step = request.adapter, request.step
-        gathered = await self.compute(self.adapters.gathered, name, step, block, groups)
-        if gathered is not None:
-            return await self.compute(chunk_of, gathered, chunk, n)
-        parts = await self.parts(request, block, groups, chunk, n, bad, audited)
-        return None if parts is None else await self.compute(_add_chunks, parts)
-
-    async def parts(
-        self,
-        request: CommitRequest | NormsRequest,
-        block: int,
-        groups: list[Group],
-        chunk: int,
-        n: int,
-        bad: list[str],
-        audited: dict[str, int],
-    ) -> list[torch.Tensor] | None:
-        """Chunk ``chunk`` of each group's partial sum, in order: made here where this peer can, else fetched from
-        the group's holder, audited if ``audited`` names the holder with this block (a holder that fails is added to
+    async def parts(self, job: Chunk, bad: list[str], audited: dict[str, int]) -> list[torch.Tensor] | None:
+        """The chunk of each group's partial sum, in order: made here where this peer can, else fetched from the
+        group's holder, audited if ``audited`` names the holder with this block (a holder that fails is added to
         ``bad``). None if some holder did not answer or failed."""
+        request, block, groups, chunk, n = job
         name, step = request.adapter, request.step
         parts = await self.compute(self.adapters.chunk_parts, name, step, block, groups, chunk, n)
         lacking = [i for i, part in enumerate(parts) if part is None]
@@ -221,7 +208,7 @@ class ChunkedReduction:
         wait, timeout = request.fetch_timeout, 2 * request.fetch_timeout
 
         async def one(chunk: int, reducer: str) -> torch.Tensor | None:
-            key = self.key(request, block, groups, chunk, n)
+            key = Chunk(request, block, groups, chunk, n).key()
             if reducer == self.me:
                 return await self.board.take(key, wait)
             return await self.peers.fetch_chunk(reducer, key, wait, timeout)
@@ -232,7 +219,7 @@ class ChunkedReduction:
         others = [chunk for chunk, reducer in enumerate(rs) if reducer != self.me]
         if others and check:
             chunk = self.random.choice(others)
-            parts = await self.parts(request, block, groups, chunk, n, [], {})
+            parts = await self.parts(Chunk(request, block, groups, chunk, n), [], {})
             if parts is not None and not same_bits([await self.compute(_add_chunks, parts)], [chunks[chunk]]):
                 logger.warning(
                     "audit of %s's reduced chunk %d/%d of block %d (step %d): not the sum of its parts; reducing its "

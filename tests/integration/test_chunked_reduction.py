@@ -8,6 +8,7 @@ in the swarm (``cpu_load``)."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -57,13 +58,9 @@ def _wait_all_serve(model: swarm.SwarmModelForCausalLM, count: int, timeout: flo
         router.refresh()
 
 
-def test_three_replicas_reduce_a_blocks_gradient_in_chunks_to_the_bits_of_local_peft(
-    inprocess_swarm, tiny_models, tmp_path
-):
-    model_dir = tiny_models["llama"]
-    local = inprocess_swarm()
-    peers = local.start_peers(REPLICAS)
-    model = connect(local, model_dir, adapter="chunked")
+def _train_and_save(local, model_dir: Path, adapter: str, tmp_path: Path) -> None:
+    """Connect once every peer serves, save the initial adapter, train the steps, save the final one."""
+    model = connect(local, model_dir, adapter=adapter)
     try:
         _wait_all_serve(model, len(REPLICAS))
         model.save_adapter(tmp_path / "initial")
@@ -71,6 +68,15 @@ def test_three_replicas_reduce_a_blocks_gradient_in_chunks_to_the_bits_of_local_
         model.save_adapter(tmp_path / "final")
     finally:
         model.shutdown()
+
+
+def test_three_replicas_reduce_a_blocks_gradient_in_chunks_to_the_bits_of_local_peft(
+    inprocess_swarm, tiny_models, tmp_path
+):
+    model_dir = tiny_models["llama"]
+    local = inprocess_swarm()
+    peers = local.start_peers(REPLICAS)
+    _train_and_save(local, model_dir, "chunked", tmp_path)
     gathered = {name: peers[name].daemon.parts.service.reduction.gathered for name in ("r1", "r2", "r3")}
     assert sum(gathered.values()) > 0, f"no replica gathered a reduced gradient in chunks: {gathered}"
     assert_matches_local_peft(model_dir, tmp_path, steps=STEPS)
@@ -85,12 +91,5 @@ def test_a_replica_handing_on_a_wrong_reduced_chunk_poisons_nothing(inprocess_sw
     model_dir = tiny_models["llama"]
     local = inprocess_swarm()
     local.start_peers(REPLICAS, behaviours={"r2": CorruptReducedChunks()})
-    model = connect(local, model_dir, adapter="lying-chunk")
-    try:
-        _wait_all_serve(model, len(REPLICAS))
-        model.save_adapter(tmp_path / "initial")
-        _train(model)
-        model.save_adapter(tmp_path / "final")
-    finally:
-        model.shutdown()
+    _train_and_save(local, model_dir, "lying-chunk", tmp_path)
     assert_matches_local_peft(model_dir, tmp_path, steps=STEPS)

@@ -60,25 +60,33 @@ def test_with_several_holders_it_differs_by_summation_order_rounding_within_its_
     assert not all(torch.equal(a, b) for a, b in zip(reduced, local, strict=True))  # the order does show
 
 
+def _micro_batch_ids(count: int) -> list[str]:
+    return [f"s:0:{i:09d}" for i in range(count)]
+
+
+def _replicas_that_computed(model_dir, computes: dict) -> dict[str, SpanBackend]:
+    """Span 0:2 replicas by name, adapter "a" open on each, each having run the forward and backward of the
+    micro-batches ``computes`` names for it (the hidden states seeded by micro-batch)."""
+    spec = load_spec(model_dir)
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    replicas = {name: SpanBackend(spec, range(0, 2), cpu, fp32, "none", AdapterStore(spec)) for name in computes}
+    for name, backend in replicas.items():
+        backend.adapters.open_adapter("a", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}, 7)
+        for mb in computes[name]:
+            seed = int(mb.rsplit(":", 1)[1])
+            hidden = torch.randn(1, 5, spec.hidden_size, generator=torch.Generator().manual_seed(seed))
+            backend.forward("a", range(0, 2), 0, hidden, None, mb)
+            backend.backward("a", range(0, 2), 0, mb, hidden, None, torch.ones_like(hidden))
+    return replicas
+
+
 def test_a_fetched_partial_sum_applies_the_same_bits_as_one_summed_here(tiny_models):
     """Replica A computed micro-batches 0 and 2, replica B 1 and 3; C holds all four (it computed them too). A
     applies its own sum and B's partial sum; C sums both groups itself: the same state after the step."""
-    spec = load_spec(tiny_models["llama"])
-    cpu, fp32 = torch.device("cpu"), torch.float32
-    replicas = {name: SpanBackend(spec, range(0, 2), cpu, fp32, "none", AdapterStore(spec)) for name in "ABC"}
-    hidden = {
-        f"s:0:{i:09d}": torch.randn(1, 5, spec.hidden_size, generator=torch.Generator().manual_seed(i))
-        for i in range(4)
-    }
-    mbs = sorted(hidden)
+    mbs = _micro_batch_ids(4)
     groups = {block: [(mbs[0], mbs[2]), (mbs[1], mbs[3])] for block in range(2)}
-    for backend in replicas.values():
-        backend.adapters.open_adapter("a", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}, 7)
     computes = {"A": [mbs[0], mbs[2]], "B": [mbs[1], mbs[3]], "C": mbs}
-    for name, backend in replicas.items():
-        for mb in computes[name]:
-            backend.forward("a", range(0, 2), 0, hidden[mb], None, mb)
-            backend.backward("a", range(0, 2), 0, mb, hidden[mb], None, torch.ones_like(hidden[mb]))
+    replicas = _replicas_that_computed(tiny_models["llama"], computes)
     from_b = replicas["B"].adapters.partial_sums("a", 0, {block: [mbs[1], mbs[3]] for block in range(2)})
     replicas["A"].adapters.add_partials(
         "a", 0, {block: {groups[block][1]: by_key[SUM]} for block, by_key in from_b.items()}
@@ -116,22 +124,10 @@ def test_a_gradient_gathered_in_chunks_applies_the_same_bits_as_the_direct_excha
     """Replicas A, B and C each computed two of six micro-batches. A fetches B's and C's partial sums (the direct
     exchange); D, which computed none, is handed the reduced gradient in three chunks, each the sum of that chunk of
     every partial sum: the same state after the step."""
-    spec = load_spec(tiny_models["llama"])
-    cpu, fp32 = torch.device("cpu"), torch.float32
-    replicas = {name: SpanBackend(spec, range(0, 2), cpu, fp32, "none", AdapterStore(spec)) for name in "ABCD"}
-    hidden = {
-        f"s:0:{i:09d}": torch.randn(1, 5, spec.hidden_size, generator=torch.Generator().manual_seed(i))
-        for i in range(6)
-    }
-    mbs = sorted(hidden)
+    mbs = _micro_batch_ids(6)
     computes = {"A": (mbs[0], mbs[3]), "B": (mbs[1], mbs[4]), "C": (mbs[2], mbs[5])}
     groups = {block: sorted(computes.values()) for block in range(2)}
-    for backend in replicas.values():
-        backend.adapters.open_adapter("a", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}, 7)
-    for name, group in computes.items():
-        for mb in group:
-            replicas[name].forward("a", range(0, 2), 0, hidden[mb], None, mb)
-            replicas[name].backward("a", range(0, 2), 0, mb, hidden[mb], None, torch.ones_like(hidden[mb]))
+    replicas = _replicas_that_computed(tiny_models["llama"], {**computes, "D": ()})
     sums = {
         name: replicas[name].adapters.partial_sums("a", 0, {block: list(group) for block in range(2)})
         for name, group in computes.items()
