@@ -21,7 +21,7 @@ from peers.compute import Compute
 from peers.peer_client import PeerClient
 from swarm.net.errors import RequestError
 from swarm.net.protocol import SUM, CommitRequest, Group, NormsRequest
-from swarm.net.reduction import MIN_REDUCERS, ChunkKey, add_up, chunk_of, groups_digest, same_bits
+from swarm.net.reduction import MIN_REDUCERS, ChunkKey, add_chunks, chunk_of, groups_digest, same_bits
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class ChunkedReduction:
                 reduced = await self.compute(chunk_of, gathered, chunk, n)
             else:
                 parts = await self.parts(job, bad, audited)
-                reduced = None if parts is None else await self.compute(_add_chunks, parts)
+                reduced = None if parts is None else await self.compute(add_chunks, parts)
         finally:
             self.board.post(job.key(), reduced)
 
@@ -220,7 +220,7 @@ class ChunkedReduction:
         if others and check:
             chunk = self.random.choice(others)
             parts = await self.parts(Chunk(request, block, groups, chunk, n), [], {})
-            if parts is not None and not same_bits([await self.compute(_add_chunks, parts)], [chunks[chunk]]):
+            if parts is not None and not same_bits([await self.compute(add_chunks, parts)], [chunks[chunk]]):
                 logger.warning(
                     "audit of %s's reduced chunk %d/%d of block %d (step %d): not the sum of its parts; reducing its "
                     "blocks without it from now on",
@@ -242,8 +242,3 @@ class ChunkedReduction:
     async def serve(self, key: ChunkKey, wait: float) -> torch.Tensor | None:
         """A reduced chunk this peer reduces, for another replica (waited for while it is being reduced)."""
         return await self.board.take(key, wait)
-
-
-def _add_chunks(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The chunk of the reduced gradient: its parts added in the ledger's group order (reduction.add_up)."""
-    return add_up([[part] for part in parts])[0]

@@ -28,6 +28,11 @@ def add_up(parts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     return summed
 
 
+def add_chunks(parts: list[torch.Tensor]) -> torch.Tensor:
+    """One chunk of the reduced gradient: that chunk of each partial sum, added in the ledger's group order."""
+    return add_up([[part] for part in parts])[0]
+
+
 def partial_sum(by_mb: dict[str, list[torch.Tensor]], group: Group) -> list[torch.Tensor]:
     """One holder's partial sum: the gradients of its micro-batches (``group``) in sorted order."""
     return add_up([by_mb[mb] for mb in sorted(group)])

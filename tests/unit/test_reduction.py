@@ -11,7 +11,7 @@ import torch
 from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
 from swarm.net.protocol import SUM, Held, OptimizerHParams, ledger_groups
-from swarm.net.reduction import add_up, chunk_bounds, chunk_of, from_chunks, partial_sum, same_bits
+from swarm.net.reduction import add_chunks, add_up, chunk_bounds, chunk_of, from_chunks, partial_sum, same_bits
 from swarm.spec import load_spec
 
 U = 2.0**-24  # fp32's unit roundoff
@@ -116,7 +116,7 @@ def test_a_reduction_in_chunks_is_the_bits_of_the_whole_sum():
     mbs = sorted(grads)
     groups = [tuple(mbs[0::3]), tuple(mbs[1::3]), tuple(mbs[2::3])]
     partials = [partial_sum(grads, group) for group in groups]
-    chunks = [add_up([[chunk_of(part, k, 3)] for part in partials])[0] for k in range(3)]
+    chunks = [add_chunks([chunk_of(part, k, 3) for part in partials]) for k in range(3)]
     assert same_bits(from_chunks(chunks, partials[0]), add_up(partials))
 
 
@@ -137,7 +137,7 @@ def test_a_gradient_gathered_in_chunks_applies_the_same_bits_as_the_direct_excha
         replicas["A"].adapters.add_partials("a", 0, partials)
     for block in range(2):
         parts = [sums[name][block][SUM] for name in sorted(computes, key=computes.get)]
-        chunks = [add_up([[chunk_of(part, k, 3)] for part in parts])[0] for k in range(3)]
+        chunks = [add_chunks([chunk_of(part, k, 3) for part in parts]) for k in range(3)]
         replicas["D"].adapters.set_gathered("a", 0, block, groups[block], chunks)
     assert replicas["D"].adapters.missing("a", 0, groups) == {}
     for name in "AD":
