@@ -39,7 +39,7 @@ from swarm.net.errors import (
 from swarm.net.gradhash import grad_hash
 from swarm.net.gradnorm import GradNorm, covers_digest
 from swarm.net.protocol import SUM, AdapterInfo, Group, OptimizerHParams, lora_and_seed
-from swarm.net.reduction import add_up, chunk_of, from_chunks, partial_sum
+from swarm.net.reduction import add_up, chunk_of, from_chunks, partial_chunk, partial_sum
 from swarm.spec import ModelSpec
 from swarm.weights import differing
 
@@ -313,14 +313,11 @@ class AdapterStore:
         held = self.micro_batch_grads(name, step, wanted)
         sums: GradsByBlock = {}
         for block, mbs in wanted.items():
-            by_mb = held.get(block, {})
+            by_mb, group = held.get(block, {}), tuple(sorted(mbs))
             if all(mb in by_mb for mb in mbs):
-                sums[block] = {SUM: partial_sum(by_mb, tuple(sorted(mbs)))}
-        if self.behaviour is not None:
-            sums = self.behaviour.partial_sums(sums)
-        if chunks:
-            sums = {block: {SUM: [chunk_of(by_key[SUM], chunk, chunks)]} for block, by_key in sums.items()}
-        return sums
+                summed = [partial_chunk(by_mb, group, chunk, chunks)] if chunks else partial_sum(by_mb, group)
+                sums[block] = {SUM: summed}
+        return sums if self.behaviour is None else self.behaviour.partial_sums(sums)
 
     def blocks_at(self, name: str, step: int, groups: dict[int, list[Group]]) -> list[int]:
         """The ledger's blocks held here still at ``step`` (checked like a commit's: see ``_ledger_states``)."""
@@ -333,7 +330,11 @@ class AdapterStore:
         or a partial sum held here), or None where the group's holder must send it."""
         state = self.adapter(name).blocks[block]
         return [
-            chunk_of(state.partials[g] if g in state.partials else partial_sum(state.grads, g), chunk, chunks)
+            (
+                chunk_of(state.partials[g], chunk, chunks)
+                if g in state.partials
+                else partial_chunk(state.grads, g, chunk, chunks)
+            )
             if _can_sum(state, g)
             else None
             for g in groups

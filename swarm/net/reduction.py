@@ -54,9 +54,22 @@ def chunk_bounds(sizes: list[int], chunk: int, chunks: int) -> tuple[int, int]:
 
 
 def chunk_of(tensors: list[torch.Tensor], chunk: int, chunks: int) -> torch.Tensor:
-    """Chunk ``chunk`` of ``chunks`` of ``tensors`` flattened end to end (a copy: one tensor on the wire)."""
+    """Chunk ``chunk`` of ``chunks`` of ``tensors`` flattened end to end (a copy of that run only: one tensor on the
+    wire)."""
     start, stop = chunk_bounds([t.numel() for t in tensors], chunk, chunks)
-    return torch.cat([t.reshape(-1) for t in tensors])[start:stop].clone()
+    pieces, offset = [], 0
+    for t in tensors:
+        low, high = max(start, offset), min(stop, offset + t.numel())
+        if low < high:
+            pieces.append(t.reshape(-1)[low - offset : high - offset])
+        offset += t.numel()
+    return torch.cat(pieces) if pieces else tensors[0].new_empty(0)
+
+
+def partial_chunk(by_mb: dict[str, list[torch.Tensor]], group: Group, chunk: int, chunks: int) -> torch.Tensor:
+    """That chunk of one holder's partial sum, adding only that run of each gradient: the same bits as
+    ``chunk_of(partial_sum(by_mb, group), ...)`` for 1/chunks of the work."""
+    return add_chunks([chunk_of(by_mb[mb], chunk, chunks) for mb in sorted(group)])
 
 
 def from_chunks(chunks: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -11,7 +11,16 @@ import torch
 from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
 from swarm.net.protocol import SUM, Held, OptimizerHParams, ledger_groups
-from swarm.net.reduction import add_chunks, add_up, chunk_bounds, chunk_of, from_chunks, partial_sum, same_bits
+from swarm.net.reduction import (
+    add_chunks,
+    add_up,
+    chunk_bounds,
+    chunk_of,
+    from_chunks,
+    partial_chunk,
+    partial_sum,
+    same_bits,
+)
 from swarm.spec import load_spec
 
 U = 2.0**-24  # fp32's unit roundoff
@@ -143,3 +152,11 @@ def test_a_gradient_gathered_in_chunks_applies_the_same_bits_as_the_direct_excha
     for name in "AD":
         replicas[name].adapters.apply("a", 0, groups, HPARAMS)
     assert replicas["A"].adapters.digests("a") == replicas["D"].adapters.digests("a")
+
+
+def test_a_chunk_of_a_partial_sum_summed_alone_is_that_chunk_of_the_whole_sum():
+    grads = _grads(5)
+    group = tuple(sorted(grads))
+    whole = partial_sum(grads, group)
+    for k in range(3):
+        assert same_bits([partial_chunk(grads, group, k, 3)], [chunk_of(whole, k, 3)])
