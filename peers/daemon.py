@@ -218,6 +218,7 @@ class PeerDaemon:
         self.maddrs: list[str] = []  # where others dial this peer: direct, or through relays
         self.digests: dict[int, str] = {}  # block -> digest of its base weights in this folder; set by serve()
         self.balance_now = asyncio.Event()  # a client found blocks without a server: hold the next round at once
+        self.hurry = asyncio.Event()  # told to leave twice: skip what is left of the leave grace
         self.woken_rounds = 0  # balance rounds held early on a client's notice
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -616,12 +617,20 @@ class PeerDaemon:
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, stop.set)
+                loop.add_signal_handler(sig, self._on_signal, stop)
         self.claim.acquire()
         try:
             await self._serve(stop, embedded)
         finally:
             self.claim.release()
+
+    def _on_signal(self, stop: asyncio.Event) -> None:
+        """SIGINT or SIGTERM: leave (announce it, give clients the grace to notice, finish in-flight work). Again
+        while leaving (Ctrl-C twice, or a supervisor that knows no client is left): skip the rest of the grace."""
+        if stop.is_set() and not self.hurry.is_set():
+            logger.info("told again: leaving without waiting out the grace")
+            self.hurry.set()
+        stop.set()
 
     async def _serve(self, stop: asyncio.Event, embedded: bool) -> None:
         config = self.config
@@ -828,7 +837,7 @@ class PeerDaemon:
     async def _finish(self, p2p) -> None:
         if self.dht.is_alive():
             await self._announce()
-        await asyncio.sleep(self.config.leave_grace)
+        await _wait_for(self.hurry, self.config.leave_grace)
         await self.parts.compute(lambda: None)
         await self.parts.links.close()
         if self.writer is not None:

@@ -15,6 +15,7 @@ from swarm.testing.zygote import Forked, Zygote, die_with_parent
 from swarm.testing.zygote import shared as shared_zygote
 
 logger = logging.getLogger(__name__)
+LEAVING = "leaving: announcing it"  # what a peer logs once it has begun to leave (peers/daemon.py)
 
 
 class LocalSwarmError(RuntimeError):
@@ -28,6 +29,7 @@ class Process:
     name: str
     popen: subprocess.Popen | Forked  # Forked: a child of the fork server (swarm/testing/zygote.py)
     log: Path
+    peer: bool = False  # a `swarm peer` daemon: it leaves with a grace, which a second SIGTERM skips
 
     @property
     def pid(self) -> int:
@@ -214,6 +216,7 @@ class LocalSwarm:
             *(extra or []),
         ]
         peer = self._spawn(name, args, launcher, prefix, env)
+        peer.peer = True
         if wait:
             peer.wait_for_line("serving blocks", timeout)
         return peer
@@ -228,17 +231,36 @@ class LocalSwarm:
         return peers
 
     def close(self) -> None:
-        """Ask every process to leave at once (clients first), then wait for each and SIGKILL what is left."""
+        """Ask every process to leave at once (clients first), then wait for each and SIGKILL what is left. No
+        client is left to notice a peer's leave, so each peer is told twice: it skips its grace."""
         for process in reversed(self.processes):
             try:
                 process.ask_to_leave()
             except OSError:  # already gone
                 pass
+        self._hurry([process for process in self.processes if process.peer])
         for process in reversed(self.processes):
             try:
                 process.stop()
             except (OSError, subprocess.TimeoutExpired):  # already gone, or deaf to SIGKILL's wait: stop the rest
                 logger.exception("could not stop %s (pid %d)", process.name, process.pid)
+
+    @staticmethod
+    def _hurry(peers: list[Process], timeout: float = 3.0) -> None:
+        """SIGTERM again each peer that has begun to leave (a second signal before the first is handled would be
+        the same one), within ``timeout``; a peer still starting leaves at its own pace."""
+        waiting, deadline = list(peers), time.monotonic() + timeout
+        while waiting and time.monotonic() < deadline:
+            for process in list(waiting):
+                if process.popen.poll() is not None:
+                    waiting.remove(process)
+                elif LEAVING in (process.log.read_text(errors="replace") if process.log.exists() else ""):
+                    waiting.remove(process)
+                    try:
+                        os.kill(process.pid, signal.SIGTERM)
+                    except ProcessLookupError:  # gone meanwhile
+                        pass
+            time.sleep(0.05)
 
     def __enter__(self) -> LocalSwarm:
         return self

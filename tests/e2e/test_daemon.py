@@ -15,7 +15,7 @@ from swarm.net.network import join_dht
 from swarm.net.records import ServerState, read_servers
 from swarm.net.security import Identity
 from swarm.spec import load_spec
-from swarm.testing.localswarm import LocalSwarm
+from swarm.testing.localswarm import LEAVING, LocalSwarm
 
 
 def test_dht_prints_multiaddrs_and_peer_announces_then_leaves_cleanly(tiny_models, tmp_path):
@@ -80,11 +80,17 @@ def test_a_peer_exits_on_sigterm_or_sigint_to_it_or_to_its_whole_process_group(t
     """Sent to the group (systemd's stop, ``kill -- -PGID``), the signal stops the peer's P2P daemon and DHT
     process too: the peer must exit anyway, within its leave grace plus a bound. One peer per signal and target,
     started and signalled together (one swarm for the four cases: each peer costs its imports, not a swarm). Exec'd
-    as a user starts them, not forked: what a signal does to a process group is what this test is about."""
+    as a user starts them, not forked: what a signal does to a process group is what this test is about. A fifth,
+    told twice (Ctrl-C again while it leaves), skips the rest of a grace longer than the test waits."""
     with LocalSwarm(tmp_path, forks=None) as local:
         local.start_dht()
         names = {f"{sig.name.lower()}-{target}": (sig, target) for sig, target in SIGNALS}
+        twice = local.start_peer(tiny_models["llama"], "0:2", name="twice", extra=["--leave-grace", "300"], wait=False)
         peers = local.start_peers(tiny_models["llama"], dict.fromkeys(names, "0:2"), extra=["--leave-grace", "1"])
+        twice.wait_for_line("serving blocks", 120)
+        twice.signal(signal.SIGTERM)
+        twice.wait_for_line(LEAVING, 30)
+        twice.signal(signal.SIGINT)
         for name, (sig, target) in names.items():
             (os.killpg if target == "process-group" else os.kill)(peers[name].pid, sig)
         for name, (sig, target) in names.items():
@@ -96,6 +102,8 @@ def test_a_peer_exits_on_sigterm_or_sigint_to_it_or_to_its_whole_process_group(t
             assert code in (0, -sig), (name, peer.tail())
             if target == "process":
                 assert code == 0 and "left the swarm" in peer.log.read_text(), (name, peer.tail())
+        assert twice.popen.wait(60) == 0, twice.tail()
+        assert "told again: leaving without waiting out the grace" in twice.log.read_text(), twice.tail()
 
 
 def test_a_peer_killed_alone_leaves_nothing_behind_and_restarts_under_its_identity(tiny_models, tmp_path):
