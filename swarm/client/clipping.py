@@ -23,7 +23,7 @@ from swarm.client.ledger import StepLedger
 from swarm.client.remote import RemoteStack
 from swarm.net.errors import CommitError, ErrorKind, RemoteError, ReplyError
 from swarm.net.gradnorm import combine
-from swarm.net.protocol import COMMIT_FLOOR, NormsRequest, bad_holders, missing_gradients
+from swarm.net.protocol import NormsRequest, bad_holders, commit_floor, missing_gradients
 from swarm.net.reduction import MIN_REDUCERS
 
 logger = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ def _ask(
             reducers={block: reducers[block] for block in asked[peer] if block in reducers},
             audit=audit,
         )
-        return calls.ask(peer, request, floor=COMMIT_FLOOR).parts, {}
+        return calls.ask(peer, request, floor=commit_floor(request.reducers)).parts, {}
     except PeerFailure:
         return {}, {}
     except RemoteError as e:

@@ -42,6 +42,7 @@ from swarm.net.protocol import (
     SyncRequest,
     TieBreakRequest,
     bad_holders,
+    commit_floor,
     missing_gradients,
 )
 from swarm.net.reduction import MIN_REDUCERS
@@ -626,7 +627,7 @@ def _commit_all(
             reducers=reducers(peers, peers[peer]),
         )
         try:
-            return Outcome(Phase.APPLIED, reply=calls.ask(peer, request, floor=COMMIT_FLOOR))
+            return Outcome(Phase.APPLIED, reply=calls.ask(peer, request, floor=commit_floor(request.reducers)))
         except PeerFailure:
             return Outcome(Phase.SILENT)
         except RemoteError as e:

@@ -100,9 +100,17 @@ PEER_STATE_ERRORS = frozenset(
     }
 )
 FETCH_TIMEOUT = 3.0  # how long a replica waits for another's gradients before the client replays them
-# how long a client waits for a replica's commit beyond its usual time: a chunked reduction's rounds (peers/scatter.py),
-# then the direct fetch of a block whose reducer failed
-COMMIT_FLOOR = 3 * FETCH_TIMEOUT
+# how long a client waits for a replica's commit beyond its usual time: the fetch of partial sums and the replays'
+# fetch; in chunks (peers/scatter.py) a round more, the direct fetch of a block whose reducer failed
+COMMIT_FLOOR = 2 * FETCH_TIMEOUT
+CHUNKED_COMMIT_FLOOR = 3 * FETCH_TIMEOUT
+
+
+def commit_floor(reducers: dict[int, list[str]]) -> float:
+    """How long beyond its usual time a commit (or a norm) may take whose blocks ``reducers`` names reducers of."""
+    return CHUNKED_COMMIT_FLOOR if reducers else COMMIT_FLOOR
+
+
 SYNC_TIMEOUT = 60.0  # how long a state transfer between peers may take
 MAX_MADDRS = 16  # addresses a reachability question may name
 MAX_HOLDERS = 256  # peers a commit's ledger may name with their addresses
