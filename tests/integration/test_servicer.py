@@ -85,7 +85,8 @@ def _malformed_lanes(rng: random.Random, hidden: int) -> list[list[runtime_pb2.E
     cases.append([runtime_pb2.ExpertRequest(uid="", metadata=lanes.pack([runtime_pb2.ExpertRequest()], 1)[0].metadata)])
     good = {"method": "forward", "adapter": "fuzzed", "start": 0, "end": 2, "step": 0, "has_mask": False}
     parts = encode(Message(good, [torch.randn(2, 3, hidden)]), chunk_bytes=256)
-    first, second = lanes.pack(parts, 2, "twice"), lanes.pack(parts, 3, "twice")
+    uid = f"twice-{rng.getrandbits(32)}"  # each round its own message: a reused id would meet the last round's lanes
+    first, second = lanes.pack(parts, 2, uid), lanes.pack(parts, 3, uid)
     cases.append([first[0], second[1]])  # one message, two different lane counts
     return cases
 
