@@ -41,6 +41,18 @@ def pytest_configure(config) -> None:
         zygote.enable()
 
 
+@pytest.fixture(autouse=True)
+def _environment_kept():
+    """What a test changes in ``os.environ`` ends with it (``TrainingArguments(fsdp=...)`` sets a variable): the fork
+    server forks only for the environment it started with, and a leftover variable sends every later process the
+    slow way."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 TIERS = ("unit", "integration", "e2e")
 _seconds_per_tier: dict[str, float] = defaultdict(float)
 _started = time.time()  # this module is imported as the session starts

@@ -141,7 +141,12 @@ class LocalSwarm:
     def _fork(self, launcher: list[str], args: list[str], env: dict[str, str], log: Path) -> Forked | None:
         """``launcher ARGS`` from the fork server, if there is one and it takes it: ``python -m MODULE`` or
         ``python SCRIPT``, in the server's environment."""
-        if self.forks is None or launcher[0] != sys.executable or not self.forks.accepts(env):
+        if self.forks is None or launcher[0] != sys.executable:
+            return None
+        if not self.forks.accepts(env):
+            differing = self.forks.differing(env)
+            why = f"its environment differs in {', '.join(differing)}" if differing else "the server has exited"
+            logger.info("%s starts without the fork server (its imports take seconds): %s", args[:1], why)
             return None
         if len(launcher) == 3 and launcher[1] == "-m":
             return self.forks.start(launcher[2], args, env, log)

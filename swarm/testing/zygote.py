@@ -195,11 +195,15 @@ class Zygote:
                     self.ended[message["exit"]] = message["code"]
                 self.arrived.notify_all()
 
+    def differing(self, env: dict[str, str]) -> list[str]:
+        """The variables in which ``env`` differs from the server's where imports may read them: a child with any is
+        not the process its own interpreter would have been."""
+        keys = {k for k in env.keys() | self.base_env.keys() if not k.startswith(SAME_ENV_EXCEPT)}
+        return sorted(k for k in keys if env.get(k) != self.base_env.get(k))
+
     def accepts(self, env: dict[str, str]) -> bool:
         """Whether a child with ``env`` is the process its own interpreter would have been."""
-        keys = (env.keys() | self.base_env.keys()) - {k for k in env if k.startswith(SAME_ENV_EXCEPT)}
-        keys -= {k for k in self.base_env if k.startswith(SAME_ENV_EXCEPT)}
-        return self.process.poll() is None and all(env.get(k) == self.base_env.get(k) for k in keys)
+        return self.process.poll() is None and not self.differing(env)
 
     def start(self, module: str, argv: list[str], env: dict[str, str], log: Path) -> Forked:
         """``python -m MODULE ARGV`` with ``env``, its output to ``log``."""
