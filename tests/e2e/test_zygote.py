@@ -71,3 +71,14 @@ def test_a_swarm_of_a_later_test_is_forked(server: Zygote, tmp_path: Path):
     assert os.environ.get("PYTEST_CURRENT_TEST") != server.base_env.get("PYTEST_CURRENT_TEST")
     with LocalSwarm(tmp_path, forks=server) as local:
         assert isinstance(local.start_dht().popen, Forked)
+
+
+def test_the_suites_shared_server_still_takes_a_late_tests_starts(tmp_path: Path):
+    """In a whole run this module comes after every other: a variable an earlier test left in ``os.environ`` would
+    send this start (and every e2e start after that test) around the server, ~12 s of imports each on 2 cores."""
+    local = LocalSwarm(tmp_path)
+    if local.forks is None:
+        pytest.skip("SWARM_TEST_NO_FORKS=1: this run starts every process the ordinary way")
+    with local:
+        differing = local.forks.differing({**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert isinstance(local.start_dht().popen, Forked), f"the environment differs in {differing}"
