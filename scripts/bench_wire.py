@@ -89,7 +89,7 @@ def split(rows: list[dict], every: int) -> tuple[list[dict], list[dict]]:
 def probe(model_dir: Path, batch: dict[str, torch.Tensor], block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A real hidden state (the input of ``block``) of ``batch`` and its real gradient, from a local fp32 model:
     what crosses the wire between two peers split at ``block``."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     captured = {}
 
     def hook(module, args, kwargs):
@@ -125,6 +125,40 @@ def wire_costs(options: dict, hidden: torch.Tensor, grad: torch.Tensor, repeats:
         seconds += best
     mib = 2 * hidden.numel() * 4 / 2**20
     return dict(bytes=nbytes, rel_error=errors, ms_per_mib=1000 * seconds / mib)
+
+
+def per_hop(model_dir: Path, eval_batch: dict[str, torch.Tensor], formats: list[str], hops: list[int]) -> None:
+    """The held-out loss of one local fp32 forward with the hidden state rounded through each format's wire at one
+    hop at a time (the input of block HOP; the last block's output where HOP is the layer count), then at every hop
+    together: whether one hop's rounding is what moves the loss."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    layers = model.config.num_hidden_layers
+
+    def loss(wire: WireFormat | None, where: list[int]) -> float:
+        def rounded(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            hidden = deserialize(serialize(wire.cast(hidden), COMPRESSIONS[wire.compression])).to(hidden.dtype)
+            return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+
+        modules = [model.model.norm if hop == layers else model.model.layers[hop] for hop in where]
+        handles = [module.register_forward_pre_hook(rounded, with_kwargs=True) for module in modules]
+        try:
+            with torch.no_grad():
+                return model(**eval_batch).loss.item()
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    exact = loss(None, [])
+    print(f"\nheld-out loss of one forward, one hop rounded at a time (exact {exact:.4f})\n")
+    print("| wire | " + " | ".join(f"hop {hop}" for hop in hops) + " | all of them |")
+    print("|" + "---|" * (len(hops) + 2))
+    for name in formats:
+        options = FORMATS[name]
+        wire = WireFormat(options.get("wire_dtype"), options.get("compression", "none"))
+        cells = [f"{100 * relative(loss(wire, [hop]), exact):+.2f} %" for hop in hops]
+        cells.append(f"{100 * relative(loss(wire, hops), exact):+.2f} %")
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 def evaluate(model: swarm.SwarmModelForCausalLM, eval_batch: dict[str, torch.Tensor]) -> float:
@@ -246,6 +280,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="write the curves and costs here, after each format")
     parser.add_argument("--report", type=Path, default=None, help="only print the tables of a --json file")
+    parser.add_argument(
+        "--per-hop",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="HOP",
+        help="only print the held-out loss of one local forward with each format's rounding at each of these hops "
+        "(block inputs; the layer count: the last block's output), alone and together",
+    )
     args = parser.parse_args(argv)
     if args.report:
         saved = json.loads(args.report.read_text())
@@ -262,6 +305,9 @@ def main(argv: list[str] | None = None) -> None:
         args.train_rows, args.eval_rows = len(train_rows), len(eval_rows)
         eval_batch = collate(instruction_examples(tokenizer, eval_rows), tokenizer.pad_token_id or 0)
         args.layers = transformers.AutoConfig.from_pretrained(model_dir).num_hidden_layers
+        if args.per_hop:
+            per_hop(model_dir, eval_batch, formats, args.per_hop)
+            return
         first = instruction_batches(tokenizer, train_rows, 0, size=args.batch, count=1)[0]
         hidden, grad = probe(model_dir, first, args.probe_block or args.layers // 2)
         costs = {name: wire_costs(FORMATS[name], hidden, grad, args.timing_repeats) for name in formats}
