@@ -41,6 +41,15 @@ def pytest_configure(config) -> None:
         zygote.enable()
 
 
+_first_environment = dict(os.environ)  # this module is imported as the session starts
+
+
+@pytest.fixture
+def first_environment() -> dict[str, str]:
+    """``os.environ`` as the session found it, before any test ran."""
+    return dict(_first_environment)
+
+
 @pytest.fixture(autouse=True)
 def _environment_kept():
     """What a test changes in ``os.environ`` ends with it (``TrainingArguments(fsdp=...)`` sets a variable): the fork

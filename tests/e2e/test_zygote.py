@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from swarm.testing.localswarm import LocalSwarm
-from swarm.testing.zygote import Forked, Zygote
+from swarm.testing.zygote import SAME_ENV_EXCEPT, Forked, Zygote
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +73,16 @@ def test_a_swarm_of_a_later_test_is_forked(server: Zygote, tmp_path: Path):
         assert isinstance(local.start_dht().popen, Forked)
 
 
-def test_the_suites_shared_server_still_takes_a_late_tests_starts(tmp_path: Path):
+def test_no_earlier_test_left_a_variable_behind(first_environment: dict[str, str], tmp_path: Path):
     """In a whole run this module comes after every other: a variable an earlier test left in ``os.environ`` would
-    send this start (and every e2e start after that test) around the server, ~12 s of imports each on 2 cores."""
-    local = LocalSwarm(tmp_path)
-    if local.forks is None:
-        pytest.skip("SWARM_TEST_NO_FORKS=1: this run starts every process the ordinary way")
-    with local:
-        differing = local.forks.differing({**os.environ, "PYTHONUNBUFFERED": "1"})
-        assert isinstance(local.start_dht().popen, Forked), f"the environment differs in {differing}"
+    show here, and would have sent every later start around the shared fork server (~12 s of imports each on 2
+    cores). Where the run has the server (not SWARM_TEST_NO_FORKS=1), it still forks this test's start."""
+    left = sorted(
+        key
+        for key in os.environ.keys() | first_environment.keys()
+        if not key.startswith(SAME_ENV_EXCEPT) and os.environ.get(key) != first_environment.get(key)
+    )
+    assert not left, f"variables changed since the session started: {left}"
+    with LocalSwarm(tmp_path) as local:
+        if local.forks is not None:
+            assert isinstance(local.start_dht().popen, Forked), local.forks.differing(dict(os.environ))
