@@ -66,8 +66,11 @@ def _child(request: dict, ready: int) -> None:
         os.write(ready, b"1")
         os.close(ready)
         import torch
+        from hivemind.utils.mpfuture import MPFuture
 
         torch.seed()
+        MPFuture.reset_backend()  # its locks are semaphores shared by every fork: one child killed holding one
+        # would hang the DHT start of every later child
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])

@@ -54,6 +54,31 @@ def test_a_child_is_its_own_process_group_with_its_environment_and_dies_by_signa
             os.killpg(dht.pid, signal.SIGKILL)
 
 
+def test_a_child_killed_holding_hiveminds_lock_does_not_hang_the_next(server: Zygote, tmp_path: Path):
+    """hivemind's MPFuture locks are semaphores made at import, in the server: each child gets its own."""
+    holder = tmp_path / "hold.py"
+    holder.write_text(
+        "import time\nfrom hivemind.utils.mpfuture import MPFuture\n"
+        "MPFuture._update_lock.acquire()\nprint('held', flush=True)\ntime.sleep(600)\n"
+    )
+    held = server.start_script(holder, [], server.base_env, tmp_path / "hold.log")
+    deadline = time.monotonic() + 60
+    while "held" not in (tmp_path / "hold.log").read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os.killpg(held.pid, signal.SIGKILL)
+    assert held.wait(30) == -signal.SIGKILL
+    dht = server.start("swarm", ["dht", "--host", "127.0.0.1"], server.base_env, tmp_path / "dht.log")
+    try:
+        deadline = time.monotonic() + 60
+        while "/ip4/" not in (tmp_path / "dht.log").read_text() and time.monotonic() < deadline:
+            assert dht.poll() is None, (tmp_path / "dht.log").read_text()
+            time.sleep(0.1)
+        assert "/ip4/" in (tmp_path / "dht.log").read_text(), "the DHT hung on a lock a killed child held"
+    finally:
+        if dht.poll() is None:
+            os.killpg(dht.pid, signal.SIGKILL)
+
+
 def test_only_what_the_imports_cannot_have_seen_differently_is_forked(server: Zygote):
     assert server.accepts(dict(server.base_env))
     assert server.accepts({**server.base_env, "SWARM_INITIAL_PEERS": "/ip4/127.0.0.1/tcp/1"})
