@@ -22,6 +22,14 @@ def server():
     forks.close()
 
 
+def _wait_for_address(dht: Forked, log: Path, timeout: float = 60.0) -> None:
+    """Until a forked ``swarm dht`` prints its address, it exits (a failure) or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while "/ip4/" not in log.read_text() and time.monotonic() < deadline:
+        assert dht.poll() is None, log.read_text()
+        time.sleep(0.1)
+
+
 def test_a_child_runs_the_command_and_ends_with_its_code(server: Zygote, tmp_path: Path):
     env = {**server.base_env, "SWARM_MARK": "1"}
     keygen = server.start("swarm", ["keygen", str(tmp_path / "swarm.key")], env, tmp_path / "keygen.log")
@@ -35,10 +43,7 @@ def test_a_child_runs_the_command_and_ends_with_its_code(server: Zygote, tmp_pat
 def test_a_child_is_its_own_process_group_with_its_environment_and_dies_by_signal(server: Zygote, tmp_path: Path):
     dht = server.start("swarm", ["dht", "--host", "127.0.0.1"], server.base_env, tmp_path / "dht.log")
     try:
-        deadline = time.monotonic() + 60
-        while "/ip4/" not in (tmp_path / "dht.log").read_text() and time.monotonic() < deadline:
-            assert dht.poll() is None, (tmp_path / "dht.log").read_text()
-            time.sleep(0.1)
+        _wait_for_address(dht, tmp_path / "dht.log")
         assert os.getpgid(dht.pid) == dht.pid and os.getsid(dht.pid) == dht.pid
         # the environment it was given is the one its code reads: status finds the DHT through SWARM_INITIAL_PEERS
         maddrs = [line for line in (tmp_path / "dht.log").read_text().splitlines() if line.startswith("/ip4/")]
@@ -69,10 +74,7 @@ def test_a_child_killed_holding_hiveminds_lock_does_not_hang_the_next(server: Zy
     assert held.wait(30) == -signal.SIGKILL
     dht = server.start("swarm", ["dht", "--host", "127.0.0.1"], server.base_env, tmp_path / "dht.log")
     try:
-        deadline = time.monotonic() + 60
-        while "/ip4/" not in (tmp_path / "dht.log").read_text() and time.monotonic() < deadline:
-            assert dht.poll() is None, (tmp_path / "dht.log").read_text()
-            time.sleep(0.1)
+        _wait_for_address(dht, tmp_path / "dht.log")
         assert "/ip4/" in (tmp_path / "dht.log").read_text(), "the DHT hung on a lock a killed child held"
     finally:
         if dht.poll() is None:
