@@ -16,7 +16,7 @@ Usage::
 
     sudo python scripts/bench_wan.py --home [--spans 2 4 8] [--modes chained client-driven] [--layers 8]
         [--hidden 512] [--batch 1] [--seq 128] [--micro-batches 4] [--steps 3] [--warmup 1] [--up-mbit 20]
-        [--down-mbit 100] [--rtt-ms 50] [--peer-mbit 100] [--workdir DIR]
+        [--down-mbit 100] [--rtt-ms 50] [--peer-mbit 100] [--wires none bfloat16+hadamard4 ...] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import re
 import sys
 import tempfile
 import time
@@ -37,6 +38,7 @@ for path in (ROOT, ROOT / "scripts"):  # swarm, and bench_step.py's split of the
 
 import bench_step  # noqa: E402
 
+from swarm.net.compression import WireFormat  # noqa: E402
 from swarm.testing.homelab import HomeLab, HomeLinks  # noqa: E402
 from swarm.testing.linkmeter import LinkReport, MeterConfig, run_client  # noqa: E402
 from swarm.testing.localswarm import LocalSwarm  # noqa: E402
@@ -58,6 +60,7 @@ class HomeRun:
     spans: int
     mode: str
     report: LinkReport
+    wire: str = "none"
 
 
 def run_spans(home: HomeLab, model_dir: Path, args: argparse.Namespace, spans: int, workdir: Path) -> list[HomeRun]:
@@ -77,11 +80,16 @@ def run_spans(home: HomeLab, model_dir: Path, args: argparse.Namespace, spans: i
         for peer in peers:
             peer.wait_for_line("serving blocks", 300)
         watch = {peer.name: peer.pid for peer in peers}
-        for mode in ("compute", *args.modes):
+        for mode, wire in [("compute", "none")] + [(mode, wire) for wire in args.wires for mode in args.modes]:
             home.shape(mode != "compute")
-            measured = dataclasses.replace(config, adapter=f"home-{mode}", chain=mode != "client-driven")
+            measured = dataclasses.replace(
+                config,
+                adapter=f"home-{mode}-" + re.sub(r"[^A-Za-z0-9_-]+", "-", wire),
+                chain=mode != "client-driven",
+                wire=wire,
+            )
             report = run_client(local, home.client, model_dir, measured, mode, watch, timeout=args.client_timeout)
-            runs.append(HomeRun(spans, mode, report))
+            runs.append(HomeRun(spans, mode, report, wire))
     return runs
 
 
@@ -117,13 +125,13 @@ def report(args: argparse.Namespace, links: HomeLinks, runs: list[HomeRun], took
     )
     print()
     print(
-        f"{'spans':>5} {'mode':<14} {'step s':>7} {'compute s':>9} {'link s':>7} {'bound s':>7} {'/bound':>6} "
-        f"{'client MB/step':>14} {'up MB':>6} {'down MB':>7}"
+        f"{'spans':>5} {'mode':<14} {'wire':<28} {'step s':>7} {'compute s':>9} {'link s':>7} {'bound s':>7} "
+        f"{'/bound':>6} {'client MB/step':>14} {'up MB':>6} {'down MB':>7}"
     )
-    medians: dict[tuple[int, str], float] = {}
+    medians: dict[tuple[int, str, str], float] = {}
     for run in runs:
         step, own = run.report.median_step, run.report.median()
-        medians[(run.spans, run.mode)] = step
+        medians[(run.spans, run.mode, run.wire)] = step
         if run.mode == "compute":  # no link to speak of: the bound is this step
             link, bound = "-", step
         else:
@@ -131,17 +139,27 @@ def report(args: argparse.Namespace, links: HomeLinks, runs: list[HomeRun], took
             link = f"{seconds:.3f}"
             bound = max(compute[run.spans], seconds) + round_trips(run.mode, run.spans, waves) * links.rtt_ms / 1000
         print(
-            f"{run.spans:5d} {run.mode:<14} {step:7.3f} {compute[run.spans]:9.3f} {link:>7} {bound:7.3f} "
-            f"{step / bound:6.2f} {run.report.bytes_per_step / 1e6:14.2f} {own.tx / 1e6:6.2f} {own.rx / 1e6:7.2f}"
+            f"{run.spans:5d} {run.mode:<14} {run.wire:<28} {step:7.3f} {compute[run.spans]:9.3f} {link:>7} "
+            f"{bound:7.3f} {step / bound:6.2f} {run.report.bytes_per_step / 1e6:14.2f} {own.tx / 1e6:6.2f} "
+            f"{own.rx / 1e6:7.2f}"
         )
     print()
-    for spans in sorted(compute):
-        if (spans, "chained") in medians and (spans, "client-driven") in medians:
-            speedup = medians[(spans, "client-driven")] / medians[(spans, "chained")]
-            print(f"chained vs client-driven at {spans} spans: {speedup:.2f}x faster")
-    for mode in args.modes:
-        over = [f"{medians[(s, mode)] - compute[s]:+.3f} s at {s}" for s in sorted(compute) if (s, mode) in medians]
-        print(f"{mode}: step - compute: {', '.join(over)} spans")
+    for wire in args.wires:
+        for spans in sorted(compute):
+            if (spans, "chained", wire) in medians and (spans, "client-driven", wire) in medians:
+                speedup = medians[(spans, "client-driven", wire)] / medians[(spans, "chained", wire)]
+                print(f"{wire}: chained vs client-driven at {spans} spans: {speedup:.2f}x faster")
+        for mode in args.modes:
+            over = [
+                f"{medians[(s, mode, wire)] - compute[s]:+.3f} s at {s}"
+                for s in sorted(compute)
+                if (s, mode, wire) in medians
+            ]
+            print(f"{wire}: {mode}: step - compute: {', '.join(over)} spans")
+    for spans, mode, wire in medians:
+        if mode != "compute" and wire != "none" and (spans, mode, "none") in medians:
+            ratio = medians[(spans, mode, "none")] / medians[(spans, mode, wire)]
+            print(f"{wire} vs none, {mode} at {spans} spans: {ratio:.2f}x faster")
     print(
         f"goals: chained within {GOAL_BOUND}x of its bound; >= {GOAL_SPEEDUP}x faster than client-driven at 4 spans; "
         "chained step not growing with spans beyond the compute"
@@ -165,6 +183,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--down-mbit", type=float, default=links.down_mbit, help="the client's downlink")
     parser.add_argument("--rtt-ms", type=float, default=links.rtt_ms, help="the client's round trip to every peer")
     parser.add_argument("--peer-mbit", type=float, default=links.peer_mbit, help="every peer's link, both ways")
+    parser.add_argument(
+        "--wires",
+        nargs="+",
+        default=["none"],
+        help="wire formats to compare (WireFormat.parse: none, bfloat16, "
+        "blockwise8, bfloat16+hadamard4, bfloat16+hadamard4/hadamard3, ...)",
+    )
     parser.add_argument("--client-timeout", type=float, default=900.0, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, default=None, help="model and logs (default: a temp dir)")
     args = parser.parse_args(argv)
@@ -172,6 +197,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("need 1 <= --spans <= --layers and --steps >= 1")
     if min(args.up_mbit, args.down_mbit, args.peer_mbit) <= 0:
         parser.error("link rates must be positive")
+    try:
+        args.wires = [WireFormat.parse(wire).spec for wire in args.wires]
+    except ValueError as e:
+        parser.error(f"--wires: {e}")
     return args
 
 

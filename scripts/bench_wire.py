@@ -7,6 +7,14 @@ these losses move for a change that is not the wire. The data is the demo's inst
 (data/pirate_instructions.jsonl, the loss on the answers' tokens only, as swarm.testing.instructions builds it), every
 --eval-every'th conversation held out as an eval split; the training batches cycle through the rest.
 
+Formats named "emulated: ..." run in one process instead (``run_emulated``): a local fp32 peft model of the same
+model, AdamW alike, whose hidden states are rounded through the wire's codec where the swarm's hops are (the input
+of block 0 and of block layers/2, and the last block's output; their gradients backward), beside an emulated exact
+run of their own as their reference. That is how activation deltas across epochs (swarm/net/deltas.py: the forward
+sends each micro-batch's change since its last pass, AC-SGD's idea; the training batches here repeat every
+train_rows/batch steps) are measured before the protocol carries them; the eval goes through the plain codec (a
+held-out sample is seen once), and each delta row reports the forward's in-run rounding error at the middle hop.
+
 Reported per format: the final train loss (mean of the last 10 steps), the eval loss at the end (through the same
 wire), the loss curve's largest relative gap to exact over the run and at a few checkpoints, the bytes per hop per
 micro-batch (one batch's hidden states forward plus their gradient backward, measured as serialized protobufs of a
@@ -24,6 +32,9 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import hashlib
 import json
 import logging
 import re
@@ -44,7 +55,8 @@ if str(ROOT) not in sys.path:
 
 import swarm  # noqa: E402
 from swarm.gguf import smollm2_folder  # noqa: E402
-from swarm.net.compression import COMPRESSIONS, WireFormat, deserialize, serialize  # noqa: E402
+from swarm.net.compression import COMPRESSIONS, ROTATED, WireFormat, deserialize, serialize  # noqa: E402
+from swarm.net.deltas import DIGEST_BYTES, DeltaReferences  # noqa: E402
 from swarm.testing.instructions import collate, instruction_batches, instruction_examples, read_rows  # noqa: E402
 from swarm.testing.localswarm import LocalSwarm  # noqa: E402
 
@@ -73,6 +85,23 @@ FORMATS = {
         wire_dtype="bfloat16", compression="hadamard4", grad_compression="blockwise8"
     ),
 }
+EMULATED = "emulated: "  # formats run in one process (run_emulated), against EMULATED_EXACT
+EMULATED_EXACT = EMULATED + EXACT
+FORMATS.update(
+    {
+        EMULATED_EXACT: dict(emulated=True),
+        EMULATED + RESEEDED: dict(emulated=True, seed=1),
+        EMULATED + "bfloat16 + hadamard4": dict(emulated=True, wire_dtype="bfloat16", compression="hadamard4"),
+        EMULATED + "hadamard4 deltas": dict(emulated=True, compression="hadamard4", deltas=True),
+        EMULATED + "hadamard4 deltas / 3 grads": dict(
+            emulated=True, compression="hadamard4", grad_compression="hadamard3", deltas=True
+        ),
+        EMULATED + "hadamard3 deltas / 4 grads": dict(
+            emulated=True, compression="hadamard3", grad_compression="hadamard4", deltas=True
+        ),
+        EMULATED + "hadamard3 deltas": dict(emulated=True, compression="hadamard3", deltas=True),
+    }
+)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CHECKPOINTS = (50, 100, 150, 200)
 TAIL = 10  # the final train loss: the mean of the last TAIL steps
@@ -124,6 +153,8 @@ def wire_costs(options: dict, hidden: torch.Tensor, grad: torch.Tensor, repeats:
             best = min(best, time.perf_counter() - start)
         seconds += best
     mib = 2 * hidden.numel() * 4 / 2**20
+    if options.get("deltas"):
+        nbytes += DIGEST_BYTES  # a change names its reference
     return dict(bytes=nbytes, rel_error=errors, ms_per_mib=1000 * seconds / mib)
 
 
@@ -194,9 +225,115 @@ def run(local: LocalSwarm, model_dir: Path, name: str, options: dict, tokenizer,
             if step + 1 in CHECKPOINTS or step + 1 == args.steps:
                 evals[step + 1] = evaluate(model, eval_batch)
                 logger.info("%s: step %d, train loss %.4f, eval loss %.4f", name, step + 1, losses[-1], evals[step + 1])
+        seconds = time.perf_counter() - started
+        with tempfile.TemporaryDirectory(prefix="bench_wire_adapter_") as saved:
+            model.save_adapter(saved)
+            adapter_eval = local_eval(model_dir, Path(saved), eval_batch)
     finally:
         model.shutdown()
-    return dict(losses=losses, evals=evals, seconds=time.perf_counter() - started)
+    return dict(losses=losses, evals=evals, seconds=seconds, adapter_eval=adapter_eval)
+
+
+def local_eval(model_dir: Path, adapter_dir: Path, eval_batch: dict[str, torch.Tensor]) -> float:
+    """The held-out loss of a saved adapter on a local fp32 model: what the user gets, with no wire in between."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+    with torch.no_grad():
+        return model(**eval_batch).loss.item()
+
+
+class EmulatedWire:
+    """The swarm's hops in one process: each crossing's hidden state rounded through ``wire``'s codec forward (or,
+    with ``deltas``, sent as its change since the micro-batch's last pass) and its gradient backward."""
+
+    def __init__(self, wire: WireFormat, deltas: bool):
+        self.wire, self.training, self.key, self.bypass = wire, False, b"", False
+        bits = ROTATED[wire.compression][0] if deltas else None
+        self.references = None if bits is None else collections.defaultdict(lambda: DeltaReferences(bits))
+        self.errors: dict[int, list[float]] = collections.defaultdict(list)  # hop -> the forward's in-run errors
+
+    def forward(self, hidden: torch.Tensor, hop: int) -> torch.Tensor:
+        if self.wire.exact or self.bypass:
+            return hidden
+        if self.training and self.references is not None:
+            _, value = self.references[hop].encode(self.key, hidden)
+        else:
+            value = deserialize(serialize(self.wire.cast(hidden), COMPRESSIONS[self.wire.compression]))
+        if self.training:
+            self.errors[hop].append(((value.float() - hidden).norm() / hidden.norm()).item())
+        return value.to(hidden.dtype)
+
+    def backward(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.wire.exact:
+            return grad
+        code = COMPRESSIONS[self.wire.backward_compression]
+        return deserialize(serialize(self.wire.cast(grad), code)).to(grad.dtype)
+
+
+class Crossing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, wire: EmulatedWire, hop: int) -> torch.Tensor:
+        ctx.wire = wire
+        return wire.forward(hidden, hop)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.wire.backward(grad), None, None
+
+
+def run_emulated(model_dir: Path, name: str, options: dict, tokenizer, train_rows, eval_batch, args) -> dict:
+    """``run``'s fine-tune in one process, the wire emulated at the swarm's hops (see the module's docstring)."""
+    wire = EmulatedWire(
+        WireFormat(options.get("wire_dtype"), options.get("compression", "none"), options.get("grad_compression")),
+        bool(options.get("deltas")),
+    )
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(options.get("seed", 0))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
+    layers = base.model.layers
+    hops = {0: layers[0], len(layers) // 2: layers[len(layers) // 2], len(layers): base.model.norm}
+
+    def crossing(hop: int):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            hidden = Crossing.apply(hidden, wire, hop)
+            return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+
+        return hook
+
+    handles = [module.register_forward_pre_hook(crossing(hop), with_kwargs=True) for hop, module in hops.items()]
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
+
+    def evaluate_here() -> float:
+        model.eval()
+        with torch.no_grad():
+            return model(**eval_batch).loss.item()
+
+    losses, evals = [], {}
+    started = time.perf_counter()
+    try:
+        evals[0] = evaluate_here()
+        for step in tqdm(range(args.steps), desc=name, unit="step", mininterval=30):
+            batch = instruction_batches(tokenizer, train_rows, step, size=args.batch, count=1)[0]
+            model.train()
+            wire.training, wire.key = True, hashlib.blake2b(batch["input_ids"].numpy().tobytes()).digest()
+            loss = model(**batch).loss
+            loss.backward()
+            wire.training = False
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            if step + 1 in CHECKPOINTS or step + 1 == args.steps:
+                evals[step + 1] = evaluate_here()
+                logger.info("%s: step %d, train loss %.4f, eval loss %.4f", name, step + 1, losses[-1], evals[step + 1])
+        wire.bypass = True
+        adapter_eval = evaluate_here()
+    finally:
+        for handle in handles:
+            handle.remove()
+    middle = wire.errors.get(len(layers) // 2, [])
+    seconds = time.perf_counter() - started
+    return dict(losses=losses, evals=evals, seconds=seconds, forward_error=middle, adapter_eval=adapter_eval)
 
 
 def relative(value: float, reference: float) -> float:
@@ -208,8 +345,8 @@ def _at(evals: dict, step: int) -> float | None:
 
 
 def report(results: dict, costs: dict, args: argparse.Namespace) -> None:
-    """Two markdown tables: the losses and wire costs per format, and the eval loss along the run."""
-    exact = results[EXACT]
+    """Two markdown tables: the losses and wire costs per format (against the exact run of their engine: the swarm
+    or the emulation), and the eval loss along the run."""
     steps = min(len(r["losses"]) for r in results.values())
     marks = [c for c in CHECKPOINTS if c <= steps]
     layers = args.layers
@@ -220,23 +357,30 @@ def report(results: dict, costs: dict, args: argparse.Namespace) -> None:
         f"{args.eval_rows} eval), 2 peers (0:{layers // 2}, {layers // 2}:{layers})"
     )
     print()
-    columns = ["wire", "final train", "vs exact", "eval", "vs exact", "max gap", "max abs diff"]
+    columns = ["wire", "final train", "vs exact", "eval", "vs exact", "adapter eval", "vs exact", "max gap"]
+    columns += ["max abs diff"]
     columns += [f"gap @{m}" for m in marks]
     columns += ["bytes/hop/micro-batch", "x fewer than fp32", "codec ms/MiB", "rel err h / g", "goal"]
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
-    ref = exact["losses"][:steps]
-    ref_final, ref_eval = statistics.fmean(ref[-TAIL:]), _at(exact["evals"], steps)
     for name, result in results.items():
+        exact = results[reference_of(name)]
+        ref = exact["losses"][:steps]
+        ref_final, ref_eval = statistics.fmean(ref[-TAIL:]), _at(exact["evals"], steps)
         losses = result["losses"][:steps]
         final, last_eval = statistics.fmean(losses[-TAIL:]), _at(result["evals"], steps)
         cost = costs[name]
-        ratio = costs[EXACT]["bytes"] / cost["bytes"]
+        ratio = costs[reference_of(name)]["bytes"] / cost["bytes"]
         gaps = [abs(relative(a, b)) for a, b in zip(losses, ref, strict=True)]
         diffs = [abs(a - b) for a, b in zip(losses, ref, strict=True)]
         d_final, d_eval = relative(final, ref_final), relative(last_eval, ref_eval)
         meets = ratio >= GOAL_RATIO and abs(d_final) <= GOAL_GAP and abs(d_eval) <= GOAL_GAP
         cells = [name, f"{final:.4f}", f"{100 * d_final:+.1f} %", f"{last_eval:.4f}", f"{100 * d_eval:+.2f} %"]
+        if "adapter_eval" in result and "adapter_eval" in exact:
+            d_adapter = relative(result["adapter_eval"], exact["adapter_eval"])
+            cells += [f"{result['adapter_eval']:.4f}", f"{100 * d_adapter:+.2f} %"]
+        else:  # a --json file from before the column
+            cells += ["-", "-"]
         cells += [f"{100 * max(gaps):.1f} %", f"{max(diffs):.4f}"]
         cells += [f"{100 * gaps[m - 1]:.1f} %" for m in marks]
         cells += [f"{cost['bytes']:,d}", f"{ratio:.2f}x", f"{cost['ms_per_mib']:.1f}"]
@@ -245,13 +389,23 @@ def report(results: dict, costs: dict, args: argparse.Namespace) -> None:
     print()
     print(
         f"final train: mean train loss of the last {TAIL} steps; eval: held-out loss after step {steps} (through the "
-        f"same wire); gap: |loss - exact| / exact, per step (max over the run, and at steps {marks}); abs diff: "
+        f"same wire); adapter eval: the same held-out loss of the final adapter on a local model, no wire (what the "
+        f"user gets); gap: |loss - exact| / exact, per step (max over the run, and at steps {marks}); abs diff: "
         f"|loss - exact|; bytes: one micro-batch's hidden state {list(costs['shape'])} at block {layers // 2}'s "
         f"input forward + its gradient backward, as serialized protobufs (the int64 mask aside); codec: "
         f"serialize + deserialize per MiB of fp32 in, best of {args.timing_repeats}; rel err: ||decoded - x|| / ||x|| "
         f"of that hidden state / gradient; goal: >= {GOAL_RATIO:g}x fewer bytes than fp32 and final train and eval "
         f"loss within {100 * GOAL_GAP:g} % of exact"
     )
+    for name, result in results.items():
+        if FORMATS[name].get("deltas") and result.get("forward_error"):
+            errors = result["forward_error"]
+            epoch = args.train_rows // args.batch
+            print(
+                f"{name}: the forward's rounding error at hop {layers // 2} in the run, ||sent - x|| / ||x||: "
+                f"{statistics.fmean(errors[:epoch]):.4f} in the first {epoch} steps (the values themselves), "
+                f"{statistics.fmean(errors[-TAIL:]):.4f} in the last {TAIL} (changes since the last pass)"
+            )
     print()
     evals = [0, *marks] if steps in marks else [0, *marks, steps]
     print("| wire | " + " | ".join(f"eval @{m}" for m in evals) + " | seconds |")
@@ -259,6 +413,10 @@ def report(results: dict, costs: dict, args: argparse.Namespace) -> None:
     for name, result in results.items():
         cells = [f"{_at(result['evals'], m):.4f}" for m in evals]
         print(f"| {name} | " + " | ".join(cells) + f" | {result['seconds']:.0f} |")
+
+
+def reference_of(name: str) -> str:
+    return EMULATED_EXACT if name.startswith(EMULATED) else EXACT
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -270,7 +428,8 @@ def main(argv: list[str] | None = None) -> None:
         choices=list(FORMATS),
         default=list(FORMATS),
         metavar="FORMAT",
-        help=f"wire formats to run, of {list(FORMATS)} (default: all); {EXACT!r} always runs first, the reference",
+        help=f"wire formats to run, of {list(FORMATS)} (default: all); the exact run of each engine (the swarm's, "
+        f"{EXACT!r}, or the emulation's, {EMULATED_EXACT!r}) runs first, their reference",
     )
     parser.add_argument("--batch", type=int, default=4, help="conversations per step (one micro-batch)")
     parser.add_argument("--eval-every", type=int, default=6, help="hold out every N'th conversation for eval")
@@ -296,7 +455,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("hivemind").setLevel(logging.WARNING)
-    formats = [EXACT, *(f for f in args.formats if f != EXACT)]
+    references = sorted({reference_of(name) for name in args.formats})
+    formats = [*references, *(f for f in args.formats if f not in references)]
     with tempfile.TemporaryDirectory(prefix="bench_wire_") as tmp:
         workdir = args.workdir or Path(tmp)
         model_dir = smollm2_folder(workdir / "smollm2")
@@ -317,13 +477,22 @@ def main(argv: list[str] | None = None) -> None:
                 "%s: %d bytes/hop/micro-batch, %.1f ms/MiB", name, costs[name]["bytes"], costs[name]["ms_per_mib"]
             )
         results = {}
-        with LocalSwarm(workdir / "swarm") as local:
-            local.start_dht()
-            local.start_peers(model_dir, {"a": f"0:{args.layers // 2}", "b": f"{args.layers // 2}:{args.layers}"})
-            for name in formats:
+
+        def save() -> None:
+            if args.json:
+                args.json.write_text(json.dumps(dict(results=results, costs=costs, args=vars(args)), default=str))
+
+        for name in (f for f in formats if f.startswith(EMULATED)):
+            results[name] = run_emulated(model_dir, name, FORMATS[name], tokenizer, train_rows, eval_batch, args)
+            save()
+        swarm_formats = [f for f in formats if not f.startswith(EMULATED)]
+        with LocalSwarm(workdir / "swarm") if swarm_formats else contextlib.nullcontext() as local:
+            if swarm_formats:
+                local.start_dht()
+                local.start_peers(model_dir, {"a": f"0:{args.layers // 2}", "b": f"{args.layers // 2}:{args.layers}"})
+            for name in swarm_formats:
                 results[name] = run(local, model_dir, name, FORMATS[name], tokenizer, train_rows, eval_batch, args)
-                if args.json:
-                    args.json.write_text(json.dumps(dict(results=results, costs=costs, args=vars(args)), default=str))
+                save()
     report(results, costs, args)
 
 

@@ -44,6 +44,24 @@ class WireFormat:
             if value not in COMPRESSIONS:
                 raise ValueError(f"{option} must be one of {sorted(COMPRESSIONS)}, got {value!r}")
 
+    @classmethod
+    def parse(cls, spec: str) -> WireFormat:
+        """A format from its short name, ``[DTYPE+]COMPRESSION[/GRAD_COMPRESSION]`` or a bare dtype: "none",
+        "bfloat16", "blockwise8", "bfloat16+hadamard4", "bfloat16+hadamard4/hadamard3" (what benchmarks take)."""
+        head, _, grads = spec.partition("/")
+        dtype, plus, compression = head.rpartition("+")
+        if not plus and compression in WIRE_DTYPES:
+            dtype, compression = compression, "none"
+        return cls(dtype or None, compression, grads or None)
+
+    @property
+    def spec(self) -> str:
+        """The short name ``parse`` reads back."""
+        head = self.compression if self.dtype is None else f"{self.dtype}+{self.compression}"
+        if self.dtype is not None and self.compression == "none":
+            head = self.dtype
+        return head if self.grad_compression is None else f"{head}/{self.grad_compression}"
+
     @property
     def backward_compression(self) -> str:
         """How a backward's request and reply travel: gradients may want other rounding (stochastic: unbiased)."""

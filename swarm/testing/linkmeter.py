@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import peft
 import torch
 
+from swarm.net.compression import WireFormat
 from swarm.testing.localswarm import LocalSwarm, Process
 from swarm.testing.netlab import Host
 from swarm.testing.recipe import HPARAMS, LORA
@@ -85,6 +86,7 @@ class MeterConfig:
     micro_batches: int = 1
     pipelined: bool = True
     lora_rank: int = 0  # 0: the recipe's LoRA; else this rank on all seven projections (LoRA big enough to count)
+    wire: str = "none"  # how hidden states and their gradients travel (WireFormat.parse)
 
     def lora_config(self) -> peft.LoraConfig:
         if not self.lora_rank:
@@ -99,7 +101,7 @@ class MeterConfig:
     def to_args(self) -> list[str]:
         args = ["--adapter", self.adapter, "--steps", str(self.steps), "--warmup", str(self.warmup)]
         args += ["--batch", str(self.batch), "--seq", str(self.seq), "--micro-batches", str(self.micro_batches)]
-        args += ["--lora-rank", str(self.lora_rank)]
+        args += ["--lora-rank", str(self.lora_rank), "--wire", self.wire]
         return args + (["--no-chain"] if not self.chain else []) + (["--loop"] if not self.pipelined else [])
 
 
@@ -246,13 +248,23 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Meter
     parser.add_argument("--seq", type=int, default=defaults.seq)
     parser.add_argument("--micro-batches", type=int, default=defaults.micro_batches)
     parser.add_argument("--lora-rank", type=int, default=defaults.lora_rank, help="0: the recipe's LoRA")
+    parser.add_argument("--wire", default=defaults.wire, help="wire format, e.g. bfloat16+hadamard4 (WireFormat.parse)")
     parser.add_argument("--watch", type=_watch_pair, action="append", default=[], metavar="NAME=PID")
     args = parser.parse_args(argv)
     if args.steps < 1 or min(args.batch, args.seq, args.micro_batches) < 1 or args.warmup < 0:
         parser.error("need --steps, --batch, --seq, --micro-batches >= 1 and --warmup >= 0")
+    try:
+        WireFormat.parse(args.wire)
+    except ValueError as e:
+        parser.error(f"--wire: {e}")
     shape = dict(steps=args.steps, warmup=args.warmup, batch=args.batch, seq=args.seq, micro_batches=args.micro_batches)
     config = MeterConfig(
-        args.adapter, chain=not args.no_chain, pipelined=not args.loop, lora_rank=args.lora_rank, **shape
+        args.adapter,
+        chain=not args.no_chain,
+        pipelined=not args.loop,
+        lora_rank=args.lora_rank,
+        wire=WireFormat.parse(args.wire).spec,
+        **shape,
     )
     return args, config
 
@@ -263,6 +275,7 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args, config = parse_args(argv)
+    wire = WireFormat.parse(config.wire)
     model = swarm.SwarmModelForCausalLM.from_pretrained(
         args.model,
         initial_peers=args.initial_peers,
@@ -270,6 +283,9 @@ def main(argv: list[str] | None = None) -> None:
         lora_config=config.lora_config(),
         seed=0,
         chain=config.chain,
+        wire_dtype=wire.dtype,
+        compression=wire.compression,
+        grad_compression=wire.grad_compression,
     )
     try:
         report = measure(model, config, dict(args.watch))

@@ -54,3 +54,26 @@ def test_the_backward_may_travel_in_a_compression_of_its_own():
     assert not WireFormat(grad_compression="hadamard3sr").exact, "compressed gradients are not exact"
     with pytest.raises(ValueError, match="grad_compression"):
         WireFormat(grad_compression="zip")
+
+
+@pytest.mark.parametrize(
+    "spec, wire",
+    [
+        ("none", WireFormat()),
+        ("bfloat16", WireFormat("bfloat16")),
+        ("blockwise8", WireFormat(None, "blockwise8")),
+        ("bfloat16+hadamard4", WireFormat("bfloat16", "hadamard4")),
+        ("bfloat16+hadamard4/hadamard3sr", WireFormat("bfloat16", "hadamard4", "hadamard3sr")),
+        ("hadamard4/none", WireFormat(None, "hadamard4", "none")),
+    ],
+)
+def test_a_wire_format_reads_back_from_its_short_name(spec, wire):
+    assert WireFormat.parse(spec) == wire
+    assert WireFormat.parse(wire.spec) == wire
+    assert wire.spec == spec
+
+
+def test_a_short_name_that_is_no_format_is_refused():
+    for spec in ("int8", "bfloat16+zip", "hadamard4/zip", "float33+none"):
+        with pytest.raises(ValueError):
+            WireFormat.parse(spec)

@@ -34,7 +34,8 @@ def test_a_report_survives_its_json_line_and_takes_medians_per_direction():
 
 def test_the_client_command_line_gives_back_the_config():
     config = MeterConfig(adapter="a", chain=False, steps=5, warmup=0, batch=2, seq=16, micro_batches=3, pipelined=False)
-    for wanted in (config, MeterConfig(), dataclasses.replace(config, chain=True, pipelined=True)):
+    wire = dataclasses.replace(config, wire="bfloat16+hadamard4/hadamard3")
+    for wanted in (config, MeterConfig(), dataclasses.replace(config, chain=True, pipelined=True), wire):
         args, parsed = parse_args(["--model", "m", "--initial-peers", "/ip4/1.2.3.4/tcp/1", *wanted.to_args()])
         assert parsed == wanted
     args, _ = parse_args(["--model", "m", "--initial-peers", "x", "--watch=peer0=12", "--watch=peer1=34"])

@@ -1,0 +1,108 @@
+"""Activations as changes since the sample's last pass (swarm.net.deltas): both ends reconstruct the same bits,
+a small change costs a small error where the value itself would cost the codec's full error, the last pass's
+error is corrected rather than added up, a receiver without the reference refuses the change, and the store stays
+within its bound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarm.net import rotated
+from swarm.net.deltas import DeltaReferences, MissingReference
+
+
+def _activations(seed: int = 0, shape=(4, 64, 256), outliers: int = 4) -> torch.Tensor:
+    """A residual stream: unit noise plus a few channels 50-100x larger."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=generator)
+    channels = torch.randperm(shape[-1], generator=generator)[:outliers]
+    x[..., channels] *= torch.linspace(50, 100, outliers)
+    return x
+
+
+def _relative(back: torch.Tensor, x: torch.Tensor) -> float:
+    return ((back - x).norm() / x.norm()).item()
+
+
+def _epochs(x: torch.Tensor, drift: float, passes: int, seed: int = 1) -> list[torch.Tensor]:
+    """One sample's value at each pass: ``x`` drifting by ``drift`` of its scale between passes."""
+    generator = torch.Generator().manual_seed(seed)
+    values = [x]
+    for _ in range(passes - 1):
+        values.append(values[-1] + drift * x.std() * torch.randn(x.shape, generator=generator))
+    return values
+
+
+@pytest.mark.parametrize("bits", rotated.BITS)
+def test_both_ends_reconstruct_the_same_bits_and_a_small_change_costs_a_small_error(bits):
+    sender, receiver = DeltaReferences(bits), DeltaReferences(bits)
+    values = _epochs(_activations(), drift=0.02, passes=4)
+    errors = []
+    for value in values:
+        delta, sent = sender.encode("sample", value)
+        got = receiver.decode("sample", delta, value.shape)
+        assert torch.equal(got, sent), "the receiver must compute with what the sender thinks it sent"
+        errors.append(_relative(got, value))
+    first = _relative(
+        rotated.decode(rotated.encode(values[0], bits, False), values[0].shape, torch.float32, bits), values[0]
+    )
+    assert errors[0] == pytest.approx(first), "a first pass sends the value itself"
+    assert max(errors[1:]) < errors[0] / 4, f"changes of 2 % must cost far less than the value's error: {errors}"
+
+
+def test_the_last_passes_error_is_corrected_not_added_up():
+    """The same value sent again and again: each pass's change is the error the receiver still holds."""
+    sender, receiver = DeltaReferences(4), DeltaReferences(4)
+    x = _activations()
+    errors = []
+    for _ in range(4):
+        delta, _ = sender.encode(7, x)
+        errors.append(_relative(receiver.decode(7, delta, x.shape), x))
+    assert errors[1] < errors[0] / 5 and errors[2] < errors[1], errors
+    assert errors[3] < 0.01, "four passes of a still value land within the reference store's bf16 rounding"
+
+
+def test_a_replayed_sequence_gives_the_same_bytes():
+    values = _epochs(_activations(), drift=0.05, passes=3)
+    runs = []
+    for _ in range(2):
+        sender = DeltaReferences(3, stochastic=True)
+        runs.append([sender.encode(("sample", 0), value)[0] for value in values])
+    assert runs[0] == runs[1]
+    assert runs[0][0].base is None and all(delta.base is not None for delta in runs[0][1:])
+
+
+def test_a_receiver_without_the_reference_refuses_the_change_and_the_value_itself_goes_through():
+    sender, receiver, replica = DeltaReferences(4), DeltaReferences(4), DeltaReferences(4)
+    first, second = _epochs(_activations(), drift=0.02, passes=2)
+    delta, _ = sender.encode("s", first)
+    receiver.decode("s", delta, first.shape)
+    delta, _ = sender.encode("s", second)
+    assert delta.base is not None
+    with pytest.raises(MissingReference):
+        replica.decode("s", delta, second.shape)  # did not see the first pass
+    sender.forget("s")
+    delta, sent = sender.encode("s", second)
+    assert delta.base is None and torch.equal(replica.decode("s", delta, second.shape), sent)
+    other = DeltaReferences(4)
+    other.decode("s", DeltaReferences(4).encode("s", -first)[0], first.shape)  # a reference, not the sender's
+    with pytest.raises(MissingReference):
+        other.decode("s", sender.encode("s", second)[0], second.shape)
+    assert "s" not in other._references, "a wrong reference is dropped, so the value itself can replace it"
+
+
+def test_the_store_keeps_within_its_bound_dropping_the_least_recently_used():
+    x = _activations(shape=(2, 8, 128))
+    size = x.numel() * 2  # bfloat16
+    references = DeltaReferences(4, max_bytes=3 * size)
+    for key in range(3):
+        references.encode(key, x)
+    references.encode(0, x)  # 0 is now the most recent
+    references.encode(3, x)
+    assert len(references) == 3 and references.stored_bytes == 3 * size
+    assert set(references._references) == {0, 2, 3}
+    delta, _ = references.encode(1, x)
+    assert delta.base is None, "an evicted sample sends its value again"
+    with pytest.raises(ValueError, match="bits"):
+        DeltaReferences(2)
