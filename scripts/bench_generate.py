@@ -34,6 +34,7 @@ if str(ROOT) not in sys.path:
 import swarm  # noqa: E402
 from swarm.gguf import smollm2_folder  # noqa: E402
 from swarm.net.compression import WireFormat  # noqa: E402
+from swarm.net.protocol import adapter_name_from  # noqa: E402
 from swarm.testing.localswarm import LocalSwarm  # noqa: E402
 
 logger = logging.getLogger("bench_generate")
@@ -62,7 +63,7 @@ def on_wire(
     with swarm.SwarmModelForCausalLM.from_pretrained(
         model_dir,
         initial_peers=local.initial_peers,
-        adapter=f"bench-{wire.spec}",
+        adapter=adapter_name_from(f"bench-{wire.spec}"),
         lora_config=peft.LoraConfig(**LORA),
         wire_dtype=wire.dtype,
         compression=wire.compression,

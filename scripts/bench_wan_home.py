@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import re
 import sys
 import tempfile
 import time
@@ -39,6 +38,7 @@ for path in (ROOT, ROOT / "scripts"):  # swarm, and bench_step.py's split of the
 import bench_step  # noqa: E402
 
 from swarm.net.compression import WireFormat  # noqa: E402
+from swarm.net.protocol import adapter_name_from  # noqa: E402
 from swarm.testing.homelab import HomeLab, HomeLinks  # noqa: E402
 from swarm.testing.linkmeter import LinkReport, MeterConfig, run_client  # noqa: E402
 from swarm.testing.localswarm import LocalSwarm  # noqa: E402
@@ -84,7 +84,7 @@ def run_spans(home: HomeLab, model_dir: Path, args: argparse.Namespace, spans: i
             home.shape(mode != "compute")
             measured = dataclasses.replace(
                 config,
-                adapter=f"home-{mode}-" + re.sub(r"[^A-Za-z0-9_-]+", "-", wire),
+                adapter=adapter_name_from(f"home-{mode}-{wire}"),
                 chain=mode != "client-driven",
                 wire=wire,
             )

@@ -37,7 +37,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import re
 import statistics
 import sys
 import tempfile
@@ -57,6 +56,7 @@ import swarm  # noqa: E402
 from swarm.gguf import smollm2_folder  # noqa: E402
 from swarm.net.compression import COMPRESSIONS, ROTATED, WireFormat, deserialize, serialize  # noqa: E402
 from swarm.net.deltas import DIGEST_BYTES, DeltaReferences  # noqa: E402
+from swarm.net.protocol import adapter_name_from  # noqa: E402
 from swarm.testing.instructions import collate, instruction_batches, instruction_examples, read_rows  # noqa: E402
 from swarm.testing.localswarm import LocalSwarm  # noqa: E402
 
@@ -100,6 +100,9 @@ FORMATS.update(
             emulated=True, compression="hadamard3", grad_compression="hadamard4", deltas=True
         ),
         EMULATED + "hadamard3 deltas": dict(emulated=True, compression="hadamard3", deltas=True),
+        # a first pass's value at 4 bits, then its changes at 3 or 2 bits (the gradients at 4)
+        EMULATED + "hadamard4, 3-bit deltas": dict(emulated=True, compression="hadamard4", deltas=3),
+        EMULATED + "hadamard4, 2-bit deltas": dict(emulated=True, compression="hadamard4", deltas=2),
     }
 )
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -198,16 +201,12 @@ def evaluate(model: swarm.SwarmModelForCausalLM, eval_batch: dict[str, torch.Ten
         return model(**eval_batch).loss.item()
 
 
-def adapter_name(name: str) -> str:
-    return "wire-" + re.sub(r"[^A-Za-z0-9_-]+", "-", name).strip("-")
-
-
 def run(local: LocalSwarm, model_dir: Path, name: str, options: dict, tokenizer, train_rows, eval_batch, args) -> dict:
     wire = {key: value for key, value in options.items() if key != "seed"}
     model = swarm.SwarmModelForCausalLM.from_pretrained(
         model_dir,
         initial_peers=local.initial_peers,
-        adapter=adapter_name(name),
+        adapter=adapter_name_from(f"wire-{name}"),
         lora_config=peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS),
         seed=options.get("seed", 0),
         min_copies=1,
@@ -246,46 +245,60 @@ class EmulatedWire:
     """The swarm's hops in one process: each crossing's hidden state rounded through ``wire``'s codec forward (or,
     with ``deltas``, sent as its change since the micro-batch's last pass) and its gradient backward."""
 
-    def __init__(self, wire: WireFormat, deltas: bool):
+    def __init__(self, wire: WireFormat, deltas: bool | int):
+        """``deltas``: True for changes in the compression's bits, or their bits."""
         self.wire, self.training, self.key, self.bypass = wire, False, b"", False
-        bits = ROTATED[wire.compression][0] if deltas else None
-        self.references = None if bits is None else collections.defaultdict(lambda: DeltaReferences(bits))
+        self.references = None
+        if deltas:
+            value_bits = ROTATED[wire.compression][0]
+            bits = value_bits if deltas is True else deltas
+            self.references = collections.defaultdict(lambda: DeltaReferences(bits, value_bits))
         self.errors: dict[int, list[float]] = collections.defaultdict(list)  # hop -> the forward's in-run errors
+        self.sent: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)  # hop -> (bytes, fp32 bytes)
 
     def forward(self, hidden: torch.Tensor, hop: int) -> torch.Tensor:
         if self.wire.exact or self.bypass:
             return hidden
         if self.training and self.references is not None:
-            _, value = self.references[hop].encode(self.key, hidden)
+            delta, value = self.references[hop].encode(self.key, hidden)
+            nbytes = delta.nbytes
         else:
-            value = deserialize(serialize(self.wire.cast(hidden), COMPRESSIONS[self.wire.compression]))
+            encoded = serialize(self.wire.cast(hidden), COMPRESSIONS[self.wire.compression])
+            value, nbytes = deserialize(encoded), len(encoded.buffer)
         if self.training:
             self.errors[hop].append(((value.float() - hidden).norm() / hidden.norm()).item())
+            self.sent[hop].append((nbytes, 4 * hidden.numel()))
         return value.to(hidden.dtype)
 
-    def backward(self, grad: torch.Tensor) -> torch.Tensor:
+    def backward(self, grad: torch.Tensor, hop: int) -> torch.Tensor:
         if self.wire.exact:
             return grad
-        code = COMPRESSIONS[self.wire.backward_compression]
-        return deserialize(serialize(self.wire.cast(grad), code)).to(grad.dtype)
+        encoded = serialize(self.wire.cast(grad), COMPRESSIONS[self.wire.backward_compression])
+        self.sent[hop].append((len(encoded.buffer), 4 * grad.numel()))
+        return deserialize(encoded).to(grad.dtype)
+
+    def ratio(self, hop: int) -> float | None:
+        """fp32's bytes over the bytes sent at ``hop`` in the run, both directions (buffers, headers aside)."""
+        sent = self.sent.get(hop)
+        return sum(fp32 for _, fp32 in sent) / sum(n for n, _ in sent) if sent else None
 
 
 class Crossing(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, wire: EmulatedWire, hop: int) -> torch.Tensor:
-        ctx.wire = wire
+        ctx.wire, ctx.hop = wire, hop
         return wire.forward(hidden, hop)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.wire.backward(grad), None, None
+        return ctx.wire.backward(grad, ctx.hop), None, None
 
 
 def run_emulated(model_dir: Path, name: str, options: dict, tokenizer, train_rows, eval_batch, args) -> dict:
     """``run``'s fine-tune in one process, the wire emulated at the swarm's hops (see the module's docstring)."""
     wire = EmulatedWire(
         WireFormat(options.get("wire_dtype"), options.get("compression", "none"), options.get("grad_compression")),
-        bool(options.get("deltas")),
+        options.get("deltas", False),
     )
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     torch.manual_seed(options.get("seed", 0))
@@ -333,7 +346,8 @@ def run_emulated(model_dir: Path, name: str, options: dict, tokenizer, train_row
             handle.remove()
     middle = wire.errors.get(len(layers) // 2, [])
     seconds = time.perf_counter() - started
-    return dict(losses=losses, evals=evals, seconds=seconds, forward_error=middle, adapter_eval=adapter_eval)
+    result = dict(losses=losses, evals=evals, seconds=seconds, forward_error=middle, adapter_eval=adapter_eval)
+    return result | (dict(run_ratio=wire.ratio(len(layers) // 2)) if options.get("deltas") else {})
 
 
 def relative(value: float, reference: float) -> float:
@@ -371,6 +385,9 @@ def report(results: dict, costs: dict, args: argparse.Namespace) -> None:
         final, last_eval = statistics.fmean(losses[-TAIL:]), _at(result["evals"], steps)
         cost = costs[name]
         ratio = costs[reference_of(name)]["bytes"] / cost["bytes"]
+        if result.get("run_ratio"):  # deltas: what the run sent at the middle hop, first passes included
+            ratio = result["run_ratio"]
+            cost = cost | dict(bytes=round(costs[reference_of(name)]["bytes"] / ratio))
         gaps = [abs(relative(a, b)) for a, b in zip(losses, ref, strict=True)]
         diffs = [abs(a - b) for a, b in zip(losses, ref, strict=True)]
         d_final, d_eval = relative(final, ref_final), relative(last_eval, ref_eval)
@@ -392,7 +409,8 @@ def report(results: dict, costs: dict, args: argparse.Namespace) -> None:
         f"same wire); adapter eval: the same held-out loss of the final adapter on a local model, no wire (what the "
         f"user gets); gap: |loss - exact| / exact, per step (max over the run, and at steps {marks}); abs diff: "
         f"|loss - exact|; bytes: one micro-batch's hidden state {list(costs['shape'])} at block {layers // 2}'s "
-        f"input forward + its gradient backward, as serialized protobufs (the int64 mask aside); codec: "
+        f"input forward + its gradient backward, as serialized protobufs (the int64 mask aside; deltas: fp32's bytes "
+        f"over the run's at that hop, first passes included); codec: "
         f"serialize + deserialize per MiB of fp32 in, best of {args.timing_repeats}; rel err: ||decoded - x|| / ||x|| "
         f"of that hidden state / gradient; goal: >= {GOAL_RATIO:g}x fewer bytes than fp32 and final train and eval "
         f"loss within {100 * GOAL_GAP:g} % of exact"

@@ -59,11 +59,19 @@ class DeltaReferences:
     identity and the hop). The same class encodes (sender) and decodes (receiver); both reconstruct alike."""
 
     def __init__(
-        self, bits: int, stochastic: bool = False, store_dtype: torch.dtype = torch.bfloat16, max_bytes: int = 2**30
+        self,
+        bits: int,
+        value_bits: int | None = None,
+        stochastic: bool = False,
+        store_dtype: torch.dtype = torch.bfloat16,
+        max_bytes: int = 2**30,
     ):
-        if bits not in rotated.BITS:
-            raise ValueError(f"bits must be one of {rotated.BITS}, got {bits}")
-        self.bits, self.stochastic, self.store_dtype, self.max_bytes = bits, stochastic, store_dtype, max_bytes
+        """``bits`` for changes, ``value_bits`` (default: ``bits``) for a first pass's value itself."""
+        value_bits = bits if value_bits is None else value_bits
+        if bits not in rotated.BITS or value_bits not in rotated.BITS:
+            raise ValueError(f"bits must be one of {rotated.BITS}, got {bits} and {value_bits}")
+        self.bits, self.value_bits, self.stochastic = bits, value_bits, stochastic
+        self.store_dtype, self.max_bytes = store_dtype, max_bytes
         self._references: OrderedDict[Hashable, tuple[torch.Tensor, bytes]] = OrderedDict()
         self.stored_bytes = 0
 
@@ -75,7 +83,7 @@ class DeltaReferences:
         value = value.detach().float()
         reference = self._reference(key, value.shape)
         if reference is None:
-            delta = Delta(None, rotated.encode(value, self.bits, self.stochastic))
+            delta = Delta(None, rotated.encode(value, self.value_bits, self.stochastic))
         else:
             stored, base = reference
             delta = Delta(base, rotated.encode(value - stored.float(), self.bits, self.stochastic))
@@ -105,7 +113,8 @@ class DeltaReferences:
     def _apply(
         self, key: Hashable, delta: Delta, shape: tuple[int, ...], reference: tuple[torch.Tensor, bytes] | None
     ) -> torch.Tensor:
-        change = rotated.decode(delta.payload, tuple(shape), torch.float32, self.bits)
+        bits = self.value_bits if delta.base is None else self.bits
+        change = rotated.decode(delta.payload, tuple(shape), torch.float32, bits)
         value = change if reference is None else reference[0].float() + change
         stored = value.to(self.store_dtype)
         self.forget(key)

@@ -132,6 +132,11 @@ def check_adapter_name(name: object) -> str:
     return name
 
 
+def adapter_name_from(text: str) -> str:
+    """A valid adapter name made of ``text`` (a run label, a wire format's name): other characters become '-'."""
+    return check_adapter_name(re.sub(r"[^A-Za-z0-9_-]+", "-", text).strip("-")[:64] or "adapter")
+
+
 def read_adapter(meta: dict, key: str) -> str:
     return check_adapter_name(meta.get(key))
 

@@ -34,7 +34,7 @@ def _epochs(x: torch.Tensor, drift: float, passes: int, seed: int = 1) -> list[t
     return values
 
 
-@pytest.mark.parametrize("bits", rotated.BITS)
+@pytest.mark.parametrize("bits", [3, 4])  # 2 bits: for changes only (below)
 def test_both_ends_reconstruct_the_same_bits_and_a_small_change_costs_a_small_error(bits):
     sender, receiver = DeltaReferences(bits), DeltaReferences(bits)
     values = _epochs(_activations(), drift=0.02, passes=4)
@@ -67,7 +67,7 @@ def test_a_replayed_sequence_gives_the_same_bytes():
     values = _epochs(_activations(), drift=0.05, passes=3)
     runs = []
     for _ in range(2):
-        sender = DeltaReferences(3, stochastic=True)
+        sender = DeltaReferences(3, value_bits=4, stochastic=True)
         runs.append([sender.encode(("sample", 0), value)[0] for value in values])
     assert runs[0] == runs[1]
     assert runs[0][0].base is None and all(delta.base is not None for delta in runs[0][1:])
@@ -105,4 +105,20 @@ def test_the_store_keeps_within_its_bound_dropping_the_least_recently_used():
     delta, _ = references.encode(1, x)
     assert delta.base is None, "an evicted sample sends its value again"
     with pytest.raises(ValueError, match="bits"):
-        DeltaReferences(2)
+        DeltaReferences(1)
+    with pytest.raises(ValueError, match="bits"):
+        DeltaReferences(2, value_bits=8)
+
+
+def test_two_bit_changes_after_a_four_bit_value_land_below_the_four_bit_error():
+    sender, receiver = DeltaReferences(2, value_bits=4), DeltaReferences(2, value_bits=4)
+    values = _epochs(_activations(), drift=0.01, passes=4)
+    errors, sizes = [], []
+    for value in values:
+        delta, sent = sender.encode("s", value)
+        assert torch.equal(receiver.decode("s", delta, value.shape), sent)
+        errors.append(_relative(sent, value))
+        sizes.append(delta.nbytes)
+    assert sizes[0] == rotated.encoded_bytes(values[0].numel(), 4)
+    assert all(size == rotated.encoded_bytes(values[0].numel(), 2) + 8 for size in sizes[1:])
+    assert max(errors[1:]) < errors[0] / 2, errors

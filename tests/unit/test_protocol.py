@@ -349,3 +349,11 @@ def test_an_ack_says_its_compute_time_apart_and_one_from_an_older_peer_reads_wit
     assert (older.seconds, older.compute) == (0.5, None)
     with pytest.raises(ValueError, match="not a duration"):
         read_acks({"acks": [[*written[0][:6], -1.0]]}, "acks")
+
+
+def test_a_label_becomes_a_valid_adapter_name():
+    assert protocol.adapter_name_from("home-chained-bfloat16+hadamard4/hadamard3") == (
+        "home-chained-bfloat16-hadamard4-hadamard3"
+    )
+    assert protocol.adapter_name_from("wire-exact (fp32), adapter seed 1") == "wire-exact-fp32-adapter-seed-1"
+    assert len(protocol.adapter_name_from("x" * 100)) == 64 and protocol.adapter_name_from("+++") == "adapter"
