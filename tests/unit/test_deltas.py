@@ -10,15 +10,7 @@ import torch
 
 from swarm.net import rotated
 from swarm.net.deltas import DeltaReferences, MissingReference
-
-
-def _activations(seed: int = 0, shape=(4, 64, 256), outliers: int = 4) -> torch.Tensor:
-    """A residual stream: unit noise plus a few channels 50-100x larger."""
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(*shape, generator=generator)
-    channels = torch.randperm(shape[-1], generator=generator)[:outliers]
-    x[..., channels] *= torch.linspace(50, 100, outliers)
-    return x
+from swarm.testing.activations import residual_stream
 
 
 def _relative(back: torch.Tensor, x: torch.Tensor) -> float:
@@ -37,7 +29,7 @@ def _epochs(x: torch.Tensor, drift: float, passes: int, seed: int = 1) -> list[t
 @pytest.mark.parametrize("bits", [3, 4])  # 2 bits: for changes only (below)
 def test_both_ends_reconstruct_the_same_bits_and_a_small_change_costs_a_small_error(bits):
     sender, receiver = DeltaReferences(bits), DeltaReferences(bits)
-    values = _epochs(_activations(), drift=0.02, passes=4)
+    values = _epochs(residual_stream(shape=(4, 64, 256)), drift=0.02, passes=4)
     errors = []
     for value in values:
         delta, sent = sender.encode("sample", value)
@@ -54,7 +46,7 @@ def test_both_ends_reconstruct_the_same_bits_and_a_small_change_costs_a_small_er
 def test_the_last_passes_error_is_corrected_not_added_up():
     """The same value sent again and again: each pass's change is the error the receiver still holds."""
     sender, receiver = DeltaReferences(4), DeltaReferences(4)
-    x = _activations()
+    x = residual_stream(shape=(4, 64, 256))
     errors = []
     for _ in range(4):
         delta, _ = sender.encode(7, x)
@@ -64,7 +56,7 @@ def test_the_last_passes_error_is_corrected_not_added_up():
 
 
 def test_a_replayed_sequence_gives_the_same_bytes():
-    values = _epochs(_activations(), drift=0.05, passes=3)
+    values = _epochs(residual_stream(shape=(4, 64, 256)), drift=0.05, passes=3)
     runs = []
     for _ in range(2):
         sender = DeltaReferences(3, value_bits=4, stochastic=True)
@@ -75,7 +67,7 @@ def test_a_replayed_sequence_gives_the_same_bytes():
 
 def test_a_receiver_without_the_reference_refuses_the_change_and_the_value_itself_goes_through():
     sender, receiver, replica = DeltaReferences(4), DeltaReferences(4), DeltaReferences(4)
-    first, second = _epochs(_activations(), drift=0.02, passes=2)
+    first, second = _epochs(residual_stream(shape=(4, 64, 256)), drift=0.02, passes=2)
     delta, _ = sender.encode("s", first)
     receiver.decode("s", delta, first.shape)
     delta, _ = sender.encode("s", second)
@@ -93,7 +85,7 @@ def test_a_receiver_without_the_reference_refuses_the_change_and_the_value_itsel
 
 
 def test_the_store_keeps_within_its_bound_dropping_the_least_recently_used():
-    x = _activations(shape=(2, 8, 128))
+    x = residual_stream(shape=(2, 8, 128))
     size = x.numel() * 2  # bfloat16
     references = DeltaReferences(4, max_bytes=3 * size)
     for key in range(3):
@@ -112,7 +104,7 @@ def test_the_store_keeps_within_its_bound_dropping_the_least_recently_used():
 
 def test_two_bit_changes_after_a_four_bit_value_land_below_the_four_bit_error():
     sender, receiver = DeltaReferences(2, value_bits=4), DeltaReferences(2, value_bits=4)
-    values = _epochs(_activations(), drift=0.01, passes=4)
+    values = _epochs(residual_stream(shape=(4, 64, 256)), drift=0.01, passes=4)
     errors, sizes = [], []
     for value in values:
         delta, sent = sender.encode("s", value)

@@ -19,18 +19,10 @@ from hivemind.proto import runtime_pb2
 from swarm.net import protocol, rotated
 from swarm.net.compression import ROTATED, WireFormat, deserialize, serialize
 from swarm.net.wire import Message, WireError, decode, encode
+from swarm.testing.activations import residual_stream
 
-# measured on _activations(): 0.056 / 0.079 / 0.128 / 0.175 (see swarm/net/rotated.py)
+# measured on residual_stream(): 0.056 / 0.079 / 0.128 / 0.175 (see swarm/net/rotated.py)
 BOUNDS = {"hadamard4": 0.07, "hadamard4sr": 0.10, "hadamard3": 0.15, "hadamard3sr": 0.21}
-
-
-def _activations(seed: int = 0, shape=(8, 64, 256), outliers: int = 4) -> torch.Tensor:
-    """A residual stream: unit noise plus a few channels 50-100x larger."""
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(*shape, generator=generator)
-    channels = torch.randperm(shape[-1], generator=generator)[:outliers]
-    x[..., channels] *= torch.linspace(50, 100, outliers)
-    return x
 
 
 def _relative(back: torch.Tensor, x: torch.Tensor) -> float:
@@ -54,7 +46,7 @@ def _plain(x: torch.Tensor, bits: int, tile: int = rotated.TILE) -> torch.Tensor
 @pytest.mark.parametrize("name", sorted(ROTATED))
 def test_error_is_bounded_on_outlier_channels_and_the_rotation_is_what_keeps_it(name):
     bits, stochastic = ROTATED[name]
-    x = _activations()
+    x = residual_stream()
     back, _ = _through(WireFormat(None, name), x)
     assert back.shape == x.shape and back.dtype == torch.float32
     error = _relative(back, x)
@@ -67,7 +59,7 @@ def test_error_is_bounded_on_outlier_channels_and_the_rotation_is_what_keeps_it(
     # plain 3-bit zeroes the ordinary channels and that alone is about as good as the rotated codec: 0.131 / 0.128)
     ordinary = x.abs().amax(dim=(0, 1)) < 10
     if bits == 3:
-        x = _activations(outliers=1)
+        x = residual_stream(outliers=1)
         ordinary = x.abs().amax(dim=(0, 1)) < 10
         back, _ = _through(WireFormat(None, name), x)
         error = _relative(back, x)
@@ -78,7 +70,7 @@ def test_error_is_bounded_on_outlier_channels_and_the_rotation_is_what_keeps_it(
 
 @pytest.mark.parametrize("bits", [4, 3])
 def test_stochastic_rounding_is_unbiased_where_nearest_is_not(bits):
-    x = _activations(shape=(2, 16, 256))
+    x = residual_stream(shape=(2, 16, 256))
 
     def mean_error(stochastic: bool) -> float:
         backs = [rotated.dequantize(*rotated.quantize(x, bits, stochastic, s), bits) for s in range(32)]
@@ -131,10 +123,10 @@ def _digests(x: torch.Tensor, bits: int, stochastic: bool) -> str:
 
 def test_the_same_tensor_gives_the_same_bytes_twice_and_on_the_default_cpu_kernels(tmp_path):
     cases = [
-        (_activations(1, (3, 37, 256)), 4, False),
-        (_activations(2, (3, 37, 256)).to(torch.bfloat16), 4, True),
-        (_activations(3, (2, 5, 300)), 3, False),
-        (_activations(4, (2, 5, 300)).to(torch.bfloat16) * 1e-6, 3, True),
+        (residual_stream(1, (3, 37, 256)), 4, False),
+        (residual_stream(2, (3, 37, 256)).to(torch.bfloat16), 4, True),
+        (residual_stream(3, (2, 5, 300)), 3, False),
+        (residual_stream(4, (2, 5, 300)).to(torch.bfloat16) * 1e-6, 3, True),
     ]
     paths, expected = [], []
     for index, (x, bits, stochastic) in enumerate(cases):
@@ -153,7 +145,7 @@ def test_the_same_tensor_gives_the_same_bytes_twice_and_on_the_default_cpu_kerne
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", ["hadamard4", "hadamard3sr"])
 def test_dtypes_and_streamed_chunks(dtype, name):
-    x = _activations(5, (2, 33, 256)).to(dtype).requires_grad_()
+    x = residual_stream(5, (2, 33, 256)).to(dtype).requires_grad_()
     back, _ = _through(WireFormat(None, name), x)
     streamed, _ = _through(WireFormat(None, name), x, chunk_bytes=1000)
     assert back.dtype == dtype and back.requires_grad and torch.equal(back, streamed)
@@ -191,7 +183,7 @@ def test_encoded_size_is_what_value_bytes_says(name):
     bits, _ = ROTATED[name]
     wire = WireFormat(None, name)
     assert wire.value_bytes(torch.float32) == wire.value_bytes(torch.bfloat16) == bits / 8 + 4 / rotated.TILE
-    x = _activations(6, (4, 64, 256))
+    x = residual_stream(6, (4, 64, 256))
     serialized = serialize(x, wire.compression_type)
     assert len(serialized.buffer) == rotated.HEADER.size + x.numel() * wire.value_bytes(torch.float32)
     odd = torch.randn(3, 100)  # 300 values: 3 tiles, the last one padded
@@ -259,7 +251,7 @@ def test_a_tensor_decoded_and_encoded_again_keeps_its_values(name, dtype):
     """A chained reply is decoded and encoded again at every hop it passes back through: it must not gather a new
     rounding error each time (the rotation's signs are the same for every tensor, so its codes come back)."""
     wire = WireFormat(None, name)
-    x = _activations().to(dtype)
+    x = residual_stream().to(dtype)
     once, _ = _through(wire, x)
     again, _ = _through(wire, once)
     thrice, _ = _through(wire, again)
