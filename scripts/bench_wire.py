@@ -103,6 +103,11 @@ FORMATS.update(
         # a first pass's value at 4 bits, then its changes at 3 or 2 bits (the gradients at 4)
         EMULATED + "hadamard4, 3-bit deltas": dict(emulated=True, compression="hadamard4", deltas=3),
         EMULATED + "hadamard4, 2-bit deltas": dict(emulated=True, compression="hadamard4", deltas=2),
+        # the same from other starts: does the verdict hold for another adapter seed? (compare with its exact)
+        EMULATED + "exact (fp32), adapter seed 2": dict(emulated=True, seed=2),
+        EMULATED + "hadamard4, 3-bit deltas, adapter seed 1": dict(
+            emulated=True, compression="hadamard4", deltas=3, seed=1
+        ),
     }
 )
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
