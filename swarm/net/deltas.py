@@ -15,7 +15,6 @@ of the store is corrected like any other.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -45,13 +44,8 @@ class Delta:
 
 
 def digest(tensor: torch.Tensor) -> bytes:
-    flat = tensor.detach().reshape(-1).contiguous().cpu()
-    if flat.dtype in (torch.bfloat16, torch.float16):
-        flat = flat.view(torch.int16)
-    hashed = hashlib.blake2b(digest_size=DIGEST_BYTES, person=b"swarm-deltas")
-    hashed.update(f"{flat.dtype}:{tuple(tensor.shape)}".encode())
-    hashed.update(flat.numpy().tobytes())
-    return hashed.digest()
+    """A reference's name: the rotated codec's hash of its dtype, shape and bytes."""
+    return rotated.seed_of(tensor).to_bytes(DIGEST_BYTES, "little")
 
 
 class DeltaReferences:
