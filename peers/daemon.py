@@ -37,6 +37,7 @@ from peers.replication import Replicator, StandbyPolicy
 from peers.service import InfoDoors, PeerHooks, PeerService
 from swarm.blocks import spans_text
 from swarm.hub import resolve_model
+from swarm.net.deltas import DeltaReferences
 from swarm.net.errors import PEER_ERRORS, IdentityInUseError, SwarmAccessError
 from swarm.net.network import check_access, join_dht, load_swarm_key
 from swarm.net.numerics import Numerics
@@ -99,6 +100,7 @@ class PeerConfig:
     activation_cache_mb: int = 1024
     kept_inputs_mb: int = 4096
     max_payload_mb: int = 1024
+    delta_references_mb: int = 1024
     max_tokens: int = 1 << 16
     max_inference_mb: int = 1024
     inference_timeout: float = 300.0
@@ -493,6 +495,7 @@ class PeerDaemon:
             self.swarm_key,
             config.max_payload_mb << 20,
             faults=self.faults,
+            references=DeltaReferences(max_bytes=config.delta_references_mb << 20),
         )
         links = LinkProber(self.transport, rng=random.Random(self.rng.random()))
         return PeerParts(backend, adapters, compute, peers, service, replicator, links, pullers)

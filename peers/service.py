@@ -21,8 +21,11 @@ from peers.pullers import RecentPullers
 from peers.scatter import ChunkedReduction
 from peers.state import GradsByBlock, pack_states
 from swarm.blocks import lora_config_from_wire
+from swarm.net import rotated
 from swarm.net.chain import ChainFailure, HopAck
-from swarm.net.errors import PEER_ERRORS, BadGradientsError, RequestError, SourceUnavailableError
+from swarm.net.compression import DELTAS
+from swarm.net.deltas import Delta, DeltaReferences
+from swarm.net.errors import PEER_ERRORS, BadGradientsError, ErrorKind, RequestError, SourceUnavailableError
 from swarm.net.gradhash import grad_hash
 from swarm.net.gradnorm import GradNorm
 from swarm.net.protocol import (
@@ -125,9 +128,13 @@ class PeerService(InfoDoors):
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         faults: FaultHook | None = None,
         audit_rate: float = AUDIT_RATE,
+        references: DeltaReferences | None = None,
     ):
+        """``references``: the samples' last hidden states this peer received and passed on, for delta-coded
+        forwards (swarm.net.deltas; default: a store of at most 1 GiB)."""
         super().__init__(info, swarm_key, max_payload_bytes, faults=faults)
         self.backend, self.adapters, self.peers = backend, adapters, peers
+        self.references = DeltaReferences() if references is None else references
         self.audit_rate, self.random = audit_rate, random.Random()
         self.compute, self.hooks, self.pullers = compute, hooks, pullers
         self.reduction = ChunkedReduction(
@@ -167,20 +174,70 @@ class PeerService(InfoDoors):
         return await self.compute(open_adapter)
 
     async def _forward(self, request: ForwardRequest) -> HiddenReply:
-        """The span, then (in a chain) the rest of the route, passed on from here: the answer is the last hop's."""
+        """The span, then (in a chain) the rest of the route, passed on from here: the answer is the last hop's.
+        Delta-coded (a ``sample`` and a delta compression): the input may come as a change since the sample's last
+        pass, the output goes on as one, and the chain's end answers with one from the client's reference."""
+
+        delta_coded = request.sample is not None and request.compression in DELTAS
+
+        def forward() -> tuple[torch.Tensor, Delta | None]:
+            outputs = self.backend.forward(
+                request.adapter,
+                request.blocks,
+                request.step,
+                self._received(request),
+                request.mask,
+                request.micro_batch,
+                request.autocast,
+            )
+            if not delta_coded:
+                return outputs, None
+            encode = self._delta_onward if request.route else self._delta_back
+            return outputs, encode(request, outputs)
+
         arrived = time.monotonic()
-        outputs, spent = await self.compute.timed(
-            self.backend.forward,
-            request.adapter,
-            request.blocks,
-            request.step,
-            request.hidden,
-            request.mask,
-            request.micro_batch,
-            request.autocast,
+        (outputs, delta), spent = await self.compute.timed(forward)
+        if not delta_coded:
+            carried, acks, failure = await self._chain_on(request, arrived, spent, outputs, (), (), hidden=outputs)
+            return HiddenReply(carried, request.compression, acks, failure)
+        if not request.route:  # the chain's end: its answer to the client
+            return HiddenReply(delta, request.compression, [self._ack(request.blocks, arrived, spent, (), ())])
+        carried, acks, failure = await self._chain_on(
+            request,
+            arrived,
+            spent,
+            outputs,
+            (),
+            (),
+            resend=lambda: {"hidden": self._delta_onward(request, outputs, value_only=True)},
+            hidden=delta,
         )
-        carried, acks, failure = await self._chain_on(request, arrived, spent, outputs, (), (), hidden=outputs)
         return HiddenReply(carried, request.compression, acks, failure)
+
+    def _received(self, request: ForwardRequest) -> torch.Tensor:
+        """A forward's input as sent, or rebuilt from its delta (refused where this peer lacks the reference)."""
+        if not isinstance(request.hidden, Delta):
+            return request.hidden
+        if request.sample is None or request.compression not in DELTAS:
+            raise RequestError("hidden states sent as a delta need a sample and a delta compression (hadamard4d3)")
+        key = (request.adapter, request.sample, request.start, "in")
+        return self.references.decode(key, request.hidden).to(rotated.DTYPES[request.hidden.dtype])
+
+    def _delta_onward(self, request: ForwardRequest, outputs: torch.Tensor, value_only: bool = False) -> Delta:
+        """This span's output for the next hop, as a change from the last one this peer passed on for the sample
+        (the next hop refuses it if it holds another; then ``value_only``)."""
+        key = (request.adapter, request.sample, request.end, "out")
+        if value_only:
+            self.references.forget(key)
+        return self.references.encode(key, outputs, DELTAS[request.compression][1])[0]
+
+    def _delta_back(self, request: ForwardRequest, outputs: torch.Tensor) -> Delta:
+        """The chain's output for the client: a change from the reference it holds (``have``) where this peer holds
+        the same one, else the value itself."""
+        key = (request.adapter, request.sample, request.end, "out")
+        if request.have is None or self.references.digest_of(key) != request.have:
+            self.references.forget(key)
+        return self.references.encode(key, outputs, DELTAS[request.compression][1])[0]
 
     async def _backward(self, request: BackwardRequest) -> GradReply:
         """The span's backward, then (in a chain) the spans before it, handed the gradient of this span's input."""
@@ -209,6 +266,8 @@ class PeerService(InfoDoors):
         return GradReply(carried, request.compression, acks, failure)
 
     async def _infer(self, request: InferRequest) -> HiddenReply:
+        if isinstance(request.hidden, Delta):
+            raise RequestError("a generation's hidden states cannot travel as a delta; send them as they are")
         arrived = time.monotonic()
         outputs, spent = await self.compute.timed(self.backend.infer, request, request.hidden, request.mask)
         carried, acks, failure = await self._chain_on(request, arrived, spent, outputs, (), (), hidden=outputs)
@@ -222,17 +281,25 @@ class PeerService(InfoDoors):
         result,
         norms: tuple[GradNorm, ...],
         hashes: tuple[tuple[int, str], ...],
+        resend: Callable[[], dict] | None = None,
         **onward,
-    ) -> tuple[torch.Tensor | None, list[HopAck], ChainFailure | None]:
+    ) -> tuple[torch.Tensor | Delta | None, list[HopAck], ChainFailure | None]:
         """In a chain, hand the request on to the route's next hop with this hop's ``result`` (``onward``: the fields
-        that change; ``spent``: this hop's compute time). Returns what goes back: the tensor of the chain's end (or
-        this hop's, where the chain broke), the hops that ran (with ``norms`` and ``hashes``, this hop's gradient
-        norms and the hashes of the micro-batch's gradients after a backward), and where it broke."""
+        that change; ``resend``: what to send instead if the next hop lacks the reference of a delta; ``spent``: this
+        hop's compute time). Returns what goes back: the tensor of the chain's end (or this hop's, where the chain
+        broke), the hops that ran (with ``norms`` and ``hashes``, this hop's gradient norms and the hashes of the
+        micro-batch's gradients after a backward), and where it broke."""
         if not request.route:
             return result, [self._ack(request.blocks, arrived, spent, norms, hashes)], None
         hop, rest = request.route[0], request.route[1:]
+        onward_request = replace(request, start=hop.start, end=hop.end, route=rest, **onward)
         try:
-            reply = await self.peers.pass_on(hop, replace(request, start=hop.start, end=hop.end, route=rest, **onward))
+            try:
+                reply = await self.peers.pass_on(hop, onward_request)
+            except ChainBroken as e:
+                if resend is None or e.failure.kind != ErrorKind.MISSING_REFERENCE:
+                    raise
+                reply = await self.peers.pass_on(hop, replace(onward_request, **resend()))
         except ChainBroken as e:  # the client goes on from this hop's result
             return result, [self._ack(request.blocks, arrived, spent, norms, hashes)], e.failure
         carried = reply.grad_inputs if isinstance(reply, GradReply) else reply.outputs

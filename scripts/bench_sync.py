@@ -40,10 +40,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from swarm.net.compression import WireFormat  # noqa: E402
 from swarm.testing.linkmeter import Counters, LinkReport, MeterConfig, collect, start_client  # noqa: E402
 from swarm.testing.localswarm import LocalSwarm  # noqa: E402
 from swarm.testing.netlab import Host, NetLab, unavailable  # noqa: E402
@@ -65,10 +68,10 @@ def span_gradient_bytes(rank: int = RANK) -> int:
     return SPAN * rank * per_block * 4
 
 
-def hop_bytes(micro_batches: int) -> int:
+def hop_bytes(micro_batches: int, seq: int, wire: WireFormat) -> float:
     """The most hidden states and their gradients one peer's link carries each way per step: in, the hidden states
     from upstream and the gradients from downstream; out, the same going on."""
-    return 2 * micro_batches * BATCH * SEQ * HIDDEN * 4
+    return 2 * micro_batches * BATCH * seq * HIDDEN * wire.value_bytes(torch.float32)
 
 
 @dataclass(frozen=True)
@@ -161,9 +164,10 @@ def run_replicas(lab: NetLab, model: Path, args: argparse.Namespace, replicas: i
                 steps=args.steps,
                 warmup=args.warmup,
                 batch=BATCH,
-                seq=SEQ,
+                seq=args.seq,
                 micro_batches=micro_batches,
                 lora_rank=RANK,
+                wire=args.wire.spec,
             )
             logger.info("R=%d M=%d %s (%d/%d)", replicas, micro_batches, cap.label, index, len(plan))
             set_caps(lab, hosts, cap)
@@ -182,7 +186,7 @@ def before_expected(replicas: int, micro_batches: int) -> float:
     return micro_batches * (replicas - 1) / replicas
 
 
-def print_bytes(runs: list[Run], g: int) -> None:
+def print_bytes(runs: list[Run], g: int, args: argparse.Namespace) -> None:
     print(
         f"{'R':>2} {'M':>3} {'worst in':>9} {'worst out':>9} {'median in':>9} {'median out':>10} {'hops<=':>7} "
         f"{'before M(R-1)/R':>15} {'before (issue)':>14} {'(R-1)G':>6} {'goal':>5} {'mean in/out':>11} "
@@ -192,7 +196,8 @@ def print_bytes(runs: list[Run], g: int) -> None:
         rows = run.peers()
         ins, outs = [c.rx / g for c in rows.values()], [c.tx / g for c in rows.values()]
         issue = f"{BEFORE[run.micro_batches]:.1f} G" if run.replicas == 2 and run.micro_batches in BEFORE else "-"
-        hops, expected = hop_bytes(run.micro_batches) / g, before_expected(run.replicas, run.micro_batches)
+        hops = hop_bytes(run.micro_batches, args.seq, args.wire) / g
+        expected = before_expected(run.replicas, run.micro_batches)
         ok = "ok" if max(max(ins), max(outs)) <= GOAL + hops else "over"
         worst = f"{max(ins):7.2f} G {max(outs):7.2f} G"
         median = f"{statistics.median(ins):7.2f} G {statistics.median(outs):8.2f} G"
@@ -248,8 +253,9 @@ def report(args: argparse.Namespace, runs: list[Run], took: float) -> None:
     print()
     print(
         f"bench_sync: tiny Llama hidden {HIDDEN}, {BLOCKS} blocks in 2 spans x R replicas, every peer in a namespace "
-        f"of its own; M micro-batches of {BATCH}x{SEQ} tokens per step in flight together, LoRA r={RANK} on all seven "
-        f"projections: G = {g / 1e6:.2f} MB per span; standby copies: {args.standby_blocks} block(s) a peer; median of "
+        f"of its own; M micro-batches of {BATCH}x{args.seq} tokens per step in flight together, LoRA r={RANK} on all "
+        f"seven projections: G = {g / 1e6:.2f} MB per span; wire {args.wire.spec}; standby copies: "
+        f"{args.standby_blocks} block(s) a peer; median of "
         f"{args.steps} steps after {args.warmup} warm-up ({took:.0f} s in all)"
     )
     print(
@@ -261,7 +267,7 @@ def report(args: argparse.Namespace, runs: list[Run], took: float) -> None:
         "max in/out: the largest single step of any peer (spikes match a 5 % audit of a partial sum: m x G / 2 here)"
     )
     print()
-    print_bytes([r for r in runs if not (r.cap.up or r.cap.down)], g)
+    print_bytes([r for r in runs if not (r.cap.up or r.cap.down)], g, args)
     print()
     print(
         "median step time, every peer's link capped (up/down Mbit/s; client and bootstrap not capped). est. = "
@@ -302,6 +308,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[Cap(100, 100), Cap(20, 100)],
         metavar="UP/DOWN",
         help="every peer's link in Mbit/s, one capped run each",
+    )
+    parser.add_argument("--seq", type=int, default=SEQ, help="tokens per micro-batch (hidden states grow with it)")
+    parser.add_argument(
+        "--wire",
+        type=WireFormat.parse,
+        default=WireFormat(),
+        help="how hidden states and their gradients travel, e.g. bfloat16+hadamard4 (WireFormat.parse)",
     )
     parser.add_argument("--peer-timeout", type=float, default=300.0, help=argparse.SUPPRESS)
     parser.add_argument("--client-timeout", type=float, default=300.0, help=argparse.SUPPRESS)

@@ -37,6 +37,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import statistics
 import sys
 import tempfile
@@ -54,8 +55,8 @@ if str(ROOT) not in sys.path:
 
 import swarm  # noqa: E402
 from swarm.gguf import smollm2_folder  # noqa: E402
-from swarm.net.compression import COMPRESSIONS, ROTATED, WireFormat, deserialize, serialize  # noqa: E402
-from swarm.net.deltas import DIGEST_BYTES, DeltaReferences  # noqa: E402
+from swarm.net.compression import COMPRESSIONS, DELTAS, ROTATED, WireFormat, deserialize, serialize  # noqa: E402
+from swarm.net.deltas import DIGEST_BYTES, Delta, DeltaBits, DeltaReferences  # noqa: E402
 from swarm.net.protocol import adapter_name_from  # noqa: E402
 from swarm.testing.instructions import collate, instruction_batches, instruction_examples, read_rows  # noqa: E402
 from swarm.testing.localswarm import LocalSwarm  # noqa: E402
@@ -84,6 +85,9 @@ FORMATS = {
     "bfloat16 + hadamard4 / blockwise8 grads": dict(
         wire_dtype="bfloat16", compression="hadamard4", grad_compression="blockwise8"
     ),
+    # a sample's first pass at 4 bits, then its changes since the last pass at 3 (gradients at 4): swarm.net.deltas
+    "bfloat16 + hadamard4d3": dict(wire_dtype="bfloat16", compression="hadamard4d3"),
+    "bfloat16 + hadamard4d3, adapter seed 1": dict(wire_dtype="bfloat16", compression="hadamard4d3", seed=1),
 }
 EMULATED = "emulated: "  # formats run in one process (run_emulated), against EMULATED_EXACT
 EMULATED_EXACT = EMULATED + EXACT
@@ -206,8 +210,41 @@ def evaluate(model: swarm.SwarmModelForCausalLM, eval_batch: dict[str, torch.Ten
         return model(**eval_batch).loss.item()
 
 
+class ClientLink:
+    """A call hook that counts the hidden states and gradients on the client's link in a swarm run, as sent (a
+    delta's payload and digest, else the tensor's serialized buffer) against their fp32 bytes: a run's own ratio,
+    first passes included."""
+
+    def __init__(self):
+        self.sent, self.fp32 = 0, 0
+
+    def __call__(self, peer, message, send):
+        if message.meta.get("method") not in ("forward", "backward"):
+            return send(message)
+        self.count(message, message.meta.get("compression", "none"))
+        reply = send(message)
+        self.count(reply, message.meta.get("compression", "none"))
+        return reply
+
+    def count(self, message, compression: str) -> None:
+        header = message.meta.get("delta")
+        for index, tensor in enumerate(message.tensors):
+            if index == 0 and header is not None:
+                delta = Delta.from_wire(header, tensor)
+                self.sent += delta.nbytes
+                self.fp32 += 4 * math.prod(delta.shape)
+            elif tensor.is_floating_point():
+                self.sent += len(serialize(tensor, COMPRESSIONS[compression]).buffer)
+                self.fp32 += 4 * tensor.numel()
+
+    @property
+    def ratio(self) -> float | None:
+        return self.fp32 / self.sent if self.sent else None
+
+
 def run(local: LocalSwarm, model_dir: Path, name: str, options: dict, tokenizer, train_rows, eval_batch, args) -> dict:
     wire = {key: value for key, value in options.items() if key != "seed"}
+    link = ClientLink()
     model = swarm.SwarmModelForCausalLM.from_pretrained(
         model_dir,
         initial_peers=local.initial_peers,
@@ -215,6 +252,7 @@ def run(local: LocalSwarm, model_dir: Path, name: str, options: dict, tokenizer,
         lora_config=peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS),
         seed=options.get("seed", 0),
         min_copies=1,
+        call_hook=link,
         **wire,
     )
     optimizer = swarm.RemoteOptimizer(model, lr=args.lr, weight_decay=0.0)
@@ -235,7 +273,8 @@ def run(local: LocalSwarm, model_dir: Path, name: str, options: dict, tokenizer,
             adapter_eval = local_eval(model_dir, Path(saved), eval_batch)
     finally:
         model.shutdown()
-    return dict(losses=losses, evals=evals, seconds=seconds, adapter_eval=adapter_eval)
+    result = dict(losses=losses, evals=evals, seconds=seconds, adapter_eval=adapter_eval)
+    return result | (dict(run_ratio=link.ratio) if options.get("compression") in DELTAS else {})
 
 
 def local_eval(model_dir: Path, adapter_dir: Path, eval_batch: dict[str, torch.Tensor]) -> float:
@@ -253,11 +292,11 @@ class EmulatedWire:
     def __init__(self, wire: WireFormat, deltas: bool | int):
         """``deltas``: True for changes in the compression's bits, or their bits."""
         self.wire, self.training, self.key, self.bypass = wire, False, b"", False
-        self.references = None
+        self.references, self.bits = None, None
         if deltas:
             value_bits = ROTATED[wire.compression][0]
-            bits = value_bits if deltas is True else deltas
-            self.references = collections.defaultdict(lambda: DeltaReferences(bits, value_bits))
+            self.bits = DeltaBits(value_bits, value_bits if deltas is True else deltas)
+            self.references = collections.defaultdict(DeltaReferences)
         self.errors: dict[int, list[float]] = collections.defaultdict(list)  # hop -> the forward's in-run errors
         self.sent: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)  # hop -> (bytes, fp32 bytes)
 
@@ -265,7 +304,7 @@ class EmulatedWire:
         if self.wire.exact or self.bypass:
             return hidden
         if self.training and self.references is not None:
-            delta, value = self.references[hop].encode(self.key, hidden)
+            delta, value = self.references[hop].encode(self.key, hidden, self.bits)
             nbytes = delta.nbytes
         else:
             encoded = serialize(self.wire.cast(hidden), COMPRESSIONS[self.wire.compression])

@@ -228,7 +228,10 @@ class SwarmModelForCausalLM(nn.Module):
         their gradients travel; ``grad_compression``: the gradients' own, if they should differ (default: the same).
         All off by default (exact parity with local training), but a bf16 model's hidden states travel in bf16 (they
         are bf16 already). They cut the bytes per step by 2x / ~4x / ~7.5x / ~9.8x at the cost of rounding the
-        activations (see BENCHMARKS.md for what that does to the loss).
+        activations (see BENCHMARKS.md for what that does to the loss). ``"hadamard4d3"`` (``...d4``, ``...d2``):
+        for runs that see each sample more than once, a chained forward's hidden states travel as their change since
+        the sample's last pass at 3 (4, 2) bits, a first pass at 4; client and peers keep each sample's last hidden
+        states for that (at most 1 GiB each, ``swarm peer --delta-references-mb``); everything else goes as hadamard4.
         ``is_trainable=False`` (as in ``peft.PeftModel.from_pretrained``): a reader of an adapter that has committed
         steps, to ``generate`` or evaluate with its newest committed step while its trainer goes on training; it
         takes no lease and changes nothing on any peer. ``lora_config`` and ``seed`` then default to the adapter's.

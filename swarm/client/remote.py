@@ -4,6 +4,7 @@ themselves (a chain: swarm/net/chain.py); ``chain=False`` makes every hop a roun
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import time
@@ -17,8 +18,10 @@ from hivemind.p2p import PeerID
 from swarm.client.calls import Attempts, PeerCalls, PeerFailure
 from swarm.client.ledger import Segment, StepLedger
 from swarm.client.routing import Hop
+from swarm.net import rotated
 from swarm.net.chain import MAX_ROUTE_MADDRS, ChainFailure, ChainHop, FailureKind, HopAck, route_timeout
-from swarm.net.errors import LeaseLostError, RemoteError
+from swarm.net.deltas import Delta, DeltaReferences
+from swarm.net.errors import LeaseLostError, MissingReferenceError, RemoteError
 from swarm.net.gradhash import grad_hash
 from swarm.net.numerics import tolerance
 from swarm.net.protocol import (
@@ -132,8 +135,12 @@ class RemoteStack:
         chain: bool = True,
         min_voters: int = 2,
         unserved: Callable[[list[int]], None] | None = None,
+        references: DeltaReferences | None = None,
     ):
+        """``references``: the samples' last hidden states sent and received, where the wire sends a chained
+        forward's hidden states as changes (``WireFormat.delta_bits``)."""
         self.calls, self.catch_up, self.unserved = calls, catch_up, unserved
+        self.references = references if calls.wire.delta_bits is not None else None
         self.router, self.adapter, self.wire = calls.router, calls.adapter, calls.wire
         self.spot_check = spot_check
         self.chain, self.min_voters = chain, min_voters  # min_voters: replicas of a hop (itself included) to check it
@@ -389,7 +396,7 @@ class RemoteStack:
         rate = self._check_rate()
         checked = rate > 0 and self.random.random() < rate
         if self.chain and not checked:
-            return self._forward_chain(hidden, mask, step, micro_batch)
+            return self._forward_chain(hidden, mask, step, micro_batch, self._sample_of(hidden, mask))
         rate = 1.0 if self.chain else rate
         outputs, inputs = self._forward_hops(hidden, mask, step, micro_batch, rate)
         return outputs, Forwarded(inputs, chained=False, check=rate)
@@ -579,43 +586,92 @@ class RemoteStack:
             return None
         raise RemoteError(failure.kind, f"{failure.peer}: {failure.error}", {})
 
+    def _sample_of(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> str | None:
+        """A micro-batch's identity for delta-coded hops: a hash of the stack's input (the frozen embeddings of
+        its tokens) and mask, so that the same tokens in a later epoch find their references. None: no deltas."""
+        if self.references is None:
+            return None
+        digest = hashlib.blake2b(digest_size=16)
+        for tensor in (hidden, mask):
+            if tensor is not None:
+                digest.update(str((tensor.dtype, tuple(tensor.shape))).encode())
+                digest.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
     def _forward_chain(
-        self, hidden: torch.Tensor, mask: torch.Tensor | None, step: int, micro_batch: str | None
+        self,
+        hidden: torch.Tensor,
+        mask: torch.Tensor | None,
+        step: int,
+        micro_batch: str | None,
+        sample: str | None = None,
     ) -> tuple[torch.Tensor, Forwarded]:
         """The hidden states go to the first span with the route after it; each peer passes its output on, the last
         answers. Where the chain breaks, the client goes on from the output of the last hop that ran, on a new
-        route (through the failed peer itself when the hop before could only not reach it)."""
+        route (through the failed peer itself when the hop before could only not reach it). With a ``sample``,
+        hidden states travel as changes since its last pass (swarm.net.deltas)."""
         wire, inputs = self.wire, []
         block, prefer, attempts = 0, None, self.calls.attempts(Method.FORWARD)
         while block < self.router.num_blocks:
             hops = self.wait_route(block, prefer=prefer)
             prefer, first = None, hops[0]
             route = self.route_of(hops[1:], Method.FORWARD, hidden)
-            cast = wire.cast(hidden)
             request = ForwardRequest(
                 self.adapter,
                 first.start,
                 first.end,
                 step,
-                cast,
+                self._outgoing(sample, block, wire.cast(hidden)),
                 mask,
                 micro_batch,
                 wire.compression,
                 route,
                 self.autocast,
+                sample,
+                None if sample is None else self.references.digest_of(self._key(sample, self.router.num_blocks, "in")),
             )
             try:
                 reply, ran = self.chain_ask(hops, request, hidden)
+                outputs = self._incoming(request, ran[-1], reply.outputs)
             except PeerFailure as e:
                 attempts.failed(e, first)
                 continue
+            except RemoteError as e:
+                if sample is None or e.kind != ErrorKind.MISSING_REFERENCE:
+                    raise
+                self.references.forget(self._key(sample, block, "out"))  # it holds another: send the value
+                continue
+            except MissingReferenceError:  # a micro-batch of the same tokens in flight moved the reference on
+                self.references.forget(self._key(sample, self.router.num_blocks, "in"))  # ask for the value
+                continue
             inputs.append(HopInput(ran[0], hidden))
             inputs.extend(HopInput(hop, None) for hop in ran[1:])
-            hidden, block = reply.outputs.to(hidden.dtype), ran[-1].end
+            hidden, block = outputs.to(hidden.dtype), ran[-1].end
             if reply.failure is not None:
                 prefer = self.chain_failed(reply.failure, attempts, hops[len(ran)])
         attempts.succeeded(step)
         return hidden, Forwarded(inputs, chained=True, check=0.0)
+
+    def _key(self, sample: str, boundary: int, end: str) -> tuple:
+        """Where a sample's reference is kept: the adapter, the block boundary, and which end of it ("out": sent)."""
+        return (self.adapter, sample, boundary, end)
+
+    def _outgoing(self, sample: str | None, boundary: int, hidden: torch.Tensor) -> torch.Tensor | Delta:
+        if sample is None:
+            return hidden
+        return self.references.encode(self._key(sample, boundary, "out"), hidden, self.wire.delta_bits)[0]
+
+    def _incoming(self, request: ForwardRequest, last: Hop, outputs: torch.Tensor | Delta) -> torch.Tensor:
+        """A chain's answer as a tensor: a delta rebuilt from the reference the client holds. A change from a
+        reference the request did not name is a lie; one from the reference it named, which the client no longer
+        holds, raises MissingReferenceError (the client asks again, for the value)."""
+        if not isinstance(outputs, Delta):
+            return outputs
+        if request.sample is None or (outputs.base is not None and outputs.base != request.have):
+            reason = "forward: a delta from a reference the request did not name"
+            raise self.calls.peer_failed(last.peer_id, reason)
+        value = self.references.decode(self._key(request.sample, last.end, "in"), outputs)
+        return value.to(rotated.DTYPES[outputs.dtype])
 
     def _backward_chain(
         self,

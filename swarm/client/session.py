@@ -28,6 +28,7 @@ from swarm.client.routing import Router
 from swarm.client.unserved import UnservedNotice
 from swarm.lora_options import blocks_without_lora
 from swarm.net.compression import WireFormat
+from swarm.net.deltas import DeltaReferences
 from swarm.net.errors import AdapterStateLostError, SwarmUnavailableError, WeightsMismatchError
 from swarm.net.network import check_access
 from swarm.net.protocol import DigestRequest, OpenRequest, OptimizerHParams, Reply, Request, StateRequest
@@ -419,7 +420,15 @@ def open_session(
             catch_up = TrainerTracking(replicas, current)
         rate, voters = spot_check_policy(options.spot_check, private=swarm_key is not None)
         unserved = UnservedNotice(transport, router, spec.name)
-        hops = RemoteStack(calls, catch_up, rate, chain=options.chain, min_voters=voters, unserved=unserved.send)
+        hops = RemoteStack(
+            calls,
+            catch_up,
+            rate,
+            chain=options.chain,
+            min_voters=voters,
+            unserved=unserved.send,
+            references=DeltaReferences(),  # used only where the wire sends changes (hadamard4d3)
+        )
         parts = (spec, dht, transport, router, current, calls, replicas, hops, adapter, catch_up)
         session: AdapterSession
         if reading:

@@ -1,7 +1,9 @@
 """How activations and their gradients travel: at full precision (the default, exact), or cast to a 16-bit dtype
 and/or quantized blockwise to 8 bits with hivemind's compression, for slow links, or rotated and quantized to 4 or 3
-bits (swarm.net.rotated: "hadamard4", "hadamard3", and "...sr" with stochastic rounding). Masks and other integer
-tensors always travel as they are."""
+bits (swarm.net.rotated: "hadamard4", "hadamard3", and "...sr" with stochastic rounding). "hadamard4d3" (and
+"...d4", "...d2") sends a chained forward's hidden states as their change since the sample's last pass at 3 (4, 2)
+bits, a first pass at 4 (swarm.net.deltas); every other tensor of such a wire goes as "hadamard4". Masks and other
+integer tensors always travel as they are."""
 
 from __future__ import annotations
 
@@ -13,19 +15,23 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.proto import runtime_pb2
 
 from swarm.net import rotated
+from swarm.net.deltas import DeltaBits
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # swarm's own codecs: codes outside hivemind's CompressionType (they never reach a protobuf's ``compression``
 # field, which says NONE; the protobuf's ``dtype`` says e.g. "hadamard4:bfloat16"), name -> (bits, stochastic)
 ROTATED = {"hadamard4": (4, False), "hadamard3": (3, False), "hadamard4sr": (4, True), "hadamard3sr": (3, True)}
 ROTATED_CODES = {0x100 + index: name for index, name in enumerate(ROTATED)}
+# delta-coded forwards (swarm.net.deltas): name -> (the codec of everything else, the delta's bits)
+DELTAS = {f"hadamard4d{change}": ("hadamard4", DeltaBits(4, change)) for change in (4, 3, 2)}
+_ROTATED_BY_NAME = {name: code for code, name in ROTATED_CODES.items()}
 COMPRESSIONS = {
     "none": runtime_pb2.CompressionType.NONE,
     "blockwise8": runtime_pb2.CompressionType.BLOCKWISE_8BIT,
-    **{name: code for code, name in ROTATED_CODES.items()},
+    **_ROTATED_BY_NAME,
+    **{name: _ROTATED_BY_NAME[values] for name, (values, _) in DELTAS.items()},
 }
 BLOCKSIZE = 4096  # hivemind's blockwise quantization block
-_DTYPE_NAMES = {dtype: name for name, dtype in rotated.DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -75,9 +81,16 @@ class WireFormat:
         """What one value of a floating tensor computed in ``computed`` weighs on the wire."""
         if self.compression == "blockwise8":
             return 1 + 4 / BLOCKSIZE  # a byte, and a float32 scale per block
-        if self.compression in ROTATED:
-            return rotated.value_bytes(ROTATED[self.compression][0])  # bits/8 and a float32 scale per tile
+        if self.compression in ROTATED or self.compression in DELTAS:  # deltas: a first pass's (later ones: fewer)
+            bits = DELTAS[self.compression][1].value if self.compression in DELTAS else ROTATED[self.compression][0]
+            return rotated.value_bytes(bits)  # bits/8 and a float32 scale per tile
         return torch.finfo(computed if self.dtype is None else WIRE_DTYPES[self.dtype]).bits / 8
+
+    @property
+    def delta_bits(self) -> DeltaBits | None:
+        """How a chained forward's hidden states round as changes since the sample's last pass (None: not sent
+        as changes)."""
+        return DELTAS[self.compression][1] if self.compression in DELTAS else None
 
     @property
     def compression_type(self) -> int:
@@ -97,13 +110,11 @@ def serialize(tensor: torch.Tensor, compression: int) -> runtime_pb2.Tensor:
         compression = runtime_pb2.CompressionType.NONE
     if compression in ROTATED_CODES:
         name = ROTATED_CODES[compression]
-        if tensor.dtype not in _DTYPE_NAMES:
-            raise ValueError(f"{name} cannot encode {tensor.dtype}")
         return runtime_pb2.Tensor(
             buffer=rotated.encode(tensor, *ROTATED[name]),
             size=tensor.shape,
             requires_grad=tensor.requires_grad,
-            dtype=f"{name}:{_DTYPE_NAMES[tensor.dtype]}",
+            dtype=f"{name}:{rotated.dtype_name(tensor.dtype)}",
             compression=runtime_pb2.CompressionType.NONE,
         )
     if tensor.dtype == torch.bfloat16 and compression == runtime_pb2.CompressionType.NONE:

@@ -129,6 +129,7 @@ class ErrorKind:
     FENCED = "fenced"
     UNREACHABLE = "unreachable"  # a relay has no connection to the peer a request was for
     MISSING_FORWARD = "missing_forward"  # a backward without its input, and this peer no longer holds the forward
+    MISSING_REFERENCE = "missing_reference"  # a change of activations from a reference this peer does not hold
     SESSION_LOST = "session_lost"  # a generation session this peer no longer holds (ended, idle, restarted)
     INFERENCE_MEMORY = "inference_memory"  # no room for another generation session (--max-inference-mb)
     SOURCE_UNAVAILABLE = "source_unavailable"  # the peer a sync was to pull from did not answer: pick another
@@ -166,6 +167,13 @@ class MissingForwardError(RequestError):
     """A backward sent without its input (the peer was to use its cached forward), which it no longer holds."""
 
     kind = ErrorKind.MISSING_FORWARD
+
+
+class MissingReferenceError(RequestError):
+    """Activations sent as a change from a reference this end does not hold (swarm.net.deltas): the sender forgets
+    its reference and sends the value itself."""
+
+    kind = ErrorKind.MISSING_REFERENCE
 
 
 class MissingGradientsError(RequestError):

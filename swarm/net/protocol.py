@@ -31,6 +31,7 @@ from swarm.net.chain import (
     write_route,
 )
 from swarm.net.compression import COMPRESSIONS
+from swarm.net.deltas import DIGEST_BYTES, Delta
 from swarm.net.errors import (
     BadGradientsError,
     ErrorKind,
@@ -82,6 +83,7 @@ AUTH = "auth"
 RELAY_TO = "relay_to"
 RELAY_TIMEOUT = "relay_timeout"
 HAS_MASK = "has_mask"  # span requests: whether a mask follows the other tensors
+DELTA = "delta"  # hidden states sent as a change since the sample's last pass: the delta's header (swarm.net.deltas)
 HAS_HIDDEN = "has_hidden"  # a backward: whether the hidden states come first (else the peer uses its forward's)
 MISSING = "missing"  # a missing_gradients refusal: block -> the micro-batches nobody could provide
 SOURCE = "source"  # a source_unavailable refusal: the peer a sync could not pull from
@@ -196,6 +198,21 @@ def flag(default: bool) -> Reader:
 def optional(read: Reader) -> Reader:
     """``read``, or None when the key is absent or null."""
     return lambda meta, key: None if meta.get(key) is None else read(meta, key)
+
+
+def read_sample(meta: dict, key: str) -> str:
+    """A sample's identity for delta-coded hidden states (the client's hash of its tokens)."""
+    value = meta.get(key)
+    if not isinstance(value, str) or not 1 <= len(value) <= 64:
+        raise RequestError(f"{key!r} must be a string of 1 to 64 characters")
+    return value
+
+
+def read_digest(meta: dict, key: str) -> bytes:
+    value = meta.get(key)
+    if not isinstance(value, bytes) or len(value) != DIGEST_BYTES:
+        raise RequestError(f"{key!r} must be a {DIGEST_BYTES}-byte digest")
+    return value
 
 
 def read_dict(meta: dict, key: str) -> dict:
@@ -345,6 +362,23 @@ def _expect(message: Message, counts: tuple[int, ...]) -> list[torch.Tensor]:
     if len(message.tensors) not in counts:
         raise RequestError(f"expected {' or '.join(map(str, counts))} tensors, got {len(message.tensors)}")
     return message.tensors
+
+
+def _hidden_tensors(hidden: torch.Tensor | Delta) -> tuple[list[torch.Tensor], dict]:
+    """The tensor that carries hidden states, and the meta that says how: a delta travels as its payload."""
+    if isinstance(hidden, Delta):
+        return [hidden.payload_tensor()], {DELTA: hidden.to_wire()}
+    return [hidden], {}
+
+
+def _read_hidden(message: Message, carried: torch.Tensor) -> torch.Tensor | Delta:
+    """Hidden states as sent: a tensor, or a delta where the meta has its header."""
+    if message.meta.get(DELTA) is None:
+        return carried
+    try:
+        return Delta.from_wire(message.meta[DELTA], carried)
+    except ValueError as e:
+        raise RequestError(f"{DELTA!r}: {e}") from None
 
 
 def _span_tensors(message: Message, leading: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -562,29 +596,34 @@ class OpenReply(Reply):
 
 
 class HiddenRequest(Request):
-    """A request whose tensors are hidden states and, when ``has_mask``, their mask: forward and infer. Subclasses
-    have the fields ``hidden``, ``mask`` and ``compression`` (which also encodes the tensors sent)."""
+    """A request whose tensors are hidden states (or a delta of them: swarm.net.deltas) and, when ``has_mask``, their
+    mask: forward and infer. Subclasses have the fields ``hidden``, ``mask`` and ``compression`` (which also encodes
+    the tensors sent)."""
 
-    hidden: torch.Tensor
+    hidden: torch.Tensor | Delta
     mask: torch.Tensor | None
     compression: str
 
     def to_message(self) -> Message:
-        tensors = [self.hidden] + ([] if self.mask is None else [self.mask])
-        return Message({**self.to_meta(), HAS_MASK: self.mask is not None}, tensors, COMPRESSIONS[self.compression])
+        tensors, delta = _hidden_tensors(self.hidden)
+        tensors += [] if self.mask is None else [self.mask]
+        meta = {**self.to_meta(), HAS_MASK: self.mask is not None, **delta}
+        return Message(meta, tensors, COMPRESSIONS[self.compression])
 
     @classmethod
     def from_message(cls, message: Message) -> Any:
         fields_ = cls.read_meta(message.meta)
         (hidden,), mask = _span_tensors(message, 1)
-        return cls(**fields_, hidden=hidden, mask=mask)
+        return cls(**fields_, hidden=_read_hidden(message, hidden), mask=mask)
 
 
 @dataclass(frozen=True)
 class ForwardRequest(HiddenRequest):
     """Through blocks [start, end) of an adapter at a step. Tensors: [hidden, mask?]. One with a micro-batch id keeps
     its graph and its input for the backward; one without is an evaluation. With a ``route``, the peer passes its
-    output on to the route's first hop (swarm/net/chain.py)."""
+    output on to the route's first hop (swarm/net/chain.py). With a ``sample`` (the client's hash of its tokens) and a
+    delta compression, hidden states may travel as a delta (swarm.net.deltas), the output passed on too, and the
+    chain's end answers with one from the reference whose digest is ``have`` (the client's for the stack's output)."""
 
     method: ClassVar[str] = Method.FORWARD
     adapter: str = wire(read_adapter)
@@ -597,6 +636,8 @@ class ForwardRequest(HiddenRequest):
     compression: str = wire(read_compression, default="none")  # how the peer encodes the tensors it answers with
     route: list[ChainHop] = wire(read_route, write_route, default_factory=list)  # the hops after this one
     autocast: str | None = wire(optional(read_autocast), default=None)  # the client's autocast dtype, if on
+    sample: str | None = wire(optional(read_sample), default=None)
+    have: bytes | None = wire(optional(read_digest), default=None)
 
     @property
     def blocks(self) -> range:
@@ -644,21 +685,22 @@ class BackwardRequest(Request):
 
 @dataclass(frozen=True)
 class HiddenReply(Reply):
-    """The hidden states out of a span (a forward, or new tokens of a generation). Tensors: [outputs]. Of a chain:
-    the hops that ran (``acks``, in the route's order), and where it broke (``failure``), the outputs then being
-    those of the last hop that ran."""
+    """The hidden states out of a span (a forward, or new tokens of a generation), or a delta of them (a delta-coded
+    chain's end). Tensors: [outputs]. Of a chain: the hops that ran (``acks``, in the route's order), and where it
+    broke (``failure``), the outputs then being those of the last hop that ran."""
 
-    outputs: torch.Tensor = tensor()
+    outputs: torch.Tensor | Delta = tensor()
     compression: str = field(default="none", compare=False)  # how they travel; not sent
     acks: list[HopAck] = wire(read_acks, write_acks, default_factory=list)
     failure: ChainFailure | None = wire(read_failure, write_failure, default=None)
 
     def to_message(self) -> Message:
-        return Message(self.to_meta(), [self.outputs], COMPRESSIONS[self.compression])
+        tensors, delta = _hidden_tensors(self.outputs)
+        return Message({**self.to_meta(), **delta}, tensors, COMPRESSIONS[self.compression])
 
     @classmethod
     def from_message(cls, message: Message) -> HiddenReply:
-        return cls(_expect(message, (1,))[0], **cls.read_meta(message.meta))
+        return cls(_read_hidden(message, _expect(message, (1,))[0]), **cls.read_meta(message.meta))
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,14 @@ CLIP = {2: 1.8}
 SIGNS_SEED = 0x5EED_5A7A_4D1A_0001  # the rotation's signs: the same for every tensor (see the module's docstring)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name a rotated tensor's dtype travels by; ValueError for one the codec does not encode."""
+    for name, known in DTYPES.items():
+        if known == dtype:
+            return name
+    raise ValueError(f"the rotated codec cannot encode {dtype}")
+
+
 def value_bytes(bits: int, tile: int = TILE) -> float:
     """What one value weighs on the wire: its code and its share of the tile's scale (header and padding aside)."""
     return bits / 8 + 4 / tile

@@ -226,6 +226,7 @@ def cmd_peer(args: argparse.Namespace) -> None:
             activation_cache_mb=args.activation_cache_mb,
             kept_inputs_mb=args.kept_inputs_mb,
             max_payload_mb=args.max_payload_mb,
+            delta_references_mb=args.delta_references_mb,
             max_tokens=args.max_tokens,
             max_inference_mb=args.max_inference_mb,
             inference_timeout=args.inference_timeout,
@@ -323,6 +324,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="host memory for the span inputs of the step in progress (kept until it commits), in MiB",
     )
     peer.add_argument("--max-payload-mb", type=int, default=1024, help="largest request accepted, in MiB")
+    peer.add_argument(
+        "--delta-references-mb",
+        type=int,
+        default=1024,
+        help="host memory for the samples' last hidden states, for clients whose wire sends changes (hadamard4d3)",
+    )
     peer.add_argument("--max-tokens", type=int, default=1 << 16, help="largest batch x sequence accepted per request")
     peer.add_argument(
         "--max-inference-mb", type=int, default=1024, help="memory for generation sessions' keys and values, in MiB"

@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from swarm.net import rotated
-from swarm.net.deltas import DeltaReferences, MissingReference
+from swarm.net.deltas import Delta, DeltaBits, DeltaReferences
+from swarm.net.errors import MissingReferenceError
 from swarm.testing.activations import residual_stream
+
+FOUR = DeltaBits(4, 4)
 
 
 def _relative(back: torch.Tensor, x: torch.Tensor) -> float:
@@ -28,12 +31,12 @@ def _epochs(x: torch.Tensor, drift: float, passes: int, seed: int = 1) -> list[t
 
 @pytest.mark.parametrize("bits", [3, 4])  # 2 bits: for changes only (below)
 def test_both_ends_reconstruct_the_same_bits_and_a_small_change_costs_a_small_error(bits):
-    sender, receiver = DeltaReferences(bits), DeltaReferences(bits)
+    sender, receiver = DeltaReferences(), DeltaReferences()
     values = _epochs(residual_stream(shape=(4, 64, 256)), drift=0.02, passes=4)
     errors = []
     for value in values:
-        delta, sent = sender.encode("sample", value)
-        got = receiver.decode("sample", delta, value.shape)
+        delta, sent = sender.encode("sample", value, DeltaBits(bits, bits))
+        got = receiver.decode("sample", delta)
         assert torch.equal(got, sent), "the receiver must compute with what the sender thinks it sent"
         errors.append(_relative(got, value))
     first = _relative(
@@ -45,12 +48,12 @@ def test_both_ends_reconstruct_the_same_bits_and_a_small_change_costs_a_small_er
 
 def test_the_last_passes_error_is_corrected_not_added_up():
     """The same value sent again and again: each pass's change is the error the receiver still holds."""
-    sender, receiver = DeltaReferences(4), DeltaReferences(4)
+    sender, receiver = DeltaReferences(), DeltaReferences()
     x = residual_stream(shape=(4, 64, 256))
     errors = []
     for _ in range(4):
-        delta, _ = sender.encode(7, x)
-        errors.append(_relative(receiver.decode(7, delta, x.shape), x))
+        delta, _ = sender.encode(7, x, FOUR)
+        errors.append(_relative(receiver.decode(7, delta), x))
     assert errors[1] < errors[0] / 5 and errors[2] < errors[1], errors
     assert errors[3] < 0.01, "four passes of a still value land within the reference store's bf16 rounding"
 
@@ -59,58 +62,78 @@ def test_a_replayed_sequence_gives_the_same_bytes():
     values = _epochs(residual_stream(shape=(4, 64, 256)), drift=0.05, passes=3)
     runs = []
     for _ in range(2):
-        sender = DeltaReferences(3, value_bits=4, stochastic=True)
-        runs.append([sender.encode(("sample", 0), value)[0] for value in values])
+        sender = DeltaReferences()
+        runs.append([sender.encode(("sample", 0), value, DeltaBits(4, 3, stochastic=True))[0] for value in values])
     assert runs[0] == runs[1]
     assert runs[0][0].base is None and all(delta.base is not None for delta in runs[0][1:])
 
 
 def test_a_receiver_without_the_reference_refuses_the_change_and_the_value_itself_goes_through():
-    sender, receiver, replica = DeltaReferences(4), DeltaReferences(4), DeltaReferences(4)
+    sender, receiver, replica = DeltaReferences(), DeltaReferences(), DeltaReferences()
     first, second = _epochs(residual_stream(shape=(4, 64, 256)), drift=0.02, passes=2)
-    delta, _ = sender.encode("s", first)
-    receiver.decode("s", delta, first.shape)
-    delta, _ = sender.encode("s", second)
+    delta, _ = sender.encode("s", first, FOUR)
+    receiver.decode("s", delta)
+    delta, _ = sender.encode("s", second, FOUR)
     assert delta.base is not None
-    with pytest.raises(MissingReference):
-        replica.decode("s", delta, second.shape)  # did not see the first pass
+    with pytest.raises(MissingReferenceError):
+        replica.decode("s", delta)  # did not see the first pass
     sender.forget("s")
-    delta, sent = sender.encode("s", second)
-    assert delta.base is None and torch.equal(replica.decode("s", delta, second.shape), sent)
-    other = DeltaReferences(4)
-    other.decode("s", DeltaReferences(4).encode("s", -first)[0], first.shape)  # a reference, not the sender's
-    with pytest.raises(MissingReference):
-        other.decode("s", sender.encode("s", second)[0], second.shape)
+    delta, sent = sender.encode("s", second, FOUR)
+    assert delta.base is None and torch.equal(replica.decode("s", delta), sent)
+    other = DeltaReferences()
+    other.decode("s", DeltaReferences().encode("s", -first, FOUR)[0])  # a reference, not the sender's
+    with pytest.raises(MissingReferenceError):
+        other.decode("s", sender.encode("s", second, FOUR)[0])
     assert "s" not in other._references, "a wrong reference is dropped, so the value itself can replace it"
 
 
 def test_the_store_keeps_within_its_bound_dropping_the_least_recently_used():
     x = residual_stream(shape=(2, 8, 128))
     size = x.numel() * 2  # bfloat16
-    references = DeltaReferences(4, max_bytes=3 * size)
+    references = DeltaReferences(max_bytes=3 * size)
     for key in range(3):
-        references.encode(key, x)
-    references.encode(0, x)  # 0 is now the most recent
-    references.encode(3, x)
+        references.encode(key, x, FOUR)
+    references.encode(0, x, FOUR)  # 0 is now the most recent
+    references.encode(3, x, FOUR)
     assert len(references) == 3 and references.stored_bytes == 3 * size
     assert set(references._references) == {0, 2, 3}
-    delta, _ = references.encode(1, x)
+    delta, _ = references.encode(1, x, FOUR)
     assert delta.base is None, "an evicted sample sends its value again"
     with pytest.raises(ValueError, match="bits"):
-        DeltaReferences(1)
+        DeltaBits(1, 1)
     with pytest.raises(ValueError, match="bits"):
-        DeltaReferences(2, value_bits=8)
+        DeltaBits(8, 2)
 
 
 def test_two_bit_changes_after_a_four_bit_value_land_below_the_four_bit_error():
-    sender, receiver = DeltaReferences(2, value_bits=4), DeltaReferences(2, value_bits=4)
+    sender, receiver = DeltaReferences(), DeltaReferences()
     values = _epochs(residual_stream(shape=(4, 64, 256)), drift=0.01, passes=4)
     errors, sizes = [], []
     for value in values:
-        delta, sent = sender.encode("s", value)
-        assert torch.equal(receiver.decode("s", delta, value.shape), sent)
+        delta, sent = sender.encode("s", value, DeltaBits(4, 2))
+        assert torch.equal(receiver.decode("s", delta), sent)
         errors.append(_relative(sent, value))
         sizes.append(delta.nbytes)
     assert sizes[0] == rotated.encoded_bytes(values[0].numel(), 4)
     assert all(size == rotated.encoded_bytes(values[0].numel(), 2) + 8 for size in sizes[1:])
     assert max(errors[1:]) < errors[0] / 2, errors
+
+
+def test_a_delta_crosses_the_wire_as_its_header_and_payload_and_a_malformed_one_is_refused():
+    x = residual_stream(shape=(2, 8, 128)).to(torch.bfloat16)
+    sender = DeltaReferences()
+    sender.encode("s", x, DeltaBits(4, 3))
+    delta, _ = sender.encode("s", x, DeltaBits(4, 3))
+    header, payload = delta.to_wire(), delta.payload_tensor()
+    assert Delta.from_wire(header, payload) == delta and delta.dtype == "bfloat16" and delta.bits == 3
+    for bad in (
+        [b"short", 3, [2, 8, 128], "bfloat16"],
+        [delta.base, 3, [2, 8, 129], "bfloat16"],
+        [delta.base, 5, [2, 8, 128], "bfloat16"],
+        [delta.base, 3, [2, 8, 128], "int8"],
+        [None, 3],
+    ):
+        with pytest.raises(ValueError):
+            Delta.from_wire(bad, payload)
+    with pytest.raises(ValueError):
+        Delta.from_wire(header, payload[:-1])

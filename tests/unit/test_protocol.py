@@ -18,6 +18,7 @@ from peers.compute import Compute
 from peers.service import PeerService
 from swarm.net import protocol
 from swarm.net.chain import ChainFailure, ChainHop, HopAck, read_acks, write_acks
+from swarm.net.deltas import DeltaBits, DeltaReferences
 from swarm.net.errors import ErrorKind, MissingGradientsError, RemoteError, RequestError, SourceUnavailableError
 from swarm.net.gradnorm import GradNorm
 from swarm.net.message import Message
@@ -357,3 +358,23 @@ def test_a_label_becomes_a_valid_adapter_name():
     )
     assert protocol.adapter_name_from("wire-exact (fp32), adapter seed 1") == "wire-exact-fp32-adapter-seed-1"
     assert len(protocol.adapter_name_from("x" * 100)) == 64 and protocol.adapter_name_from("+++") == "adapter"
+
+
+def test_hidden_states_as_a_delta_survive_the_wire_and_a_malformed_one_is_refused():
+    references = DeltaReferences()
+    delta, _ = references.encode("s", HIDDEN, DeltaBits(4, 3))
+    change, _ = references.encode("s", HIDDEN + 0.01, DeltaBits(4, 3))
+    request = protocol.ForwardRequest(
+        "run", 0, 2, 3, change, MASK, "mb-0", "hadamard4d3", ROUTE, sample="ab" * 16, have=change.base
+    )
+    received = read_request(through_the_wire(request.to_message()))
+    assert received.hidden == change and received.sample == "ab" * 16 and received.have == change.base
+    assert received.compression == "hadamard4d3" and torch.equal(received.mask, MASK)
+    reply = protocol.HiddenReply(delta, "hadamard4d3", acks=ACKS[:1])
+    assert read_reply(request, through_the_wire(reply.to_message())).outputs == delta
+    message = request.to_message()
+    for header in ([b"x" * 3, 3, [2, 3, 8], "float32"], [None, 3, [2, 3, 100], "float32"], "delta"):
+        with pytest.raises(RequestError, match="delta"):
+            read_request(Message({**message.meta, "delta": header}, message.tensors))
+    with pytest.raises(ReplyError, match="delta"):
+        read_reply(request, Message({**reply.to_meta(), "delta": [None, 9, [2, 3, 8], "float32"]}, [HIDDEN]))

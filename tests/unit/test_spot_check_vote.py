@@ -14,6 +14,7 @@ from hivemind.p2p import PeerID
 from swarm.client.calls import PeerFailure
 from swarm.client.remote import RemoteStack
 from swarm.client.routing import Hop
+from swarm.net.compression import WireFormat
 from swarm.net.numerics import EXACT, Numerics
 
 LIAR, HONEST, SLOW = (PeerID(f"peer-{name}".encode()) for name in ("liar", "honest", "slow"))
@@ -38,7 +39,7 @@ class Peers:
             num_blocks=2,
         )
         self.current = SimpleNamespace(forget=lambda peer: None)
-        self.adapter, self.wire = "a", None
+        self.adapter, self.wire = "a", WireFormat()
 
     def peer_failed(self, peer: PeerID, reason: str) -> PeerFailure:
         self.banned.append(peer)
