@@ -64,6 +64,7 @@ WIRES = {
     "blockwise8": WireFormat(compression="blockwise8"),
     "hadamard4": WireFormat(compression="hadamard4"),
     "hadamard3": WireFormat(compression="hadamard3"),
+    "hadamard4d3": WireFormat(compression="hadamard4d3"),  # a sample's later passes: 3-bit changes, 4-bit gradients
 }
 MB = 1e6
 
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     in_flight = args.in_flight or in_flight_for(len(peers))
     block_s = block_forward_seconds(shape, lora, tokens, args.seq, gpu, args.utilisation)
     act = activation_bytes(shape, args.batch, args.seq, wire, dtype)
+    grad_act = activation_bytes(shape, args.batch, args.seq, wire, dtype, backward=True)
     g_block = block_grad_bytes(shape, lora)
     grad = [float(g_block)] * L
 
@@ -169,7 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     lanes, chunk = lanes_of(act)
     print(
-        f"- activations: {mb(act)} MB a message ({args.wire}, bf16 compute), {lanes} lanes of {chunk // 1024} KiB; "
+        f"- activations: {mb(act)} MB a message forward, {mb(grad_act)} MB backward ({args.wire}, bf16 compute), "
+        f"{lanes} lanes of {chunk // 1024} KiB; "
         f"{M} micro-batches, {in_flight} in flight, chained"
     )
     print("\nPlacement (peers/balancer.py `choose_span`, then `next_move` rounds):\n")
@@ -204,7 +207,20 @@ def main(argv: list[str] | None = None) -> None:
         net = Network({CLIENT: client, **dict.fromkeys(peers, link)}, args.rtt_ms / 1000)
         for mode in args.modes:
             plan = plan_step(
-                RULES, spans, chains, L, block_s, act, grad, net, M, in_flight, mode, args.min_copies, args.clip
+                RULES,
+                spans,
+                chains,
+                L,
+                block_s,
+                act,
+                grad,
+                net,
+                M,
+                in_flight,
+                mode,
+                args.min_copies,
+                args.clip,
+                grad_act=grad_act,
             )
             rows.append((link, client, plan))
 

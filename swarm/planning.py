@@ -351,10 +351,12 @@ class Link:
         return f"{self.down_mbit:g}/{self.up_mbit:g}"
 
 
-def activation_bytes(shape: ModelShape, batch: int, seq: int, wire: WireFormat, dtype: torch.dtype) -> int:
-    """Hidden states (or their gradient) of one micro-batch as the wire carries them (``WireFormat.value_bytes``);
-    unpadded micro-batches send no mask."""
-    return math.ceil(batch * seq * shape.hidden * wire.value_bytes(dtype))
+def activation_bytes(
+    shape: ModelShape, batch: int, seq: int, wire: WireFormat, dtype: torch.dtype, backward: bool = False
+) -> int:
+    """Hidden states (or, ``backward``, their gradient) of one micro-batch as the wire carries them
+    (``WireFormat.value_bytes``); unpadded micro-batches send no mask."""
+    return math.ceil(batch * seq * shape.hidden * wire.value_bytes(dtype, backward))
 
 
 def lanes_of(payload: int) -> tuple[int, int]:
@@ -399,10 +401,14 @@ def compute(peer: str, seconds: float) -> Stage:
     return Stage((("gpu", peer),), seconds)
 
 
-def chain_stages(chain: Sequence[Hop], block_s: float, act: int, net: Network) -> list[Stage]:
+def chain_stages(
+    chain: Sequence[Hop], block_s: float, act: int, net: Network, grad_act: int | None = None
+) -> list[Stage]:
     """One micro-batch along a chain, as the client runs it chained (docs/ARCHITECTURE.md "One micro-batch"): in
     from the client, hop to hop, the last hop's output back along the chain to the client; the output gradient to
-    the last hop, hop to hop back (the first span returns no input gradient), the acks back along the chain."""
+    the last hop, hop to hop back (the first span returns no input gradient), the acks back along the chain.
+    ``act``: the hidden states' bytes; ``grad_act``: their gradient's (default: the same)."""
+    grad_act = act if grad_act is None else grad_act
     peers = [peer for peer, _ in chain]
     fwd_s = [len(blocks) * block_s for _, blocks in chain]
     acks = [ACK_HOP_BYTES + ACK_BLOCK_BYTES * len(blocks) for _, blocks in chain]
@@ -413,11 +419,11 @@ def chain_stages(chain: Sequence[Hop], block_s: float, act: int, net: Network) -
             stages.append(net.transfer(peer, peers[i + 1], act))
     for i in range(len(peers) - 1, -1, -1):  # the output (and the acks so far) back to the client
         stages.append(net.transfer(peers[i], peers[i - 1] if i else CLIENT, act + sum(acks[i:])))
-    stages.append(net.transfer(CLIENT, peers[-1], act))
+    stages.append(net.transfer(CLIENT, peers[-1], grad_act))
     for i in range(len(peers) - 1, -1, -1):
         stages.append(compute(peers[i], BACKWARD_COST * fwd_s[i]))
         if i:
-            stages.append(net.transfer(peers[i], peers[i - 1], act))
+            stages.append(net.transfer(peers[i], peers[i - 1], grad_act))
     for i in range(len(peers)):  # the acks back to the client
         stages.append(net.transfer(peers[i], peers[i + 1] if i + 1 < len(peers) else CLIENT, sum(acks[: i + 1])))
     return stages
@@ -678,13 +684,14 @@ def plan_step(
     min_copies: int = 2,
     clip: bool = False,
     standby: int | None = None,
+    grad_act: int | None = None,
 ) -> StepPlan:
     """Play a step: the pipeline with its transfers, then (nothing overlaps it yet: docs/ARCHITECTURE.md "One
     reduction per step") the optional clipping fetch, the commit's reduction and the durable copies, one after
     another. Standby pulls run in the background during the next step and count only through the link bound."""
     if not chains:
         raise ValueError("no chain covers the model: nothing to train")
-    routed = [chain_stages(chains[i % len(chains)], block_s, act, net) for i in range(micro_batches)]
+    routed = [chain_stages(chains[i % len(chains)], block_s, act, net, grad_act) for i in range(micro_batches)]
     pipeline, _ = play_step(lambda index, _at: routed[index], micro_batches, in_flight)
     servers = servers_of(spans, num_blocks)
     holders = holders_of(chains, micro_batches, num_blocks)

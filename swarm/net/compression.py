@@ -77,13 +77,17 @@ class WireFormat:
     def exact(self) -> bool:
         return self.dtype is None and self.compression == "none" and self.backward_compression == "none"
 
-    def value_bytes(self, computed: torch.dtype) -> float:
-        """What one value of a floating tensor computed in ``computed`` weighs on the wire."""
-        if self.compression == "blockwise8":
+    def value_bytes(self, computed: torch.dtype, backward: bool = False) -> float:
+        """What one value of a floating tensor computed in ``computed`` weighs on the wire: forward (a delta wire's
+        change, what a sample's later passes send; its first pass weighs as hadamard4) or ``backward``."""
+        compression = self.backward_compression if backward else self.compression
+        if compression == "blockwise8":
             return 1 + 4 / BLOCKSIZE  # a byte, and a float32 scale per block
-        if self.compression in ROTATED or self.compression in DELTAS:  # deltas: a first pass's (later ones: fewer)
-            bits = DELTAS[self.compression][1].value if self.compression in DELTAS else ROTATED[self.compression][0]
-            return rotated.value_bytes(bits)  # bits/8 and a float32 scale per tile
+        if compression in DELTAS:
+            bits = DELTAS[compression][1]
+            return rotated.value_bytes(bits.value if backward else bits.change)
+        if compression in ROTATED:
+            return rotated.value_bytes(ROTATED[compression][0])  # bits/8 and a float32 scale per tile
         return torch.finfo(computed if self.dtype is None else WIRE_DTYPES[self.dtype]).bits / 8
 
     @property

@@ -18,6 +18,7 @@ from hivemind.proto import runtime_pb2
 
 from swarm.net import protocol, rotated
 from swarm.net.compression import ROTATED, WireFormat, deserialize, serialize
+from swarm.net.deltas import DeltaBits
 from swarm.net.wire import Message, WireError, decode, encode
 from swarm.testing.activations import residual_stream
 
@@ -193,6 +194,23 @@ def test_encoded_size_is_what_value_bytes_says(name):
     )
     _, size = _through(wire, x)
     assert size == len(serialized.buffer) < 0.14 * x.numel() * 4
+
+
+def test_a_delta_wire_weighs_its_changes_forward_and_hadamard4_backward_and_everywhere_stateless():
+    """hadamard4d3: a sample's later passes send 3-bit changes (what value_bytes says forward; swarm.net.deltas
+    measures them), its gradients and every stateless tensor go as hadamard4; grad_compression counts backward."""
+    wire = WireFormat.parse("bfloat16+hadamard4d3")
+    assert wire.delta_bits == DeltaBits(4, 3) and WireFormat.parse("hadamard4").delta_bits is None
+    assert wire.value_bytes(torch.float32) == rotated.value_bytes(3)
+    assert wire.value_bytes(torch.float32, backward=True) == rotated.value_bytes(4)
+    assert wire.compression_type == WireFormat(None, "hadamard4").compression_type
+    x = residual_stream(6, (4, 64, 256)).to(torch.bfloat16)
+    assert (
+        serialize(x, wire.compression_type).buffer
+        == serialize(x, WireFormat(None, "hadamard4").compression_type).buffer
+    )
+    mixed = WireFormat.parse("hadamard4/hadamard3")
+    assert mixed.value_bytes(torch.float32, backward=True) == rotated.value_bytes(3) < mixed.value_bytes(torch.float32)
 
 
 def _serialized(name: str = "hadamard4", shape=(3, 200)) -> runtime_pb2.Tensor:
