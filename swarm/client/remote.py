@@ -396,7 +396,8 @@ class RemoteStack:
         rate = self._check_rate()
         checked = rate > 0 and self.random.random() < rate
         if self.chain and not checked:
-            return self._forward_chain(hidden, mask, step, micro_batch, self._sample_of(hidden, mask))
+            sample = None if micro_batch is None else self._sample_of(hidden, mask)  # an eval's sample: seldom again
+            return self._forward_chain(hidden, mask, step, micro_batch, sample)
         rate = 1.0 if self.chain else rate
         outputs, inputs = self._forward_hops(hidden, mask, step, micro_batch, rate)
         return outputs, Forwarded(inputs, chained=False, check=rate)
@@ -587,8 +588,10 @@ class RemoteStack:
         raise RemoteError(failure.kind, f"{failure.peer}: {failure.error}", {})
 
     def _sample_of(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> str | None:
-        """A micro-batch's identity for delta-coded hops: a hash of the stack's input (the frozen embeddings of
-        its tokens) and mask, so that the same tokens in a later epoch find their references. None: no deltas."""
+        """A training micro-batch's identity for delta-coded hops: a hash of the stack's input (the frozen
+        embeddings of its tokens) and mask, so that the same tokens in a later epoch find their references. None:
+        no deltas. Evaluations send values: a held-out batch comes back rarely, after many steps, when its change
+        is no smaller than itself."""
         if self.references is None:
             return None
         digest = hashlib.blake2b(digest_size=16)

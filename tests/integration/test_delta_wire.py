@@ -65,10 +65,7 @@ def test_later_passes_send_changes_that_cost_fewer_bytes_and_correct_the_first_p
     sent: list = []
     model = _connect(chained_pair, tiny_models, "delta-wire", sent, wire_dtype="bfloat16", compression="hadamard4d3")
     try:
-        errors = []
-        with torch.no_grad():
-            for _ in range(PASSES):
-                errors.append(_relative(model(ids).logits, reference_logits))
+        errors = [_relative(model(ids).logits.detach(), reference_logits) for _ in range(PASSES)]  # training's
         assert len(sent) == PASSES, "one chained forward per pass, none refused"
         (first_header, first_bytes, first_reply), *later = sent
         assert first_header[0] is None and first_reply[0] is None, "a first pass sends the value itself"
@@ -90,6 +87,10 @@ def test_later_passes_send_changes_that_cost_fewer_bytes_and_correct_the_first_p
         loss = model.train_step([dict(input_ids=ids, labels=ids)])
         swarm.RemoteOptimizer(model, **HPARAMS).step()
         assert model.step == 1 and torch.isfinite(loss)
+        assert sent[-1][0][0] is not None, "a training step's forward: a change"
+        with torch.no_grad():
+            model(ids)
+        assert sent[-1][0] is None and sent[-1][2] is None, "an evaluation sends values (hadamard4), no deltas"
     finally:
         model.shutdown()
 
@@ -102,15 +103,14 @@ def test_an_end_without_the_reference_refuses_the_change_and_the_value_goes_thro
     sent: list = []
     model = _connect(chained_pair, tiny_models, "delta-lost", sent, wire_dtype="bfloat16", compression="hadamard4d3")
     try:
-        with torch.no_grad():
-            for _ in range(2):
-                model(ids)
-            kept = model(ids).logits
-            _references(chained_pair.peers["b"])._references.clear()
-            after_b = model(ids).logits
-            _references(chained_pair.peers["a"])._references.clear()
-            after_a = model(ids).logits
-            recovered = model(ids).logits
+        for _ in range(2):
+            model(ids)
+        kept = model(ids).logits.detach()
+        _references(chained_pair.peers["b"])._references.clear()
+        after_b = model(ids).logits.detach()
+        _references(chained_pair.peers["a"])._references.clear()
+        after_a = model(ids).logits.detach()
+        recovered = model(ids).logits.detach()
         headers = [header for header, _, _ in sent]
         assert all(h[0] is not None for h in headers[1:4]), "b's loss is a's business: the client sends a change"
         assert headers[4][0] is not None and sent[4][2] is None, "a refused the client's change..."
