@@ -224,9 +224,9 @@ class PeerService(InfoDoors):
         return self.references.decode(key, request.hidden).to(rotated.DTYPES[request.hidden.dtype])
 
     def _delta_onward(self, request: ForwardRequest, outputs: torch.Tensor, value_only: bool = False) -> Delta:
-        """This span's output for the next hop, as a change from the last one this peer passed on for the sample
-        (the next hop refuses it if it holds another; then ``value_only``)."""
-        key = (request.adapter, request.sample, request.end, "out")
+        """This span's output for the next hop, as a change from the last one this peer passed that peer for the
+        sample (it refuses it if it no longer holds that one; then ``value_only``)."""
+        key = (request.adapter, request.sample, request.end, "out", request.route[0].peer)
         if value_only:
             self.references.forget(key)
         return self.references.encode(key, outputs, DELTAS[request.compression][1])[0]
@@ -234,7 +234,7 @@ class PeerService(InfoDoors):
     def _delta_back(self, request: ForwardRequest, outputs: torch.Tensor) -> Delta:
         """The chain's output for the client: a change from the reference it holds (``have``) where this peer holds
         the same one, else the value itself."""
-        key = (request.adapter, request.sample, request.end, "out")
+        key = (request.adapter, request.sample, request.end, "out", "client")
         if request.have is None or self.references.digest_of(key) != request.have:
             self.references.forget(key)
         return self.references.encode(key, outputs, DELTAS[request.compression][1])[0]

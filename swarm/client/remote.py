@@ -619,19 +619,21 @@ class RemoteStack:
             hops = self.wait_route(block, prefer=prefer)
             prefer, first = None, hops[0]
             route = self.route_of(hops[1:], Method.FORWARD, hidden)
+            last = hops[-1]
+            have = None if sample is None else self.references.digest_of(self._key(sample, last.end, last.peer_id))
             request = ForwardRequest(
                 self.adapter,
                 first.start,
                 first.end,
                 step,
-                self._outgoing(sample, block, wire.cast(hidden)),
+                self._outgoing(sample, block, wire.cast(hidden), first.peer_id),
                 mask,
                 micro_batch,
                 wire.compression,
                 route,
                 self.autocast,
                 sample,
-                None if sample is None else self.references.digest_of(self._key(sample, self.router.num_blocks, "in")),
+                have,
             )
             try:
                 reply, ran = self.chain_ask(hops, request, hidden)
@@ -642,10 +644,10 @@ class RemoteStack:
             except RemoteError as e:
                 if sample is None or e.kind != ErrorKind.MISSING_REFERENCE:
                     raise
-                self.references.forget(self._key(sample, block, "out"))  # it holds another: send the value
+                self.references.forget(self._key(sample, block, first.peer_id, sent=True))  # send the value
                 continue
             except MissingReferenceError:  # a micro-batch of the same tokens in flight moved the reference on
-                self.references.forget(self._key(sample, self.router.num_blocks, "in"))  # ask for the value
+                self.references.forget(self._key(sample, last.end, last.peer_id))  # ask for the value
                 continue
             inputs.append(HopInput(ran[0], hidden))
             inputs.extend(HopInput(hop, None) for hop in ran[1:])
@@ -655,14 +657,15 @@ class RemoteStack:
         attempts.succeeded(step)
         return hidden, Forwarded(inputs, chained=True, check=0.0)
 
-    def _key(self, sample: str, boundary: int, end: str) -> tuple:
-        """Where a sample's reference is kept: the adapter, the block boundary, and which end of it ("out": sent)."""
-        return (self.adapter, sample, boundary, end)
+    def _key(self, sample: str, boundary: int, peer: PeerID, sent: bool = False) -> tuple:
+        """Where a sample's reference is kept: the adapter, the block boundary, and the peer it was sent to
+        (``sent``) or came from: each replica keeps its own."""
+        return (self.adapter, sample, boundary, "out" if sent else "in", peer.to_base58())
 
-    def _outgoing(self, sample: str | None, boundary: int, hidden: torch.Tensor) -> torch.Tensor | Delta:
+    def _outgoing(self, sample: str | None, boundary: int, hidden: torch.Tensor, to: PeerID) -> torch.Tensor | Delta:
         if sample is None:
             return hidden
-        return self.references.encode(self._key(sample, boundary, "out"), hidden, self.wire.delta_bits)[0]
+        return self.references.encode(self._key(sample, boundary, to, sent=True), hidden, self.wire.delta_bits)[0]
 
     def _incoming(self, request: ForwardRequest, last: Hop, outputs: torch.Tensor | Delta) -> torch.Tensor:
         """A chain's answer as a tensor: a delta rebuilt from the reference the client holds. A change from a
@@ -673,7 +676,7 @@ class RemoteStack:
         if request.sample is None or (outputs.base is not None and outputs.base != request.have):
             reason = "forward: a delta from a reference the request did not name"
             raise self.calls.peer_failed(last.peer_id, reason)
-        value = self.references.decode(self._key(request.sample, last.end, "in"), outputs)
+        value = self.references.decode(self._key(request.sample, last.end, last.peer_id), outputs)
         return value.to(rotated.DTYPES[outputs.dtype])
 
     def _backward_chain(

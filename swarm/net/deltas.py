@@ -98,12 +98,15 @@ def digest(tensor: torch.Tensor) -> bytes:
 
 class DeltaReferences:
     """One end of hops: the references of the samples it has sent or received, keyed by the caller (a sample's
-    identity, the hop, which end). The same store encodes (sender) and decodes (receiver); both reconstruct alike.
-    Thread-safe: micro-batches in flight together share it."""
+    identity, the hop, which end and, for a sender, to whom). A sender keeps one reference a key; a receiver up to
+    ``per_key``, told apart by digest, so that replicas sending it the same sample in turn each find their own (and
+    a sender's change finds its base however the routes went). Both ends reconstruct alike. Thread-safe:
+    micro-batches in flight together share it."""
 
-    def __init__(self, store_dtype: torch.dtype = torch.bfloat16, max_bytes: int = 2**30):
-        self.store_dtype, self.max_bytes = store_dtype, max_bytes
-        self._references: OrderedDict[Hashable, tuple[torch.Tensor, bytes]] = OrderedDict()
+    def __init__(self, store_dtype: torch.dtype = torch.bfloat16, max_bytes: int = 2**30, per_key: int = 4):
+        self.store_dtype, self.max_bytes, self.per_key = store_dtype, max_bytes, per_key
+        self._references: OrderedDict[tuple[Hashable, bytes], torch.Tensor] = OrderedDict()  # least recent first
+        self._digests: dict[Hashable, list[bytes]] = {}  # key -> its references' digests, most recent last
         self._lock = threading.Lock()
         self.stored_bytes = 0
 
@@ -112,61 +115,83 @@ class DeltaReferences:
 
     def encode(self, key: Hashable, value: torch.Tensor, bits: DeltaBits) -> tuple[Delta, torch.Tensor]:
         """What to send for ``value`` of sample ``key``, and the value the receiver will reconstruct from it
-        (float32)."""
+        (float32): a change from this end's reference for ``key``, or the value itself where it holds none."""
         dtype = rotated.dtype_name(value.dtype)
         value = value.detach().float()
         shape = tuple(value.shape)
         with self._lock:
-            reference = self._reference(key, shape)
-            if reference is None:
+            digests = self._digests.get(key, [])
+            stored = self._get(key, digests[-1]) if digests else None
+            if stored is None or tuple(stored.shape) != shape:
                 delta = Delta(None, rotated.encode(value, bits.value, bits.stochastic), bits.value, shape, dtype)
+                reconstructed = self._decoded(delta, None)
             else:
-                stored, base = reference
                 change = rotated.encode(value - stored.float(), bits.change, bits.stochastic)
-                delta = Delta(base, change, bits.change, shape, dtype)
-            return delta, self._apply(key, delta, reference)
+                delta = Delta(digests[-1], change, bits.change, shape, dtype)
+                reconstructed = self._decoded(delta, stored)
+            self._forget(key)  # a sender keeps one reference a key
+            self._store(key, reconstructed)
+            return delta, reconstructed
 
     def decode(self, key: Hashable, delta: Delta) -> torch.Tensor:
         """The value the sender encoded (float32); raises MissingReferenceError where ``delta`` is a change from a
-        reference this end does not hold."""
+        reference this end does not hold for ``key``."""
         with self._lock:
-            reference = self._reference(key, delta.shape) if delta.base is not None else None
-            if delta.base is not None and (reference is None or reference[1] != delta.base):
-                self._forget(key)
-                raise MissingReferenceError(
-                    f"a change of activations from a reference this peer does not hold ({key!r}); send the value"
-                )
-            return self._apply(key, delta, reference)
+            stored = None
+            if delta.base is not None:
+                stored = self._get(key, delta.base)
+                if stored is None or tuple(stored.shape) != delta.shape:
+                    raise MissingReferenceError(
+                        f"a change of activations from a reference this peer does not hold ({key!r}); send the value"
+                    )
+                self._drop(key, delta.base)  # its sender moves on to the new one
+            value = self._decoded(delta, stored)
+            self._store(key, value)
+            return value
 
     def digest_of(self, key: Hashable) -> bytes | None:
-        """The digest of the reference held for ``key`` (None: none held)."""
+        """The digest of the most recent reference held for ``key`` (None: none held)."""
         with self._lock:
-            entry = self._references.get(key)
-            return None if entry is None else entry[1]
+            digests = self._digests.get(key)
+            return digests[-1] if digests else None
 
     def forget(self, key: Hashable) -> None:
         with self._lock:
             self._forget(key)
 
     def _forget(self, key: Hashable) -> None:
-        entry = self._references.pop(key, None)
-        if entry is not None:
-            self.stored_bytes -= entry[0].numel() * entry[0].element_size()
+        for digest_ in list(self._digests.get(key, [])):
+            self._drop(key, digest_)
 
-    def _reference(self, key: Hashable, shape: tuple[int, ...]) -> tuple[torch.Tensor, bytes] | None:
-        entry = self._references.get(key)
-        if entry is None or tuple(entry[0].shape) != tuple(shape):
-            return None
-        self._references.move_to_end(key)
-        return entry
+    def _get(self, key: Hashable, digest_: bytes) -> torch.Tensor | None:
+        stored = self._references.get((key, digest_))
+        if stored is not None:
+            self._references.move_to_end((key, digest_))
+        return stored
 
-    def _apply(self, key: Hashable, delta: Delta, reference: tuple[torch.Tensor, bytes] | None) -> torch.Tensor:
+    def _drop(self, key: Hashable, digest_: bytes) -> None:
+        stored = self._references.pop((key, digest_), None)
+        if stored is None:
+            return
+        self.stored_bytes -= stored.numel() * stored.element_size()
+        digests = self._digests[key]
+        digests.remove(digest_)
+        if not digests:
+            del self._digests[key]
+
+    def _decoded(self, delta: Delta, stored: torch.Tensor | None) -> torch.Tensor:
         change = rotated.decode(delta.payload, delta.shape, torch.float32, delta.bits)
-        value = change if reference is None else reference[0].float() + change
+        return change if stored is None else stored.float() + change
+
+    def _store(self, key: Hashable, value: torch.Tensor) -> None:
+        """Keep ``value`` (as stored, what both ends use next time) as a reference of ``key``, within the bounds."""
         stored = value.to(self.store_dtype)
-        self._forget(key)
-        self._references[key] = (stored, digest(stored))
+        name = digest(stored)
+        self._drop(key, name)
+        self._references[(key, name)] = stored
+        self._digests.setdefault(key, []).append(name)
         self.stored_bytes += stored.numel() * stored.element_size()
+        while len(self._digests[key]) > self.per_key:
+            self._drop(key, self._digests[key][0])
         while self.stored_bytes > self.max_bytes and len(self._references) > 1:
-            self._forget(next(iter(self._references)))
-        return value
+            self._drop(*next(iter(self._references)))
