@@ -137,10 +137,10 @@ class RemoteStack:
         unserved: Callable[[list[int]], None] | None = None,
         references: DeltaReferences | None = None,
     ):
-        """``references``: the samples' last hidden states sent and received, where the wire sends a chained
-        forward's hidden states as changes (``WireFormat.delta_bits``)."""
+        """``references``: the samples' last hidden states sent and received, given where the wire sends a chained
+        forward's hidden states as changes (``WireFormat.delta_bits``); None: it does not."""
         self.calls, self.catch_up, self.unserved = calls, catch_up, unserved
-        self.references = references if calls.wire.delta_bits is not None else None
+        self.references = references
         self.router, self.adapter, self.wire = calls.router, calls.adapter, calls.wire
         self.spot_check = spot_check
         self.chain, self.min_voters = chain, min_voters  # min_voters: replicas of a hop (itself included) to check it

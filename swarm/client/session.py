@@ -427,7 +427,7 @@ def open_session(
             chain=options.chain,
             min_voters=voters,
             unserved=unserved.send,
-            references=DeltaReferences(),  # used only where the wire sends changes (hadamard4d3)
+            references=None if calls.wire.delta_bits is None else DeltaReferences(),
         )
         parts = (spec, dht, transport, router, current, calls, replicas, hops, adapter, catch_up)
         session: AdapterSession

@@ -16,6 +16,7 @@ both ends reconstruct the same bits on any CPU kernel or device.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -61,9 +62,7 @@ class Delta:
             raise ValueError(f"a delta of {self.bits} bits and dtype {self.dtype!r}")
         if len(self.shape) > 8 or not all(isinstance(d, int) and d >= 0 for d in self.shape):
             raise ValueError(f"a delta of shape {self.shape!r}")
-        numel = 1
-        for d in self.shape:
-            numel *= d
+        numel = math.prod(self.shape)
         if len(self.payload) != rotated.encoded_bytes(numel, self.bits):
             raise ValueError(f"a delta of {len(self.payload)} bytes for {numel} values at {self.bits} bits")
 
