@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import replace
 
 import torch
@@ -67,6 +68,7 @@ class AdapterStore:
         self.by_name: dict[str, Adapter] = {}
         self.cache = ActivationCache(activation_cache_bytes)  # a training forward's graph, until its backward
         self.kept = KeptInputs(kept_inputs_bytes)  # a training forward's input, until its step commits
+        self.last_trained = 0.0  # monotonic time of the last training forward or backward here
 
     # --- which blocks ---------------------------------------------------------------------------------------
 
@@ -79,15 +81,25 @@ class AdapterStore:
 
     def unserve(self, blocks: list[int]) -> None:
         """Blocks the compute stops serving: their adapter state stays here as standby copies (a peer that moves
-        keeps them)."""
+        keeps them). Forwards kept for spans through other blocks stay: their micro-batches are in flight."""
         for block in blocks:
             self.served.pop(block, None)
             for adapter in self.by_name.values():
                 state = adapter.blocks.pop(block, None)
                 if state is not None:
                     adapter.standby[block] = BlockState.of(state)
-        for name in self.by_name:
-            self._forget_forwards(name)
+        self.cache.drop_touching(set(blocks))
+        self.kept.drop_touching(set(blocks))
+
+    def progress(self) -> int:
+        """Committed steps summed over every adapter's served blocks: it grows with each commit applied here."""
+        return sum(state.step for adapter in self.by_name.values() for state in adapter.blocks.values())
+
+    def in_flight(self, blocks: list[int]) -> int:
+        """How many things of the step in progress still count on ``blocks`` here: micro-batch gradients held until
+        the step commits, and forwards kept for a backward. A move hands blocks over only once this is 0."""
+        held = sum(len(a.blocks[b].grads) for a in self.by_name.values() for b in blocks if b in a.blocks)
+        return held + self.kept.count_touching(set(blocks))
 
     def _forget_forwards(self, name: str) -> None:
         """Drop the adapter's forward graphs and kept inputs: its step was applied, taken back or replaced, so no
@@ -176,6 +188,7 @@ class AdapterStore:
         adapter = self.adapter(name)
         if adapter.session is not None and session_of(micro_batch) != adapter.session:
             raise FencedError(f"adapter {name!r} is held by another trainer session; this session was replaced")
+        self.last_trained = time.monotonic()
         return adapter
 
     def states(self, adapter: Adapter, blocks: range, step: int, or_later: bool = False) -> dict[int, BlockAdapter]:

@@ -13,13 +13,23 @@ T = TypeVar("T")
 
 
 class Compute:
-    """``await compute(fn, *args)`` runs ``fn(*args)`` on the compute thread."""
+    """``await compute(fn, *args)`` runs ``fn(*args)`` on the compute thread. ``after`` runs there after every job
+    (its failures too): it publishes what readers off the thread may see, so that they never queue behind the work.
+    A liveness ping that waited for the forwards queued before it took a busy peer for a dead one (issue 56)."""
 
-    def __init__(self) -> None:
+    def __init__(self, after: Callable[[], None] | None = None) -> None:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.after = after
 
     async def __call__(self, fn: Callable[..., T], *args) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, self._run, fn, args)
+
+    def _run(self, fn: Callable[..., T], args: tuple) -> T:
+        try:
+            return fn(*args)
+        finally:
+            if self.after is not None:
+                self.after()
 
     async def timed(self, fn: Callable[..., T], *args) -> tuple[T, float]:
         """``fn(*args)`` on the compute thread, and the seconds it ran there (the wait for the thread left out): what

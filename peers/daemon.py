@@ -30,8 +30,9 @@ from peers.claim import IN_USE_HINT, ProcessClaim, lock_path_of_checkpoints, loc
 from peers.compute import Compute
 from peers.links import LinkProber
 from peers.movecost import MoveTimer
+from peers.movelog import MoveLog
 from peers.peer_client import PeerClient
-from peers.placement import Placement, decide_move, movers, others_serving, planned_throughput
+from peers.placement import Move, Placement, decide_move, movers, others_serving, planned_throughput
 from peers.pullers import RecentPullers
 from peers.replication import Replicator, StandbyPolicy
 from peers.service import InfoDoors, PeerHooks, PeerService
@@ -66,6 +67,13 @@ logger = logging.getLogger(__name__)
 QUANT_BYTES = {"nf4": 0.55, "int8": 1.05}
 MIN_ROUND_GAP = 1.0  # seconds between the end of a balance round and one held early on a client's notice
 LEAVE_TIMEOUT = 20.0  # seconds past the leave grace after which a leaving peer exits whatever is stuck
+# A move over blocks that no other peer answered for waits for a second look, in which the silent peers get this long
+# to answer: a peer busy with queued work or a lost ping is not a dead one (issue 56: spans flapped every 20-40 s).
+CONFIRM_TIMEOUT = 8.0
+DRAIN_TIMEOUT = 60.0  # seconds a move waits for the micro-batches in flight on the blocks it hands over
+DRAIN_SEEN = 6.0  # ... at least: two of a client's view refreshes (swarm/client/routing.py), so it sees them leaving
+DRAIN_QUIET = 5.0  # ... or, where no step commits, until no trainer has sent work here for this long
+DRAIN_POLL = 0.2
 
 
 @dataclass
@@ -168,6 +176,14 @@ class PeerParts:
     pullers: RecentPullers  # who pulled copies of these blocks lately: told of each commit with the view's watchers
 
 
+@dataclass(frozen=True)
+class Published:
+    """What a peer tells of itself, as of the end of its compute thread's last job (``PeerDaemon._publish``)."""
+
+    adapters: dict[str, AdapterInfo]
+    stores: dict[str, int]
+
+
 class PlanHook(Protocol):
     """Sees a peer's loads and moves: how tests give it a slow disk or a scripted move
     (tests/integration/test_crowded_start.py) without patching the daemon."""
@@ -217,11 +233,13 @@ class PeerDaemon:
         self.writer = CheckpointWriter(self.store, config.checkpoint_every) if self.store else None
         self.view: SwarmView | None = None
         self.parts: PeerParts | None = None  # made by serve() once the blocks are loaded
+        self.published: Published | None = None  # what the compute thread last published for readers off it
         self.maddrs: list[str] = []  # where others dial this peer: direct, or through relays
         self.digests: dict[int, str] = {}  # block -> digest of its base weights in this folder; set by serve()
         self.balance_now = asyncio.Event()  # a client found blocks without a server: hold the next round at once
         self.hurry = asyncio.Event()  # told to leave twice: skip what is left of the leave grace
         self.woken_rounds = 0  # balance rounds held early on a client's notice
+        self.moves = MoveLog()  # the moves it made, and why
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def _capacity(self) -> int:
@@ -232,9 +250,16 @@ class PeerDaemon:
 
     # --- what this peer tells others ------------------------------------------------------------------------
 
+    def _publish(self, backend: SpanBackend) -> None:
+        """On the compute thread, after each of its jobs: what ``info`` and the records tell, as of that job's end
+        (never a change half made), for readers that must not wait behind the queued forwards and backwards."""
+        self.published = Published(backend.adapters.adapter_infos(), backend.store_use())
+
     async def _adapter_infos(self) -> dict[str, AdapterInfo]:
-        """What this peer holds of each adapter, read on the compute thread (never while it changes)."""
-        return {} if self.parts is None else await self.parts.compute(self.parts.adapters.adapter_infos)
+        """What this peer holds of each adapter, as the compute thread last published it."""
+        if self.parts is not None and self.published is None:  # nothing ran on the compute thread yet
+            await self.parts.compute(lambda: None)
+        return {} if self.published is None else self.published.adapters
 
     async def _records(self) -> list[tuple[ServerRecord, range]]:
         adapters = {}
@@ -255,6 +280,7 @@ class PeerDaemon:
                 maddrs=self.maddrs,
                 digests=self._digests_of(self.serving),
                 max_blocks=self.max_blocks,
+                home=self.config.blocks,
                 links=self.parts.links.announced() if self.parts is not None else {},
                 numerics=self._numerics(self.serving),
                 cost=self.cost,
@@ -297,7 +323,9 @@ class PeerDaemon:
         """This peer's memory against its bounds, once it serves (an in-process peer counts the process it runs in)."""
         if self.parts is None:
             return None
-        stores = await self.parts.compute(self.parts.backend.store_use)
+        if self.published is None:
+            await self.parts.compute(lambda: None)
+        stores = self.published.stores
         usage = await asyncio.to_thread(tree_usage, os.getpid())
         host = psutil.virtual_memory()
         return MemoryUse(rss=usage.rss, host_available=host.available, host_total=host.total, **stores)
@@ -315,6 +343,7 @@ class PeerDaemon:
             standby,
             f"{self.config.quant_mode}/{self.config.dtype}",
             await self._memory(),
+            self.moves.recent(),
         )
 
     # --- choosing, loading, moving ----------------------------------------------------------------------------
@@ -472,7 +501,7 @@ class PeerDaemon:
         """The compute thread, the replicator and the service around a loaded backend and its adapters' store, each
         made with what it needs: nothing is wired in afterwards."""
         config, adapters = self.config, backend.adapters
-        compute = Compute()
+        compute = Compute(after=partial(self._publish, backend))
         policy = StandbyPolicy(config.standby_blocks, config.standby_every)
         peers = PeerClient(self.transport, self.behaviour)
         replicator = Replicator(adapters, compute, peers, self.identity.peer_id, policy, self._checkpoint)
@@ -500,11 +529,12 @@ class PeerDaemon:
         links = LinkProber(self.transport, rng=random.Random(self.rng.random()))
         return PeerParts(backend, adapters, compute, peers, service, replicator, links, pullers)
 
-    async def _move(self, target: range) -> None:
-        """Serve ``target`` instead of the current span without a gap: load it and take its state while still
-        serving the old span, announce the move, check that the blocks handed over stay covered, then switch."""
-        me, old = self.identity.peer_id, self.serving
-        logger.info("moving from blocks %d:%d to %d:%d", old.start, old.stop, target.start, target.stop)
+    async def _move(self, move: Move) -> None:
+        """Serve ``move.target`` instead of the current span without a gap: load it and take its state while still
+        serving the old span, announce the move, check that the blocks handed over stay covered, switch, and drain
+        the blocks handed over (their micro-batches in flight finish here) before they are unloaded."""
+        me, old, target = self.identity.peer_id, self.serving, move.target
+        self.moves.starting(old, target, move.reason)
         self.joining = target
         await self._announce()
         async with self._announcing():
@@ -524,7 +554,8 @@ class PeerDaemon:
             # at once, then both move back). Of peers moving at once, the smallest id goes on; the others count it
             # where it goes and move only if that still calls for their move.
             later = frozenset(p for p in movers(view) if p.to_bytes() > me.to_bytes())
-            if await self._decide_move(view, later) != target:
+            still = await self._decide_move(view, later)
+            if still is None or still.target != target:
                 logger.info("not moving to %d:%d: a peer moving at the same time does", target.start, target.stop)
                 await self._cancel_move(old, target)
                 return
@@ -534,12 +565,45 @@ class PeerDaemon:
                 await self._cancel_move(old, target)
                 return
         self.serving, self.joining, self.moving_to = target, None, None
+        self.moves.add(old, target, move.reason)
         leaving = ServerRecord(me, ServerState.LEAVING, old.start, old.stop, self.throughput)
         await self._announce([(leaving, range(b, b + 1)) for b in handed_over] + await self._records())
         await asyncio.sleep(self.config.leave_grace)
+        async with self._announcing():  # a drain may outlast the records
+            await self._drain(handed_over)
         await self.parts.compute(self.parts.backend.remove, handed_over)
         self.throughput = await self.parts.compute(self._throughput, self.parts.backend)
         logger.info("now serving blocks %d:%d, %.0f tokens/s", target.start, target.stop, self.throughput)
+
+    async def _drain(self, blocks: list[int]) -> None:
+        """Keep serving ``blocks`` after announcing them leaving until no trainer counts on them here, at most
+        ``DRAIN_TIMEOUT``: clients have had time to see the leaving records (``DRAIN_SEEN``), nothing of the step in
+        progress is held on them (gradients committed, kept forwards used), and a step committed since (a trainer
+        asks every replica it knew of at the step's start to commit it, ones holding nothing there too), or no
+        trainer sent work here for ``DRAIN_QUIET``. Micro-batches in flight finish where they started instead of
+        being replayed elsewhere."""
+        adapters = self.parts.adapters
+        started = time.monotonic()
+        progress = await self.parts.compute(adapters.progress)
+
+        def left() -> tuple[int, bool]:
+            quiet = time.monotonic() - adapters.last_trained >= DRAIN_QUIET
+            return adapters.in_flight(blocks), quiet or adapters.progress() > progress
+
+        while True:
+            held, committed = await self.parts.compute(left)
+            if held == 0 and committed and time.monotonic() - started >= DRAIN_SEEN:
+                return
+            if time.monotonic() - started >= DRAIN_TIMEOUT:
+                logger.warning(
+                    "blocks %s still hold %d things of the step in progress after %.0f s; handing them over anyway "
+                    "(the trainer replays what it misses)",
+                    spans_text(blocks),
+                    held,
+                    DRAIN_TIMEOUT,
+                )
+                return
+            await asyncio.sleep(DRAIN_POLL)
 
     def _load_layers(self, blocks: range) -> dict[int, torch.nn.Module]:
         """A move's new blocks, loaded beside serving (slow: in a thread)."""
@@ -571,17 +635,50 @@ class PeerDaemon:
             await self._checkpoint(name)
         if not self.config.rebalance:
             return
-        target = await self._decide_move(view)
-        if target is not None:
-            await self._move(target)
+        move = await self._decide_move(view)
+        if move is not None and move.covers:
+            move = await self._confirmed(move)
+        if move is not None:
+            await self._move(move)
 
-    async def _decide_move(self, view: SwarmView, yielding: frozenset[PeerID] = frozenset()) -> range | None:
-        placement = Placement(self.spec.num_blocks, self.span_len, self.config.replication, self.max_blocks)
+    async def _confirmed(self, move: Move) -> Move | None:
+        """``move`` if it still stands after a second, patient look: it serves blocks that no other peer answered
+        for, and a peer that is only slow (its CPU busy, a ping lost) must not be taken for a dead one. The peers
+        that missed the round's ping get ``CONFIRM_TIMEOUT`` to answer, and the records are read again."""
+        view = await observe(
+            self.dht,
+            self.transport,
+            self.spec.name,
+            self.spec.num_blocks,
+            self.identity.peer_id,
+            self.digests,
+            retry_timeout=CONFIRM_TIMEOUT,
+        )
+        self.view = view
+        again = await self._decide_move(view)
+        if again is None or again.target != move.target:
+            logger.info(
+                "not moving to %d:%d: blocks %s have a live server after all",
+                move.target.start,
+                move.target.stop,
+                spans_text(list(move.covers)),
+            )
+            return None
+        return again
+
+    async def _decide_move(self, view: SwarmView, yielding: frozenset[PeerID] = frozenset()) -> Move | None:
+        config = self.config
+        placement = Placement(self.spec.num_blocks, self.span_len, config.replication, self.max_blocks, config.blocks)
         me, serving, throughput = self.identity.peer_id, self.serving, self.throughput
-        target = await asyncio.to_thread(  # a plan search may take a few hundred ms: not on the event loop
+        move = await asyncio.to_thread(  # a plan search may take a few hundred ms: not on the event loop
             decide_move, view, me, serving, throughput, placement, yielding, self.cost
         )
-        return target if self.plan is None else self.plan.decided(target)
+        if self.plan is None:
+            return move
+        target = self.plan.decided(None if move is None else move.target)
+        if target is None:
+            return None
+        return move if move is not None and move.target == target else Move(target, "told by a test's plan")
 
     def _next_hops(self, view: SwarmView) -> list[PeerID]:
         """Where this peer's hops pass activations on: the live servers of the block after its span."""

@@ -9,7 +9,8 @@ from typing import NamedTuple
 
 from hivemind.p2p import PeerID
 
-from peers.balancer import Snapshot, block_throughput, next_move
+from peers.balancer import Snapshot, badness, block_throughput, coverage_with, next_move
+from swarm.blocks import spans_text
 from swarm.net.records import MoveCost, ServerState
 from swarm.net.view import SwarmView
 
@@ -27,15 +28,18 @@ def settled_spans(
     view: SwarmView, num_blocks: int, exclude: PeerID | None = None, yielding: frozenset[PeerID] = frozenset()
 ) -> Settled:
     """The view as ``next_move`` takes it: each settled live peer's span and throughput, and per block how many other
-    live peers will serve it and with what throughput. A joining or moving peer counts where it is going, not where
-    it is leaving: two peers counting on each other to keep a block would both leave it, or both rush to the same
-    slow one. A moving peer keeps its speed (span throughput times span length) on the span it moves to; a joining
-    one has not measured it yet and counts as the median settled peer. ``exclude``: a peer left out (one choosing
+    live peers will serve it and with what throughput. A peer on the span its operator told it (``--blocks``) counts
+    as pinned where it serves: it leaves that span only to cover an orphan, so no plan may count on moving it. A
+    joining or moving peer counts where it is going, not where it is leaving: two peers counting on each other to
+    keep a block would both leave it, or both rush to the same slow one. A moving peer keeps its speed (span
+    throughput times span length) on the span it moves to; a joining one has not measured it yet and counts as the
+    median settled peer. ``exclude``: a peer left out (one choosing
     its own span). ``yielding``: moving peers counted where they serve now, not where they go (they give way to the
     peer asking: see ``PeerDaemon._move``)."""
     online: dict = {}  # peer -> the spans it announces online
     going: dict = {}  # peer -> the blocks it is loading or moving to
     rates: dict = {}  # peer -> (span throughput, span length) of an online record
+    told: set = set()  # peers serving the span their operator told them: counted where they are, never planned
     for records in view.records.values():
         for r in records:
             if r.peer_id not in view.alive or r.peer_id == exclude:
@@ -45,13 +49,15 @@ def settled_spans(
             if r.state == ServerState.ONLINE:
                 online.setdefault(r.peer_id, set()).add(r.blocks)
                 rates[r.peer_id] = (r.throughput, len(r.blocks))
+                if r.home is not None:
+                    told.add(r.peer_id)
             target = {ServerState.ONLINE: r.moving_to, ServerState.JOINING: r.blocks}.get(r.state)
             if target is not None and r.peer_id not in yielding:
                 going.setdefault(r.peer_id, set()).update(b for b in target if b < num_blocks)
     settled = {
         peer: span
         for peer, spans in online.items()
-        if peer not in going and len(spans) == 1 and (span := next(iter(spans))).stop <= num_blocks
+        if peer not in going and peer not in told and len(spans) == 1 and (span := next(iter(spans))).stop <= num_blocks
     }
     speeds = {peer.to_base58(): rates[peer][0] for peer in settled}
     guess = statistics.median(speeds.values()) if speeds else 0.0
@@ -85,12 +91,22 @@ def movers(view: SwarmView) -> set[PeerID]:
 
 @dataclass(frozen=True)
 class Placement:
-    """What a peer's move depends on besides the view: the model's size and the swarm's placement settings."""
+    """What a peer's move depends on besides the view: the model's size and the swarm's placement settings.
+    ``home``: the span its operator told it (``--blocks``), None for a peer that places itself."""
 
     num_blocks: int
     span_len: int
     replication: int
     max_blocks: int | None
+    home: range | None = None
+
+
+class Move(NamedTuple):
+    """A move a peer decided, and why, in words an operator reads in its log and in ``swarm status --peers``."""
+
+    target: range
+    reason: str
+    covers: tuple[int, ...] = ()  # blocks without another live server that the move serves: checked twice first
 
 
 def decide_move(
@@ -101,18 +117,24 @@ def decide_move(
     placement: Placement,
     yielding: frozenset[PeerID] = frozenset(),
     cost: MoveCost | None = None,
-) -> range | None:
-    """This peer's move (``next_move``) from the view, standing on ``serving``, its own moves left out (``cost``:
-    what a move costs this peer, as it announces it)."""
+) -> Move | None:
+    """This peer's move from the view, standing on ``serving``, its own moves left out (``cost``: what a move costs
+    this peer, as it announces it): ``home_move`` for a peer told its span, else ``next_move``."""
     spans, pinned, speeds, pinned_throughput = settled_spans(view, placement.num_blocks, me, yielding)
     mine = me.to_base58()
+    others = _counts_of(spans, pinned, placement.num_blocks)
+    if placement.home is not None:
+        online = [len(view.online(b, exclude=me)) for b in range(placement.num_blocks)]
+        served = [online[b] if b in serving else count for b, count in enumerate(others)]
+        target = home_move(served, placement.num_blocks, placement.home, serving, placement.max_blocks)
+        return None if target is None else _explain(others, serving, target, placement, speeds, spans, mine)
     spans[mine], speeds[mine] = serving, throughput
     records = [r for records in view.records.values() for r in records]
     capacity = {r.peer_id.to_base58(): r.max_blocks for r in records}
     costs = {r.peer_id.to_base58(): r.cost for r in records if r.cost is not None and r.state == ServerState.ONLINE}
     if cost is not None:
         costs[mine] = cost
-    return next_move(
+    target = next_move(
         Snapshot(
             spans,
             placement.num_blocks,
@@ -127,6 +149,69 @@ def decide_move(
         placement.span_len,
         placement.max_blocks,
     )
+    return None if target is None else _explain(others, serving, target, placement, speeds, spans, mine)
+
+
+def home_move(others: list[int], num_blocks: int, home: range, serving: range, max_blocks: int | None) -> range | None:
+    """The move of a peer told its span (``home``), or None: it grows over ``home`` (up to ``max_blocks``) only to
+    serve blocks no other live peer serves, and goes back to ``home`` as soon as every block it added has another
+    server. It never moves for replicas or throughput: its operator chose. ``others``: per block, the other live
+    peers serving it (``decide_move`` counts, on blocks this peer serves, only those online: it hands a block to a
+    peer still loading it only once that peer serves; elsewhere a peer loading a block counts: it is covered)."""
+    capacity = max(len(home), max_blocks or len(home))
+    windows = [
+        range(start, start + length)
+        for length in range(len(home), min(capacity, num_blocks) + 1)
+        for start in range(max(0, home.stop - length), min(home.start, num_blocks - length) + 1)
+    ]
+
+    def holes(w: range) -> int:
+        return sum(1 for b, count in enumerate(others) if count == 0 and b not in w)
+
+    best = min([serving, *windows], key=lambda w: (holes(w), len(w), w != serving, w.start))
+    return None if best == serving else best
+
+
+def _counts_of(spans: dict[str, range], pinned: dict[int, int], num_blocks: int) -> list[int]:
+    counts = [pinned.get(b, 0) for b in range(num_blocks)]
+    for span in spans.values():
+        for b in span:
+            if b < num_blocks:
+                counts[b] += 1
+    return counts
+
+
+def _explain(
+    others: list[int],
+    serving: range,
+    target: range,
+    placement: Placement,
+    speeds: dict[str, float],
+    spans: dict[str, range],
+    mine: str,
+) -> Move:
+    """Which rule a move follows, with its numbers (``others``: per block, the other live servers)."""
+    num_blocks, replication = placement.num_blocks, placement.replication
+    covers = tuple(b for b in target if b not in serving and others[b] == 0)
+    before = badness(coverage_with(dict(enumerate(others)), num_blocks, serving), replication)
+    after = badness(coverage_with(dict(enumerate(others)), num_blocks, target), replication)
+    dropped = [b for b in serving if b not in target]
+    if covers:
+        unserved = f"{before[0]} -> {after[0]}"
+        reason = f"blocks {spans_text(list(covers))} have no other live server (blocks unserved {unserved})"
+    elif placement.home is not None and target == placement.home:
+        reason = f"back to its --blocks {target.start}:{target.stop}: blocks {spans_text(dropped)} have other servers"
+    elif len(target) < len(serving):
+        reason = f"back to {len(target)} blocks: blocks {spans_text(dropped)} have other servers"
+    elif after[1] < before[1]:
+        reason = f"replication: blocks short of {replication} servers {before[1]} -> {after[1]}"
+    elif before[1] > 0:
+        reason = f"a step of the plan that brings every block to {replication} servers (short now: {before[1]})"
+    else:
+        flow = block_throughput({**spans, mine: serving}, speeds, num_blocks)
+        moved = block_throughput({**spans, mine: target}, speeds, num_blocks)
+        reason = f"throughput: the weakest block {min(flow):.0f} -> {min(moved):.0f} tokens/s"
+    return Move(target, reason, covers)
 
 
 def others_serving(view: SwarmView, block: int, me: PeerID) -> list[tuple[str, bool]]:

@@ -336,6 +336,16 @@ class ActivationCache:
         for key in [k for k in self.entries if k[0] == adapter]:
             self.pop(key)
 
+    def drop_touching(self, blocks: set[int]) -> None:
+        """Drop the graphs of spans that run through any of ``blocks`` (blocks no longer served)."""
+        for key in [k for k in self.entries if touches(k, blocks)]:
+            self.pop(key)
+
+
+def touches(key: tuple, blocks: set[int]) -> bool:
+    """Whether a kept forward's key (adapter, micro-batch, start, stop) runs through any of ``blocks``."""
+    return any(b in blocks for b in range(key[2], key[3]))
+
 
 class KeptInputs:
     """The span inputs (and masks) of the step's training micro-batches, in host memory until the step commits: a
@@ -378,3 +388,11 @@ class KeptInputs:
     def drop_adapter(self, adapter: str) -> None:
         for key in [k for k in self.entries if k[0] == adapter]:
             self.pop(key)
+
+    def drop_touching(self, blocks: set[int]) -> None:
+        """Drop the inputs of spans that run through any of ``blocks`` (blocks no longer served)."""
+        for key in [k for k in self.entries if touches(k, blocks)]:
+            self.pop(key)
+
+    def count_touching(self, blocks: set[int]) -> int:
+        return sum(1 for k in self.entries if touches(k, blocks))

@@ -489,6 +489,44 @@ def read_memory(meta: dict, key: str) -> MemoryUse:
         raise RequestError(f"{key!r} must map {', '.join(names)} to byte counts: {e}") from None
 
 
+@dataclass(frozen=True)
+class MoveEntry:
+    """One move a peer made: when (unix time), from which span to which, and why (the rule and its numbers)."""
+
+    at: float
+    start: int
+    end: int
+    target_start: int
+    target_end: int
+    reason: str
+
+
+MAX_MOVES = 64  # moves one info may list (a peer keeps its last hour's, at most this many)
+
+
+def read_moves(meta: dict, key: str) -> list[MoveEntry]:
+    """A peer's recent moves; none where the key is absent (a peer from before moves were told)."""
+    if meta.get(key) is None:
+        return []
+    value = read_list(meta, key)
+    if len(value) > MAX_MOVES or not all(isinstance(v, dict) for v in value):
+        raise RequestError(f"{key!r} must be a list of at most {MAX_MOVES} moves")
+    try:
+        return [
+            MoveEntry(
+                read_float(v, "at"),
+                read_int(v, "start"),
+                read_int(v, "end"),
+                read_int(v, "target_start"),
+                read_int(v, "target_end"),
+                read_text(v, "reason"),
+            )
+            for v in value
+        ]
+    except RequestError as e:
+        raise RequestError(f"{key!r}: {e}") from None
+
+
 @dataclass
 class PeerInfo(Reply):
     """A peer's answer to ``info``: what it serves, the adapters it holds, the blocks it keeps on standby."""
@@ -502,6 +540,10 @@ class PeerInfo(Reply):
     standby_blocks: list[int] = wire(read_blocks, list)
     weights: str = wire(read_text, default="")  # how the base weights are held, e.g. "nf4/bfloat16"
     memory: MemoryUse | None = wire(optional(read_memory), lambda m: None if m is None else asdict(m), default=None)
+    moves: list[MoveEntry] = wire(read_moves, lambda ms: [asdict(m) for m in ms], default_factory=list)  # last hour
+
+    def moves_within(self, seconds: float, now: float) -> list[MoveEntry]:
+        return [m for m in self.moves if m.at >= now - seconds]
 
 
 def read_maddrs(meta: dict, key: str) -> list[str]:

@@ -139,6 +139,7 @@ class ServerRecord:
     links: dict[PeerID, Link] = field(default_factory=dict)  # next-hop peer -> its link from here (peers/links.py)
     numerics: Numerics = EXACT  # how it computes, and each block's error at load (swarm/net/numerics.py)
     cost: MoveCost | None = None  # what a move costs it (None: not said; a move counts as free)
+    home: range | None = None  # the span its operator told it (--blocks): no plan of others moves it
 
     @property
     def blocks(self) -> range:
@@ -178,6 +179,8 @@ class ServerRecord:
             value["numerics"] = self.numerics.to_wire()
         if self.cost is not None:
             value["cost"] = self.cost.to_wire()
+        if self.home is not None:
+            value["home"] = [self.home.start, self.home.stop]
         return value
 
     @classmethod
@@ -199,6 +202,7 @@ class ServerRecord:
                 links=read_links(value.get("links", {})),
                 numerics=Numerics.from_wire(value["numerics"]) if "numerics" in value else EXACT,
                 cost=MoveCost.from_wire(value["cost"]) if "cost" in value else None,
+                home=range(*(int(x) for x in value["home"])) if value.get("home") else None,
             )
         except (TypeError, KeyError, ValueError, AttributeError):
             logger.debug("ignoring a malformed record from %s", peer_id)
