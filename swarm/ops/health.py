@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from hivemind.p2p import PeerID
 
-from swarm.net.protocol import MemoryUse
+from swarm.net.protocol import MemoryUse, MoveEntry
 from swarm.net.records import CommittedRecord, ServerRecord, ServerState
 from swarm.net.view import SwarmView
 
@@ -81,6 +81,7 @@ class Peer:
     standby_blocks: list[int] = field(default_factory=list)
     weights: str = ""  # quantization / compute dtype, as the peer reports it
     memory: MemoryUse | None = None  # as the peer reports it (None: it did not answer, or predates the report)
+    moves: list[MoveEntry] = field(default_factory=list)  # its moves in the last hour, as it reports them
     dishonest: list[str] = field(default_factory=list)  # adapters whose trainer banned it (outvoted by its replicas)
     up_since: float | None = None  # wall-clock time the monitor first saw it (tracker)
     gone_since: float | None = None  # wall-clock time it disappeared (tracker)
@@ -224,6 +225,7 @@ def _peers(view: SwarmView, pins: list[dict[int, str]]) -> list[Peer]:
                 standby_blocks=sorted(info.standby_blocks) if info is not None else [],
                 weights=info.weights if info is not None else "",
                 memory=info.memory if info is not None else None,
+                moves=list(info.moves) if info is not None else [],
             )
         )
     return sorted(peers, key=lambda p: (p.start, p.end, p.peer))

@@ -95,10 +95,16 @@ def _peer_line(peer: Peer) -> str:
     steps = " ".join(f"{name}@{'/'.join(map(str, s))}" for name, s in held.items())
     standby = f"  standby {_runs(peer.standby_blocks)}" if peer.standby_blocks else ""
     relayed = " relayed" if peer.relayed else ""
+    moves = ""
+    if peer.moves:
+        last = peer.moves[-1]
+        to = f"{last.target_start}:{last.target_end}"
+        moves = f"  moves in the last hour: {len(peer.moves)} (last to {to}: {last.reason})"
     return (
         f"{peer.short} {peer.state}{relayed} {peer.start}:{peer.end} {peer.throughput:.0f} tok/s"
         + (f" [{steps}]" if steps else "")
         + standby
+        + moves
     )
 
 

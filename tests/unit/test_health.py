@@ -11,7 +11,7 @@ import pytest
 from hivemind.p2p import PeerID
 
 from swarm.net.errors import RequestError
-from swarm.net.protocol import AdapterInfo, MemoryUse, PeerInfo
+from swarm.net.protocol import AdapterInfo, MemoryUse, MoveEntry, PeerInfo
 from swarm.net.records import CommittedRecord, ServerRecord, ServerState
 from swarm.net.view import SwarmView
 from swarm.ops.health import BROKEN, DEGRADED, GONE, HEALTHY, Tracker, build, short
@@ -246,3 +246,18 @@ def test_status_at_twenty_peers_is_a_row_per_span_and_the_peers_on_request():
     detailed = render("m", 32, view, replication=2, peers=True)
     assert all(detailed.count(short(p.to_base58())) == 1 for p in peers), detailed
     assert f"{short(behind.to_base58())} online 8:16 10 tok/s [a@6]" in detailed, detailed
+
+
+def test_each_peers_moves_of_the_last_hour_are_shown_with_the_reason_of_the_last():
+    view = _view({A0, A1, B0, B1})
+    moved = MoveEntry(1000.0, 0, 2, 0, 4, "blocks 2:4 have no other live server (blocks unserved 2 -> 0)")
+    back = MoveEntry(1060.0, 0, 4, 0, 2, "back to its --blocks 0:2: blocks 2:4 have other servers")
+    view.alive[A0].moves = [moved, back]
+    info = PeerInfo(**PeerInfo.read_meta(view.alive[A0].to_meta()))  # as the wire carries it
+    assert info.moves == [moved, back] and info.moves_within(30.0, now=1070.0) == [back]
+    health = build("m", 4, view, replication=2)
+    text = render_health(health, peers=True)
+    assert "moves in the last hour: 2 (last to 0:2: back to its --blocks 0:2" in text
+    assert sum("moves in the last hour" in line for line in text.splitlines()) == 1
+    state = json.loads(json.dumps(asdict(health)))
+    assert [len(p["moves"]) for p in state["peers"]] == [2, 0, 0, 0]

@@ -77,6 +77,13 @@ function memoryCell(peer) {
   );
 }
 
+function movesCell(peer) {
+  const moves = peer.moves || [];
+  if (!moves.length) return el("td", { class: "moves" }, "0");
+  const title = moves.map((m) => `${m.start}:${m.end} -> ${m.target_start}:${m.target_end}: ${m.reason}`).join("\n");
+  return el("td", { class: "moves", title }, `${moves.length}`);
+}
+
 function peerRow(model, peer, now) {
   const state = peer.state + (peer.relayed ? " relayed" : "");
   const since = peer.state === "gone" ? `gone ${ago(now - peer.gone_since)} ago` : peer.up_since ? ago(now - peer.up_since) : "-";
@@ -92,6 +99,7 @@ function peerRow(model, peer, now) {
     memoryCell(peer),
     el("td", {}, adaptersText(peer)),
     el("td", {}, peer.standby_blocks.length ? peer.standby_blocks.join(", ") : "-"),
+    movesCell(peer),
     el("td", {}, since),
   );
 }
@@ -139,7 +147,7 @@ function modelCard(model, now) {
     el(
       "table",
       {},
-      head("peer", "state", "blocks", "span", "throughput", "weights", "memory", "adapters", "standby copies", "up"),
+      head("peer", "state", "blocks", "span", "throughput", "weights", "memory", "adapters", "standby copies", "moves (1 h)", "up"),
       model.peers.map((p) => peerRow(model, p, now)),
     ),
   );
