@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -101,3 +104,15 @@ def pytest_unconfigure(config) -> None:
     import faulthandler
 
     faulthandler.dump_traceback_later(120, exit=True)
+
+
+@pytest.fixture
+def cpu_load() -> Iterator[None]:
+    """Two busy processes beside the test, so that it cannot pass only on an idle machine; killed by PID after."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        yield
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait(timeout=10)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -36,15 +34,3 @@ def llama_pair(tiny_models, tmp_path_factory) -> Iterator[InProcessSwarm]:
     with InProcessSwarm(tiny_models["llama"], tmp_path_factory.mktemp("llama-pair")) as swarm:
         swarm.start_peers({"a": "0:2", "b": "2:4"})
         yield swarm
-
-
-@pytest.fixture
-def cpu_load() -> Iterator[None]:
-    """Two busy processes beside the test, so that it cannot pass only on an idle machine; killed by PID after."""
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    try:
-        yield
-    finally:
-        for process in busy:
-            process.kill()
-            process.wait(timeout=10)
