@@ -8,6 +8,15 @@ any one move that covers it leaves another block without one. `next_move` then f
 moves that ends with one more block covered, computed from the snapshot alone so that every peer agrees on it; only the
 plan's first mover moves, and the next round's plan is one move shorter.
 
+Replicas stall the same way: 2-block peers at 0:2, 0:2, 1:3, 2:4, 3:5 and 4:6 serve every block and block 5 once, and
+any one move that serves it again leaves another block short. While every block has a server and the spans hold R
+servers' worth of blocks (R x blocks in all), `next_move` follows a `replica_plan`: the shortest sequence of moves that
+lowers the replication deficit, each move keeping every block served and the deficit no higher. (blocks without a
+server, deficit, plan length) drops with every step, so peers following plans converge and cannot oscillate. A plan
+search weighs at most MAX_PLAN_WORK windows and spans (a few hundred ms); when it finds nothing, nobody moves. Peers
+joining one after another need no plan: `choose_span` lines their spans up end to end, and R pipelines form as they
+come; plans mend what departures and peers starting at the same moment leave.
+
 Throughput comes after coverage, growth and replication: a peer moves for it only once every block has its replicas, and
 never at their expense (while some lack them, moves for replicas and for throughput would take turns: a plan's step
 moved back for throughput as soon as the plan is through). A pipeline runs as fast as its slowest block, so the swarm's
@@ -28,14 +37,17 @@ oscillate.
 from __future__ import annotations
 
 import random
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import accumulate
 
 from swarm.net.records import MoveCost
 
-MAX_PLAN_STATES = 2000  # swarm states a plan search expands at most: a few hundred ms in the worst case
+MAX_PLAN_STATES = 2000  # swarm states a plan search expands at most
+MAX_PLAN_WORK = 1_500_000  # ... and the windows and spans it weighs in them at most: 0.3 s on one core
 RELIEVE_BELOW = 0.6  # a move relieves a block below this fraction of the mean block throughput; others wait for joins
 MIN_GAIN = 1 / 3  # ... and lifts the blocks it touches by a third: Petals moves for that gain (balance quality 0.75)
 # A throughput move pays for its loading within this time, or is not made: joins and departures reshape a volunteer
@@ -64,10 +76,7 @@ def _overlap(a: range, b: range) -> int:
 
 def _prefix(flags: Iterator[bool]) -> list[int]:
     """Running sums of `flags`, so that any window's total is two lookups."""
-    sums = [0]
-    for flag in flags:
-        sums.append(sums[-1] + flag)
-    return sums
+    return list(accumulate(flags, initial=0))
 
 
 def _badness_with(coverage: dict[int, int], num_blocks: int, replication: int) -> Callable[[range], tuple[int, int]]:
@@ -99,7 +108,8 @@ def choose_span(
     peer has on disk (``held``: a restarted peer serves again without copying state, and may hold the newest copy),
     then the one whose weakest block has the least `throughput` (then its second weakest, and so on): the swarm is as
     fast as its slowest block, and a new peer lifts it at no cost; then the one with most blocks whose weights are on
-    this peer's disk (``on_disk``: nothing to download).
+    this peer's disk (``on_disk``: nothing to download); then the one adding fewest breaks to the coverage
+    (`_breaks_added`), so that spans meet end to end and line up into pipelines.
 
     Remaining ties are broken at random so that peers starting at the same moment spread out instead of piling up.
     """
@@ -108,13 +118,30 @@ def choose_span(
     throughput, held, on_disk = throughput or {}, held or set(), on_disk or set()
     bad = _badness_with(coverage, num_blocks, replication)
 
-    def key(w: range) -> tuple[tuple[int, int], int, tuple[float, ...], int]:
+    def key(w: range) -> tuple[tuple[int, int], int, tuple[float, ...], int, int]:
         weakest = tuple(sorted(throughput.get(b, 0.0) for b in w))
-        return bad(w), -len(held.intersection(w)), weakest, -len(on_disk.intersection(w))
+        breaks = _breaks_added(coverage, num_blocks, w)
+        return bad(w), -len(held.intersection(w)), weakest, -len(on_disk.intersection(w)), breaks
 
     windows = _windows(num_blocks, min(span_len, num_blocks))
     best = min(key(w) for w in windows)
     return (rng or random.Random()).choice([w for w in windows if key(w) == best])
+
+
+def _breaks_added(coverage: dict[int, int], num_blocks: int, window: range) -> int:
+    """How many more breaks (blocks served by another number of peers than the block before them) there are once a
+    peer serves `window`: -2 to 2. A window starting or ending inside a run of equally served blocks splits it, and
+    the pieces are seldom a span long: peers filling them overlap their neighbours, and a block short of replicas
+    then takes a chain of moves to mend (issue 56). A window flush with a break or the model's end leaves whole runs,
+    so that R pipelines of spans meeting end to end form as peers join."""
+
+    def added(inside: int, outside: int) -> int:
+        if not 0 <= outside < num_blocks:
+            return 0
+        there, here = coverage.get(outside, 0), coverage.get(inside, 0)
+        return (there != here + 1) - (there != here)
+
+    return added(window.start, window.start - 1) + added(window.stop - 1, window.stop)
 
 
 def plan_move(
@@ -202,8 +229,9 @@ def next_move(
     min_gain: float = MIN_GAIN,
 ) -> range | None:
     """This peer's (``me``) move this round, or None: the `plan_move` one if it leaves no block without a server,
-    else this peer's step of the `cover_plan` while some block has no server, else, given speeds and once every block
-    has its `replication` servers, the `relief_move` if it falls to this peer.
+    else this peer's step of the `cover_plan` while some block has no server, else its step of the `replica_plan`
+    while some block has fewer than `replication` servers, else, given speeds, the `relief_move` if it falls to this
+    peer.
 
     A move dropping a block nobody else serves is no move at all: the daemon would load it, have `safe_to_drop`
     refuse it, and try again every round. With capacities, a growth over orphaned blocks is left to the peer that
@@ -220,14 +248,19 @@ def next_move(
             if _outgrown(spans, me, target, counts, num_blocks, replication, capacity, swarm.costs or {}):
                 return None
         return target
-    if 0 not in counts:
-        if speeds is None or badness(counts, replication) != (0, 0):
-            return None
-        move = relief_move(
-            spans, speeds, num_blocks, replication, pinned, pinned_throughput, relieve_below, min_gain, swarm.costs
+    if 0 in counts:
+        plan = cover_plan(spans, num_blocks, replication, pinned)
+    elif badness(counts, replication)[1]:
+        plan = replica_plan(spans, num_blocks, replication, pinned)
+    else:
+        move = (
+            None
+            if speeds is None
+            else relief_move(
+                spans, speeds, num_blocks, replication, pinned, pinned_throughput, relieve_below, min_gain, swarm.costs
+            )
         )
-        return move[1] if move is not None and move[0] == me else None
-    plan = cover_plan(spans, num_blocks, replication, pinned)
+        plan = [move] if move is not None else []
     return plan[0][1] if plan and plan[0][0] == me else None
 
 
@@ -387,18 +420,58 @@ def cover_plan(
     max_states: int = MAX_PLAN_STATES,
 ) -> list[tuple[str, range]]:
     """The shortest list of (peer, new span) moves of the peers in `spans` after which one more block has a server;
-    [] if there is none within `max_states` expanded swarm states.
+    [] if there is none within `max_states` expanded swarm states (or MAX_PLAN_WORK weighed).
 
     Each move keeps the peer's span length and leaves no block without a server, so `safe_to_drop` has no reason to
     refuse it; each one but the last covers no new block and does not raise the replication deficit, the last covers
     a block. So no step raises the badness and each lowers (blocks without a server, plan length): peers following
-    plans cannot oscillate. The search is breadth-first, peers in id order then windows by start, so the plan depends
-    on the snapshot alone and every peer that sees it agrees on who moves first.
+    plans cannot oscillate. The search is breadth-first, spans by start then windows by start, and of the peers on
+    one span the smallest id moves, so the plan depends on the snapshot alone and every peer that sees it agrees on
+    who moves first.
     """
-    peers = sorted(spans)
-    frozen = tuple((spans[p].start, len(spans[p])) for p in peers)
+    return _plan(spans, num_blocks, replication, pinned, max_states, replicas=False)
+
+
+def replica_plan(
+    spans: Mapping[str, range],
+    num_blocks: int,
+    replication: int,
+    pinned: Mapping[int, int] | None = None,
+    max_states: int = MAX_PLAN_STATES,
+) -> list[tuple[str, range]]:
+    """`cover_plan` for replicas: the shortest list of moves after which the replication deficit is lower, while
+    every block has a server and the swarm serves `replication` x `num_blocks` blocks in all (`pinned` included);
+    [] otherwise, or if there is none within `max_states` expanded states.
+
+    Short of that capacity some block stays short whatever the peers do: single moves still lower the deficit, and
+    a search for more would spend its budget at every change of the swarm. Each move keeps its peer's span length
+    and leaves every block served; each but the last leaves the deficit as it is, the last lowers it: so (deficit,
+    plan length) drops with every step.
+    """
+    served = sum(len(s) for s in spans.values()) + sum(c for b, c in (pinned or {}).items() if 0 <= b < num_blocks)
+    if served < replication * num_blocks:
+        return []
+    return _plan(spans, num_blocks, replication, pinned, max_states, replicas=True)
+
+
+def _plan(
+    spans: Mapping[str, range],
+    num_blocks: int,
+    replication: int,
+    pinned: Mapping[int, int] | None,
+    max_states: int,
+    replicas: bool,
+) -> list[tuple[str, range]]:
+    """The search's moves, each made by the first peer (by id) on the span it moves from."""
+    frozen = tuple(sorted((span.start, len(span)) for span in spans.values()))
     pins = tuple(sorted((b, c) for b, c in (pinned or {}).items() if c and 0 <= b < num_blocks))
-    return [(peers[i], window) for i, window in _search(frozen, pins, num_blocks, replication, max_states)]
+    where = {peer: spans[peer] for peer in sorted(spans)}
+    plan = []
+    for old, window in _search(frozen, pins, num_blocks, replication, max_states, replicas):
+        peer = next(p for p, span in where.items() if span == old)
+        where[peer] = window
+        plan.append((peer, window))
+    return plan
 
 
 def _counts(spans: Mapping[str, range], num_blocks: int, pinned: Mapping[int, int] | None) -> list[int]:
@@ -416,35 +489,52 @@ def _search(
     num_blocks: int,
     replication: int,
     limit: int,
-) -> tuple[tuple[int, range], ...]:
-    """Breadth-first search over span starts; a state's counts are made from its parent's when it is expanded."""
-    lengths = [length for _, length in frozen]
-    root = tuple(start for start, _ in frozen)
+    replicas: bool,
+) -> tuple[tuple[range, range], ...]:
+    """Breadth-first search for a plan, as (old span, new span) moves, ending in a move that covers a block or
+    (`replicas`) lowers the deficit; a state's counts are made from its parent's when it is expanded.
+
+    Peers on one span are interchangeable, so a state is the sorted (start, length) of every span: a swarm of equal
+    GPUs is searched once, not once per order of its peers. The search stops after `limit` states, or once it has
+    weighed MAX_PLAN_WORK windows and spans (a state of a large swarm has thousands).
+    """
     counts = [0] * num_blocks
     for b, c in pins:
         counts[b] += c
     for start, length in frozen:
         for b in range(start, start + length):
             counts[b] += 1
-    if 0 not in counts:
-        return ()
-    seen = {root}
-    queue = deque([(root, counts, None, ())])
+    holes, deficit = badness(counts, replication)
+    if (holes or not deficit) if replicas else not holes:
+        return ()  # nothing this plan mends
+    seen = {frozen}
+    queue = deque([(frozen, counts, None, ())])
+    work = 0
     for _ in range(limit):
-        if not queue:
+        if not queue or work > MAX_PLAN_WORK:
             break
-        starts, counts, move, path = queue.popleft()
+        state, counts, move, path = queue.popleft()
         if move is not None:
             counts = _moved(counts, *move)
-        for i, start, covers in _steps(starts, lengths, counts, replication):
-            step = (*path, (i, range(start, start + lengths[i])))
-            if covers:
+        steps, weighed = _steps(state, counts, replication)
+        work += weighed + len(steps) * len(state)  # each next state is built and hashed
+        for j, new, covered, lowered in steps:
+            old, length = state[j]
+            step = (*path, (range(old, old + length), range(new, new + length)))
+            if lowered > 0 if replicas else covered:
                 return step
-            state = (*starts[:i], start, *starts[i + 1 :])
-            if state not in seen:
-                seen.add(state)
-                queue.append((state, counts, (starts[i], start, lengths[i]), step))
+            following = _replaced(state, j, (new, length))
+            if following not in seen:
+                seen.add(following)
+                queue.append((following, counts, (old, new, length), step))
     return ()
+
+
+def _replaced(state: tuple[tuple[int, int], ...], j: int, span: tuple[int, int]) -> tuple[tuple[int, int], ...]:
+    spans = list(state)
+    del spans[j]
+    insort(spans, span)
+    return tuple(spans)
 
 
 def _moved(counts: list[int], old: int, new: int, length: int) -> list[int]:
@@ -457,9 +547,11 @@ def _moved(counts: list[int], old: int, new: int, length: int) -> list[int]:
 
 
 def _steps(
-    starts: tuple[int, ...], lengths: list[int], counts: list[int], replication: int
-) -> Iterator[tuple[int, int, bool]]:
-    """Every allowed move from one state, as (peer index, new start, covers a block).
+    state: tuple[tuple[int, int], ...], counts: list[int], replication: int
+) -> tuple[list[tuple[int, int, int, int]], int]:
+    """Every allowed move from one state, as (index of the span in `state`, new start, blocks it covers, deficit it
+    lowers by): those covering a block, and those not raising the deficit; and how many blocks and windows were
+    weighed to find them. Of the peers on one span, one stands for all.
 
     A peer may only move to windows holding every block it serves alone, so nothing is left uncovered; the blocks it
     leaves and enters are two intervals, whose effect on holes and deficit the prefix sums give in constant time.
@@ -468,17 +560,42 @@ def _steps(
     zero = _prefix(c == 0 for c in counts)
     under = _prefix(c < replication for c in counts)  # entering lowers the deficit
     thin = _prefix(c <= replication for c in counts)  # leaving raises it
-    for i, (old, length) in enumerate(zip(starts, lengths, strict=True)):
-        alone = [b for b in range(old, old + length) if counts[b] == 1]
-        lo, hi = (alone[-1] + 1 - length, alone[0]) if alone else (0, num_blocks - length)
-        for new in range(max(0, lo), min(hi, num_blocks - length) + 1):
-            if new == old:
-                continue
-            if new > old:
-                left, entered = (old, min(new, old + length)), (max(new, old + length), new + length)
+    alone = _prefix(c == 1 for c in counts)
+    moves, weighed = [], num_blocks
+    for j, (old, length) in enumerate(state):
+        if j and state[j - 1] == state[j]:
+            continue
+        lo, hi = _window_starts(alone, old, length, num_blocks)
+        candidates = _candidates(old, length, lo, hi, under)
+        weighed += hi - lo + 1 + len(candidates)
+        for new in candidates:
+            if abs(new - old) >= length:
+                left, entered = (old, old + length), (new, new + length)
+            elif new > old:
+                left, entered = (old, new), (old + length, new + length)
             else:
-                left, entered = (max(old, new + length), old + length), (new, min(old, new + length))
-            if zero[entered[1]] - zero[entered[0]]:
-                yield i, new, True
-            elif thin[left[1]] - thin[left[0]] <= under[entered[1]] - under[entered[0]]:
-                yield i, new, False
+                left, entered = (new + length, old + length), (new, old)
+            covered = zero[entered[1]] - zero[entered[0]]
+            lowered = (under[entered[1]] - under[entered[0]]) - (thin[left[1]] - thin[left[0]])
+            if covered or lowered >= 0:
+                moves.append((j, new, covered, lowered))
+    return moves, weighed
+
+
+def _window_starts(alone: list[int], start: int, length: int, num_blocks: int) -> tuple[int, int]:
+    """The least and greatest start of a window holding every block the span at `start` serves alone (`alone`: the
+    running count of such blocks, bisected for the first and last of them in the span); any window if none."""
+    stop = start + length
+    if alone[stop] == alone[start]:
+        return 0, num_blocks - length
+    first, last = bisect_right(alone, alone[start]) - 1, bisect_left(alone, alone[stop]) - 1
+    return max(0, last - length + 1), min(first, num_blocks - length)
+
+
+def _candidates(old: int, length: int, lo: int, hi: int, under: list[int]) -> list[int]:
+    """The starts in [lo, hi] worth weighing for a peer whose span starts at `old`: windows overlapping that span,
+    and windows holding a block short of replicas (`under`: their running count). Any other is a jump that leaves
+    every block the peer serves and enters none short of replicas: it raises the deficit, unless the peer serves
+    only blocks with spare replicas, and then a window holding a short block is a plan's last move, found in the same
+    expansion."""
+    return [s for s in range(lo, hi + 1) if s != old and (abs(s - old) < length or under[s + length] > under[s])]
