@@ -92,8 +92,8 @@ class AdapterStore:
         self.kept.drop_touching(set(blocks))
 
     def progress(self) -> int:
-        """Committed steps summed over every adapter's served blocks: it grows with each commit applied here."""
-        return sum(state.step for adapter in self.by_name.values() for state in adapter.blocks.values())
+        """The newest committed step of any adapter on the blocks served here: it grows by one with each commit."""
+        return max((state.step for adapter in self.by_name.values() for state in adapter.blocks.values()), default=0)
 
     def in_flight(self, blocks: list[int]) -> int:
         """How many things of the step in progress still count on ``blocks`` here: micro-batch gradients held until

@@ -72,7 +72,8 @@ LEAVE_TIMEOUT = 20.0  # seconds past the leave grace after which a leaving peer 
 CONFIRM_TIMEOUT = 8.0
 DRAIN_TIMEOUT = 60.0  # seconds a move waits for the micro-batches in flight on the blocks it hands over
 DRAIN_SEEN = 6.0  # ... at least: two of a client's view refreshes (swarm/client/routing.py), so it sees them leaving
-DRAIN_QUIET = 5.0  # ... or, where no step commits, until no trainer has sent work here for this long
+DRAIN_QUIET = 30.0  # ... or, where no step commits, until no trainer sent work here for this long (one waiting out a
+# hole for a while still routes by the view it had: a bench_seed run saw a 5 s quiet end a drain and a refusal follow)
 DRAIN_POLL = 0.2
 
 
@@ -578,9 +579,10 @@ class PeerDaemon:
     async def _drain(self, blocks: list[int]) -> None:
         """Keep serving ``blocks`` after announcing them leaving until no trainer counts on them here, at most
         ``DRAIN_TIMEOUT``: clients have had time to see the leaving records (``DRAIN_SEEN``), nothing of the step in
-        progress is held on them (gradients committed, kept forwards used), and a step committed since (a trainer
-        asks every replica it knew of at the step's start to commit it, ones holding nothing there too), or no
-        trainer sent work here for ``DRAIN_QUIET``. Micro-batches in flight finish where they started instead of
+        progress is held on them (gradients committed, kept forwards used), and two steps committed since (a trainer
+        asks every replica it knew of at the step's start to commit it, ones holding nothing there too, and routes a
+        step by the view it read at the commit before: the second step is the first routed without these blocks),
+        or no trainer sent work here for ``DRAIN_QUIET``. Micro-batches in flight finish where they started instead of
         being replayed elsewhere."""
         adapters = self.parts.adapters
         started = time.monotonic()
@@ -588,7 +590,7 @@ class PeerDaemon:
 
         def left() -> tuple[int, bool]:
             quiet = time.monotonic() - adapters.last_trained >= DRAIN_QUIET
-            return adapters.in_flight(blocks), quiet or adapters.progress() > progress
+            return adapters.in_flight(blocks), quiet or adapters.progress() >= progress + 2
 
         while True:
             held, committed = await self.parts.compute(left)
