@@ -280,8 +280,9 @@ class Adapter:
 
 class SavedBytes:
     """While inside: the bytes autograd keeps for backward, each storage counted once, the blocks' own weights
-    (``exclude``: their storages) left out. What a cached forward really holds: for a Llama block about 22 times
-    its output (attention and the wider MLP keep several tensors each; scripts/bench_70b_block.py measures it)."""
+    (``exclude``: their storages) left out: what a block's graph holds, for a Llama block about 22 times its output
+    (attention and the wider MLP keep several tensors each). Peers no longer keep graphs between forward and
+    backward (the ``ActivationCache`` keeps block inputs); this measures one where wanted."""
 
     def __init__(self, exclude: set[int]):
         self.exclude, self.seen, self.bytes = exclude, set(), 0
@@ -307,25 +308,34 @@ class SavedBytes:
 
 
 class ActivationCache:
-    """Forward graphs kept for the backward of the same micro-batch, bounded in bytes (oldest dropped)."""
+    """Training forwards' block inputs (and the mask), kept for the backward of the same micro-batch, which
+    recomputes one block at a time from them (peers/backend.py); bounded in bytes (oldest dropped: its backward
+    rebuilds them from the kept span input). The bound counts what an entry really holds: each storage once."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self.entries: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = OrderedDict()
+        self.entries: OrderedDict[tuple, tuple[list[torch.Tensor], torch.Tensor | None, int]] = OrderedDict()
         self.bytes = 0
 
-    def put(self, key: tuple, inputs: torch.Tensor, outputs: torch.Tensor, size: int) -> None:
-        """Keep a forward's graph; ``size``: the bytes it holds (``SavedBytes``)."""
+    @staticmethod
+    def size(tensors: Iterable[torch.Tensor | None]) -> int:
+        """The bytes ``tensors`` hold, each storage counted once (a view keeps its whole storage)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+        return sum(storages.values())
+
+    def put(self, key: tuple, block_inputs: list[torch.Tensor], mask: torch.Tensor | None) -> None:
+        """Keep a forward's block inputs (the span's first block's first) and its attention mask."""
+        size = self.size([*block_inputs, mask])
         if size > self.max_bytes:
             return
         self.pop(key)
-        self.entries[key] = (inputs, outputs, size)
+        self.entries[key] = (list(block_inputs), mask, size)
         self.bytes += size
         while self.bytes > self.max_bytes:
             _, (_, _, dropped) = self.entries.popitem(last=False)
             self.bytes -= dropped
 
-    def pop(self, key: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def pop(self, key: tuple) -> tuple[list[torch.Tensor], torch.Tensor | None] | None:
         entry = self.entries.pop(key, None)
         if entry is None:
             return None

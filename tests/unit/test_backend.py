@@ -236,9 +236,10 @@ def test_a_request_for_blocks_a_peer_no_longer_serves_sends_the_client_elsewhere
     assert malformed.value.kind == ErrorKind.BAD_REQUEST
 
 
-def test_a_cached_forward_is_counted_at_what_autograd_keeps(tiny_models):
-    """The activation cache's budget is spent on the bytes a forward's graph really holds, which grow with the span
-    (a fixed multiple of the output undercounted a 32-block span about 180 times)."""
+def test_a_cached_forward_is_counted_at_what_it_keeps(tiny_models):
+    """The activation cache's budget is spent on the bytes a forward really keeps, which grow with the span (a fixed
+    multiple of the output undercounted a 32-block span about 180 times). A backward recomputes one block at a time
+    (tests/unit/test_block_recompute.py), so a forward keeps each block's input: one hidden-sized tensor a block."""
     backend = _backend(tiny_models["llama"], range(0, 4))
     backend.adapters.open_adapter("a", lora_config_to_wire(peft.LoraConfig(r=4, target_modules=["q_proj"])), 0)
     hidden = torch.randn(2, 8, backend.spec.hidden_size)
@@ -247,8 +248,10 @@ def test_a_cached_forward_is_counted_at_what_autograd_keeps(tiny_models):
     backend.forward("a", range(0, 4), 0, hidden, None, "s:0:1")
     four = backend.adapters.cache.bytes - one
     output = hidden.numel() * hidden.element_size()
-    assert one > 8 * output, (one, output)  # a block keeps many hidden-sized tensors, not the output alone
-    assert 3.5 * one <= four <= 4.5 * one, (one, four)
+    assert one == output and four == 4 * output, (one, four, output)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    backend.forward("a", range(0, 4), 0, hidden, mask, "s:0:2")
+    assert backend.adapters.cache.bytes - one - four == 4 * output + mask.nbytes  # the mask too
 
 
 def test_forward_graphs_are_freed_after_a_backward_for_the_lora_gradients_only(tiny_models):
