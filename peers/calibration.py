@@ -48,16 +48,21 @@ def block_error(
     stored: dict[str, torch.Tensor] | None = None,
 ) -> float:
     """The largest relative difference between ``served`` (a loaded block, untouched: the probe runs on a copy) and
-    the same block in exact fp32, on the seeded probe (``stored``: the block's tensors, if read already)."""
-    reference = load_block(spec, block, device, torch.float32, "none", stored)
-    probe = copy.deepcopy(served)
+    the same block in exact fp32, on the seeded probe (``stored``: the block's tensors, if read already). The fp32
+    reference is built and run in host memory, never on the serving device: a 70B block in fp32 is 3.4 GB, which a
+    GPU serving a span (or loading a move beside it) does not have to spare."""
+    host = torch.device("cpu")
     generator = torch.Generator().manual_seed(block)
     shape = (1, PROBE_TOKENS, spec.config.hidden_size)
     hidden = torch.randn(shape, generator=generator)
     hidden[..., :OUTLIER_CHANNELS] *= OUTLIER_SCALE
     grad = torch.randn(shape, generator=generator)
+    reference = load_block(spec, block, host, torch.float32, "none", stored)
+    reference_rotary = spec.family_class("RotaryEmbedding")(config=spec.config)
+    out_a, grad_a, lora_a = _probe(spec, block, reference, reference_rotary, hidden, grad, host, torch.float32)
+    del reference
+    probe = copy.deepcopy(served)
     rotary = spec.family_class("RotaryEmbedding")(config=spec.config).to(device)
-    out_a, grad_a, lora_a = _probe(spec, block, reference, rotary, hidden, grad, device, torch.float32)
     out_b, grad_b, lora_b = _probe(spec, block, probe, rotary, hidden, grad, device, dtype)
     pairs = [(out_a, out_b), (grad_a, grad_b), *zip(lora_a, lora_b, strict=True)]
     return max(relative_difference(a, b) for a, b in pairs)

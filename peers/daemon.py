@@ -96,7 +96,7 @@ class PeerConfig:
     checkpoint_every: int = 1
     device: str = "cpu"
     quant: str | None = None
-    dtype: str = "float32"
+    dtype: str | None = None  # the blocks' compute dtype; None: ``default_dtype`` of the device
     host: str = "0.0.0.0"
     port: int = 0
     announce_maddrs: tuple[str, ...] = ()  # the only addresses to announce (a port forward, a public IP)
@@ -116,12 +116,25 @@ class PeerConfig:
     revision: str | None = None  # of a hub id: a branch, tag or commit (default: main, or the id's @REVISION)
     token: str | None = field(default=None, repr=False)  # for a gated or private hub repository (else HF_TOKEN)
 
+    def __post_init__(self) -> None:
+        if self.dtype is None:
+            self.dtype = default_dtype(self.device)
+
     @property
     def quant_mode(self) -> str:
         """nf4 on CUDA, none on CPU, unless told otherwise."""
         if self.quant is not None:
             return self.quant
         return "nf4" if self.device.startswith("cuda") else "none"
+
+
+def default_dtype(device: str) -> str:
+    """bfloat16 on a CUDA device that computes it (half the activation memory of fp32 and about twice the speed,
+    as plan_swarm.py assumes); float32 elsewhere (a CPU computes bf16 slowly). TF32 is left off: an fp32 peer
+    announces exact numerics (swarm/net/numerics.py), and TF32 matmuls would put it 1e-3 off what it announces."""
+    if device.startswith("cuda") and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bfloat16"
+    return "float32"
 
 
 def measure_throughput(backend: SpanBackend, tokens: int = 128) -> float:

@@ -313,7 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument(
         "--quant", choices=QUANT_MODES, default=None, help="base weights: default nf4 on CUDA, none on CPU"
     )
-    peer.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
+    peer.add_argument(
+        "--dtype", choices=DTYPE_NAMES, default=None, help="compute dtype of the blocks (default: bfloat16 on CUDA)"
+    )
     peer.add_argument(
         "--activation-cache-mb", type=int, default=1024, help="memory for forward graphs kept for backward"
     )
