@@ -153,22 +153,29 @@ def decide_move(
 
 
 def home_move(others: list[int], num_blocks: int, home: range, serving: range, max_blocks: int | None) -> range | None:
-    """The move of a peer told its span (``home``), or None: it grows over ``home`` (up to ``max_blocks``) only to
-    serve blocks no other live peer serves, and goes back to ``home`` as soon as every block it added has another
-    server. It never moves for replicas or throughput: its operator chose. ``others``: per block, the other live
-    peers serving it (``decide_move`` counts, on blocks this peer serves, only those online: it hands a block to a
-    peer still loading it only once that peer serves; elsewhere a peer loading a block counts: it is covered)."""
+    """The move of a peer told its span (``home``), or None. It leaves ``home`` only to serve blocks no other live
+    peer serves: by moving a window of its length over them where the blocks it leaves keep another server, else by
+    growing over ``home`` (up to ``max_blocks``); and it goes back to ``home`` as soon as every block there has a
+    server again and the blocks it took have another. It never moves for replicas or throughput: its operator chose.
+    ``others``: per block, the other live peers serving it (``decide_move`` counts, on blocks this peer serves, only
+    those online: it hands a block to a peer still loading it only once that peer serves; elsewhere a peer loading a
+    block counts: it is covered)."""
     capacity = max(len(home), max_blocks or len(home))
-    windows = [
+    grown = [
         range(start, start + length)
-        for length in range(len(home), min(capacity, num_blocks) + 1)
+        for length in range(len(home) + 1, min(capacity, num_blocks) + 1)
         for start in range(max(0, home.stop - length), min(home.start, num_blocks - length) + 1)
     ]
+    shifted = [range(start, start + len(home)) for start in range(num_blocks - len(home) + 1)]
 
     def holes(w: range) -> int:
         return sum(1 for b, count in enumerate(others) if count == 0 and b not in w)
 
-    best = min([serving, *windows], key=lambda w: (holes(w), len(w), w != serving, w.start))
+    def key(w: range) -> tuple:  # fewest orphans left, fewest blocks, home, where it is, least to load
+        kept = max(0, min(w.stop, serving.stop) - max(w.start, serving.start))
+        return holes(w), len(w), w != home, w != serving, -kept, w.start
+
+    best = min([serving, home, *shifted, *grown], key=key)
     return None if best == serving else best
 
 

@@ -48,17 +48,20 @@ def test_a_told_peer_grows_over_an_orphan_and_goes_back_once_it_is_served():
     assert decide_move(back, A, home, 100.0, placement) is None  # and stays there: one move back, once
 
 
-def test_a_told_peer_grows_only_as_far_as_the_orphans_and_its_capacity():
-    others = [1] * 10 + [0] * 4 + [1] * 16  # blocks 10:14 orphaned
-    assert home_move(others, 30, range(0, 10), range(0, 10), max_blocks=20) == range(0, 14)
-    assert home_move(others, 30, range(0, 10), range(0, 10), max_blocks=10) is None  # no room: it stays
-    assert home_move(others, 30, range(14, 20), range(14, 20), max_blocks=10) == range(10, 20)
+def test_a_told_peer_covers_orphans_with_as_few_blocks_as_it_can():
+    others = [1] * 10 + [0] * 4 + [1] * 16  # blocks 10:14 orphaned; every other block has another server
+    assert home_move(others, 30, range(0, 10), range(0, 10), max_blocks=20) == range(4, 14)  # 0:4 keep a server
+    assert home_move(others, 30, range(14, 20), range(14, 20), max_blocks=10) == range(10, 16)
+    alone = [0] * 10 + [0] * 4 + [1] * 16  # its own blocks have no other server: it grows, if it has room
+    assert home_move(alone, 30, range(0, 10), range(0, 10), max_blocks=20) == range(0, 14)
+    assert home_move(alone, 30, range(0, 10), range(0, 10), max_blocks=10) is None
 
 
-def test_a_told_peer_keeps_a_larger_span_while_it_alone_serves_part_of_it():
+def test_a_told_peer_goes_back_as_far_as_the_swarm_lets_it():
     others = [1] * 15 + [0] * 5 + [1] * 10  # blocks 15:20 still have no other server
-    assert home_move(others, 30, range(0, 15), range(0, 30), max_blocks=30) == range(0, 20)
-    assert home_move(others, 30, range(0, 15), range(0, 20), max_blocks=30) is None
+    assert home_move(others, 30, range(0, 15), range(0, 30), max_blocks=30) == range(5, 20)
+    assert home_move(others, 30, range(0, 15), range(5, 20), max_blocks=30) is None
+    assert home_move([1] * 30, 30, range(0, 15), range(5, 20), max_blocks=30) == range(0, 15)  # covered: home
 
 
 def test_self_placing_peers_count_a_told_peer_as_pinned():
