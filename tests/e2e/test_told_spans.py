@@ -1,7 +1,9 @@
 """Issue 56, as it was seen: a bootstrap node and two peers told their spans (``--blocks 0:15``, ``--blocks 15:30``
-of SmolLM2, 30 blocks) serving within a second of each other, TRL's SFTTrainer through ``swarm.SwarmSFTTrainer``,
-two busy processes beside them. Each peer used to move to 0:30 and back every 20-40 s, and every move cost the
-trainer a recovery. Now neither peer moves and the trainer recovers from nothing."""
+of SmolLM2, 30 blocks) serving within a second of each other, TRL's SFTTrainer through ``swarm.SwarmSFTTrainer``.
+Each peer used to move to 0:30 and back every 20-40 s, and every move cost the trainer a recovery. Now neither peer
+moves and the trainer recovers from nothing. Not beside two busy processes: in one fresh-clone CI run with them, the
+client's own calls to both peers timed out for minutes (starvation no peer can fix); the timing that made told peers
+move is held under load in tests/integration/test_holding_still.py."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from swarm.testing.localswarm import LocalSwarm
 QUIET_AFTER = 15.0  # seconds watched after training, with the client still connected (the first move came at 10 s)
 
 
-def test_two_told_spans_train_with_sft_and_never_move(smollm2_dir, tmp_path, cpu_load):
+def test_two_told_spans_train_with_sft_and_never_move(smollm2_dir, tmp_path):
     tokenizer = load_tokenizer(smollm2_dir)
     rows = instructions.read_rows()
     data = datasets.Dataset.from_list(

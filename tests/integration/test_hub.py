@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 import swarm
 from peers.daemon import PeerConfig, PeerDaemon
 from peers.movecost import ASSUMED_DOWNLOAD_RATE
+from peers.placement import Move
 from swarm.hub import model_name, resolve_model, shards_for_blocks, shards_for_client
 from swarm.net.errors import ModelHubError
 from swarm.spec import load_spec, load_tokenizer
@@ -213,7 +214,7 @@ def test_peers_and_a_client_from_the_hub_id_train_like_local_peft(
 
     hub.clear()
     b = peers["b"]
-    asyncio.run_coroutine_threadsafe(b.daemon._move(range(0, 4)), b._loop).result(timeout=60)
+    asyncio.run_coroutine_threadsafe(b.daemon._move(Move(range(0, 4), "a test moves it")), b._loop).result(timeout=60)
     assert b.daemon.serving == range(0, 4)
     assert shards(hub) == set(shards_for_blocks(weight_map, range(2, 4))) - set(
         shards_for_blocks(weight_map, range(0, 2))
