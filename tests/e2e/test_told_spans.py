@@ -3,7 +3,7 @@ of SmolLM2, 30 blocks) serving within a second of each other, TRL's SFTTrainer t
 Each peer used to move to 0:30 and back every 20-40 s, and every move cost the trainer a recovery. Now neither peer
 moves and the trainer recovers from nothing. Not beside two busy processes: in one fresh-clone CI run with them, the
 client's own calls to both peers timed out for minutes (starvation no peer can fix); the timing that made told peers
-move is held under load in tests/integration/test_holding_still.py."""
+move is held in tests/integration/test_holding_still.py (a compute thread kept busy past the ping)."""
 
 from __future__ import annotations
 
