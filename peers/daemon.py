@@ -72,8 +72,8 @@ LEAVE_TIMEOUT = 20.0  # seconds past the leave grace after which a leaving peer 
 CONFIRM_TIMEOUT = 8.0
 DRAIN_TIMEOUT = 60.0  # seconds a move waits for the micro-batches in flight on the blocks it hands over
 DRAIN_SEEN = 6.0  # ... at least: two of a client's view refreshes (swarm/client/routing.py), so it sees them leaving
-DRAIN_QUIET = 30.0  # ... or, where no step commits, until no trainer sent work here for this long (one waiting out a
-# hole for a while still routes by the view it had: a bench_seed run saw a 5 s quiet end a drain and a refusal follow)
+DRAIN_QUIET = 10.0  # ... or, where no step commits, until no trainer sent work here for this long (its view refreshes
+# every 3 s meanwhile; a trainer idle past a move's end would wait on it, as tests/e2e/test_durable.py's does)
 DRAIN_POLL = 0.2
 
 
