@@ -21,7 +21,7 @@ MAX_STEPS = 40  # steps the client trains at most while it waits for the moving 
 
 
 def test_a_busy_peer_is_not_taken_for_a_dead_one(inprocess_swarm, tmp_path):
-    model_dir = make_tiny_model(tmp_path / "model", layers=4, seed=1)
+    model_dir = make_tiny_model(tmp_path / "still-model", layers=4, seed=1)
     local = inprocess_swarm(model=model_dir, rebalance=True, balance_interval=1.0)
     first = local.add_peer("0:2", "first")
     busy = local.add_peer("2:4", "busy")
@@ -40,7 +40,7 @@ def test_a_busy_peer_is_not_taken_for_a_dead_one(inprocess_swarm, tmp_path):
 def test_a_told_peer_takes_over_an_orphan_and_goes_back_once(inprocess_swarm, tmp_path):
     """The one reason a told peer leaves its span: blocks nobody serves. It grows over them, and once a server of
     them is back it returns to its span, one move each way, with the reason in its log and its info."""
-    model_dir = make_tiny_model(tmp_path / "model", layers=4, seed=1)
+    model_dir = make_tiny_model(tmp_path / "still-model", layers=4, seed=1)
     local = inprocess_swarm(model=model_dir, rebalance=True, balance_interval=1.0)
     first = local.add_peer("0:2", "first", max_blocks=4)
     second = local.add_peer("2:4", "second")
@@ -58,7 +58,7 @@ def test_training_through_a_peer_that_moves_sees_no_recovery(inprocess_swarm, tm
     """Make before break: a peer grows from 2:4 over 0:2 (served by another) and back while a client trains with
     pipelined micro-batches. Its moves keep the forwards of the blocks it keeps and drain the blocks it hands over,
     so the client sees neither a hole nor a refusal: no recovery, no replay, and the adapter of a run without moves."""
-    model_dir = make_tiny_model(tmp_path / "model", layers=4, seed=1)
+    model_dir = make_tiny_model(tmp_path / "still-model", layers=4, seed=1)
     local = inprocess_swarm(model=model_dir, balance_interval=0.5)
     local.add_peer("0:2", "first")
     local.add_peer("0:2", "first-b")
