@@ -271,8 +271,6 @@ class PeerDaemon:
 
     async def _adapter_infos(self) -> dict[str, AdapterInfo]:
         """What this peer holds of each adapter, as the compute thread last published it."""
-        if self.parts is not None and self.published is None:  # nothing ran on the compute thread yet
-            await self.parts.compute(lambda: None)
         return {} if self.published is None else self.published.adapters
 
     async def _records(self) -> list[tuple[ServerRecord, range]]:
@@ -335,10 +333,8 @@ class PeerDaemon:
 
     async def _memory(self) -> MemoryUse | None:
         """This peer's memory against its bounds, once it serves (an in-process peer counts the process it runs in)."""
-        if self.parts is None:
-            return None
         if self.published is None:
-            await self.parts.compute(lambda: None)
+            return None
         stores = self.published.stores
         usage = await asyncio.to_thread(tree_usage, os.getpid())
         host = psutil.virtual_memory()
@@ -516,6 +512,7 @@ class PeerDaemon:
         made with what it needs: nothing is wired in afterwards."""
         config, adapters = self.config, backend.adapters
         compute = Compute(after=partial(self._publish, backend))
+        self._publish(backend)  # no job has run on the new compute thread yet: published before anyone reads it
         policy = StandbyPolicy(config.standby_blocks, config.standby_every)
         peers = PeerClient(self.transport, self.behaviour)
         replicator = Replicator(adapters, compute, peers, self.identity.peer_id, policy, self._checkpoint)
