@@ -565,7 +565,7 @@ class PeerDaemon:
             # at once, then both move back). Of peers moving at once, the smallest id goes on; the others count it
             # where it goes and move only if that still calls for their move.
             later = frozenset(p for p in movers(view) if p.to_bytes() > me.to_bytes())
-            still = await self._decide_move(view, later)
+            still = await self._decide_move(view, later, one_at_a_time=False)  # begun at rest: only movers decide
             if still is None or still.target != target:
                 logger.info("not moving to %d:%d: a peer moving at the same time does", target.start, target.stop)
                 await self._cancel_move(old, target)
@@ -678,12 +678,14 @@ class PeerDaemon:
             return None
         return again
 
-    async def _decide_move(self, view: SwarmView, yielding: frozenset[PeerID] = frozenset()) -> Move | None:
+    async def _decide_move(
+        self, view: SwarmView, yielding: frozenset[PeerID] = frozenset(), one_at_a_time: bool = True
+    ) -> Move | None:
         config = self.config
         placement = Placement(self.spec.num_blocks, self.span_len, config.replication, self.max_blocks, config.blocks)
         me, serving, throughput = self.identity.peer_id, self.serving, self.throughput
         move = await asyncio.to_thread(  # a plan search may take a few hundred ms: not on the event loop
-            decide_move, view, me, serving, throughput, placement, yielding, self.cost
+            decide_move, view, me, serving, throughput, placement, yielding, self.cost, one_at_a_time
         )
         if self.plan is None:
             return move

@@ -89,6 +89,20 @@ def movers(view: SwarmView) -> set[PeerID]:
     return online & going
 
 
+def busy_peers(view: SwarmView, me: PeerID, yielding: frozenset[PeerID] = frozenset()) -> set[PeerID]:
+    """Other live peers whose span is about to change: joining (loading a span) or moving (online on one span while
+    loading another). A peer draining blocks after a move is not: its records already say where it will be."""
+    return {
+        r.peer_id
+        for records in view.records.values()
+        for r in records
+        if (r.state == ServerState.JOINING or r.moving_to is not None)
+        and r.peer_id != me
+        and r.peer_id not in yielding
+        and r.peer_id in view.alive
+    }
+
+
 @dataclass(frozen=True)
 class Placement:
     """What a peer's move depends on besides the view: the model's size and the swarm's placement settings.
@@ -117,17 +131,46 @@ def decide_move(
     placement: Placement,
     yielding: frozenset[PeerID] = frozenset(),
     cost: MoveCost | None = None,
+    one_at_a_time: bool = True,
 ) -> Move | None:
     """This peer's move from the view, standing on ``serving``, its own moves left out (``cost``: what a move costs
-    this peer, as it announces it): ``home_move`` for a peer told its span, else ``next_move``."""
-    spans, pinned, speeds, pinned_throughput = settled_spans(view, placement.num_blocks, me, yielding)
-    mine = me.to_base58()
-    others = _counts_of(spans, pinned, placement.num_blocks)
+    this peer, as it announces it): ``home_move`` for a peer told its span, else ``next_move``.
+
+    With ``one_at_a_time``, a move that serves no orphaned block is made on a swarm at rest, by one peer: it waits
+    while another peer joins or moves (``busy_peers``), and a peer on the same span with a smaller id that would make
+    the same move makes it. Peers deciding on views that others' moves were about to change chose the same target
+    at once, each loaded it for half a minute, and then gave way to each other (bench_seed on two loaded cores: 16
+    moves begun, a handful made)."""
     if placement.home is not None:
+        spans, pinned, speeds, _ = settled_spans(view, placement.num_blocks, me, yielding)
+        others = _counts_of(spans, pinned, placement.num_blocks)
         online = [len(view.online(b, exclude=me)) for b in range(placement.num_blocks)]
         served = [online[b] if b in serving else count for b, count in enumerate(others)]
         target = home_move(served, placement.num_blocks, placement.home, serving, placement.max_blocks)
-        return None if target is None else _explain(others, serving, target, placement, speeds, spans, mine)
+        return None if target is None else _explain(others, serving, target, placement, speeds, spans, me.to_base58())
+    move = _placed_move(view, me, serving, throughput, placement, yielding, cost)
+    # A block that a moving peer still serves is no orphan: that peer keeps it until another serves it
+    # (``safe_to_drop``); two peers leaving one span at once made three others rush to cover it.
+    if move is None or not one_at_a_time or any(not view.online(b, exclude=me) for b in move.covers):
+        return move
+    if busy_peers(view, me, yielding):
+        return None
+    return None if _twin_moves(view, me, serving, placement, yielding, move.target) else move
+
+
+def _placed_move(
+    view: SwarmView,
+    me: PeerID,
+    serving: range,
+    throughput: float,
+    placement: Placement,
+    yielding: frozenset[PeerID],
+    cost: MoveCost | None,
+) -> Move | None:
+    """``next_move`` for a peer that places itself, with the reason it follows."""
+    spans, pinned, speeds, pinned_throughput = settled_spans(view, placement.num_blocks, me, yielding)
+    mine = me.to_base58()
+    others = _counts_of(spans, pinned, placement.num_blocks)
     spans[mine], speeds[mine] = serving, throughput
     records = [r for records in view.records.values() for r in records]
     capacity = {r.peer_id.to_base58(): r.max_blocks for r in records}
@@ -150,6 +193,23 @@ def decide_move(
         placement.max_blocks,
     )
     return None if target is None else _explain(others, serving, target, placement, speeds, spans, mine)
+
+
+def _twin_moves(
+    view: SwarmView, me: PeerID, serving: range, placement: Placement, yielding: frozenset[PeerID], target: range
+) -> bool:
+    """Whether a settled peer on ``serving`` with a smaller id would move to ``target`` too, seeing this view (with
+    the throughput and move cost it announces): two peers alike both see the same move, and only one should load it."""
+    settled = settled_spans(view, placement.num_blocks, me, yielding)
+    for peer in sorted(view.alive, key=lambda p: p.to_bytes()):
+        if peer.to_bytes() >= me.to_bytes():
+            break
+        if settled.spans.get(peer.to_base58()) != serving:
+            continue
+        theirs = _placed_move(view, peer, serving, settled.speeds[peer.to_base58()], placement, yielding, None)
+        if theirs is not None and theirs.target == target:
+            return True
+    return False
 
 
 def home_move(others: list[int], num_blocks: int, home: range, serving: range, max_blocks: int | None) -> range | None:

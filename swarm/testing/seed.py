@@ -145,7 +145,10 @@ class Watch:
         return time.monotonic() - self.started
 
     def start(self) -> Watch:
-        self._thread = threading.Thread(target=self._run, name="seed-watch", daemon=True)
+        # Its DHT process is forked here, not in the thread: forked from the thread while the client forked its own
+        # DHT process, the client's child died and DHT.__init__ waited for it forever (a bench_seed run, once).
+        observer = Observer(self.local.initial_peers, None)
+        self._thread = threading.Thread(target=self._run, args=(observer,), name="seed-watch", daemon=True)
         self._thread.start()
         return self
 
@@ -175,8 +178,7 @@ class Watch:
     def first(self, holds: Callable[[Sample], bool], since: float = 0.0) -> Sample | None:
         return next((s for s in self.samples if s.at >= since and holds(s)), None)
 
-    def _run(self) -> None:
-        observer = Observer(self.local.initial_peers, None)
+    def _run(self, observer: Observer) -> None:
         try:
             model = self._model_name(observer)
             while model is not None and not self._stop.is_set():

@@ -72,9 +72,10 @@ def test_self_placing_peers_count_a_told_peer_as_pinned():
 
 
 def test_every_move_says_why():
-    # C serves 4:8 alone; a self-placing B, one of three on 0:4, moves to give 4:8 its second server
+    # C serves 4:8 alone; one of the three self-placing peers on 0:4 (the smallest id) moves to give it a second
     view = _view({A: range(0, 4), B: range(0, 4), D: range(0, 4), C: range(4, 8)}, {}, 8)
-    move = decide_move(view, B, range(0, 4), 100.0, Placement(8, 4, 2, max_blocks=4))
+    first = min((A, B, D), key=lambda p: p.to_bytes())
+    move = decide_move(view, first, range(0, 4), 100.0, Placement(8, 4, 2, max_blocks=4))
     assert move is not None and move.target == range(4, 8)
     assert move.reason.startswith("replication: blocks short of 2 servers 4 -> 0")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hivemind.p2p import PeerID
 
-from peers.placement import Move, Placement, decide_move, movers
+from peers.placement import Move, Placement, busy_peers, decide_move, movers
 from swarm.net.protocol import PeerInfo
 from swarm.net.records import MAX_DISK_SPANS, MoveCost, ServerRecord, ServerState, runs
 from swarm.net.view import SwarmView
@@ -102,3 +102,63 @@ def test_a_malformed_move_cost_drops_the_record():
     many = [[2 * i, 2 * i + 1] for i in range(MAX_DISK_SPANS + 1)]
     assert ServerRecord.from_value(IDS["a"], {**value, "cost": [1.0, 2.0, many]}) is None
     assert runs([5, 1, 2, 3, 7, 8]) == ((1, 4), (5, 6), (7, 9))
+
+
+# --- one move at a time ------------------------------------------------------------------------------------------
+
+THIRD = PeerID(bytes([9]) * 8)
+
+
+def _swarm(*extra: tuple[ServerRecord, range]) -> SwarmView:
+    """FIRST, SECOND and SETTLED_HIGH on 2:4, SETTLED_LOW alone on 0:2 (replication 2: 0:2 is short of a server),
+    and ``extra``."""
+    announced = [
+        (_record(FIRST, ServerState.ONLINE, range(2, 4)), range(2, 4)),
+        (_record(SECOND, ServerState.ONLINE, range(2, 4)), range(2, 4)),
+        (_record(SETTLED_HIGH, ServerState.ONLINE, range(2, 4)), range(2, 4)),
+        (_record(SETTLED_LOW, ServerState.ONLINE, range(0, 2)), range(0, 2)),
+        *extra,
+    ]
+    records = {b: [r for r, blocks in announced if b in blocks] for b in range(4)}
+    alive = {p: PeerInfo("m", 0, 0, "online", 1.0, {}, []) for p in (FIRST, SECOND, SETTLED_HIGH, SETTLED_LOW, THIRD)}
+    return SwarmView(records, alive)
+
+
+def test_a_move_for_replicas_waits_while_another_peer_joins_or_moves():
+    assert _target(decide_move(_swarm(), FIRST, range(2, 4), 100.0, PLACEMENT)) == range(0, 2)
+    joining = (_record(THIRD, ServerState.JOINING, range(2, 4)), range(2, 4))
+    moving = ServerRecord(THIRD, ServerState.ONLINE, 2, 4, 100.0, moving_to=range(0, 2))
+    for extra in ([joining], [(moving, range(2, 4))]):
+        view = _swarm(*extra)
+        assert busy_peers(view, FIRST) == {THIRD}
+        assert decide_move(view, FIRST, range(2, 4), 100.0, PLACEMENT) is None
+    # A peer draining what it handed over is where its records say: no reason to wait.
+    draining = [
+        (_record(THIRD, ServerState.ONLINE, range(2, 4)), range(2, 4)),
+        (_record(THIRD, ServerState.LEAVING, range(0, 2)), range(0, 2)),
+    ]
+    assert busy_peers(_swarm(*draining), FIRST) == set()
+    # Decided again after its own load (PeerDaemon._move), a move begun at rest stands.
+    view = _swarm(joining)
+    assert _target(decide_move(view, FIRST, range(2, 4), 100.0, PLACEMENT, one_at_a_time=False)) == range(0, 2)
+
+
+def test_a_move_over_orphaned_blocks_never_waits():
+    orphaned = SwarmView(
+        {
+            b: [_record(FIRST, ServerState.ONLINE, range(2, 4)), _record(SECOND, ServerState.ONLINE, range(2, 4))]
+            + ([_record(THIRD, ServerState.JOINING, range(2, 4))] if b >= 2 else [])
+            for b in range(4)
+            if b >= 2
+        },
+        {p: PeerInfo("m", 0, 0, "online", 1.0, {}, []) for p in (FIRST, SECOND, THIRD)},
+    )
+    move = decide_move(orphaned, FIRST, range(2, 4), 100.0, PLACEMENT)
+    assert move is not None and move.target == range(0, 2) and move.covers == (0, 1)
+
+
+def test_of_peers_alike_only_the_smallest_id_begins_the_move():
+    """FIRST, SECOND and SETTLED_HIGH serve 2:4 and each sees that one of them should serve 0:2: only FIRST does."""
+    view = _swarm()
+    decisions = {p: decide_move(view, p, range(2, 4), 100.0, PLACEMENT) for p in (FIRST, SECOND, SETTLED_HIGH)}
+    assert {p: _target(m) for p, m in decisions.items()} == {FIRST: range(0, 2), SECOND: None, SETTLED_HIGH: None}
