@@ -143,7 +143,15 @@ def test_six_peers_of_34_blocks_put_two_servers_on_each_of_80_blocks(inprocess_s
                     served[b] += 1
         return served
 
-    _wait_until_for(lambda: min(counts()) >= 2, SEED_SETTLE, lambda: f"coverage {counts()}")
+    def state() -> str:
+        peer_states = [
+            f"{p.name}: serving {p.daemon.serving}, moving to {p.daemon.moving_to}, joining {p.daemon.joining}, "
+            f"moves {[(m.target_start, m.target_end, m.reason) for m in p.daemon.moves.recent()]}"
+            for p in peers
+        ]
+        return f"coverage {counts()}; " + "; ".join(peer_states)
+
+    _wait_until_for(lambda: min(counts()) >= 2, SEED_SETTLE, state)
     settled = {p.name: p.daemon.serving for p in peers}
     time.sleep(5 * interval)  # a few more rounds: nobody moves once every block is at R
     assert {p.name: p.daemon.serving for p in peers} == settled
