@@ -24,7 +24,7 @@ from swarm.blocks import lora_config_from_wire
 from swarm.net import rotated
 from swarm.net.chain import ChainFailure, HopAck
 from swarm.net.compression import DELTAS
-from swarm.net.deltas import Delta, DeltaReferences
+from swarm.net.deltas import CLIENT, Delta, DeltaReferences, ReferenceKey
 from swarm.net.errors import PEER_ERRORS, BadGradientsError, ErrorKind, RequestError, SourceUnavailableError
 from swarm.net.gradhash import grad_hash
 from swarm.net.gradnorm import GradNorm
@@ -220,13 +220,13 @@ class PeerService(InfoDoors):
             return request.hidden
         if request.sample is None or request.compression not in DELTAS:
             raise RequestError("hidden states sent as a delta need a sample and a delta compression (hadamard4d3)")
-        key = (request.adapter, request.sample, request.start, "in")
+        key = ReferenceKey(adapter=request.adapter, sample=request.sample, boundary=request.start, sent=False)
         return self.references.decode(key, request.hidden).to(rotated.DTYPES[request.hidden.dtype])
 
     def _delta_onward(self, request: ForwardRequest, outputs: torch.Tensor, value_only: bool = False) -> Delta:
         """This span's output for the next hop, as a change from the last one this peer passed that peer for the
         sample (it refuses it if it no longer holds that one; then ``value_only``)."""
-        key = (request.adapter, request.sample, request.end, "out", request.route[0].peer)
+        key = _sent_key(request, request.route[0].peer)
         if value_only:
             self.references.forget(key)
         return self.references.encode(key, outputs, DELTAS[request.compression][1])[0]
@@ -234,7 +234,7 @@ class PeerService(InfoDoors):
     def _delta_back(self, request: ForwardRequest, outputs: torch.Tensor) -> Delta:
         """The chain's output for the client: a change from the reference it holds (``have``) where this peer holds
         the same one, else the value itself."""
-        key = (request.adapter, request.sample, request.end, "out", "client")
+        key = _sent_key(request, CLIENT)
         if request.have is None or self.references.digest_of(key) != request.have:
             self.references.forget(key)
         return self.references.encode(key, outputs, DELTAS[request.compression][1])[0]
@@ -594,3 +594,8 @@ def _as_reported(
             else:
                 mismatched = True
     return good, mismatched
+
+
+def _sent_key(request: ForwardRequest, to: str) -> ReferenceKey:
+    """The key of a delta-coded forward's output (it has a sample) as this peer sends it on to ``to``."""
+    return ReferenceKey(adapter=request.adapter, sample=request.sample, boundary=request.end, sent=True, peer=to)

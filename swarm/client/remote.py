@@ -20,7 +20,7 @@ from swarm.client.ledger import Segment, StepLedger
 from swarm.client.routing import Hop
 from swarm.net import rotated
 from swarm.net.chain import MAX_ROUTE_MADDRS, ChainFailure, ChainHop, FailureKind, HopAck, route_timeout
-from swarm.net.deltas import Delta, DeltaReferences
+from swarm.net.deltas import Delta, DeltaReferences, ReferenceKey
 from swarm.net.errors import LeaseLostError, MissingReferenceError, RemoteError
 from swarm.net.gradhash import grad_hash
 from swarm.net.numerics import tolerance
@@ -657,10 +657,10 @@ class RemoteStack:
         attempts.succeeded(step)
         return hidden, Forwarded(inputs, chained=True, check=0.0)
 
-    def _key(self, sample: str, boundary: int, peer: PeerID, sent: bool = False) -> tuple:
-        """Where a sample's reference is kept: the adapter, the block boundary, and the peer it was sent to
-        (``sent``) or came from: each replica keeps its own."""
-        return (self.adapter, sample, boundary, "out" if sent else "in", peer.to_base58())
+    def _key(self, sample: str, boundary: int, peer: PeerID, sent: bool = False) -> ReferenceKey:
+        """Where a sample's reference is kept: by the peer it was sent to (``sent``) or came from, so that each
+        replica has its own."""
+        return ReferenceKey(adapter=self.adapter, sample=sample, boundary=boundary, sent=sent, peer=peer.to_base58())
 
     def _outgoing(self, sample: str | None, boundary: int, hidden: torch.Tensor, to: PeerID) -> torch.Tensor | Delta:
         if sample is None:

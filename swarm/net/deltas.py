@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +27,22 @@ from swarm.net import rotated
 from swarm.net.errors import MissingReferenceError
 
 DIGEST_BYTES = 8
+CLIENT = "client"  # a reference's other end where a chain's last peer answers the client
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReferenceKey:
+    """Which of a sample's references one end of a hop uses. Each end keys its own store, but with this one type,
+    so that a sender's keys and a receiver's cannot drift apart in shape or order: the adapter, the sample (the
+    client's hash of its tokens), the block boundary the hidden states cross, whether this end sent or received
+    them, and the other end: a peer's id (base58), ``CLIENT``, or None where a receiving peer keeps one key for every
+    sender (its references told apart by digest)."""
+
+    adapter: str
+    sample: str
+    boundary: int
+    sent: bool
+    peer: str | None = None
 
 
 @dataclass(frozen=True)
@@ -96,23 +111,22 @@ def digest(tensor: torch.Tensor) -> bytes:
 
 
 class DeltaReferences:
-    """One end of hops: the references of the samples it has sent or received, keyed by the caller (a sample's
-    identity, the hop, which end and, for a sender, to whom). A sender keeps one reference a key; a receiver up to
-    ``per_key``, told apart by digest, so that replicas sending it the same sample in turn each find their own (and
-    a sender's change finds its base however the routes went). Both ends reconstruct alike. Thread-safe:
-    micro-batches in flight together share it."""
+    """One end of hops: the references of the samples it has sent or received, by ``ReferenceKey``. A sender keeps
+    one reference a key; a receiver up to ``per_key``, told apart by digest, so that replicas sending it the same
+    sample in turn each find their own (and a sender's change finds its base however the routes went). Both ends
+    reconstruct alike. Thread-safe: micro-batches in flight together share it."""
 
     def __init__(self, store_dtype: torch.dtype = torch.bfloat16, max_bytes: int = 2**30, per_key: int = 4):
         self.store_dtype, self.max_bytes, self.per_key = store_dtype, max_bytes, per_key
-        self._references: OrderedDict[tuple[Hashable, bytes], torch.Tensor] = OrderedDict()  # least recent first
-        self._digests: dict[Hashable, list[bytes]] = {}  # key -> its references' digests, most recent last
+        self._references: OrderedDict[tuple[ReferenceKey, bytes], torch.Tensor] = OrderedDict()  # least recent first
+        self._digests: dict[ReferenceKey, list[bytes]] = {}  # key -> its references' digests, most recent last
         self._lock = threading.Lock()
         self.stored_bytes = 0
 
     def __len__(self) -> int:
         return len(self._references)
 
-    def encode(self, key: Hashable, value: torch.Tensor, bits: DeltaBits) -> tuple[Delta, torch.Tensor]:
+    def encode(self, key: ReferenceKey, value: torch.Tensor, bits: DeltaBits) -> tuple[Delta, torch.Tensor]:
         """What to send for ``value`` of sample ``key``, and the value the receiver will reconstruct from it
         (float32): a change from this end's reference for ``key``, or the value itself where it holds none."""
         dtype = rotated.dtype_name(value.dtype)
@@ -132,7 +146,7 @@ class DeltaReferences:
             self._store(key, reconstructed)
             return delta, reconstructed
 
-    def decode(self, key: Hashable, delta: Delta) -> torch.Tensor:
+    def decode(self, key: ReferenceKey, delta: Delta) -> torch.Tensor:
         """The value the sender encoded (float32); raises MissingReferenceError where ``delta`` is a change from a
         reference this end does not hold for ``key``."""
         with self._lock:
@@ -148,27 +162,27 @@ class DeltaReferences:
             self._store(key, value)
             return value
 
-    def digest_of(self, key: Hashable) -> bytes | None:
+    def digest_of(self, key: ReferenceKey) -> bytes | None:
         """The digest of the most recent reference held for ``key`` (None: none held)."""
         with self._lock:
             digests = self._digests.get(key)
             return digests[-1] if digests else None
 
-    def forget(self, key: Hashable) -> None:
+    def forget(self, key: ReferenceKey) -> None:
         with self._lock:
             self._forget(key)
 
-    def _forget(self, key: Hashable) -> None:
+    def _forget(self, key: ReferenceKey) -> None:
         for digest_ in list(self._digests.get(key, [])):
             self._drop(key, digest_)
 
-    def _get(self, key: Hashable, digest_: bytes) -> torch.Tensor | None:
+    def _get(self, key: ReferenceKey, digest_: bytes) -> torch.Tensor | None:
         stored = self._references.get((key, digest_))
         if stored is not None:
             self._references.move_to_end((key, digest_))
         return stored
 
-    def _drop(self, key: Hashable, digest_: bytes) -> None:
+    def _drop(self, key: ReferenceKey, digest_: bytes) -> None:
         stored = self._references.pop((key, digest_), None)
         if stored is None:
             return
@@ -182,7 +196,7 @@ class DeltaReferences:
         change = rotated.decode(delta.payload, delta.shape, torch.float32, delta.bits)
         return change if stored is None else stored.float() + change
 
-    def _store(self, key: Hashable, value: torch.Tensor) -> None:
+    def _store(self, key: ReferenceKey, value: torch.Tensor) -> None:
         """Keep ``value`` (as stored, what both ends use next time) as a reference of ``key``, within the bounds."""
         stored = value.to(self.store_dtype)
         name = digest(stored)

@@ -6,6 +6,7 @@ lacks it (a restart, an eviction, a replica that did not see the last pass) refu
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import peft
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 import swarm
 from swarm.net import rotated
-from swarm.net.deltas import DeltaReferences
+from swarm.net.deltas import CLIENT, DeltaReferences, ReferenceKey
 from swarm.testing.parity import HPARAMS, LORA
 
 PASSES = 4
@@ -79,11 +80,12 @@ def test_later_passes_send_changes_that_cost_fewer_bytes_and_correct_the_first_p
         assert errors[-1] < errors[0] / 3, f"changes must correct the first pass's error, not repeat it: {errors}"
 
         a, b = (_references(chained_pair.peers[name]) for name in ("a", "b"))
-        sample = next(key[1] for key in a._digests if key[0] == "delta-wire")
-        to_b = ("delta-wire", sample, 2, "out", chained_pair.peers["b"].peer_id.to_base58())
-        assert a.digest_of(to_b) == b.digest_of(("delta-wire", sample, 2, "in")) is not None
-        assert a.digest_of(("delta-wire", sample, 0, "in")) is not None
-        assert b.digest_of(("delta-wire", sample, 4, "out", "client")) is not None
+        sample = next(key.sample for key in a._digests if key.adapter == "delta-wire")
+        at_b = ReferenceKey(adapter="delta-wire", sample=sample, boundary=2, sent=False)
+        to_b = replace(at_b, sent=True, peer=chained_pair.peers["b"].peer_id.to_base58())
+        assert a.digest_of(to_b) == b.digest_of(at_b) is not None
+        assert a.digest_of(replace(at_b, boundary=0)) is not None
+        assert b.digest_of(replace(at_b, boundary=4, sent=True, peer=CLIENT)) is not None
 
         loss = model.train_step([dict(input_ids=ids, labels=ids)])
         swarm.RemoteOptimizer(model, **HPARAMS).step()
@@ -149,10 +151,10 @@ def test_training_goes_on_when_the_peer_holding_the_references_is_killed(inproce
             optimizer.step()
         assert model.step == 4 and all(math.isfinite(loss) for loss in losses)
         a = _references(peers["a"])
-        to_survivor = (2, "out", survivor.peer_id.to_base58())
-        sent = [key for key in a._digests if key[0] == "delta-kill" and key[2:] == to_survivor]
+        to = survivor.peer_id.to_base58()
+        sent = [k for k in a._digests if k.adapter == "delta-kill" and k.boundary == 2 and k.sent and k.peer == to]
         assert len(sent) == 2, "both micro-batches went to the survivor after the kill"
         for key in sent:
-            assert _references(survivor).digest_of((*key[:2], 2, "in")) == a.digest_of(key)
+            assert _references(survivor).digest_of(replace(key, sent=False, peer=None)) == a.digest_of(key)
     finally:
         model.shutdown()

@@ -15,13 +15,14 @@ from swarm.client.calls import PeerFailure
 from swarm.client.remote import RemoteStack
 from swarm.client.routing import Hop
 from swarm.net.compression import WireFormat
-from swarm.net.deltas import DeltaBits, DeltaReferences
+from swarm.net.deltas import CLIENT, DeltaBits, DeltaReferences, ReferenceKey
 from swarm.net.errors import MissingReferenceError
 from swarm.net.protocol import ForwardRequest
 from swarm.testing.activations import residual_stream
 
 LAST = PeerID(b"peer-last")
 BITS = DeltaBits(4, 3)
+TO_CLIENT = ReferenceKey(adapter="a", sample="s", boundary=4, sent=True, peer=CLIENT)  # the last peer's
 
 
 class Calls:
@@ -37,7 +38,17 @@ class Calls:
 
 def _request(have: bytes | None, sample: str | None = "s") -> ForwardRequest:
     hidden = torch.zeros(1, 2, 8)
-    return ForwardRequest("a", 0, 2, 0, hidden, None, "mb", "hadamard4d3", sample=sample, have=have)
+    return ForwardRequest(
+        adapter="a",
+        start=0,
+        end=2,
+        step=0,
+        hidden=hidden,
+        micro_batch="mb",
+        compression="hadamard4d3",
+        sample=sample,
+        have=have,
+    )
 
 
 def test_a_chains_answer_as_a_value_a_change_from_the_named_reference_or_a_lie():
@@ -47,18 +58,18 @@ def test_a_chains_answer_as_a_value_a_change_from_the_named_reference_or_a_lie()
     first, second = residual_stream(shape=(1, 8, 256)), residual_stream(seed=2, shape=(1, 8, 256))
     last = Hop(LAST, 2, 4)
 
-    value, sent = peer_side.encode("to client", first, BITS)
+    value, sent = peer_side.encode(TO_CLIENT, first, BITS)
     got = stack._incoming(_request(have=None), last, value)
     assert torch.equal(got, sent) and got.dtype == torch.float32
     have = stack.references.digest_of(stack._key("s", 4, LAST))
     assert have is not None
 
-    change, sent = peer_side.encode("to client", second, BITS)
+    change, sent = peer_side.encode(TO_CLIENT, second, BITS)
     assert change.base == have
     assert torch.equal(stack._incoming(_request(have=have), last, change), sent)
     assert calls.banned == []
 
-    lie, _ = peer_side.encode("to client", first, BITS)  # a change, from a reference the request does not name
+    lie, _ = peer_side.encode(TO_CLIENT, first, BITS)  # a change, from a reference the request does not name
     with pytest.raises(PeerFailure, match="did not name"):
         stack._incoming(_request(have=None), last, lie)
     with pytest.raises(PeerFailure, match="did not name"):
