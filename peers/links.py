@@ -92,7 +92,7 @@ class LinkProber:
         rtt = min([await self._time(peer, PingRequest()) for _ in range(self.pings)])
         size = self.payload.numel()
         try:
-            carried = min([await self._time(peer, PingRequest(self.payload)) for _ in range(2)])
+            carried = min([await self._time(peer, PingRequest(payload=self.payload)) for _ in range(2)])
             bandwidth = size / max(carried - rtt, MIN_SECONDS)
         except (asyncio.TimeoutError, TimeoutError):
             bandwidth = size / PING_TIMEOUT  # at most that

@@ -84,7 +84,7 @@ class PeerClient:
     ) -> GradsByBlock:
         """A replica's gradients of the step (``summed``: its partial sum of each block, or one chunk of it with
         ``chunks``: see ``GradsRequest``); a dead or silent replica just yields nothing (the client replays)."""
-        request = GradsRequest(name, step, wanted, summed, chunk, chunks)
+        request = GradsRequest(adapter=name, step=step, wanted=wanted, summed=summed, chunk=chunk, chunks=chunks)
         try:
             reply = await self.transport.aask(PeerID.from_base58(peer), request, timeout)
         except PEER_ERRORS as e:
@@ -96,7 +96,14 @@ class PeerClient:
         """One chunk of a block's reduced gradient from its reducer (peers/scatter.py), which waits up to ``wait``
         seconds while it is still reducing it; None if it has none, fails or is silent."""
         request = GradsRequest(
-            key.adapter, key.step, {}, True, key.chunk, key.chunks, reduced={key.block: key.groups}, wait=wait
+            adapter=key.adapter,
+            step=key.step,
+            wanted={},
+            summed=True,
+            chunk=key.chunk,
+            chunks=key.chunks,
+            reduced={key.block: key.groups},
+            wait=wait,
         )
         try:
             reply = await self.transport.aask(PeerID.from_base58(reducer), request, timeout)
@@ -124,7 +131,7 @@ class PeerClient:
         altogether (frozen, cut off) is given up within seconds (``PeerFrozenError``), not at ``SYNC_TIMEOUT``: a
         trainer's step waits on the copies made this way. With ``watcher`` (this peer), the source tells it of its
         next commits of these blocks (``peers/pullers.py``)."""
-        request = ExportRequest(name, blocks.start, blocks.stop, held, watcher)
+        request = ExportRequest(adapter=name, start=blocks.start, end=blocks.stop, held=held, watcher=watcher)
         reply = await self.transport.aask(peer, request, timeout=SYNC_TIMEOUT, watch=True)
         try:
             states = unpack_states(reply.index, reply.states)

@@ -138,10 +138,10 @@ def _ask(
     holders = {block: ledger.wire_holders(range(block, block + 1))[block] for block in asked[peer]}
     try:
         request = NormsRequest(
-            calls.adapter,
-            ledger.step,
-            holders,
-            norm_type,
+            adapter=calls.adapter,
+            step=ledger.step,
+            ledger=holders,
+            norm_type=norm_type,
             holder_maddrs=calls.holder_maddrs(holders),
             reducers={block: reducers[block] for block in asked[peer] if block in reducers},
             audit=audit,

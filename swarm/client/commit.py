@@ -196,7 +196,7 @@ class ReplicaSet:
 
         def attempt(peer: PeerID) -> None:
             try:
-                reply = self.calls.ask(peer, RevertRequest(self.calls.adapter, step))
+                reply = self.calls.ask(peer, RevertRequest(adapter=self.calls.adapter, step=step))
             except (PeerFailure, RemoteError) as e:
                 logger.warning("peer %s could not take step %d back: %s", peer, step, e)
                 self.current.forget(peer)
@@ -235,7 +235,9 @@ class ReplicaSet:
                 continue
             self.orphaned.pop(block, None)
             try:
-                reply = self.calls.ask(peer, FastForwardRequest(self.calls.adapter, step, block, block + 1))
+                reply = self.calls.ask(
+                    peer, FastForwardRequest(adapter=self.calls.adapter, step=step, start=block, end=block + 1)
+                )
             except (PeerFailure, RemoteError) as e:
                 logger.warning("could not resume block %d on %s: %s", block, peer, e)
                 continue
@@ -289,7 +291,9 @@ class ReplicaSet:
             stop = min(source_end, span.stop)
             end = next((b for b in range(block, stop) if steps.get(b) == step), stop)  # not what it holds already
             try:
-                reply = self.calls.ask(peer, SyncRequest(self.calls.adapter, source, block, end))
+                reply = self.calls.ask(
+                    peer, SyncRequest(adapter=self.calls.adapter, source=source, start=block, end=end)
+                )
             except RemoteError as e:
                 if e.kind != ErrorKind.SOURCE_UNAVAILABLE:
                     raise
@@ -465,7 +469,7 @@ def _vote(
     unheard = [p for p in applied if p not in votes or not set(applied[p]).issubset(votes[p].digests)]
     for peer in unheard:
         try:
-            votes[peer] = CommitReply({}, calls.ask(peer, DigestRequest(calls.adapter)).digests)
+            votes[peer] = CommitReply({}, calls.ask(peer, DigestRequest(adapter=calls.adapter)).digests)
         except (PeerFailure, RemoteError) as e:
             logger.warning("peer %s could not report its digests of step %d: %s", peer, step, e)
     outvoted: dict[PeerID, int] = {}
@@ -512,10 +516,10 @@ def _tiebreak(
             continue
         holders = ledger.wire_holders(range(block, block + 1))
         request = TieBreakRequest(
-            calls.adapter,
-            step,
-            holders,
-            hparams,
+            adapter=calls.adapter,
+            step=step,
+            ledger=holders,
+            hparams=hparams,
             grad_scale=ledger.grad_scale,
             holder_maddrs=calls.holder_maddrs(holders),
         )
@@ -617,10 +621,10 @@ def _commit_all(
     def attempt(peer: PeerID) -> Outcome:
         holders = ledger.wire_holders(peers[peer])
         request = CommitRequest(
-            calls.adapter,
-            ledger.step,
-            holders,
-            hparams,
+            adapter=calls.adapter,
+            step=ledger.step,
+            ledger=holders,
+            hparams=hparams,
             grad_scale=ledger.grad_scale,
             audit=audit,
             holder_maddrs=calls.holder_maddrs(holders),

@@ -117,7 +117,9 @@ class CopyKeeper:
                 sources[-1] = (range(sources[-1][0].start, block + 1), source)
             else:
                 sources.append((range(block, block + 1), source))
-        request = ReplicateRequest(self.calls.adapter, self.lora, self.seed, step, sources)
+        request = ReplicateRequest(
+            adapter=self.calls.adapter, lora=self.lora, seed=self.seed, step=step, sources=sources
+        )
         try:
             reply = self.calls.ask(holder, request, units=len(blocks))
         except (PeerFailure, RemoteError) as e:

@@ -108,18 +108,18 @@ class SessionChain:
             sent = torch.cat([self.tokens, hidden], dim=1) if fresh else hidden
             first, wire = self.hops[0], self.stack.wire
             request = InferRequest(
-                first.key,
-                first.hop.start,
-                first.hop.end,
-                first.length,
-                self.max_length,
-                wire.cast(sent),
-                mask,
-                self.adapter,
-                self.step(),
-                wire.compression,
-                self.stack.route_of([h.hop for h in self.hops[1:]], Method.INFER, sent),
-                self.stack.autocast,
+                session=first.key,
+                start=first.hop.start,
+                end=first.hop.end,
+                position=first.length,
+                max_length=self.max_length,
+                hidden=wire.cast(sent),
+                mask=mask,
+                adapter=self.adapter,
+                step=self.step(),
+                compression=wire.compression,
+                route=self.stack.route_of([h.hop for h in self.hops[1:]], Method.INFER, sent),
+                autocast=self.stack.autocast,
             )
             try:
                 reply, ran = self.stack.chain_ask([h.hop for h in self.hops], request, sent)
@@ -142,16 +142,16 @@ class SessionChain:
     def _send(self, session: HopSession, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         hop, wire = session.hop, self.stack.wire
         request = InferRequest(
-            session.key,
-            hop.start,
-            hop.end,
-            session.length,
-            self.max_length,
-            wire.cast(hidden),
-            mask,
-            self.adapter,
-            self.step(),
-            wire.compression,
+            session=session.key,
+            start=hop.start,
+            end=hop.end,
+            position=session.length,
+            max_length=self.max_length,
+            hidden=wire.cast(hidden),
+            mask=mask,
+            adapter=self.adapter,
+            step=self.step(),
+            compression=wire.compression,
             autocast=self.stack.autocast,
         )
         units = hidden.shape[0] * hidden.shape[1] * (hop.end - hop.start)
@@ -167,7 +167,7 @@ class SessionChain:
 
     def _end_one(self, session: HopSession) -> None:
         try:
-            self.stack.calls.ask(session.hop.peer_id, EndSessionRequest(session.key))
+            self.stack.calls.ask(session.hop.peer_id, EndSessionRequest(session=session.key))
         except (PeerFailure, RemoteError) as e:  # the peer is gone or busy: its timeout frees the session
             logger.debug("could not end generation session on %s: %s", session.hop.peer_id, e)
 

@@ -167,14 +167,14 @@ class RemoteStack:
     ) -> torch.Tensor:
         wire = self.wire
         request = ForwardRequest(
-            self.adapter,
-            hop.start,
-            hop.end,
-            step,
-            wire.cast(hidden),
-            mask,
-            micro_batch,
-            wire.compression,
+            adapter=self.adapter,
+            start=hop.start,
+            end=hop.end,
+            step=step,
+            hidden=wire.cast(hidden),
+            mask=mask,
+            micro_batch=micro_batch,
+            compression=wire.compression,
             autocast=self.autocast,
         )
         return self._span_ask(hop, request, hidden).outputs.to(hidden.dtype)
@@ -195,16 +195,16 @@ class RemoteStack:
         The ledger learns who holds the gradients from the caller, once the hop's result is chosen."""
         wire = self.wire
         request = BackwardRequest(
-            self.adapter,
-            hop.start,
-            hop.end,
-            ledger.step,
-            micro_batch,
-            wire.cast(grad),
-            None if cached else wire.cast(hidden),
-            mask,
-            input_grad,
-            wire.backward_compression,
+            adapter=self.adapter,
+            start=hop.start,
+            end=hop.end,
+            step=ledger.step,
+            micro_batch=micro_batch,
+            grad=wire.cast(grad),
+            hidden=None if cached else wire.cast(hidden),
+            mask=mask,
+            input_grad=input_grad,
+            compression=wire.backward_compression,
             autocast=self.autocast,
         )
         try:
@@ -302,7 +302,7 @@ class RemoteStack:
         grads = self.reported_grads(peer, step, wanted, hashes)
         if grads is None:
             return False
-        sums = self.calls.ask(peer, GradsRequest(self.adapter, step, wanted, summed=True)).grads
+        sums = self.calls.ask(peer, GradsRequest(adapter=self.adapter, step=step, wanted=wanted, summed=True)).grads
         return all(
             same_bits(sums.get(block, {}).get(SUM, []), partial_sum(grads[block], tuple(mbs)))
             for block, mbs in wanted.items()
@@ -314,7 +314,7 @@ class RemoteStack:
         """The ``wanted`` micro-batch gradients as ``peer`` hands them on (peer to peer, at commit), if every one
         hashes as ``hashes`` (block -> micro-batch -> hash) say it reported; None if some do not or are missing.
         Raises PeerFailure or RemoteError when it does not answer."""
-        grads = self.calls.ask(peer, GradsRequest(self.adapter, step, wanted)).grads
+        grads = self.calls.ask(peer, GradsRequest(adapter=self.adapter, step=step, wanted=wanted)).grads
         for block, mbs in wanted.items():
             for mb in mbs:
                 held = grads.get(block, {}).get(mb)
@@ -622,18 +622,18 @@ class RemoteStack:
             last = hops[-1]
             have = None if sample is None else self.references.digest_of(self._key(sample, last.end, last.peer_id))
             request = ForwardRequest(
-                self.adapter,
-                first.start,
-                first.end,
-                step,
-                self._outgoing(sample, block, wire.cast(hidden), first.peer_id),
-                mask,
-                micro_batch,
-                wire.compression,
-                route,
-                self.autocast,
-                sample,
-                have,
+                adapter=self.adapter,
+                start=first.start,
+                end=first.end,
+                step=step,
+                hidden=self._outgoing(sample, block, wire.cast(hidden), first.peer_id),
+                mask=mask,
+                micro_batch=micro_batch,
+                compression=wire.compression,
+                route=route,
+                autocast=self.autocast,
+                sample=sample,
+                have=have,
             )
             try:
                 reply, ran = self.chain_ask(hops, request, hidden)
@@ -699,18 +699,18 @@ class RemoteStack:
             route = self.route_of(hops[1:], Method.BACKWARD, grad)
             last = hops[0]
             request = BackwardRequest(
-                self.adapter,
-                last.start,
-                last.end,
-                ledger.step,
-                micro_batch,
-                self.wire.cast(grad),
-                None,
-                mask,
-                input_grad,
-                self.wire.backward_compression,
-                route,
-                self.autocast,
+                adapter=self.adapter,
+                start=last.start,
+                end=last.end,
+                step=ledger.step,
+                micro_batch=micro_batch,
+                grad=self.wire.cast(grad),
+                hidden=None,
+                mask=mask,
+                input_grad=input_grad,
+                compression=self.wire.backward_compression,
+                route=route,
+                autocast=self.autocast,
             )
             try:
                 reply, ran = self.chain_ask(hops, request, grad)

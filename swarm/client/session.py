@@ -214,7 +214,7 @@ class AdapterSession:
         """LoRA tensors of every block, from live replicas at the current step."""
         bare = blocks_without_lora(lora_config_from_wire(self.adapter.lora), self.spec)
         state: dict[int, dict[str, torch.Tensor]] = {block: {} for block in bare}
-        for _, span, reply in self._each_block(StateRequest(self.adapter.name)):
+        for _, span, reply in self._each_block(StateRequest(adapter=self.adapter.name)):
             for block, tensors in reply.state.items():
                 if block in span:  # a peer handing blocks over may still hold them, not current any more
                     state.setdefault(block, {}).update(tensors)
@@ -230,7 +230,7 @@ class AdapterSession:
     def replica_digests(self) -> dict[int, dict[PeerID, str]]:
         """Per block, the state digest each live replica reports: equal digests mean identical replicas."""
         digests: dict[int, dict[PeerID, str]] = {}
-        for peer, span, reply in self._each_block(DigestRequest(self.adapter.name)):
+        for peer, span, reply in self._each_block(DigestRequest(adapter=self.adapter.name)):
             for block, digest in reply.digests.items():
                 if block in span:
                     digests.setdefault(block, {})[peer] = digest
@@ -363,8 +363,14 @@ def _opener(
     session id (a reader) it claims nothing. The request pins the base weights: a peer with others refuses it."""
 
     def open_on(peer_id: PeerID) -> tuple[dict[int, int], dict[int, int]]:
-        weights = dict(calls.router.weights)
-        reply = calls.ask(peer_id, OpenRequest(adapter.name, adapter.lora, adapter.seed, session_id, weights))
+        request = OpenRequest(
+            adapter=adapter.name,
+            lora=adapter.lora,
+            seed=adapter.seed,
+            session=session_id,
+            weights=dict(calls.router.weights),
+        )
+        reply = calls.ask(peer_id, request)
         return reply.steps, reply.standby
 
     return open_on

@@ -43,7 +43,7 @@ class UnservedNotice:
         self.sent = {k: t for k, t in self.sent.items() if now - t < self.every}
         self.sent[key] = now
         self.notices += 1
-        request = UnservedRequest(self.model, list(key))
+        request = UnservedRequest(model=self.model, blocks=list(key))
         peers = self.router.live_servers(eligible_only=False)
         logger.info("blocks %s have no live server: telling %d live peer(s) to look now", list(key), len(peers))
         for peer in peers:

@@ -394,7 +394,7 @@ def _span_tensors(message: Message, leading: int) -> tuple[list[torch.Tensor], t
 # --- hello, info, ping, reachable: any node -----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HelloRequest(Request):
     """Who are you? Unauthenticated, so a newcomer tells 'private swarm' or 'wrong key' from other failures."""
 
@@ -407,7 +407,7 @@ class HelloReply(Reply):
     key_id: str | None = wire(optional(read_str), default=None)  # of the swarm key, when private
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class InfoRequest(Request):
     method: ClassVar[str] = Method.INFO
 
@@ -553,7 +553,7 @@ def read_maddrs(meta: dict, key: str) -> list[str]:
     return maddrs
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReachableRequest(Request):
     """Can you dial ``peer`` back at ``maddrs``? Or, for a peer behind NAT (``relayed``): will you pass requests
     on to it?"""
@@ -566,7 +566,7 @@ class ReachableRequest(Request):
     @classmethod
     def from_meta(cls, meta: dict) -> ReachableRequest:
         request = cls(**cls.read_meta(meta))
-        return request if request.relayed else cls(request.peer, read_maddrs(meta, "maddrs"))
+        return request if request.relayed else cls(peer=request.peer, maddrs=read_maddrs(meta, "maddrs"))
 
 
 @dataclass(frozen=True)
@@ -576,7 +576,7 @@ class ReachableReply(Reply):
     refused: bool = wire(read_bool, default=False)  # a relay that relays for nobody: asking again changes nothing
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PingRequest(Request):
     """Answered at once on the event loop, never behind compute: timed empty it is a link's round trip, timed with
     ``payload`` (bytes, at most ``MAX_PING_BYTES``) it tells how fast activations reach this node. Tensors:
@@ -601,7 +601,7 @@ class PingRequest(Request):
             raise PayloadTooLargeError(
                 f"a ping's payload may carry at most {MAX_PING_BYTES} bytes, got {payload.numel()}"
             )
-        return cls(payload)
+        return cls(payload=payload)
 
 
 @dataclass(frozen=True)
@@ -617,7 +617,7 @@ def read_weights(meta: dict, key: str) -> dict[int, str]:
     return {} if meta.get(key) is None else by_blocks(_string, "digest")(meta, key)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OpenRequest(Request):
     """Open an adapter (created with the deterministic init if new, else checked to match); a session claims it."""
 
@@ -659,7 +659,7 @@ class HiddenRequest(Request):
         return cls(**fields_, hidden=_read_hidden(message, hidden), mask=mask)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ForwardRequest(HiddenRequest):
     """Through blocks [start, end) of an adapter at a step. Tensors: [hidden, mask?]. One with a micro-batch id keeps
     its graph and its input for the backward; one without is an evaluation. With a ``route``, the peer passes its
@@ -686,7 +686,7 @@ class ForwardRequest(HiddenRequest):
         return range(self.start, self.end)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BackwardRequest(Request):
     """Self-contained, so any replica can serve it. Tensors: [hidden?, grad, mask?]. One to the peer that ran the
     forward leaves the hidden states out (it kept them); one whose input gradient nobody needs (the first span: the
@@ -896,7 +896,7 @@ def read_wait(meta: dict, key: str) -> float:
     return float(value)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CommitRequest(Request):
     """Commit a step on the blocks of ``ledger`` (block -> {micro-batch id: the peer holding its gradients, and
     their hash}) with the optimizer's hyper-parameters in effect."""
@@ -928,7 +928,7 @@ def read_norm_type(meta: dict, key: str) -> float:
     return float(value)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NormsRequest(Request):
     """Each block's share of the step's gradient norm over the micro-batches of ``ledger`` (as for a commit: the
     peer fetches those it lacks): ``sum |g|^p`` of the summed gradient, or ``max |g|`` for ``norm_type`` inf. For
@@ -978,7 +978,7 @@ class CommitReply(StepsReply):
     digests: dict[int, str] = wire(by_blocks(_string, "digest"), by_block)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RevertRequest(Request):
     """Take ``step`` back: state, moments and gradients as before it was applied."""
 
@@ -990,7 +990,7 @@ class RevertRequest(Request):
 # --- peer to peer: gradients, state, copies ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GradsRequest(Request):
     """The gradients of these micro-batches (block -> micro-batch ids) at a step, for a replica that lacks them. With
     ``summed``, each block's micro-batches summed in sorted order, under the key ``SUM``: the holder's partial sum of
@@ -1062,7 +1062,7 @@ class GradsReply(Reply):
         return cls(grads)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExportRequest(Request):
     """The state of blocks [start, end) (served or standby). With ``held`` (block -> the step of the asker's copy),
     the last update of served blocks held one step behind instead of their whole state. With ``watcher``, the asker
@@ -1115,7 +1115,7 @@ class ExportReply(Reply):
         return cls(**cls.read_meta(message.meta), states=states, updates=updates)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SyncRequest(Request):
     """Pull the state of blocks [start, end) from ``source``, a current copy, so this peer can serve them again."""
 
@@ -1130,7 +1130,7 @@ class SyncRequest(Request):
         return range(self.start, self.end)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StateRequest(Request):
     """Every LoRA tensor of the adapter's blocks here, for the client's adapter export."""
 
@@ -1167,7 +1167,7 @@ class StateReply(Reply):
         return cls(state)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DigestRequest(Request):
     """A hash of each block's state, to check that replicas are identical."""
 
@@ -1180,7 +1180,7 @@ class DigestReply(Reply):
     digests: dict[int, str] = wire(by_blocks(_string, "digest"), by_block)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TieBreakRequest(CommitRequest):
     """Two replicas of blocks disagree on a commit: apply its ledger to the standby copies held here (at ``step``;
     the gradients fetched from the ledger's holders) and report the digests (``DigestReply``). Nothing is kept."""
@@ -1188,7 +1188,7 @@ class TieBreakRequest(CommitRequest):
     method: ClassVar[str] = Method.TIEBREAK
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FastForwardRequest(Request):
     """No current copy of blocks [start, end) survived anywhere: declare the one held here current at ``step``."""
 
@@ -1211,7 +1211,7 @@ class FastForwardReply(Reply):
     lost: dict[int, int] = wire(read_steps, by_block)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True)  # positional until peers/daemon.py's one construction names its fields: then kw_only
 class CommittedRequest(Request):
     """A notice to a standby holder: ``source``, a server of these blocks, applied ``steps`` (block -> step)."""
 
@@ -1227,7 +1227,7 @@ class CommittedRequest(Request):
         return adapter_meta(self.lora, self.seed)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class UnservedRequest(Request):
     """A client found no live server of ``blocks`` of ``model``: a hint to hold a balance round now (a peer checks
     the swarm itself before it moves), so that a block whose servers all died is taken over in a second, not at the
@@ -1269,7 +1269,7 @@ def write_sources(sources: list[tuple[range, PeerID]]) -> list[list]:
     return [[blocks.start, blocks.stop, peer.to_base58()] for blocks, peer in sources]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReplicateRequest(Request):
     """Hold a copy of blocks' state at ``step``, pulled from the named sources (block range, replica), before the
     trainer acknowledges the step. The reply's steps are the standby copies held."""
@@ -1289,7 +1289,7 @@ class ReplicateRequest(Request):
 # --- generation ---------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class InferRequest(HiddenRequest):
     """Generation: the hidden states of new tokens through blocks [start, end) in ``session``, which holds the keys
     and values of ``position`` tokens already. The first request (position 0) opens the session with room for
@@ -1316,7 +1316,7 @@ class InferRequest(HiddenRequest):
         return range(self.start, self.end)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EndSessionRequest(Request):
     """Free a generation session's keys and values now (an idle one expires anyway)."""
 

@@ -88,7 +88,7 @@ async def check_direct(
         mine = [str(m) for m in await temp.get_visible_maddrs(latest=True)]
         mine = [m for m in mine if not is_loopback(m)] or mine
         transport = Transport(temp, swarm_key)
-        question = ReachableRequest(temp.peer_id, maddrs=mine)
+        question = ReachableRequest(peer=temp.peer_id, maddrs=mine)
         replies = [await _ask(transport, checker, question) for checker in initial_peers]
     finally:
         await temp.shutdown()
@@ -105,7 +105,7 @@ async def verify_relayed(
     may still be coming up, but not a relay that refused (``swarm dht --no-relay``)."""
     deadline, asking = time.monotonic() + timeout, list(relays)
     while True:
-        question = ReachableRequest(me, relayed=True)
+        question = ReachableRequest(peer=me, relayed=True)
         replies = {relay: await _ask(transport, relay, question) for relay in asking}
         working = [relayed_maddr(relay, me) for relay, reply in replies.items() if reply and reply.reachable]
         asking = [relay for relay, reply in replies.items() if reply is None or not reply.refused]

@@ -57,11 +57,11 @@ def test_ping_refuses_an_oversized_payload_and_the_peer_serves_on(inprocess_swar
     transport = Transport.for_dht(dht)
     try:
         assert transport.ask(peer.peer_id, PingRequest(), 10).received == 0
-        oversized = PingRequest(torch.zeros(MAX_PING_BYTES + 1, dtype=torch.uint8))
+        oversized = PingRequest(payload=torch.zeros(MAX_PING_BYTES + 1, dtype=torch.uint8))
         with pytest.raises(RemoteError, match=f"at most {MAX_PING_BYTES} bytes") as refused:
             transport.ask(peer.peer_id, oversized, 30)
         assert refused.value.kind == ErrorKind.TOO_LARGE
-        largest = PingRequest(torch.zeros(MAX_PING_BYTES, dtype=torch.uint8))
+        largest = PingRequest(payload=torch.zeros(MAX_PING_BYTES, dtype=torch.uint8))
         assert transport.ask(peer.peer_id, largest, 30).received == MAX_PING_BYTES
         assert peer.alive and transport.ask(peer.peer_id, InfoRequest(), 10).state == "online"
     finally:

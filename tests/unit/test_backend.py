@@ -319,7 +319,11 @@ def test_generation_runs_under_the_clients_autocast(tiny_models):
     hidden = torch.randn(1, 5, backend.spec.hidden_size, generator=torch.Generator().manual_seed(0))
 
     def infer(session: str, autocast: str | None) -> torch.Tensor:
-        return backend.infer(InferRequest(session, 0, 2, 0, 8, hidden, autocast=autocast), hidden, None)
+        return backend.infer(
+            InferRequest(session=session, start=0, end=2, position=0, max_length=8, hidden=hidden, autocast=autocast),
+            hidden,
+            None,
+        )
 
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         local = backend.run(hidden, None, range(0, 2)).float()

@@ -62,13 +62,15 @@ def test_the_ledger_keeps_holder_and_hash_and_the_commit_carries_both():
         0: {first: Held(PEER.to_base58(), "a" * 64), second: Held(OTHER.to_base58(), "c" * 64)},
         1: {first: Held(PEER.to_base58(), "b" * 64)},
     }
-    request = protocol.CommitRequest("run", 3, holders, HPARAMS)
+    request = protocol.CommitRequest(adapter="run", step=3, ledger=holders, hparams=HPARAMS)
     received = read_request(decode(encode(request.to_message())))
     assert received.ledger == holders and received.micro_batches() == {0: sorted([first, second]), 1: [first]}
 
 
 def test_a_ledger_entry_is_a_peer_id_or_peer_and_hash_nothing_else():
-    meta = protocol.CommitRequest("run", 3, {0: {"mb": Held(PEER.to_base58())}}, HPARAMS).to_meta()
+    meta = protocol.CommitRequest(
+        adapter="run", step=3, ledger={0: {"mb": Held(PEER.to_base58())}}, hparams=HPARAMS
+    ).to_meta()
     assert read_request(Message(meta, [])).ledger == {0: {"mb": Held(PEER.to_base58())}}  # no hash: not checked
     for entry in ([PEER.to_base58()], [PEER.to_base58(), "xyz"], ["", "0" * 64], [PEER.to_base58(), "0" * 64, 1], 7):
         with pytest.raises(RequestError, match="ledger"):

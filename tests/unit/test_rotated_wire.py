@@ -257,7 +257,9 @@ def test_random_garbage_decodes_or_is_refused():
 
 
 def test_requests_may_ask_for_the_new_modes():
-    request = protocol.ForwardRequest("run", 0, 2, 3, torch.randn(1, 4, 8), compression="hadamard3sr")
+    request = protocol.ForwardRequest(
+        adapter="run", start=0, end=2, step=3, hidden=torch.randn(1, 4, 8), compression="hadamard3sr"
+    )
     parts = encode(request.to_message())
     assert protocol.read_request(decode(parts)).compression == "hadamard3sr"
     with pytest.raises(ValueError, match="compression"):
