@@ -1,8 +1,10 @@
 """The package layout's rules, read from the source: imports point one way and no two modules import each other.
 
-    swarm.net  <-  swarm (spec, blocks, gguf)  <-  swarm.client, peers  <-  swarm.ops  <-  swarm.testing
+    swarm.net  <-  swarm/*.py (spec, blocks, gguf, ...)  <-  swarm.client, peers  <-  swarm.ops  <-  swarm.testing
 
-Every import counts, also those inside functions and under ``TYPE_CHECKING``: a lazy import is still an arrow.
+A layer is a package (a folder: its modules and its subfolders'), or ``TOP``: the modules at swarm/'s own level, which
+are no package of their own. Every import counts, also those inside functions and under ``TYPE_CHECKING``: a lazy
+import is still an arrow.
 """
 
 from __future__ import annotations
@@ -11,16 +13,19 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYERS = {  # package -> the packages it may import (itself included)
+FACADE, COMMAND = "swarm", "swarm.__main__"  # swarm/__init__.py and swarm/__main__.py, each a layer of its own
+TOP = "swarm/*.py"  # the model folder and one block, which both sides use
+PACKAGES = ("swarm.net", "swarm.client", "swarm.ops", "swarm.testing", "peers")  # the folders
+LAYERS = {  # layer -> the layers it may import (itself included)
     "swarm.net": {"swarm.net"},
-    "swarm.core": {"swarm.net", "swarm.core"},
-    "swarm.client": {"swarm.net", "swarm.core", "swarm.client"},
-    "peers": {"swarm.net", "swarm.core", "peers"},
-    "swarm.ops": {"swarm.net", "swarm.core", "swarm.client", "peers", "swarm.ops"},
-    "swarm.testing": {"swarm.net", "swarm.core", "swarm.client", "peers", "swarm.ops", "swarm.testing"},
+    TOP: {"swarm.net", TOP},
+    "swarm.client": {"swarm.net", TOP, "swarm.client"},
+    "peers": {"swarm.net", TOP, "peers"},
+    "swarm.ops": {"swarm.net", TOP, "swarm.client", "peers", "swarm.ops"},
+    "swarm.testing": {"swarm.net", TOP, "swarm.client", "peers", "swarm.ops", "swarm.testing"},
     # the facade: the errors at once, the client's names on first use
-    "swarm": {"swarm.net", "swarm.core", "swarm.client"},
-    "swarm.__main__": {"swarm.ops"},
+    FACADE: {"swarm.net", TOP, "swarm.client"},
+    COMMAND: {"swarm.ops"},
 }
 
 
@@ -29,15 +34,13 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def package_of(module: str) -> str:
-    if module in ("swarm", "swarm.__main__"):
+def layer_of(module: str) -> str:
+    if module in (FACADE, COMMAND):
         return module
-    for package in ("swarm.net", "swarm.client", "swarm.ops", "swarm.testing"):
+    for package in PACKAGES:
         if module == package or module.startswith(package + "."):
             return package
-    if module == "peers" or module.startswith("peers."):
-        return "peers"
-    return "swarm.core"  # swarm.spec, swarm.blocks, swarm.gguf
+    return TOP  # swarm.spec, swarm.blocks, swarm.gguf, ...
 
 
 def our_modules() -> dict[str, Path]:
@@ -67,7 +70,7 @@ def forbidden_arrows(graph: dict[str, set[str]]) -> list[str]:
         f"{module} -> {target}"
         for module, targets in graph.items()
         for target in targets
-        if target != "swarm" and package_of(target) not in LAYERS[package_of(module)]
+        if target != FACADE and layer_of(target) not in LAYERS[layer_of(module)]
     )
 
 
@@ -91,6 +94,18 @@ def find_cycles(graph: dict[str, set[str]]) -> list[str]:
     return cycles
 
 
+def test_the_layers_are_the_trees_folders_and_swarms_own_modules():
+    """Every layer but ``TOP`` and the two entry points is a folder of the tree, and every folder of modules is in
+    one (its top folder: peers/ or one below swarm/); ``TOP`` holds only files at swarm/'s own level. So no layer is a
+    package that does not exist, and a new folder cannot fall into ``TOP`` unnoticed."""
+    modules = our_modules()
+    folders = {path.parent.relative_to(ROOT).parts for path in modules.values()} - {("swarm",)}
+    assert {".".join(folder[: 1 if folder[0] == "peers" else 2]) for folder in folders} == set(PACKAGES)
+    assert set(LAYERS) == {*PACKAGES, TOP, FACADE, COMMAND}
+    top = {name: path for name, path in modules.items() if layer_of(name) == TOP}
+    assert "swarm.spec" in top and all(path.parent == ROOT / "swarm" for path in top.values()), top
+
+
 def test_every_import_points_down_the_layers():
     wrong = forbidden_arrows(import_graph())
     assert wrong == [], "imports against the layers:\n" + "\n".join(wrong)
@@ -99,12 +114,12 @@ def test_every_import_points_down_the_layers():
 def test_no_module_of_the_net_layer_or_the_peers_imports_the_facade():
     """``import swarm`` from a peer would be harmless today (the facade is lazy) but is an arrow up all the same."""
     graph = import_graph()
-    wrong = [m for m, targets in graph.items() if "swarm" in targets and package_of(m) in ("swarm.net", "peers")]
+    wrong = [m for m, targets in graph.items() if FACADE in targets and layer_of(m) in ("swarm.net", "peers")]
     assert wrong == []
 
 
 def test_there_is_no_import_cycle():
-    graph = {module: {t for t in targets if t != "swarm"} for module, targets in import_graph().items()}
+    graph = {module: {t for t in targets if t != FACADE} for module, targets in import_graph().items()}
     cycles = find_cycles(graph)
     assert cycles == [], "import cycles:\n" + "\n".join(cycles)
 
