@@ -38,6 +38,7 @@ from peers.replication import Replicator, StandbyPolicy
 from peers.service import InfoDoors, PeerHooks, PeerService
 from swarm.blocks import spans_text
 from swarm.hub import resolve_model
+from swarm.memory import MemoryInputs, ModelShape, default_num_blocks
 from swarm.net.deltas import DeltaReferences
 from swarm.net.errors import PEER_ERRORS, IdentityInUseError, SwarmAccessError
 from swarm.net.network import check_access, join_dht, load_swarm_key
@@ -149,31 +150,26 @@ def measure_throughput(backend: SpanBackend, tokens: int = 128) -> float:
 
 
 def blocks_that_fit(spec: ModelSpec, config: PeerConfig) -> int:
-    """How many blocks fit in 80% of the device's free memory (base weights, plus a margin for LoRA and
-    activations): the default span length when neither --blocks nor --num-blocks is given."""
+    """The default span length when neither --blocks nor --num-blocks is given: the longest span whose memory, as
+    swarm/memory.py counts it at a default load (micro-batches of 2048 tokens in flight, LoRA r=16 on all seven
+    projections), fits in the device's free memory."""
     from swarm.blocks import DTYPES
 
-    c = spec.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim  # Qwen3: q wider than hidden
-    params = 2 * c.hidden_size * q + 2 * c.hidden_size * kv + 3 * c.hidden_size * c.intermediate_size
-    per_param = QUANT_BYTES.get(config.quant_mode, torch.finfo(DTYPES[config.dtype]).bits / 8)
-    block_bytes = params * per_param
-    experts = getattr(c, "num_local_experts", 0) or 0
-    if experts:  # Mixtral / Qwen3-MoE: a sparse block's experts and router, bare parameters that stay unquantized
-        width = getattr(c, "moe_intermediate_size", None) or c.intermediate_size  # Mixtral's: an expert's width
-        attention = params - 3 * c.hidden_size * c.intermediate_size
-        sparse = (
-            attention * per_param
-            + experts * (3 * width + 1) * c.hidden_size * torch.finfo(DTYPES[config.dtype]).bits / 8
-        )
-        block_bytes = max(block_bytes, sparse)
     if config.device.startswith("cuda"):
         free = torch.cuda.mem_get_info(torch.device(config.device))[0]
     else:
         free = psutil.virtual_memory().available
-    fit = int(0.8 * free / (1.25 * block_bytes))
-    return max(1, min(spec.num_blocks, fit))
+    case = MemoryInputs(
+        shape=ModelShape.from_config(spec.config.to_dict()),
+        quant=config.quant_mode,
+        dtype_bytes=torch.finfo(DTYPES[config.dtype]).bits // 8,
+        standby_blocks=config.standby_blocks,
+        replication=config.replication,
+        cache_bytes=config.activation_cache_mb << 20,
+        inference_bytes=config.max_inference_mb << 20,
+        on_host=not config.device.startswith("cuda"),
+    )
+    return default_num_blocks(case, free)
 
 
 @dataclass

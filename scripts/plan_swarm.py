@@ -8,6 +8,7 @@ It places spans as the balancer would (peers/balancer.py ``choose_span``, then `
 each link carries per step with the functions that size the real messages, plays the step out with the simulation's
 step model (swarm/testing/steps.py) plus transfers, and prints the step and its parts against the same GPUs in one box,
 before (per-micro-batch gradient exchange) and after (one reduction per step). See swarm/planning.py for the model.
+A peer's memory, part by part, and the span it takes by default come from swarm/memory.py (issue 57).
 
 The GPUs' speed is not measured (no GPU was lent): peak dense bf16 tensor TFLOPS from NVIDIA's whitepapers
 (``swarm.planning.GPUS``) times an assumed utilisation (``--utilisation``, default 0.4), turned into seconds of a
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,35 +28,45 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from peers.balancer import Snapshot, choose_span, choose_standby, next_move  # noqa: E402
+from swarm.memory import (  # noqa: E402
+    ACTIVATION_CACHE_MB,
+    CUDA_CONTEXT_GIB,
+    DEFAULT_IN_FLIGHT,
+    DEFAULT_MICRO_BATCHES,
+    DEFAULT_TOKENS,
+    FREE_SHARE,
+    GIB,
+    MAX_INFERENCE_MB,
+    Breakdown,
+    Lora,
+    MemoryInputs,
+    breakdown,
+    card_free_bytes,
+    default_num_blocks,
+    load_shape,
+    lora_params,
+    tokens_in_flight_bound,
+)
 from swarm.net.compression import WireFormat  # noqa: E402
 from swarm.planning import (  # noqa: E402
-    ACTIVATIONS,
     CLIENT,
     CONFIGS,
     GPUS,
     UTILISATION,
     Gpu,
     Link,
-    Lora,
     Network,
     Rules,
     activation_bytes,
     block_forward_seconds,
     block_grad_bytes,
-    block_memory,
-    blocks_that_fit,
     chains_of,
-    daemon_num_blocks,
     in_flight_for,
     lanes_of,
-    load_shape,
-    lora_params,
-    peak_bytes,
     peer_names,
     place,
     plan_step,
     servers_of,
-    usable_bytes,
 )
 
 RULES = Rules(choose_span, next_move, choose_standby, Snapshot)
@@ -67,6 +79,18 @@ WIRES = {
     "hadamard4d3": WireFormat(compression="hadamard4d3"),  # a sample's later passes: 3-bit changes, 4-bit gradients
 }
 MB = 1e6
+PARTS = {  # what each part of a peer's memory is (swarm/memory.py ``Breakdown``)
+    "weights": "base weights",
+    "adapters": "LoRA + AdamW moments (fp32)",
+    "grads": "micro-batch LoRA gradients: this step's, and the last step's kept for an undo",
+    "block_inputs": "block inputs of the micro-batches in flight (the activation cache, bounded)",
+    "graph": "one block's graph of one micro-batch (per-block recompute)",
+    "workspace": "the backward's temporaries and one dequantized weight",
+    "inference": "generation sessions (--max-inference-mb, only while generating)",
+    "span_inputs": "span inputs kept until the step commits",
+    "standby": "standby copies (state and the state before)",
+    "applied": "state before the last apply, its update, fetched partial sums",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -82,13 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quant", choices=["nf4", "int8", "none"], default="nf4")
     p.add_argument("--replication", type=int, default=2, help="the peers' --replication R")
     p.add_argument("--num-blocks", type=int, help="span length (default: ceil(R x blocks / GPUs), if it fits)")
-    p.add_argument(
-        "--activations",
-        choices=ACTIVATIONS,
-        default="block",
-        help="block: one block's graph at a time (recompute per block, NOT what peers/backend.py does);\n"
-        "span: the whole span's graph of a micro-batch at once (peers/backend.py today)",
-    )
+    p.add_argument("--activation-cache-mb", type=int, default=ACTIVATION_CACHE_MB, help="the peers' bound")
+    p.add_argument("--max-inference-mb", type=int, default=MAX_INFERENCE_MB, help="the peers' bound")
     p.add_argument("--micro-batches", type=int, default=16)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=2048)
@@ -115,6 +134,27 @@ def mb(nbytes: float) -> str:
     return f"{nbytes / MB:,.1f}"
 
 
+def print_memory(memory: Breakdown, case: MemoryInputs, span_len: int, why: str, memory_gib: float) -> None:
+    """A peer's memory by part (swarm/memory.py), and its margin under the card's size."""
+    used = memory.device + CUDA_CONTEXT_GIB * GIB
+    print(
+        f"\nMemory per GPU (swarm/memory.py), span {span_len} ({why}), {case.tokens} tokens a micro-batch, "
+        f"{case.in_flight} micro-batches in flight through a peer, {case.micro_batches} a step, "
+        f"{case.standby} standby copies:\n"
+    )
+    print("| part | GiB | what |")
+    print("|---|---|---|")
+    for name, nbytes in memory.parts().items():
+        where = " (host memory)" if name in Breakdown.HOST else ""
+        print(f"| {name} | {nbytes / GIB:.2f} | {PARTS[name]}{where} |")
+    print(f"| CUDA context | {CUDA_CONTEXT_GIB:.2f} | in use before a peer loads |")
+    print(
+        f"| **on the GPU** | **{used / GIB:.2f}** | of {memory_gib:g} GiB: margin {memory_gib - used / GIB:.2f} GiB "
+        f"(the default span keeps {1 - FREE_SHARE:.0%} of the free memory spare) |"
+    )
+    print(f"| host memory | {memory.host / GIB:.2f} | beside the GPU's |")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     shape = load_shape(args.config)
@@ -124,17 +164,33 @@ def main(argv: list[str] | None = None) -> None:
     tokens, L, R, M = args.batch * args.seq, shape.layers, args.replication, args.micro_batches
     wire, dtype = WIRES[args.wire], torch.bfloat16
 
-    memory = block_memory(shape, lora, args.quant, M, R, tokens)
-    fits = {policy: blocks_that_fit(memory, gpu.memory_gib, policy, L) for policy in ACTIVATIONS}
-    default_span = daemon_num_blocks(shape, gpu.memory_gib, args.quant)
+    in_flight = args.in_flight or in_flight_for(args.gpus)
+    free = card_free_bytes(gpu.memory_gib)
+    case = MemoryInputs(
+        shape,
+        args.quant,
+        dtype_bytes=2,  # bf16 compute, a CUDA peer's default
+        lora=lora,
+        tokens=tokens,
+        in_flight=math.ceil(in_flight / R),  # the client's micro-batches in flight, over R pipelines
+        micro_batches=M,
+        replication=R,
+        cache_bytes=args.activation_cache_mb << 20,
+        inference_bytes=args.max_inference_mb << 20,
+    )
+    fits = default_num_blocks(case, free)
+    default_load = replace(
+        case, tokens=DEFAULT_TOKENS, in_flight=DEFAULT_IN_FLIGHT, micro_batches=DEFAULT_MICRO_BATCHES
+    )
+    default_span = default_num_blocks(default_load, free)
     even = math.ceil(R * L / args.gpus)  # R copies spread evenly: what an operator passes as --num-blocks
-    span_len = args.num_blocks or min(fits[args.activations] or 1, even)
+    span_len = args.num_blocks or min(fits, even)
     why = "told" if args.num_blocks else f"ceil({R} x {L} / {args.gpus})" if span_len == even else "what fits"
+    sized = replace(case, blocks=span_len)
     peers = peer_names(args.gpus)
     spans = place(RULES, peers, L, span_len, R, seed=args.seed)
     chains = chains_of(spans, L)
     servers = servers_of(spans, L)
-    in_flight = args.in_flight or in_flight_for(len(peers))
     block_s = block_forward_seconds(shape, lora, tokens, args.seq, gpu, args.utilisation)
     act = activation_bytes(shape, args.batch, args.seq, wire, dtype)
     grad_act = activation_bytes(shape, args.batch, args.seq, wire, dtype, backward=True)
@@ -156,18 +212,10 @@ def main(argv: list[str] | None = None) -> None:
         f"{lora_params(shape, lora):,} params a block; G (fp32 gradient) {mb(g_block)} MB a block"
     )
     print(
-        f"- memory a block: weights {mb(memory.weights)} MB, LoRA + AdamW {mb(memory.lora_state)} MB, gradients "
-        f"kept to the commit {mb(memory.kept_grads)} MB, saved activations {mb(memory.saved)} MB a micro-batch; "
-        f"usable {usable_bytes(gpu.memory_gib) / 2**30:.2f} GiB a GPU"
-    )
-    print(
-        f"- blocks a GPU: {fits['block']} with per-block recompute, {fits['span']} with the whole span's graph "
-        f"(peers/backend.py today); the daemon's default --num-blocks {default_span} (weights x 1.25 only)"
-    )
-    print(
-        f"- span length {span_len} ({why}): peak "
-        f"{peak_bytes(memory, span_len, args.activations) / 2**30:.1f} GiB with {args.activations} activations, "
-        f"{peak_bytes(memory, span_len, 'span') / 2**30:.1f} GiB as peers/backend.py runs it today"
+        f"- memory: the longest span that fits this load is {fits} blocks; the daemon's default --num-blocks "
+        f"{default_span} ({DEFAULT_IN_FLIGHT} micro-batches of {DEFAULT_TOKENS} tokens in flight, "
+        f"{DEFAULT_MICRO_BATCHES} a step); a peer of {span_len} blocks keeps at most "
+        f"{tokens_in_flight_bound(sized, free):,} tokens in flight with every block input on the GPU"
     )
     lanes, chunk = lanes_of(act)
     print(
@@ -175,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{lanes} lanes of {chunk // 1024} KiB; "
         f"{M} micro-batches, {in_flight} in flight, chained"
     )
+    print_memory(breakdown(sized), sized, span_len, why, gpu.memory_gib)
     print("\nPlacement (peers/balancer.py `choose_span`, then `next_move` rounds):\n")
     print("| peer | span | blocks |")
     print("|---|---|---|")

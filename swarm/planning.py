@@ -1,20 +1,19 @@
 """A swarm on paper: where its spans go, what each link carries in a training step, and how long the step takes
 against the same GPUs in one box (``scripts/plan_swarm.py`` prints it). Nothing here measures anything.
 
-Every number comes from the code where the code has one: the NF4 layout bitsandbytes stores, the daemon's
-``--num-blocks`` rule (peers/daemon.py), the balancer's placement (peers/balancer.py), the wire format's bytes per
-value (swarm/net/compression.py), message payloads (swarm/net/message.py), lanes (swarm/net/lanes.py), the client's
-micro-batches in flight (swarm/client/routing.py) and the simulation's step model (swarm/testing/steps.py). The
-GPUs' speeds are not measured: a stated table of peak dense bf16 tensor TFLOPS (NVIDIA's whitepapers) times an
-assumed utilisation. The balancer's rules and the step model live above this module in the package layout
-(tests/unit/test_layout.py), so callers hand them in as ``Rules``.
+Every number comes from the code where the code has one: a peer's memory and its default span (swarm/memory.py),
+the balancer's placement (peers/balancer.py), the wire format's bytes per value (swarm/net/compression.py), message
+payloads (swarm/net/message.py), lanes (swarm/net/lanes.py), the client's micro-batches in flight
+(swarm/client/routing.py) and the simulation's step model (swarm/testing/steps.py). The GPUs' speeds are not
+measured: a stated table of peak dense bf16 tensor TFLOPS (NVIDIA's whitepapers) times an assumed utilisation. The
+balancer's rules and the step model live above this module in the package layout (tests/unit/test_layout.py), so
+callers hand them in as ``Rules``.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import json
 import math
 import random
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -24,14 +23,13 @@ from typing import NamedTuple
 
 import torch
 
+from swarm.memory import Lora, ModelShape, lora_params, lora_tensors
 from swarm.net.compression import WireFormat
 from swarm.net.lanes import chunk_bytes
 from swarm.net.message import payload_bytes
 from swarm.net.reduction import MIN_REDUCERS
 
 CONFIGS = Path(__file__).parent / "configs"  # config.json shapes of public models, no weights
-GIB = 1 << 30
-ALL_SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # --- compute: a stated table, not a measurement ----------------------------------------------------------------
 
@@ -62,85 +60,7 @@ UTILISATION = 0.4
 BACKWARD_COST = 2.0  # a backward costs two forwards: recompute + input gradients (step_seconds' default)
 
 
-# --- the model's shape -----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The fields of a Llama-family config.json that sizes depend on."""
-
-    name: str
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    head_dim: int
-
-    @classmethod
-    def from_config(cls, config: Mapping, name: str = "") -> ModelShape:
-        heads = config["num_attention_heads"]
-        return cls(
-            name=name or config.get("_name_or_path", "") or config.get("model_type", "model"),
-            hidden=config["hidden_size"],
-            intermediate=config["intermediate_size"],
-            layers=config["num_hidden_layers"],
-            heads=heads,
-            kv_heads=config.get("num_key_value_heads", heads),
-            vocab=config["vocab_size"],
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-        )
-
-    def projections(self) -> dict[str, tuple[int, int]]:
-        """(in, out) features of each linear layer of a block."""
-        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        return {
-            "q_proj": (h, q),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (q, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }
-
-    def linear_params(self) -> int:
-        """A block's linear weights: what quantization stores (as peers/daemon.py ``blocks_that_fit`` counts)."""
-        return sum(a * b for a, b in self.projections().values())
-
-    def norm_params(self) -> int:
-        return 2 * self.hidden
-
-
-def load_shape(path: str | Path) -> ModelShape:
-    path = Path(path)
-    return ModelShape.from_config(json.loads(path.read_text()), name=path.stem)
-
-
-@dataclass(frozen=True)
-class Lora:
-    rank: int = 16
-    targets: tuple[str, ...] = ALL_SEVEN
-
-
-def lora_tensors(shape: ModelShape, lora: Lora) -> list[torch.Tensor]:
-    """One block's LoRA tensors as peers hold them and send their gradients: A (r x in) and B (out x r) per target,
-    fp32 (swarm/blocks.py ``add_lora`` keeps adapters in fp32 on any base). On the meta device: shapes only."""
-    projections = shape.projections()
-    unknown = set(lora.targets) - set(projections)
-    if unknown:
-        raise ValueError(f"unknown LoRA targets {sorted(unknown)}; known: {sorted(projections)}")
-    tensors = []
-    for name in lora.targets:
-        fan_in, fan_out = projections[name]
-        tensors.append(torch.empty(lora.rank, fan_in, dtype=torch.float32, device="meta"))
-        tensors.append(torch.empty(fan_out, lora.rank, dtype=torch.float32, device="meta"))
-    return tensors
-
-
-def lora_params(shape: ModelShape, lora: Lora) -> int:
-    return sum(t.numel() for t in lora_tensors(shape, lora))
+# --- compute and gradients of a block ----------------------------------------------------------------------
 
 
 def block_grad_bytes(shape: ModelShape, lora: Lora) -> int:
@@ -157,93 +77,6 @@ def forward_flops_per_token(shape: ModelShape, lora: Lora, seq: int) -> float:
 def block_forward_seconds(shape: ModelShape, lora: Lora, tokens: int, seq: int, gpu: Gpu, utilisation: float) -> float:
     """Seconds of one block's forward over ``tokens`` tokens on ``gpu`` at ``utilisation`` of its peak."""
     return forward_flops_per_token(shape, lora, seq) * tokens / (gpu.bf16_tflops * 1e12 * utilisation)
-
-
-# --- memory: blocks per GPU ------------------------------------------------------------------------------------
-
-# bitsandbytes' NF4 (Params4bit defaults): 4 bits a weight, a uint8 absmax per 64 weights (nested quantization), an
-# fp32 absmax per 256 of those. docs/benchmarks/scale.md "70B-shaped blocks" measured 0.5159 B/param on a 70B block.
-WEIGHT_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "int8": 1.0, "none": 2.0}
-DAEMON_QUANT_BYTES = {"nf4": 0.55, "int8": 1.05}  # peers/daemon.py QUANT_BYTES: its --num-blocks estimate
-DAEMON_MARGIN, DAEMON_FREE_SHARE = 1.25, 0.8  # peers/daemon.py blocks_that_fit: 0.8 x free / (1.25 x weights)
-CUDA_CONTEXT_GIB = 0.4  # in use before a peer loads: ~23.6 GiB free on a 24 GiB card (docs/benchmarks/scale.md)
-USABLE_SHARE, RESERVE_GIB = 0.9, 1.5  # scripts/bench_70b_block.py's budget: context, one dequantized weight, slack
-# Values autograd saves per token and block, in hidden sizes (docs/benchmarks/scale.md "70B-shaped blocks": 46.8 MB
-# per block per 128-token micro-batch in bf16 = 22.3 x 8192 x 2 B a token).
-SAVED_PER_TOKEN = 22.3
-ACTIVATION_CACHE_MIB = 1024  # peers/daemon.py --activation-cache-mb: graphs kept between forward and backward
-ACTIVATIONS = ("block", "span")
-
-
-@dataclass(frozen=True)
-class BlockMemory:
-    """Bytes one served block takes on the GPU, by what holds them."""
-
-    weights: float  # base weights as quantized, norms in bf16
-    lora_state: float  # LoRA + AdamW's two moments, fp32
-    kept_grads: float  # per-micro-batch LoRA gradients kept until the commit, the partial sum, the fetched sums
-    saved: float  # what autograd saves for one micro-batch through this block
-    block_input: float  # one micro-batch's input to this block (kept to recompute it, with per-block recompute)
-
-    @property
-    def static(self) -> float:
-        return self.weights + self.lora_state + self.kept_grads
-
-
-def block_memory(
-    shape: ModelShape,
-    lora: Lora,
-    quant: str,
-    micro_batches: int,
-    replication: int,
-    tokens: int,
-    dtype_bytes: int = 2,
-) -> BlockMemory:
-    """Why each part: a holder keeps the gradients of its own micro-batches apart until the commit (about M/R of
-    them), then adds its partial sum and the R-1 fetched ones (docs/ARCHITECTURE.md "One reduction per step")."""
-    grad = lora_params(shape, lora) * 4
-    per_holder = math.ceil(micro_batches / max(1, replication))
-    return BlockMemory(
-        weights=shape.linear_params() * WEIGHT_BYTES[quant] + shape.norm_params() * dtype_bytes,
-        lora_state=3 * grad,
-        kept_grads=(per_holder + replication) * grad,
-        saved=SAVED_PER_TOKEN * shape.hidden * tokens * dtype_bytes,
-        block_input=shape.hidden * tokens * dtype_bytes,
-    )
-
-
-def usable_bytes(memory_gib: float) -> float:
-    return memory_gib * USABLE_SHARE * GIB - RESERVE_GIB * GIB
-
-
-def peak_bytes(memory: BlockMemory, blocks: int, activations: str) -> float:
-    """A peer's peak with ``blocks`` blocks, one micro-batch computing at a time (its compute thread).
-
-    ``span``: what peers/backend.py does today: a training forward builds the whole span's graph (kept in the
-    activation cache only if it fits its bound; else the backward builds it again from the kept input).
-    ``block``: recompute and differentiate one block at a time from each block's kept input (not implemented)."""
-    if activations == "span":
-        graph = blocks * memory.saved
-        cached = ACTIVATION_CACHE_MIB * (1 << 20) if graph <= ACTIVATION_CACHE_MIB * (1 << 20) else 0.0
-        return blocks * memory.static + graph + cached
-    if activations == "block":
-        return blocks * (memory.static + memory.block_input) + memory.saved
-    raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
-
-
-def blocks_that_fit(memory: BlockMemory, memory_gib: float, activations: str, num_blocks: int) -> int:
-    """The most blocks whose peak fits the usable memory (0 if not even one)."""
-    usable = usable_bytes(memory_gib)
-    return max((n for n in range(1, num_blocks + 1) if peak_bytes(memory, n, activations) <= usable), default=0)
-
-
-def daemon_num_blocks(shape: ModelShape, memory_gib: float, quant: str) -> int:
-    """The span a peer takes by default (peers/daemon.py ``blocks_that_fit``: base weights x 1.25 in 80 % of the
-    free memory), with the card's free memory taken as its size less a CUDA context."""
-    free = (memory_gib - CUDA_CONTEXT_GIB) * GIB
-    per_param = DAEMON_QUANT_BYTES.get(quant, WEIGHT_BYTES[quant])
-    fit = int(DAEMON_FREE_SHARE * free / (DAEMON_MARGIN * shape.linear_params() * per_param))
-    return max(1, min(shape.layers, fit))
 
 
 # --- placement: the balancer's own rules, handed in ------------------------------------------------------------
