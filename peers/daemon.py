@@ -32,7 +32,15 @@ from peers.links import LinkProber
 from peers.movecost import MoveTimer
 from peers.movelog import MoveLog
 from peers.peer_client import PeerClient
-from peers.placement import Move, Placement, decide_move, movers, others_serving, planned_throughput
+from peers.placement import (
+    Move,
+    Placement,
+    announced_again,
+    decide_move,
+    movers,
+    others_serving,
+    planned_throughput,
+)
 from peers.pullers import RecentPullers
 from peers.replication import Replicator, StandbyPolicy
 from peers.service import InfoDoors, PeerHooks, PeerService
@@ -70,7 +78,7 @@ MIN_ROUND_GAP = 1.0  # seconds between the end of a balance round and one held e
 LEAVE_TIMEOUT = 20.0  # seconds past the leave grace after which a leaving peer exits whatever is stuck
 # A move over blocks that no other peer answered for waits for a second look, in which the silent peers get this long
 # to answer: a peer busy with queued work or a lost ping is not a dead one (issue 56: spans flapped every 20-40 s).
-CONFIRM_TIMEOUT = 8.0
+CONFIRM_TIMEOUT = 12.0  # a silent peer's second chance to answer: past its re-announcement (RECORD_TTL / 3)
 DRAIN_TIMEOUT = 60.0  # seconds a move waits for the micro-batches in flight on the blocks it hands over
 DRAIN_SEEN = 6.0  # ... at least: two of a client's view refreshes (swarm/client/routing.py), so it sees them leaving
 DRAIN_QUIET = 10.0  # ... or, where no step commits, until no trainer sent work here for this long (its view refreshes
@@ -645,31 +653,37 @@ class PeerDaemon:
             return
         move = await self._decide_move(view)
         if move is not None and move.covers:
-            move = await self._confirmed(move)
+            move = await self._confirmed(move, view)
         if move is not None:
             await self._move(move)
 
-    async def _confirmed(self, move: Move) -> Move | None:
+    async def _confirmed(self, move: Move, first: SwarmView) -> Move | None:
         """``move`` if it still stands after a second, patient look: it serves blocks that no other peer answered
         for, and a peer that is only slow (its CPU busy, a ping lost) must not be taken for a dead one. The peers
-        that missed the round's ping get ``CONFIRM_TIMEOUT`` to answer, and the records are read again."""
+        that missed the round's ping get ``CONFIRM_TIMEOUT`` to answer; then the records are read again, and a peer
+        that announced the blocks again since the round's look (``first``) is alive whether or not it answered."""
+        me = self.identity.peer_id
         view = await observe(
             self.dht,
             self.transport,
             self.spec.name,
             self.spec.num_blocks,
-            self.identity.peer_id,
+            me,
             self.digests,
             retry_timeout=CONFIRM_TIMEOUT,
         )
         self.view = view
+        records = await asyncio.to_thread(read_servers, self.dht, self.spec.name, self.spec.num_blocks)
         again = await self._decide_move(view)
-        if again is None or again.target != move.target:
+        alive = announced_again(first.records, records, move.covers, me)
+        if again is None or again.target != move.target or alive:
+            why = f" ({', '.join(p.to_base58() for p in alive)} announced them again)" if alive else ""
             logger.info(
-                "not moving to %d:%d: blocks %s have a live server after all",
+                "not moving to %d:%d: blocks %s have a live server after all%s",
                 move.target.start,
                 move.target.stop,
                 spans_text(list(move.covers)),
+                why,
             )
             return None
         return again
@@ -709,7 +723,7 @@ class PeerDaemon:
             lambda: (adapters.adapter(name).config_wire, adapters.adapter(name).seed, adapters.adapter(name).steps())
         )
         steps = {block: step for block, step in steps.items() if block in self.serving}
-        notice = CommittedRequest(name, config, seed, steps, self.identity.peer_id)
+        notice = CommittedRequest(adapter=name, lora=config, seed=seed, steps=steps, source=self.identity.peer_id)
         blocks = list(steps)
         watchers = self.view.watchers(blocks) if self.view is not None else []
         for peer in dict.fromkeys([*watchers, *self.parts.pullers.of(blocks)]):

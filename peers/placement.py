@@ -4,6 +4,7 @@ decision of a peer's next move from them. Pure functions of a view, shared by th
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -11,7 +12,7 @@ from hivemind.p2p import PeerID
 
 from peers.balancer import Snapshot, badness, block_throughput, coverage_with, next_move
 from swarm.blocks import spans_text
-from swarm.net.records import MoveCost, ServerState
+from swarm.net.records import MoveCost, ServerRecord, ServerState
 from swarm.net.view import SwarmView
 
 
@@ -87,6 +88,24 @@ def movers(view: SwarmView) -> set[PeerID]:
     online = {r.peer_id for r in records if r.state == ServerState.ONLINE}
     going = {r.peer_id for r in records if r.moving_to is not None or r.state == ServerState.JOINING}
     return online & going
+
+
+def announced_again(
+    before: dict[int, list[ServerRecord]], after: dict[int, list[ServerRecord]], blocks: Iterable[int], me: PeerID
+) -> list[PeerID]:
+    """Peers that announced themselves online on any of ``blocks`` between two reads of the records: alive, whatever
+    their pings said (a peer re-announces every third of its records' lifetime, through its DHT process: a peer on a
+    machine too busy to answer a ping in time still does, a dead one never)."""
+    then = {(b, r.peer_id): r.announced_at for b in blocks for r in before.get(b, [])}
+    return sorted(
+        {
+            r.peer_id
+            for b in blocks
+            for r in after.get(b, [])
+            if r.peer_id != me and r.state == ServerState.ONLINE and r.announced_at > then.get((b, r.peer_id), -1.0)
+        },
+        key=lambda p: p.to_bytes(),
+    )
 
 
 def busy_peers(view: SwarmView, me: PeerID, yielding: frozenset[PeerID] = frozenset()) -> set[PeerID]:

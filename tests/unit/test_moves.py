@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hivemind.p2p import PeerID
 
-from peers.placement import Move, Placement, busy_peers, decide_move, movers
+from peers.placement import Move, Placement, announced_again, busy_peers, decide_move, movers
 from swarm.net.protocol import PeerInfo
 from swarm.net.records import MAX_DISK_SPANS, MoveCost, ServerRecord, ServerState, runs
 from swarm.net.view import SwarmView
@@ -162,3 +162,16 @@ def test_of_peers_alike_only_the_smallest_id_begins_the_move():
     view = _swarm()
     decisions = {p: decide_move(view, p, range(2, 4), 100.0, PLACEMENT) for p in (FIRST, SECOND, SETTLED_HIGH)}
     assert {p: _target(m) for p, m in decisions.items()} == {FIRST: range(0, 2), SECOND: None, SETTLED_HIGH: None}
+
+
+def test_a_peer_that_announced_again_is_alive_whatever_its_pings_said():
+    def records(at: dict[PeerID, float]) -> dict[int, list[ServerRecord]]:
+        said = [ServerRecord(p, ServerState.ONLINE, 2, 4, 1.0, announced_at=t) for p, t in at.items()]
+        return {2: said, 3: said}
+
+    before = records({FIRST: 100.0, SECOND: 100.0})
+    assert announced_again(before, records({FIRST: 100.0, SECOND: 100.0}), [2, 3], THIRD) == []  # a dead one's
+    assert announced_again(before, records({FIRST: 100.0, SECOND: 110.0}), [2, 3], THIRD) == [SECOND]
+    assert announced_again(before, records({FIRST: 100.0, SECOND: 110.0}), [0, 1], THIRD) == []  # other blocks
+    assert announced_again(before, records({FIRST: 100.0, THIRD: 110.0}), [2, 3], THIRD) == []  # not itself
+    assert announced_again({}, records({FIRST: 100.0}), [2], THIRD) == [FIRST]  # came since
