@@ -1211,7 +1211,7 @@ class FastForwardReply(Reply):
     lost: dict[int, int] = wire(read_steps, by_block)
 
 
-@dataclass(frozen=True)  # positional until peers/daemon.py's one construction names its fields: then kw_only
+@dataclass(frozen=True, kw_only=True)
 class CommittedRequest(Request):
     """A notice to a standby holder: ``source``, a server of these blocks, applied ``steps`` (block -> step)."""
 
