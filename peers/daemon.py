@@ -79,6 +79,7 @@ LEAVE_TIMEOUT = 20.0  # seconds past the leave grace after which a leaving peer 
 # A move over blocks that no other peer answered for waits for a second look, in which the silent peers get this long
 # to answer: a peer busy with queued work or a lost ping is not a dead one (issue 56: spans flapped every 20-40 s).
 CONFIRM_TIMEOUT = 12.0  # a silent peer's second chance to answer: past its re-announcement (RECORD_TTL / 3)
+ANNOUNCE_SLACK = 3.0  # seconds past a peer's re-announcement period before its records are read for a sign of life
 DRAIN_TIMEOUT = 60.0  # seconds a move waits for the micro-batches in flight on the blocks it hands over
 DRAIN_SEEN = 6.0  # ... at least: two of a client's view refreshes (swarm/client/routing.py), so it sees them leaving
 DRAIN_QUIET = 10.0  # ... or, where no step commits, until no trainer sent work here for this long (its view refreshes
@@ -644,6 +645,7 @@ class PeerDaemon:
         that brings a block without a server back, or relieves the slowest block (the span throughputs the peers
         announce, this one's as last measured)."""
         await self.parts.compute(self.parts.backend.sessions.expire)
+        looked = time.monotonic()
         view = await self._observe()
         self.parts.links.start(self._next_hops(view))
         changed = await self.parts.replicator.refresh_standby(view, self.serving)
@@ -653,15 +655,17 @@ class PeerDaemon:
             return
         move = await self._decide_move(view)
         if move is not None and move.covers:
-            move = await self._confirmed(move, view)
+            move = await self._confirmed(move, view, looked)
         if move is not None:
             await self._move(move)
 
-    async def _confirmed(self, move: Move, first: SwarmView) -> Move | None:
+    async def _confirmed(self, move: Move, first: SwarmView, looked: float) -> Move | None:
         """``move`` if it still stands after a second, patient look: it serves blocks that no other peer answered
         for, and a peer that is only slow (its CPU busy, a ping lost) must not be taken for a dead one. The peers
-        that missed the round's ping get ``CONFIRM_TIMEOUT`` to answer; then the records are read again, and a peer
-        that announced the blocks again since the round's look (``first``) is alive whether or not it answered."""
+        that missed the round's ping get ``CONFIRM_TIMEOUT`` to answer; then, once a live peer has had time to
+        announce again since the round's look (``first``, begun at ``looked``), the records are read again, and a
+        peer that announced the blocks again is alive whether or not it answered (a ping to a peer its transport took
+        for gone fails at once: the look alone did not wait)."""
         me = self.identity.peer_id
         view = await observe(
             self.dht,
@@ -673,6 +677,7 @@ class PeerDaemon:
             retry_timeout=CONFIRM_TIMEOUT,
         )
         self.view = view
+        await asyncio.sleep(max(0.0, looked + self.config.record_ttl / 3 + ANNOUNCE_SLACK - time.monotonic()))
         records = await asyncio.to_thread(read_servers, self.dht, self.spec.name, self.spec.num_blocks)
         again = await self._decide_move(view)
         alive = announced_again(first.records, records, move.covers, me)
