@@ -44,7 +44,7 @@ WEIGHT_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "int8": 1.0}
 
 # What a backward needs beside the block's graph, per token: fp32 values of the MLP's width (the gradients of the
 # down projection's input, through the base and through peft's fp32 LoRA path, and of gate and up). Fitted to
-# scripts/bench_memory.py's peaks on CPU: 1.7 such values a token in fp32, 2.0 in bf16
+# scripts/bench_memory.py's peaks on CPU: 1.7 such values a token in fp32, 2.1 in bf16
 # (docs/benchmarks/memory.md).
 WORKSPACE_PER_TOKEN = 2.0
 FREE_SHARE = 0.9  # of the free memory, the rest for the allocator's fragmentation and what this model leaves out

@@ -64,6 +64,14 @@ def test_the_parts_add_up_to_the_total_on_a_gpu_and_on_a_cpu():
         assert memory.device + host == pytest.approx(sum(parts.values()))
         assert memory.host == pytest.approx(host)
         assert memory.total == pytest.approx(sum(parts.values()) if on_host else memory.device)
+    # the seed's peer by hand: 27 blocks, 16 micro-batches a step over 2 pipelines, 6 in flight through it
+    grad = 2_588_672 * 4  # one block's LoRA gradient, fp32
+    memory = breakdown(replace(SEED_PEER, blocks=27, in_flight=6))
+    assert memory.adapters == 27 * 3 * grad
+    assert memory.grads == 27 * 2 * 8 * grad  # this step's 8 micro-batches here, and the last step's
+    assert memory.block_inputs == 2 * 27 * 8192 * 2048 * 2  # the 1 GiB cache holds one, the one computing beside it
+    assert memory.weights == pytest.approx(27 * 855_638_016 * 0.5159, rel=1e-3)
+    assert memory.device / GIB == pytest.approx(20.73, abs=0.01)
 
 
 def test_activations_stay_one_blocks_graph_while_the_state_grows_with_the_span():
