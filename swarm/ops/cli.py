@@ -317,7 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", choices=DTYPE_NAMES, default=None, help="compute dtype of the blocks (default: bfloat16 on CUDA)"
     )
     peer.add_argument(
-        "--activation-cache-mb", type=int, default=1024, help="memory for forward graphs kept for backward"
+        "--activation-cache-mb",
+        type=int,
+        default=1024,
+        help="memory for the block inputs a training forward keeps for its backward (past it, the backward "
+        "recomputes them from the span input)",
     )
     peer.add_argument(
         "--kept-inputs-mb",
