@@ -80,7 +80,7 @@ LEAVE_TIMEOUT = 20.0  # seconds past the leave grace after which a leaving peer 
 # to answer: a peer busy with queued work or a lost ping is not a dead one (issue 56: spans flapped every 20-40 s).
 CONFIRM_TIMEOUT = 12.0  # a silent peer's second chance to answer: past its re-announcement (RECORD_TTL / 3)
 ANNOUNCE_SLACK = 3.0  # seconds past a peer's re-announcement period before its records are read for a sign of life
-MAX_ANNOUNCE_WAIT = 15.0  # ... at most: a takeover waits no longer whatever --record-ttl (300 s: every 100 s)
+MAX_ANNOUNCE_WAIT = 15.0  # ... if that is at most this (--record-ttl 300 re-announces every 100 s: pings alone)
 DRAIN_TIMEOUT = 60.0  # seconds a move waits for the micro-batches in flight on the blocks it hands over
 DRAIN_SEEN = 6.0  # ... at least: two of a client's view refreshes (swarm/client/routing.py), so it sees them leaving
 DRAIN_QUIET = 10.0  # ... or, where no step commits, until no trainer sent work here for this long (its view refreshes
@@ -678,8 +678,8 @@ class PeerDaemon:
             retry_timeout=CONFIRM_TIMEOUT,
         )
         self.view = view
-        wait = min(self.config.record_ttl / 3 + ANNOUNCE_SLACK, MAX_ANNOUNCE_WAIT)
-        await asyncio.sleep(max(0.0, looked + wait - time.monotonic()))
+        wait = self.config.record_ttl / 3 + ANNOUNCE_SLACK  # no wait where no re-announcement could come in time
+        await asyncio.sleep(max(0.0, looked + wait - time.monotonic()) if wait <= MAX_ANNOUNCE_WAIT else 0.0)
         records = await asyncio.to_thread(read_servers, self.dht, self.spec.name, self.spec.num_blocks)
         again = await self._decide_move(view)
         alive = announced_again(first.records, records, move.covers, me)
