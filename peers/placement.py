@@ -225,7 +225,11 @@ def _twin_moves(
             break
         if settled.spans.get(peer.to_base58()) != serving:
             continue
-        theirs = _placed_move(view, peer, serving, settled.speeds[peer.to_base58()], placement, yielding, None)
+        # As the twin sees it: this peer alive too (a look pings everyone but the looker; only membership counts, so
+        # the twin's own info stands in for this one's). Without it, the twin saw one server fewer on its span and
+        # another move: three peers alike all moved at once (bench_seed).
+        seen = SwarmView(view.records, {**view.alive, me: view.alive[peer]})
+        theirs = _placed_move(seen, peer, serving, settled.speeds[peer.to_base58()], placement, yielding, None)
         if theirs is not None and theirs.target == target:
             return True
     return False

@@ -159,8 +159,13 @@ def test_a_move_over_orphaned_blocks_never_waits():
 
 def test_of_peers_alike_only_the_smallest_id_begins_the_move():
     """FIRST, SECOND and SETTLED_HIGH serve 2:4 and each sees that one of them should serve 0:2: only FIRST does."""
-    view = _swarm()
-    decisions = {p: decide_move(view, p, range(2, 4), 100.0, PLACEMENT) for p in (FIRST, SECOND, SETTLED_HIGH)}
+
+    def looked_by(me: PeerID) -> SwarmView:  # a look pings every peer but the looker
+        view = _swarm()
+        return SwarmView(view.records, {p: info for p, info in view.alive.items() if p != me})
+
+    peers = (FIRST, SECOND, SETTLED_HIGH)
+    decisions = {p: decide_move(looked_by(p), p, range(2, 4), 100.0, PLACEMENT) for p in peers}
     assert {p: _target(m) for p, m in decisions.items()} == {FIRST: range(0, 2), SECOND: None, SETTLED_HIGH: None}
 
 
