@@ -23,6 +23,7 @@ from peers.state import (
     GradsByBlock,
     KeptInputs,
     Reduced,
+    TokensInFlight,
     Undo,
     session_of,
 )
@@ -57,6 +58,7 @@ class AdapterStore:
         weight_digests: dict[int, str] | None = None,
         activation_cache_bytes: int = 1 << 30,
         kept_inputs_bytes: int = 4 << 30,
+        max_tokens_in_flight: int = 1 << 20,
         behaviour: Behaviour | None = None,
     ):
         self.spec = spec
@@ -68,6 +70,7 @@ class AdapterStore:
         self.by_name: dict[str, Adapter] = {}
         self.cache = ActivationCache(activation_cache_bytes)  # a training forward's graph, until its backward
         self.kept = KeptInputs(kept_inputs_bytes)  # a training forward's input, until its step commits
+        self.in_flight_tokens = TokensInFlight(max_tokens_in_flight)  # forwarded here, backward pending
         self.last_trained = 0.0  # monotonic time of the last training forward or backward here
 
     # --- which blocks ---------------------------------------------------------------------------------------
@@ -90,6 +93,7 @@ class AdapterStore:
                     adapter.standby[block] = BlockState.of(state)
         self.cache.drop_touching(set(blocks))
         self.kept.drop_touching(set(blocks))
+        self.in_flight_tokens.drop_touching(set(blocks))
 
     def progress(self) -> int:
         """The newest committed step of any adapter on the blocks served here: it grows by one with each commit."""
@@ -106,6 +110,7 @@ class AdapterStore:
         backward of them can count any more."""
         self.cache.drop_adapter(name)
         self.kept.drop_adapter(name)
+        self.in_flight_tokens.drop_adapter(name)
 
     def _fill(self, name: str, adapter: Adapter) -> None:
         """Give every served block this adapter's LoRA: from the standby copy if any, else the deterministic init."""

@@ -105,6 +105,8 @@ class SpanBackend:
             activation_cache_max=cache.max_bytes,
             inference=self.sessions.reserved,
             inference_max=self.sessions.budget,
+            tokens_in_flight=self.adapters.in_flight_tokens.tokens,
+            tokens_in_flight_max=self.adapters.in_flight_tokens.bound,
         )
 
     # --- compute --------------------------------------------------------------------------------------------
@@ -261,9 +263,14 @@ class SpanBackend:
             with torch.no_grad(), self._autocast(autocast):
                 return self._hand_on(self.run(inputs, mask, blocks).to(hidden.dtype).cpu())
         key = (name, micro_batch, blocks.start, blocks.stop)
-        store.kept.put(key, hidden, attention_mask)
-        with torch.no_grad(), dropout_masks(adapter.seed, micro_batch), self._autocast(autocast):
-            block_inputs, outputs = self._block_inputs(inputs, mask, blocks)
+        store.in_flight_tokens.admit(key, hidden.shape[0] * hidden.shape[1])
+        try:
+            store.kept.put(key, hidden, attention_mask)
+            with torch.no_grad(), dropout_masks(adapter.seed, micro_batch), self._autocast(autocast):
+                block_inputs, outputs = self._block_inputs(inputs, mask, blocks)
+        except BaseException:
+            store.in_flight_tokens.end(key)
+            raise
         store.cache.put(key, block_inputs, mask)
         return self._hand_on(outputs.to(hidden.dtype).cpu())
 
@@ -356,4 +363,5 @@ class SpanBackend:
             gradient = grads.pop(0) if wants_input else None
             grads_of[block] = grads
         store.hold_grads(states, micro_batch, [g for block in states for g in grads_of[block]])
+        store.in_flight_tokens.end(key)
         return None if not input_grad else gradient.to(grad_outputs.dtype).cpu()

@@ -12,7 +12,7 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Protocol
@@ -46,7 +46,7 @@ from peers.replication import Replicator, StandbyPolicy
 from peers.service import InfoDoors, PeerHooks, PeerService
 from swarm.blocks import spans_text
 from swarm.hub import resolve_model
-from swarm.memory import MemoryInputs, ModelShape, default_num_blocks
+from swarm.memory import DEFAULT_TOKENS, MemoryInputs, ModelShape, default_num_blocks, tokens_in_flight_bound
 from swarm.net.deltas import DeltaReferences
 from swarm.net.errors import PEER_ERRORS, IdentityInUseError, SwarmAccessError
 from swarm.net.network import check_access, join_dht, load_swarm_key
@@ -121,7 +121,8 @@ class PeerConfig:
     kept_inputs_mb: int = 4096
     max_payload_mb: int = 1024
     delta_references_mb: int = 1024
-    max_tokens: int = 1 << 16
+    max_tokens: int = 1 << 16  # one request's (batch x length): one block's graph and the backward's workspace
+    max_tokens_in_flight: int | None = None  # all micro-batches' between forward and backward here; None: by memory
     max_inference_mb: int = 1024
     inference_timeout: float = 300.0
     revision: str | None = None  # of a hub id: a branch, tag or commit (default: main, or the id's @REVISION)
@@ -159,27 +160,47 @@ def measure_throughput(backend: SpanBackend, tokens: int = 128) -> float:
     return tokens / max(time.perf_counter() - started, 1e-6)
 
 
-def blocks_that_fit(spec: ModelSpec, config: PeerConfig) -> int:
-    """The default span length when neither --blocks nor --num-blocks is given: the longest span whose memory, as
-    swarm/memory.py counts it at a default load (micro-batches of 2048 tokens in flight, LoRA r=16 on all seven
-    projections), fits in the device's free memory."""
+def device_free_bytes(config: PeerConfig) -> int:
+    """What the peer's device has free now: the card's free memory on CUDA, the host's available memory else."""
+    if config.device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(config.device))[0]
+    return psutil.virtual_memory().available
+
+
+def memory_case(spec: ModelSpec, config: PeerConfig, blocks: int = 1) -> MemoryInputs:
+    """This peer as swarm/memory.py counts it, at a default load (micro-batches of 2048 tokens, at most
+    ``--max-tokens``, in flight; LoRA r=16 on all seven projections) over ``blocks`` blocks."""
     from swarm.blocks import DTYPES
 
-    if config.device.startswith("cuda"):
-        free = torch.cuda.mem_get_info(torch.device(config.device))[0]
-    else:
-        free = psutil.virtual_memory().available
-    case = MemoryInputs(
+    return MemoryInputs(
         shape=ModelShape.from_config(spec.config.to_dict()),
+        blocks=blocks,
         quant=config.quant_mode,
         dtype_bytes=torch.finfo(DTYPES[config.dtype]).bits // 8,
+        tokens=min(DEFAULT_TOKENS, config.max_tokens),
         standby_blocks=config.standby_blocks,
         replication=config.replication,
         cache_bytes=config.activation_cache_mb << 20,
         inference_bytes=config.max_inference_mb << 20,
         on_host=not config.device.startswith("cuda"),
     )
-    return default_num_blocks(case, free)
+
+
+def blocks_that_fit(spec: ModelSpec, config: PeerConfig, free: int | None = None) -> int:
+    """The default span length when neither --blocks nor --num-blocks is given: the longest span whose memory, as
+    swarm/memory.py counts it at a default load, fits in the device's free memory (``free``: as measured now)."""
+    return default_num_blocks(memory_case(spec, config), device_free_bytes(config) if free is None else free)
+
+
+def max_tokens_in_flight(spec: ModelSpec, config: PeerConfig, blocks: int, free: int) -> int:
+    """The bound on tokens in flight (``--max-tokens-in-flight``, else swarm/memory.py's: the block inputs of that
+    many tokens fit in ``free``, the device's free memory before the peer loaded, beside everything else a span of
+    ``blocks`` holds with one micro-batch computing). Never below one micro-batch of ``--max-tokens``'s default
+    load: the peer admits one micro-batch at a time whatever its bound (peers/state.py ``TokensInFlight``)."""
+    if config.max_tokens_in_flight is not None:
+        return config.max_tokens_in_flight
+    bound = tokens_in_flight_bound(replace(memory_case(spec, config), blocks=blocks), free)
+    return max(bound, min(DEFAULT_TOKENS, config.max_tokens))
 
 
 @dataclass
@@ -239,7 +260,9 @@ class PeerDaemon:
         if config.checkpoint_dir:
             locks.append(lock_path_of_checkpoints(Path(config.checkpoint_dir)))
         self.claim = ProcessClaim(self.identity.peer_id, locks)
-        self.span_len = len(config.blocks) if config.blocks else config.num_blocks or blocks_that_fit(self.spec, config)
+        self.free_bytes = device_free_bytes(config)  # before this peer loads anything: what its memory model sizes
+        told = len(config.blocks) if config.blocks else config.num_blocks
+        self.span_len = told or blocks_that_fit(self.spec, config, self.free_bytes)
         self.max_blocks = max(self.span_len, config.max_blocks or self._capacity())
         self.serving = range(0)  # what it announces online; set once loaded
         self.state = ServerState.JOINING
@@ -266,7 +289,7 @@ class PeerDaemon:
         """The default --max-blocks: a peer told to serve fewer blocks than fit may take orphaned ones over, up to
         what fits; one sized by memory is full already."""
         told = self.config.blocks is not None or self.config.num_blocks is not None
-        return blocks_that_fit(self.spec, self.config) if told else self.span_len
+        return blocks_that_fit(self.spec, self.config, self.free_bytes) if told else self.span_len
 
     # --- what this peer tells others ------------------------------------------------------------------------
 
@@ -302,6 +325,7 @@ class PeerDaemon:
                 links=self.parts.links.announced() if self.parts is not None else {},
                 numerics=self._numerics(self.serving),
                 cost=self.cost,
+                max_tokens_in_flight=self.published.stores["tokens_in_flight_max"] if self.published else 0,
             )
             records.append((record, self.serving))
         if self.joining:
@@ -457,6 +481,7 @@ class PeerDaemon:
             weight_digests=self.digests,
             activation_cache_bytes=config.activation_cache_mb << 20,
             kept_inputs_bytes=config.kept_inputs_mb << 20,
+            max_tokens_in_flight=max_tokens_in_flight(self.spec, config, len(blocks), self.free_bytes),
             behaviour=self.behaviour,
         )
         backend = SpanBackend(

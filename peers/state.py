@@ -14,7 +14,7 @@ import torch
 
 from peers.update import BlockOptimizer, adamw_, new_moments
 from swarm.blocks import LoraParam
-from swarm.net.errors import KeptInputsFullError, RequestError
+from swarm.net.errors import KeptInputsFullError, RequestError, TokensInFlightError
 from swarm.net.protocol import Group, OptimizerHParams, adapter_meta
 
 GradsByBlock = dict[int, dict[str, list[torch.Tensor]]]
@@ -406,3 +406,42 @@ class KeptInputs:
 
     def count_touching(self, blocks: set[int]) -> int:
         return sum(1 for k in self.entries if touches(k, blocks))
+
+
+class TokensInFlight:
+    """The tokens of training micro-batches forwarded here whose backward has not run, against the peer's bound
+    (``--max-tokens-in-flight``): what its device must hold block inputs for (swarm/memory.py), whether or not the
+    activation cache keeps them. A forward past the bound is refused, unless nothing is in flight (one micro-batch
+    within ``--max-tokens`` always runs: a bound below one would lock the peer). An entry ends with its backward, or
+    with its step (applied, taken back, replaced) or its blocks (no longer served), as the kept inputs do."""
+
+    def __init__(self, bound: int):
+        self.bound = bound
+        self.entries: dict[tuple, int] = {}
+        self.tokens = 0
+        self.peak = 0
+
+    def admit(self, key: tuple, tokens: int) -> None:
+        """Count a forward of ``key`` (its tokens again, for a forward sent again); TokensInFlightError past the
+        bound."""
+        self.end(key)
+        if self.tokens and self.tokens + tokens > self.bound:
+            raise TokensInFlightError(
+                f"this peer has {self.tokens} tokens of micro-batches in flight (forwarded, backward pending) and a "
+                f"micro-batch of {tokens} more would pass its --max-tokens-in-flight of {self.bound}; send fewer "
+                "micro-batches at once (max_in_flight) or fewer tokens per micro-batch, or route to another replica"
+            )
+        self.entries[key] = tokens
+        self.tokens += tokens
+        self.peak = max(self.peak, self.tokens)
+
+    def end(self, key: tuple) -> None:
+        self.tokens -= self.entries.pop(key, 0)
+
+    def drop_adapter(self, adapter: str) -> None:
+        for key in [k for k in self.entries if k[0] == adapter]:
+            self.end(key)
+
+    def drop_touching(self, blocks: set[int]) -> None:
+        for key in [k for k in self.entries if touches(k, blocks)]:
+            self.end(key)

@@ -564,13 +564,20 @@ class SwarmModelForCausalLM(nn.Module):
 
             return run
 
-        in_flight = self.in_flight() if max_in_flight is None else max_in_flight
-        return torch.stack(run_pipelined(micro_batches, start, in_flight)).sum()
+        if max_in_flight is None:
+            tokens = (
+                max((b["input_ids"].numel() for b in micro_batches), default=None)
+                if isinstance(micro_batches, list)
+                else None
+            )
+            max_in_flight = self.in_flight(tokens)
+        return torch.stack(run_pipelined(micro_batches, start, max_in_flight)).sum()
 
-    def in_flight(self) -> int:
+    def in_flight(self, tokens: int | None = None) -> int:
         """How many micro-batches ``train_step`` (and ``SwarmTrainer``) keep in the swarm at once unless told: two
-        per live server, 4 to 32."""
-        return self.session.router.in_flight()
+        per live server, 4 to 32, and (for micro-batches of ``tokens``, batch x length) no more than the peers'
+        announced bounds on tokens in flight admit."""
+        return self.session.router.in_flight(tokens)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the adapter's LoRA gradients on every peer: returns the total norm

@@ -321,12 +321,24 @@ class Router:
                 for block, records in self.servers.items()
             }
 
-    def in_flight(self) -> int:
+    def in_flight(self, tokens: int | None = None) -> int:
         """How many micro-batches of a step to keep in the swarm at once: two per usable server, so that each has
         the next one waiting while another travels (with one per server, replicas added made no step faster: each
         micro-batch spends most of its time on the other hops), at least ``MIN_IN_FLIGHT``, at most
-        ``MAX_IN_FLIGHT`` (every micro-batch in flight holds activations on each peer of its chain)."""
-        return max(MIN_IN_FLIGHT, min(MAX_IN_FLIGHT, 2 * len(self.live_servers())))
+        ``MAX_IN_FLIGHT``; and, for micro-batches of ``tokens`` (batch x length), no more than the servers of any
+        block admit together by the bounds they announce (``--max-tokens-in-flight``), at least one."""
+        count = max(MIN_IN_FLIGHT, min(MAX_IN_FLIGHT, 2 * len(self.live_servers())))
+        room = None if tokens is None else self.admitted(tokens)
+        return count if room is None else max(1, min(count, room))
+
+    def admitted(self, tokens: int) -> int | None:
+        """The fewest micro-batches of ``tokens`` that the usable servers of a block admit in flight together, over
+        the blocks whose servers all announce a bound (None: no block's do). Other clients' micro-batches count
+        against the same bounds: a peer refuses what passes its bound, and the client routes around it."""
+        with self._lock:
+            bounds = [[r.max_tokens_in_flight for r in records if self.usable(r)] for records in self.servers.values()]
+        rooms = [sum(bound // max(1, tokens) for bound in block) for block in bounds if block and all(block)]
+        return min(rooms, default=None)
 
     def uncovered(self, start: int = 0, end: int | None = None, eligible_only: bool = True) -> list[int]:
         end = self.num_blocks if end is None else end

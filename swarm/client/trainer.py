@@ -220,7 +220,8 @@ class SwarmTrainerMixin:
 
                 return run
 
-            in_flight = self.model.in_flight() if self._max_in_flight is None else self._max_in_flight
+            tokens = max((b["input_ids"].numel() for b in batches if "input_ids" in b), default=None)
+            in_flight = self.model.in_flight(tokens) if self._max_in_flight is None else self._max_in_flight
             losses = run_pipelined(batches, start, in_flight)
             self._losses = deque(zip(batches, losses, strict=True))
         if self._losses and self._losses[0][0] is inputs:

@@ -135,6 +135,7 @@ class ErrorKind:
     SOURCE_UNAVAILABLE = "source_unavailable"  # the peer a sync was to pull from did not answer: pick another
     NOT_SERVED = "not_served"  # blocks this peer does not serve (any more: it moved, or restarted on other blocks)
     KEPT_INPUTS_FULL = "kept_inputs_full"  # the step's span inputs fill this peer's --kept-inputs-mb
+    TOKENS_IN_FLIGHT = "tokens_in_flight"  # micro-batches between forward and backward here fill its bound
     BAD_GRADIENTS = "bad_gradients"  # gradients fetched at commit do not hash as their holder said: it is dishonest
     WEIGHTS_MISMATCH = "weights_mismatch"  # the adapter is pinned to base weights other than this peer's
 
@@ -220,6 +221,14 @@ class KeptInputsFullError(RequestError):
     peer gets more room."""
 
     kind = ErrorKind.KEPT_INPUTS_FULL
+
+
+class TokensInFlightError(RequestError):
+    """A training forward that would take this peer past its bound on tokens in flight (``--max-tokens-in-flight``:
+    micro-batches forwarded here whose backward has not run). The peer is busy, not broken: the client routes the
+    micro-batch to another replica or sends it again once some of its own came back."""
+
+    kind = ErrorKind.TOKENS_IN_FLIGHT
 
 
 class SourceUnavailableError(RequestError):

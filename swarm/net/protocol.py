@@ -99,6 +99,7 @@ PEER_STATE_ERRORS = frozenset(
         ErrorKind.SESSION_LOST,
         ErrorKind.INFERENCE_MEMORY,
         ErrorKind.NOT_SERVED,
+        ErrorKind.TOKENS_IN_FLIGHT,
     }
 )
 FETCH_TIMEOUT = 3.0  # how long a replica waits for another's gradients before the client replays them
@@ -467,7 +468,8 @@ def read_blocks(meta: dict, key: str) -> list[int]:
 class MemoryUse:
     """A peer's memory as it reports it: its process tree's resident bytes (daemon, DHT process, p2pd), what its
     machine has left of its total, and each bounded store's bytes in use against its bound (kept span inputs until a
-    step commits, forward graphs cached for backward, generation sessions' keys and values)."""
+    step commits, forward graphs cached for backward, generation sessions' keys and values), and the tokens in
+    flight against theirs."""
 
     rss: int
     host_available: int
@@ -478,6 +480,8 @@ class MemoryUse:
     activation_cache_max: int
     inference: int
     inference_max: int
+    tokens_in_flight: int = 0  # of training micro-batches forwarded here, backward pending
+    tokens_in_flight_max: int = 0  # its bound (--max-tokens-in-flight)
 
 
 def read_memory(meta: dict, key: str) -> MemoryUse:

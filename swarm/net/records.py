@@ -140,6 +140,9 @@ class ServerRecord:
     numerics: Numerics = EXACT  # how it computes, and each block's error at load (swarm/net/numerics.py)
     cost: MoveCost | None = None  # what a move costs it (None: not said; a move counts as free)
     home: range | None = None  # the span its operator told it (--blocks): no plan of others moves it
+    max_tokens_in_flight: int = (
+        0  # tokens of training micro-batches it admits between forward and backward (0: not said)
+    )
 
     @property
     def blocks(self) -> range:
@@ -181,6 +184,8 @@ class ServerRecord:
             value["cost"] = self.cost.to_wire()
         if self.home is not None:
             value["home"] = [self.home.start, self.home.stop]
+        if self.max_tokens_in_flight:
+            value["max_tokens_in_flight"] = self.max_tokens_in_flight
         return value
 
     @classmethod
@@ -203,6 +208,7 @@ class ServerRecord:
                 numerics=Numerics.from_wire(value["numerics"]) if "numerics" in value else EXACT,
                 cost=MoveCost.from_wire(value["cost"]) if "cost" in value else None,
                 home=range(*(int(x) for x in value["home"])) if value.get("home") else None,
+                max_tokens_in_flight=max(0, int(value.get("max_tokens_in_flight", 0))),
             )
         except (TypeError, KeyError, ValueError, AttributeError):
             logger.debug("ignoring a malformed record from %s", peer_id)

@@ -228,6 +228,7 @@ def cmd_peer(args: argparse.Namespace) -> None:
             max_payload_mb=args.max_payload_mb,
             delta_references_mb=args.delta_references_mb,
             max_tokens=args.max_tokens,
+            max_tokens_in_flight=args.max_tokens_in_flight,
             max_inference_mb=args.max_inference_mb,
             inference_timeout=args.inference_timeout,
             record_ttl=args.record_ttl,
@@ -336,7 +337,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=1024,
         help="host memory for the samples' last hidden states, for clients whose wire sends changes (hadamard4d3)",
     )
-    peer.add_argument("--max-tokens", type=int, default=1 << 16, help="largest batch x sequence accepted per request")
+    peer.add_argument(
+        "--max-tokens",
+        type=int,
+        default=1 << 16,
+        help="largest batch x sequence accepted per request (one block's graph and the backward's workspace grow "
+        "with it)",
+    )
+    peer.add_argument(
+        "--max-tokens-in-flight",
+        type=int,
+        default=None,
+        help="most tokens of training micro-batches between their forward and their backward here, all clients "
+        "together (their block inputs grow with it); a forward past it is refused and the client routes around or "
+        "waits (default: what the device's free memory holds beside the span, by swarm/memory.py; announced)",
+    )
     peer.add_argument(
         "--max-inference-mb", type=int, default=1024, help="memory for generation sessions' keys and values, in MiB"
     )

@@ -118,7 +118,7 @@ def _memory_line(peer: Peer) -> str:
         f"{peer.short} {peer.start}:{peer.end}  {mib(m.rss)} resident, machine {mib(m.host_available)} free of "
         f"{mib(m.host_total)}  kept inputs {mib(m.kept_inputs)} / {mib(m.kept_inputs_max)}  forward cache "
         f"{mib(m.activation_cache)} / {mib(m.activation_cache_max)}  generation {mib(m.inference)} / "
-        f"{mib(m.inference_max)}"
+        f"{mib(m.inference_max)}  tokens in flight {m.tokens_in_flight} / {m.tokens_in_flight_max}"
     )
 
 
