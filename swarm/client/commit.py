@@ -6,6 +6,8 @@ kept, and the replicas that could not apply are asked again. Each replica sums t
 and runs the same AdamW update.
 Replicas that are behind (or new) first pull the state from a current one.
 Then the replicas vote: each commit reply carries the blocks' state digests after the step (``_vote``).
+The commit is a state machine: ``StepCommit`` holds all it knows, a transition per ``Stage`` returns the next one,
+and ``TRANSITIONS`` (drawn in docs/ARCHITECTURE.md, "The commit's states") lists the moves it may make.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TypeVar
 
@@ -23,6 +26,7 @@ from hivemind.p2p import PeerID
 
 from swarm.blocks import spans_text
 from swarm.client.calls import PeerCalls, PeerFailure
+from swarm.client.commitround import Phase, ask_round, held_by_departed, mbs_text
 from swarm.client.current import CurrentPeers
 from swarm.client.ledger import StepLedger
 from swarm.client.remote import RemoteStack
@@ -31,21 +35,15 @@ from swarm.net.errors import CommitError, RemoteError, ReplicasDisagreeError, Sw
 from swarm.net.protocol import (
     COMMIT_FLOOR,
     CommitReply,
-    CommitRequest,
     DigestRequest,
     ErrorKind,
     FastForwardRequest,
     Method,
     OptimizerHParams,
-    ReplyError,
     RevertRequest,
     SyncRequest,
     TieBreakRequest,
-    bad_holders,
-    commit_floor,
-    missing_gradients,
 )
-from swarm.net.reduction import MIN_REDUCERS
 from swarm.net.waiting import Deadline, WaitLine
 
 logger = logging.getLogger(__name__)
@@ -87,7 +85,7 @@ class ReplicaSet:
         self.split: dict[PeerID, dict[int, int]] = {}
         self.standby: dict[PeerID, dict[int, int]] = {}  # peer -> block -> step of the standby copy it holds
         self.lost: list[StepsLost] = []
-        # the step whose lost gradients a commit is replaying: a replica found past it meanwhile is taken back
+        # the step whose lost gradients a commit is replaying (``replay_of``): one found past it is taken back
         self.replaying: int | None = None
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="swarm-replicas")
         self._refreshing = threading.Lock()
@@ -318,6 +316,16 @@ class ReplicaSet:
         self.current.forget(source)
         self.standby.pop(source, None)
 
+    @contextmanager
+    def replay_of(self, step: int) -> Iterator[None]:
+        """While the lost gradients of ``step`` are replayed: a replica found past the step meanwhile (a refresh of
+        the replay's routing) is taken back like those that applied it."""
+        self.replaying = step
+        try:
+            yield
+        finally:
+            self.replaying = None
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -341,103 +349,219 @@ class ReplicaSet:
         return {p: s for p, s in live.items() if self.current.get(p) == step + 1}
 
 
+class Stage(Enum):
+    """Where a step's commit stands (docs/ARCHITECTURE.md, "The commit's states", draws ``TRANSITIONS``)."""
+
+    REFRESHING = "refreshing"  # open peers, sync laggards; which replicas are left to ask, and is every block served
+    WAITING = "waiting"  # some block has no live replica at the step: wait for one (or take the step back)
+    ASKING = "asking"  # a round: every replica left is asked at once to fetch the partial sums it lacks and apply
+    REPLAYING = "replaying"  # gradients died with their holder: the step is taken back and they are recomputed
+    JUDGING = "judging"  # a replica refused a holder's partial sum: the client checks it and bans the liar
+    SETTLED = "settled"  # nobody left to ask: replicas whose digests differ commit again, audited
+    VOTING = "voting"  # the replicas' digests after the step decide who is honest
+    DONE = "done"
+
+
+TRANSITIONS: dict[Stage, frozenset[Stage]] = {
+    Stage.REFRESHING: frozenset({Stage.WAITING, Stage.ASKING, Stage.REPLAYING, Stage.SETTLED}),
+    Stage.WAITING: frozenset({Stage.REFRESHING}),
+    Stage.ASKING: frozenset({Stage.JUDGING, Stage.REPLAYING, Stage.SETTLED, Stage.REFRESHING}),
+    Stage.REPLAYING: frozenset({Stage.REFRESHING}),
+    Stage.JUDGING: frozenset({Stage.REFRESHING}),
+    Stage.SETTLED: frozenset({Stage.REFRESHING, Stage.VOTING}),
+    Stage.VOTING: frozenset({Stage.DONE}),
+    Stage.DONE: frozenset(),
+}
+FIRST = Stage.REFRESHING
+
+
+@dataclass(frozen=True)
+class StepCommit:
+    """Everything one commit of a step knows, at one stage. Each transition returns a new one: nothing here changes
+    in place but the attempt's clock (``patience``, ``waiting``), which an audited attempt starts anew."""
+
+    patience: Deadline
+    waiting: WaitLine
+    started: float
+    audit: bool = False  # every partial sum checked: the replicas disagreed after an unaudited attempt
+    stage: Stage = FIRST
+    rounds: int = 0
+    applied: Mapping[PeerID, range] = field(default_factory=dict)  # replicas that applied the step, and their spans
+    votes: Mapping[PeerID, CommitReply] = field(default_factory=dict)  # each one's last commit reply: steps and digests
+    failed: tuple[PeerID, ...] = ()  # replicas that did not answer a round
+    history: tuple[str, ...] = ()  # what each round ran into, for the error if the rounds run out
+    pending: Mapping[PeerID, range] = field(default_factory=dict)  # current replicas left to ask (REFRESHING's finding)
+    uncovered: tuple[int, ...] = ()  # blocks without a live replica at the step (WAITING's)
+    missing: Mapping[int, list[str]] = field(default_factory=dict)  # gradients to replay, per block (REPLAYING's)
+    accused: tuple[tuple[PeerID, PeerID], ...] = ()  # (accuser, holder) pairs (JUDGING's)
+
+    def to(self, stage: Stage, **changes: object) -> StepCommit:
+        """This state moved to ``stage``, with ``changes``."""
+        return replace(self, stage=stage, **changes)
+
+
+class _Commit:
+    """One step's commit over its collaborators: a transition per stage, each from one ``StepCommit`` to the next."""
+
+    def __init__(self, hops: RemoteStack, replicas: ReplicaSet, ledger: StepLedger, hparams: OptimizerHParams):
+        self.hops, self.replicas, self.ledger, self.hparams = hops, replicas, ledger, hparams
+        self.calls, self.step = hops.calls, ledger.step
+        self.blocks = range(self.calls.router.num_blocks)
+        self.transitions: dict[Stage, Callable[[StepCommit], StepCommit]] = {
+            Stage.REFRESHING: self.refreshing,
+            Stage.WAITING: self.waiting,
+            Stage.ASKING: self.asking,
+            Stage.REPLAYING: self.replaying,
+            Stage.JUDGING: self.judging,
+            Stage.SETTLED: self.settled,
+            Stage.VOTING: self.voting,
+        }
+
+    def attempt(self, audit: bool) -> StepCommit:
+        """A fresh attempt, with its own patience: nothing applied yet."""
+        patience = Deadline(self.calls.patience)
+        waiting = WaitLine(f"committing step {self.step}", patience, logger, logging.WARNING)
+        return StepCommit(patience, waiting, time.monotonic(), audit)
+
+    def run(self) -> dict[PeerID, range]:
+        """From the first stage to DONE, each move checked against ``TRANSITIONS``."""
+        state = self.attempt(audit=False)
+        while state.stage is not Stage.DONE:
+            following = self.transitions[state.stage](state)
+            if following.stage not in TRANSITIONS[state.stage]:
+                raise RuntimeError(f"a commit cannot go from {state.stage.name} to {following.stage.name}")
+            state = following
+        return dict(state.applied)
+
+    def refreshing(self, s: StepCommit) -> StepCommit:
+        """Bring the replicas to the step; count those past it as applied (unless the ledger is tainted); then wait,
+        ask, replay what died with a holder, or settle."""
+        step = self.step
+        self.replicas.refresh(step)
+        applied = s.applied if self.ledger.tainted else {**s.applied, **self.replicas.ahead_of(step)}
+        pending = {p: span for p, span in self.replicas.peers(step).items() if p not in applied}
+        done = {b for span in applied.values() for b in span}
+        uncovered = tuple(b for b in self.blocks if b not in done and not any(b in span for span in pending.values()))
+        if uncovered:
+            return s.to(Stage.WAITING, applied=applied, pending=pending, uncovered=uncovered)
+        s.waiting.done("every block has a live replica")
+        if not pending:
+            return s.to(Stage.SETTLED, applied=applied, pending=pending)
+        rounds = s.rounds + 1
+        if rounds > MAX_COMMIT_ROUNDS:
+            if all(b in done for b in self.blocks):
+                return s.to(Stage.SETTLED, applied=applied, pending=pending, rounds=rounds)
+            raise CommitError(
+                f"step {step} could not be committed in {MAX_COMMIT_ROUNDS} rounds: " + "; ".join(s.history[-3:])
+            )
+        missing = held_by_departed(self.ledger, pending, applied)
+        if missing:
+            history = (*s.history, f"round {rounds}: gradients of departed holders {mbs_text(missing)}")
+            return s.to(
+                Stage.REPLAYING, applied=applied, pending=pending, rounds=rounds, missing=missing, history=history
+            )
+        return s.to(Stage.ASKING, applied=applied, pending=pending, rounds=rounds)
+
+    def waiting(self, s: StepCommit) -> StepCommit:
+        """Some block has no live replica at the step: give up once patience runs out; take the step back where a
+        split peer holds it (it then syncs down); else say what is missing, and look again in a second."""
+        step, uncovered, applied = self.step, list(s.uncovered), s.applied
+        if s.patience.passed:
+            s.waiting.done("gave up")
+            raise SwarmUnavailableError.unserved(uncovered, self.calls.patience, f"live replica at step {step}")
+        if applied and self.replicas.split_over(uncovered, step):
+            logger.warning(
+                "blocks %s are at step %d only on peers that hold others past it; taking the step back", uncovered, step
+            )
+            applied = self._take_back(applied)
+        else:
+            s.waiting.update(f"blocks {spans_text(uncovered)} have no live replica at step {step}")
+            if self.hops.unserved is not None:
+                self.hops.unserved(self.calls.router.uncovered(eligible_only=False))
+        s.patience.pause(1.0)
+        self.calls.router.refresh()
+        return s.to(Stage.REFRESHING, applied=applied)
+
+    def asking(self, s: StepCommit) -> StepCommit:
+        """One round: every replica left is asked at once; those that applied are no longer current at the step."""
+        asked = ask_round(self.calls, self.replicas.each, dict(s.pending), self.ledger, self.hparams, s.audit)
+        now_applied = asked.of(Phase.APPLIED)
+        for peer in now_applied:
+            self.replicas.current[peer] = self.step + 1  # no longer eligible for this step's work (e.g. a replay)
+        applied = {**s.applied, **{peer: s.pending[peer] for peer in now_applied}}
+        history = (*s.history, f"round {s.rounds}: {asked.summary()}")
+        if len(now_applied) < len(s.pending):
+            logger.info("committing step %d, %s", self.step, history[-1])
+        after = {
+            "applied": applied,
+            "votes": {**s.votes, **asked.votes},
+            "failed": (*s.failed, *asked.of(Phase.SILENT)),
+            "history": history,
+        }
+        if asked.accused:
+            return s.to(Stage.JUDGING, accused=tuple(asked.accused), **after)
+        if asked.missing:
+            return s.to(Stage.REPLAYING, missing=asked.missing, **after)
+        if all(any(b in span for span in applied.values()) for b in self.blocks):
+            return s.to(Stage.SETTLED, **after)
+        return s.to(Stage.REFRESHING, **after)
+
+    def replaying(self, s: StepCommit) -> StepCommit:
+        """Take the step back where it was applied (so that replays can run through those blocks at the step), then
+        recompute the lost gradients on live replicas."""
+        applied = self._take_back(s.applied)
+        with self.replicas.replay_of(self.step):
+            replay_lost(self.hops, self.ledger, dict(s.missing))
+        return s.to(Stage.REFRESHING, applied=applied, missing={})
+
+    def judging(self, s: StepCommit) -> StepCommit:
+        """Judge the accusations; the banned (holder or accuser) no longer count, their micro-batches are replayed
+        next round as a departed holder's."""
+        banned = set(judge_accused(self.hops, self.ledger, list(s.accused)))
+        applied = {peer: span for peer, span in s.applied.items() if peer not in banned}
+        return s.to(Stage.REFRESHING, applied=applied, accused=())
+
+    def settled(self, s: StepCommit) -> StepCommit:
+        """Nobody left to ask. Replicas whose digests differ after an unaudited attempt: the step is taken back and
+        committed again by a fresh attempt, every partial sum audited; otherwise the vote."""
+        if s.failed:
+            self.calls.recovered(s.failed[0], Method.COMMIT, self.step, s.started)
+        if s.audit or not _dissent(self.calls.router.num_blocks, self.step, s.applied, s.votes):
+            return s.to(Stage.VOTING)
+        logger.warning("replicas disagree on step %d; committing it again with every partial sum audited", self.step)
+        self._take_back(s.applied)
+        return self.attempt(audit=True)
+
+    def voting(self, s: StepCommit) -> StepCommit:
+        """The vote: the outvoted no longer count; a tie nobody breaks takes the step back and raises."""
+        applied = _vote(self.hops, self.replicas, self.ledger, self.hparams, s.applied, s.votes)
+        logger.debug("step %d committed on %d peers in %.2fs", self.step, len(applied), time.monotonic() - s.started)
+        return s.to(Stage.DONE, applied=applied)
+
+    def _take_back(self, applied: Mapping[PeerID, range]) -> dict[PeerID, range]:
+        """Revert the replicas that applied the step: they apply it again, to the same bits, once the lost
+        gradients are replayed (or the split peer synced). Returns what is applied now: nothing."""
+        self.replicas.take_back(list(applied), self.step)
+        return {}
+
+
 def commit(
-    hops: RemoteStack, replicas: ReplicaSet, ledger: StepLedger, hparams: OptimizerHParams, audit: bool = False
+    hops: RemoteStack, replicas: ReplicaSet, ledger: StepLedger, hparams: OptimizerHParams
 ) -> dict[PeerID, range]:
     """Apply ``ledger.step`` on every live replica, all asked at once; each fetches the partial sums it lacks peer
     to peer and applies in the same call. Gradients that died with a peer are replayed (``hops``) on a replica still
     at the step first. Returns the replicas that applied it (and their spans). Raises CommitError if impossible.
 
-    Replicas whose states disagree after the step commit it again, every partial sum audited (``audit``: each
-    replica checks the micro-batch gradients behind every partial sum it uses against their reported hashes): a
-    holder that handed on a partial sum other than the sum of what it reported is named and its micro-batches
-    replayed, before a vote could count the replicas it misled as the majority. A disagreement that survives the
-    audit goes to the vote (``_vote``)."""
-    calls = hops.calls
-    step, started, rounds = ledger.step, time.monotonic(), 0
-    patience = Deadline(calls.patience)
-    waiting = WaitLine(f"committing step {step}", patience, logger, logging.WARNING)
+    Replicas whose states disagree after the step commit it again, every partial sum audited (each replica checks
+    the micro-batch gradients behind every partial sum it uses against their reported hashes): a holder that handed
+    on a partial sum other than the sum of what it reported is named and its micro-batches replayed, before a vote
+    could count the replicas it misled as the majority. A disagreement that survives the audit goes to the vote
+    (``_vote``). The stages and their transitions: ``Stage``, ``TRANSITIONS``."""
     ledger.committing = True
-    applied: dict[PeerID, range] = {}
-    failed: list[PeerID] = []
-    votes: dict[PeerID, CommitReply] = {}  # each replica's last commit reply: its steps and digests after the step
-    history: list[str] = []  # what each round ran into, for the error if the rounds run out
-    while True:
-        replicas.refresh(step)
-        if not ledger.tainted:
-            applied.update(replicas.ahead_of(step))
-        pending = {p: span for p, span in replicas.peers(step).items() if p not in applied}
-        done = {b for span in applied.values() for b in span}
-        blocks = range(calls.router.num_blocks)
-        uncovered = [b for b in blocks if b not in done and not any(b in span for span in pending.values())]
-        if uncovered:
-            if patience.passed:
-                waiting.done("gave up")
-                raise SwarmUnavailableError.unserved(uncovered, calls.patience, f"live replica at step {step}")
-            if applied and replicas.split_over(uncovered, step):
-                logger.warning(
-                    "blocks %s are at step %d only on peers that hold others past it; taking the step back",
-                    uncovered,
-                    step,
-                )
-                _take_back(replicas, applied, step)
-            else:
-                waiting.update(f"blocks {spans_text(uncovered)} have no live replica at step {step}")
-                if hops.unserved is not None:
-                    hops.unserved(calls.router.uncovered(eligible_only=False))
-            patience.pause(1.0)
-            calls.router.refresh()
-            continue
-        waiting.done("every block has a live replica")
-        if not pending:
-            break
-        rounds += 1
-        if rounds > MAX_COMMIT_ROUNDS:
-            if all(b in done for b in blocks):
-                break  # the replicas left behind sync from those that applied, like any laggard
-            raise CommitError(
-                f"step {step} could not be committed in {MAX_COMMIT_ROUNDS} rounds: " + "; ".join(history[-3:])
-            )
-        missing = _held_by_departed(ledger, pending, applied)
-        if missing:
-            history.append(f"round {rounds}: gradients of departed holders {_mbs_text(missing)}")
-        else:
-            asked = _commit_all(calls, replicas, pending, ledger, hparams, audit)
-            failed.extend(asked.of(Phase.SILENT))
-            votes.update(asked.votes)
-            missing = asked.missing
-            for peer in asked.of(Phase.APPLIED):
-                replicas.current[peer] = step + 1  # no longer eligible for this step's work (e.g. a replay)
-                applied[peer] = pending[peer]
-            history.append(f"round {rounds}: {asked.summary()}")
-            if len(asked.of(Phase.APPLIED)) < len(pending):
-                logger.info("committing step %d, %s", step, history[-1])
-            if asked.accused:
-                for peer in judge_accused(hops, ledger, asked.accused):
-                    applied.pop(peer, None)  # banned: its micro-batches count as departed, replayed next round
-                continue
-        if missing:
-            _take_back(replicas, applied, step)  # so that replays can run through their blocks at `step`
-            replicas.replaying = step
-            try:
-                replay_lost(hops, ledger, missing)
-            finally:
-                replicas.replaying = None
-            continue
-        if all(any(b in span for span in applied.values()) for b in blocks):
-            break
-    if failed:
-        calls.recovered(failed[0], Method.COMMIT, step, started)
-    if not audit and _dissent(calls.router.num_blocks, step, applied, votes):
-        logger.warning("replicas disagree on step %d; committing it again with every partial sum audited", step)
-        _take_back(replicas, applied, step)
-        return commit(hops, replicas, ledger, hparams, audit=True)
-    _vote(hops, replicas, ledger, hparams, applied, votes)
-    logger.debug("step %d committed on %d peers in %.2fs", step, len(applied), time.monotonic() - started)
-    return applied
+    return _Commit(hops, replicas, ledger, hparams).run()
 
 
-def _dissent(num_blocks: int, step: int, applied: dict[PeerID, range], votes: dict[PeerID, CommitReply]) -> bool:
+def _dissent(num_blocks: int, step: int, applied: Mapping[PeerID, range], votes: Mapping[PeerID, CommitReply]) -> bool:
     """Whether the replicas that replied for a block report other states after the step."""
     for block in range(num_blocks):
         digests = {
@@ -455,17 +579,18 @@ def _vote(
     replicas: ReplicaSet,
     ledger: StepLedger,
     hparams: OptimizerHParams,
-    applied: dict[PeerID, range],
-    votes: dict[PeerID, CommitReply],
-) -> None:
+    applied: Mapping[PeerID, range],
+    votes: Mapping[PeerID, CommitReply],
+) -> dict[PeerID, range]:
     """The replicas' vote on the step: per block, the digests of the replicas that report it applied (the same step:
-    a replica elsewhere is not compared). One outvoted by two that agree is banned for good and dropped from
-    ``applied``; two that disagree alone are judged by a standby copy holder that applies the same ledger
-    (``TieBreakRequest``). Without one, the step is taken back everywhere and ReplicasDisagreeError raised."""
+    a replica elsewhere is not compared). One outvoted by two that agree is banned for good; two that disagree alone
+    are judged by a standby copy holder that applies the same ledger (``TieBreakRequest``). Without one, the step is
+    taken back everywhere and ReplicasDisagreeError raised. Returns the replicas of ``applied`` that kept their vote."""
     calls, step = hops.calls, ledger.step
     # Asked again: a replica counted without a reply of this call (it was lost), and one whose reply lacks blocks it
     # counts for (it moved onto them in the middle of the commit, after it replied for its old span). A reply read
     # for blocks it never covered made honest replicas disagree under churn.
+    votes = dict(votes)
     unheard = [p for p in applied if p not in votes or not set(applied[p]).issubset(votes[p].digests)]
     for peer in unheard:
         try:
@@ -491,13 +616,14 @@ def _vote(
     for peer, block in outvoted.items():
         reason = f"its state of block {block} after step {step} disagrees with the majority of its replicas'"
         hops.ban_dishonest(peer, reason)
-        applied.pop(peer, None)
         replicas.standby.pop(peer, None)
+    kept = {peer: span for peer, span in applied.items() if peer not in outvoted}
     if disputes:
         block, peers = disputes[0]
         logger.error("replicas %s of block %d disagree on step %d and nobody breaks the tie", peers, block, step)
-        _take_back(replicas, applied, step)
+        replicas.take_back(list(kept), step)
         raise ReplicasDisagreeError(block, step, tuple(p.to_base58() for p in peers))
+    return kept
 
 
 def _tiebreak(
@@ -531,132 +657,6 @@ def _tiebreak(
         logger.warning("replicas of block %d disagree on step %d; peer %s broke the tie", block, step, holder)
         return {holder: digest}
     return {}
-
-
-def _mbs_text(missing: dict[int, list[str]]) -> str:
-    return ", ".join(f"block {block}: {len(mbs)} micro-batch(es)" for block, mbs in sorted(missing.items()))
-
-
-def _held_by_departed(
-    ledger: StepLedger, pending: dict[PeerID, range], applied: dict[PeerID, range]
-) -> dict[int, list[str]]:
-    """Gradients, on the blocks ``pending`` replicas still have to commit, whose holder is neither one of them nor a
-    replica that applied the step (and still serves them): it died. Replay them without asking anyone."""
-    blocks = {b for span in pending.values() for b in span}
-    lost: dict[int, list[str]] = {}
-    for block, by_mb in ledger.holders.items():
-        gone = [mb for mb, holder in by_mb.items() if holder not in pending and holder not in applied]
-        if gone and block in blocks:
-            lost[block] = sorted(gone)
-    return lost
-
-
-class Phase(Enum):
-    """Where one replica stands after a round of commit requests (docs/ARCHITECTURE.md, "The commit's states")."""
-
-    APPLIED = "applied"  # it applied the step; its reply carries its digests: its vote
-    LACKING = "lacking"  # it could get some partial sums from nobody live: it applied nothing
-    ACCUSING = "accusing"  # a holder handed it a partial sum that is not the sum of what the holder reported
-    SILENT = "silent"  # no answer (dead, frozen, cut off) or a garbled one: banned for a while
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """One replica's answer to one commit request."""
-
-    phase: Phase
-    reply: CommitReply | None = None
-    lacking: dict[int, list[str]] = field(default_factory=dict)
-    accused: tuple[PeerID, ...] = ()
-
-
-@dataclass
-class CommitRound:
-    """Each replica's outcome of one round of commit requests, asked all at once."""
-
-    outcomes: dict[PeerID, Outcome]
-
-    def of(self, phase: Phase) -> list[PeerID]:
-        return [peer for peer, outcome in self.outcomes.items() if outcome.phase is phase]
-
-    @property
-    def votes(self) -> dict[PeerID, CommitReply]:
-        return {peer: o.reply for peer, o in self.outcomes.items() if o.phase is Phase.APPLIED and o.reply is not None}
-
-    @property
-    def missing(self) -> dict[int, list[str]]:
-        """The (block, micro-batch) gradients some replica could get from nobody live: to replay."""
-        lacking: dict[int, set[str]] = {}
-        for outcome in self.outcomes.values():
-            for block, mbs in outcome.lacking.items():
-                lacking.setdefault(block, set()).update(mbs)
-        return {block: sorted(mbs) for block, mbs in lacking.items()}
-
-    @property
-    def accused(self) -> list[tuple[PeerID, PeerID]]:
-        """(accuser, holder) pairs, for ``judge_accused``."""
-        return [(peer, holder) for peer, o in self.outcomes.items() for holder in o.accused]
-
-    def summary(self) -> str:
-        parts = [f"{len(self.of(Phase.APPLIED))} applied"]
-        if silent := self.of(Phase.SILENT):
-            parts.append("no answer from " + ", ".join(str(p) for p in silent))
-        if self.missing:
-            parts.append(f"gradients nobody live could hand on {_mbs_text(self.missing)}")
-        if self.accused:
-            parts.append("accused " + ", ".join(f"{h} (by {a})" for a, h in self.accused))
-        return ", ".join(parts)
-
-
-def _commit_all(
-    calls: PeerCalls,
-    replicas: ReplicaSet,
-    peers: dict[PeerID, range],
-    ledger: StepLedger,
-    hparams: OptimizerHParams,
-    audit: bool = False,
-) -> CommitRound:
-    """Ask every replica to commit, in parallel (``audit``: see ``commit``)."""
-
-    def attempt(peer: PeerID) -> Outcome:
-        holders = ledger.wire_holders(peers[peer])
-        request = CommitRequest(
-            adapter=calls.adapter,
-            step=ledger.step,
-            ledger=holders,
-            hparams=hparams,
-            grad_scale=ledger.grad_scale,
-            audit=audit,
-            holder_maddrs=calls.holder_maddrs(holders),
-            reducers=reducers(peers, peers[peer]),
-        )
-        try:
-            return Outcome(Phase.APPLIED, reply=calls.ask(peer, request, floor=commit_floor(request.reducers)))
-        except PeerFailure:
-            return Outcome(Phase.SILENT)
-        except RemoteError as e:
-            if e.kind not in (ErrorKind.MISSING_GRADIENTS, ErrorKind.BAD_GRADIENTS):
-                raise
-            try:
-                if e.kind == ErrorKind.BAD_GRADIENTS:
-                    return Outcome(Phase.ACCUSING, accused=tuple(bad_holders(e)))
-                return Outcome(Phase.LACKING, lacking=missing_gradients(e))
-            except ReplyError as bad:  # a garbled refusal: the peer failed, like one that does not answer
-                logger.warning("peer %s: %s", peer, bad)
-                return Outcome(Phase.SILENT)
-
-    return CommitRound(dict(zip(peers, replicas.each(attempt, list(peers)), strict=True)))
-
-
-def reducers(spans: dict[PeerID, range], blocks: range) -> dict[int, list[str]]:
-    """Per block of ``blocks`` committed on at least ``MIN_REDUCERS`` of the replicas asked (``spans``), those
-    replicas, sorted: they reduce its gradient in chunks (peers/scatter.py); fewer exchange partial sums directly."""
-    found = {}
-    for block in blocks:
-        serving = sorted(peer.to_base58() for peer, span in spans.items() if block in span)
-        if len(serving) >= MIN_REDUCERS:
-            found[block] = serving
-    return found
 
 
 def judge_accused(hops: RemoteStack, ledger: StepLedger, accused: list[tuple[PeerID, PeerID]]) -> list[PeerID]:
@@ -694,13 +694,6 @@ def take_back_abandoned(replicas: ReplicaSet, step: int) -> None:
     if ahead:
         logger.warning("taking step %d back on %d replica(s) that applied discarded gradients", step, len(ahead))
         replicas.take_back(list(ahead), step)
-
-
-def _take_back(replicas: ReplicaSet, applied: dict[PeerID, range], step: int) -> None:
-    """Revert the replicas that applied ``step`` in a round where others could not (rare: a gradient holder died
-    between two replicas' fetches). They apply it again, to the same bits, once the lost gradients are replayed."""
-    replicas.take_back(list(applied), step)
-    applied.clear()
 
 
 def replay_lost(hops: RemoteStack, ledger: StepLedger, missing: dict[int, list[str]]) -> None:

@@ -44,8 +44,8 @@ def test_a_replica_that_moved_in_the_middle_of_the_commit_is_asked_for_its_new_b
         SERVER: CommitReply({b: STEP + 1 for b in after}, after),
     }
     applied = {MOVER: range(0, 3), SERVER: range(0, 3)}
-    _vote(hops, replicas, ledger, None, applied, votes)
-    assert asked == [MOVER] and taken_back == [] and set(applied) == {MOVER, SERVER}
+    kept = _vote(hops, replicas, ledger, None, applied, votes)
+    assert asked == [MOVER] and taken_back == [] and set(kept) == {MOVER, SERVER}
 
 
 def test_a_replica_that_still_reports_no_digest_for_a_block_it_applied_disagrees():
