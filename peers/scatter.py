@@ -19,6 +19,7 @@ import torch
 from peers.adapters import AdapterStore
 from peers.compute import Compute
 from peers.peer_client import PeerClient
+from peers.stepphase import StepPhases
 from swarm.net.errors import RequestError
 from swarm.net.protocol import SUM, CommitRequest, Group, NormsRequest
 from swarm.net.reduction import MIN_REDUCERS, ChunkKey, add_chunks, chunk_of, groups_digest, same_bits
@@ -97,9 +98,11 @@ class ChunkedReduction:
         audit: Audit,
         audit_rate: float,
         rng: random.Random,
+        phases: StepPhases,
     ) -> None:
         self.whoami, self.adapters, self.compute, self.peers = me, adapters, compute, peers
         self.audit, self.audit_rate, self.random = audit, audit_rate, rng
+        self.phases = phases  # a gathered block's step is reduced
         self.board = ChunkBoard()
         self.distrusted: set[str] = set()  # reducers whose chunk failed an audit here: their blocks go direct
         self.gathered = 0  # block gradients gathered in chunks (the rest went the direct way)
@@ -237,6 +240,7 @@ class ChunkedReduction:
         except RequestError as e:  # a chunk of the wrong size or with non-finite values: this block goes direct
             logger.warning("the reduced chunks of block %d (step %d) from %s: %s", block, request.step, rs, e)
             return
+        self.phases.gathered(request.adapter, [block], request.step)
         self.gathered += 1
 
     async def serve(self, key: ChunkKey, wait: float) -> torch.Tensor | None:

@@ -20,6 +20,7 @@ from peers.peer_client import ChainBroken, PeerClient
 from peers.pullers import RecentPullers
 from peers.scatter import ChunkedReduction
 from peers.state import GradsByBlock, pack_states
+from peers.stepphase import StepPhases
 from swarm.blocks import lora_config_from_wire
 from swarm.net import rotated
 from swarm.net.chain import ChainFailure, HopAck
@@ -137,8 +138,9 @@ class PeerService(InfoDoors):
         self.references = DeltaReferences() if references is None else references
         self.audit_rate, self.random = audit_rate, random.Random()
         self.compute, self.hooks, self.pullers = compute, hooks, pullers
+        self.phases = StepPhases()  # where each block's step stands here (peers/stepphase.py)
         self.reduction = ChunkedReduction(
-            lambda: self.me, adapters, compute, peers, self._audit, audit_rate, self.random
+            lambda: self.me, adapters, compute, peers, self._audit, audit_rate, self.random, self.phases
         )
         self.handlers.update(
             {
@@ -260,6 +262,7 @@ class PeerService(InfoDoors):
             return grad_inputs, norms, self.adapters.grad_hashes(name, blocks, step, request.micro_batch)
 
         (grad_inputs, norms, hashes), spent = await self.compute.timed(backward)
+        self.phases.held(request.adapter, request.blocks, request.step)
         carried, acks, failure = await self._chain_on(
             request, arrived, spent, grad_inputs, norms, hashes, grad=grad_inputs, hidden=None
         )
@@ -329,14 +332,22 @@ class PeerService(InfoDoors):
         name, step, groups = request.adapter, request.step, request.groups()
         await self._fetch_missing(request)
 
-        def apply() -> CommitReply:
+        def apply() -> tuple[CommitReply, list[int]]:
+            before = self.adapters.adapter(name).steps()
             steps = self.adapters.apply(name, step, groups, request.hparams, request.grad_scale)
             digests = self.adapters.digests(name)
-            return CommitReply(steps, {block: digests[block] for block in groups if block in digests})
+            moved = [block for block in groups if before.get(block) == step and steps.get(block) == step + 1]
+            return CommitReply(steps, {block: digests[block] for block in groups if block in digests}), moved
 
-        reply = await self.compute(apply)
-        self.in_background(self.hooks.after_commit(name))  # queued on the compute thread before the next
+        reply, moved = await self.compute(apply)
+        self.phases.applied(name, moved, step)
+        self.phases.acknowledged(name, moved, step)
+        self.in_background(self._after_commit(name, moved, step))  # queued on the compute thread before the next
         return reply
+
+    async def _after_commit(self, name: str, blocks: list[int], step: int) -> None:
+        await self.hooks.after_commit(name)
+        self.phases.copied(name, blocks, step)
 
     async def _tiebreak(self, request: TieBreakRequest) -> DigestReply:
         """Break two replicas' tie: the commit's ledger applied to this peer's standby copies, the gradients fetched
@@ -380,6 +391,7 @@ class PeerService(InfoDoors):
         groups = request.groups()
         if audit:
             await self.compute(self.adapters.drop_partials, name, step)
+            self.phases.dropped(name, groups, step)
         else:
             bad = await self.reduction.run(request, groups)
             if bad:
@@ -402,6 +414,7 @@ class PeerService(InfoDoors):
                 bad.append(peer)
                 continue
             await self.compute(self.adapters.add_partials, name, step, partials)
+            self.phases.fetched(name, partials, step)
         if bad:
             raise _bad_gradients(step, bad)
 
@@ -475,6 +488,7 @@ class PeerService(InfoDoors):
 
     async def _revert(self, request: RevertRequest) -> StepsReply:
         steps = await self.compute(self.adapters.revert, request.adapter, request.step)
+        self.phases.taken_back(request.adapter, [b for b, at in steps.items() if at == request.step], request.step)
         self.in_background(self.hooks.after_revert(request.adapter))
         return StepsReply(steps)
 
@@ -522,6 +536,7 @@ class PeerService(InfoDoors):
                 f"could not pull blocks {blocks.start}:{blocks.stop} from {source}: {e}", source.to_base58()
             ) from None
         steps = await self.compute(self.adapters.import_state, name, states)
+        self.phases.loaded(name, {block: steps[block] for block in states if block in steps})
         logger.info("synced adapter %r blocks %s from %s: steps %s", name, sorted(states), source, steps)
         return StepsReply(steps)
 
@@ -529,7 +544,9 @@ class PeerService(InfoDoors):
         """No current copy of these blocks survived anywhere: the trainer declares the newest one current."""
         name = request.adapter
         lost = await self.compute(self.adapters.fast_forward, name, request.blocks, request.step)
-        return FastForwardReply(self.adapters.adapter(name).steps(), lost)
+        steps = self.adapters.adapter(name).steps()
+        self.phases.loaded(name, {block: steps[block] for block in request.blocks if block in steps})
+        return FastForwardReply(steps, lost)
 
     async def _committed(self, request: CommittedRequest) -> Ack:
         """A server of blocks this peer keeps on standby committed a step: pull the new state, in the background."""
