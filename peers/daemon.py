@@ -73,7 +73,6 @@ from swarm.weights import block_digests
 
 logger = logging.getLogger(__name__)
 
-QUANT_BYTES = {"nf4": 0.55, "int8": 1.05}
 MIN_ROUND_GAP = 1.0  # seconds between the end of a balance round and one held early on a client's notice
 LEAVE_TIMEOUT = 20.0  # seconds past the leave grace after which a leaving peer exits whatever is stuck
 # A move over blocks that no other peer answered for waits for a second look, in which the silent peers get this long

@@ -1,23 +1,30 @@
-"""Measure what one Llama-70B-shaped block costs a peer: bytes on the device, one LoRA training step, LoRA + AdamW
-state, and how many blocks (and peers) that means on a 24 GiB GPU.
+"""Measure what Llama-70B-shaped blocks cost a peer against swarm/memory.py, the one memory model that sizes a peer's
+span (peers/daemon.py ``blocks_that_fit``): bytes of a loaded block, the device peak of a LoRA training step, and
+the seconds a block takes forward, backward and at the commit.
 
-``swarm peer`` sizes its span from an estimate (``blocks_that_fit`` in peers/daemon.py: parameters times
-``QUANT_BYTES`` or the dtype's bytes, times a 1.25 margin). This script checks that estimate against the real
-thing for the shape that matters most (hidden 8192, 64 heads, 8 KV heads, intermediate 28672): it writes a 2-layer
-random model of that shape as a Hugging Face folder (config.json + sharded safetensors), serves both blocks with
-the project's own ``SpanBackend`` (nf4 through bitsandbytes, or plain bf16), counts the bytes of a loaded block
-tensor by tensor (the packed 4-bit data and its quantization state included), times forward / backward / AdamW
-commit of one micro-batch, and derives blocks per peer and peers for 80 blocks at replication 2.
+It writes a 2-layer random model of the shape that matters most (hidden 8192, 64 heads, 8 KV heads, intermediate
+28672) as a Hugging Face folder (config.json + sharded safetensors), serves both blocks with the project's own
+``SpanBackend`` (nf4 through bitsandbytes, or plain bf16; compute in bf16), counts the bytes of a loaded block tensor
+by tensor (the packed 4-bit data and its quantization state included), and trains one micro-batch of 1 x ``--seq``
+tokens a step as a peer does: a forward that keeps each block's input (the activation cache), a backward that
+recomputes one block at a time, an AdamW commit. Beside each measurement stands the model's figure:
+``block_weight_bytes`` per block, and the device total of ``breakdown`` for the span loaded (the bench's LoRA, the
+mode's quantization and compute dtype, ``--seq`` tokens, one micro-batch in flight and one a step, replication 1, no
+bound on the activation cache, no generation sessions). Last, the blocks a peer with the daemon's defaults takes on
+a ``--gpu-gib`` card at ``--seq`` tokens: ``default_num_blocks``.
 
-With ``--device cuda`` the blocks live on the GPU and the allocator's own figures (bytes per loaded block, the peak
-of a training step) are set against the per-block budget ``--num-blocks`` assumes. ``--tiny`` swaps the 70B shape
-for a small one of the same structure, so that the script runs in seconds on a CPU (scripts/bench_gpu.sh does, in
-its ``--cpu`` mode and in its test); ``--json`` writes a summary row per mode for that driver.
+With ``--device cuda`` the blocks live on the GPU and the caching allocator's figures are measured: bytes per block
+at load, adapter state, and the peak of the measured steps (``max_memory_allocated`` over what was allocated before
+loading). On a CPU, torch keeps no such figures and the process's RSS mixes in the model's build, glibc's retained
+heap and memory-mapped weights, so the peak reads "n/a" (scripts/bench_memory.py measures peaks on a CPU, in
+processes of their own). ``--tiny`` swaps the 70B shape for a small one of the same structure, so that the script
+runs in seconds on a CPU (scripts/bench_gpu.sh does, in its ``--cpu`` mode and in its test); ``--json`` writes a
+summary row per mode for that driver.
 
 Usage::
 
-    python scripts/bench_70b_block.py [--modes nf4 bf16] [--seq 128] [--work-dir /tmp/swarm-70b-block] [--keep]
-        [--steps 1] [--warmup 1] [--threads N] [--gpu-gib 24] [--reserve-gib 1.5] [--in-flight 4]
+    python scripts/bench_70b_block.py [--modes nf4 bf16] [--seq 2048 (--tiny: 128)] [--work-dir /tmp/swarm-70b-block]
+        [--keep] [--steps 1] [--warmup 1] [--threads N] [--gpu-gib 24] [--total-blocks 80]
         [--device cpu|cuda|cuda:N] [--tiny] [--json PATH]
 """
 
@@ -28,12 +35,11 @@ import ctypes
 import gc
 import json
 import logging
-import math
 import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import peft
@@ -47,8 +53,23 @@ if str(ROOT) not in sys.path:
 
 from peers.adapters import AdapterStore  # noqa: E402
 from peers.backend import SpanBackend  # noqa: E402
-from peers.daemon import QUANT_BYTES  # noqa: E402
 from swarm.blocks import lora_config_to_wire  # noqa: E402
+from swarm.memory import (  # noqa: E402
+    ACTIVATION_CACHE_MB,
+    ALL_SEVEN,
+    DEFAULT_IN_FLIGHT,
+    DEFAULT_MICRO_BATCHES,
+    LORA_BYTES,
+    MAX_INFERENCE_MB,
+    Lora,
+    MemoryInputs,
+    ModelShape,
+    block_weight_bytes,
+    breakdown,
+    card_free_bytes,
+    default_num_blocks,
+    lora_params,
+)
 from swarm.net.protocol import OptimizerHParams  # noqa: E402
 from swarm.spec import ModelSpec, load_spec  # noqa: E402
 
@@ -71,42 +92,47 @@ TINY_SHAPE = {
     **SHAPE,
     **dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=1, intermediate_size=896, vocab_size=1024),
 }
-MODES = {"nf4": (torch.bfloat16, "nf4"), "bf16": (torch.bfloat16, "none")}
-DAEMON_DTYPE = {"nf4": "bfloat16", "bf16": "bfloat16"}  # the --dtype a peer would be given for each mode
-TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-LORA_R, LORA_ALPHA = 16, 32
+SEQ = 2048  # tokens of a micro-batch: the seed's case
+TINY_SEQ = 128  # with --tiny: a bf16 backward of 2048 tokens takes seconds a block on a CPU
+MODES = {"nf4": (torch.bfloat16, "nf4"), "bf16": (torch.bfloat16, "none")}  # compute dtype, --quant
+LORA = Lora(rank=16, targets=ALL_SEVEN)
+LORA_ALPHA = 32
 HPARAMS = OptimizerHParams(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-MARGIN = 1.25  # blocks_that_fit's margin for LoRA and activations
 GIB = 1 << 30
 MB = 1e6
 
 
 @dataclass
 class ModeResult:
-    """Everything measured for one quantization mode."""
+    """Everything measured for one quantization mode, and the memory model's figures beside it."""
 
     mode: str
+    blocks: int = 0  # loaded and trained
     load_s: float = 0.0
     weights: dict[str, int] = field(default_factory=dict)  # category -> bytes, one block
     rss_anon_per_block: int = 0  # private memory grown by loading, per block
     rss_touched_per_block: int = 0  # private + mapped file memory after one forward has read every weight
-    estimate: float = 0.0  # params * per_param bytes, one block, no margin
-    lora_params: int = 0
+    lora_params: int = 0  # bytes, one block
     lora_moments: int = 0
-    lora_grads_per_mb: int = 0
+    lora_grads_per_mb: int = 0  # one block, one micro-batch
     lora_dtype: str = ""
-    activations_per_block: int = 0  # saved for backward, one micro-batch
-    forward_s: float = 0.0
+    block_inputs_per_block: int = 0  # kept by a training forward (the activation cache), one micro-batch
+    forward_s: float = 0.0  # the span's, one micro-batch
     backward_s: float = 0.0
     commit_s: float = 0.0
     # CUDA only (the caching allocator's figures, bytes): per block at load, per block of adapter state (LoRA +
-    # AdamW moments) after training, per block at the peak of a training step (all of it: weights, state, the
-    # micro-batch's activations and gradients, transient dequantized weights), and the device's free memory before
-    # loading (what ``blocks_that_fit`` would have seen)
+    # AdamW moments, and the gradients kept for an undo) after training, the peak of the measured steps over what
+    # was allocated before loading (everything: weights, adapter state, block inputs, one block's graph, gradients,
+    # dequantized weights), and the device's free memory before loading
     cuda_weights_per_block: int = 0
     cuda_state_per_block: int = 0
-    cuda_peak_per_block: int = 0
+    cuda_peak: int = 0
     cuda_free_before: int = 0
+    # swarm/memory.py: one block's weights, the span's device parts at the bench's load, and the blocks a peer with
+    # the daemon's defaults takes on a --gpu-gib card at --seq tokens
+    model_weights_per_block: float = 0.0
+    model_parts: dict[str, float] = field(default_factory=dict)
+    card_blocks: int = 0
     error: str | None = None
 
     @property
@@ -114,8 +140,15 @@ class ModeResult:
         return sum(self.weights.values())
 
     @property
+    def model_peak(self) -> float:
+        return sum(self.model_parts.values())
+
+    @property
     def total_s(self) -> float:
         return self.forward_s + self.backward_s + self.commit_s
+
+    def per_block(self, seconds: float) -> float:
+        return seconds / self.blocks
 
 
 # --- the model folder -----------------------------------------------------------------------------------------
@@ -224,32 +257,50 @@ def layer_bytes(layer: nn.Module) -> dict[str, int]:
     return {kind: size for kind, size in kinds.items() if size}
 
 
-# --- the estimate ---------------------------------------------------------------------------------------------
+# --- the memory model -----------------------------------------------------------------------------------------
 
 
-def block_params(spec: ModelSpec) -> int:
-    """The parameter count ``blocks_that_fit`` uses: the 7 projections (norms left out)."""
-    c = spec.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv = c.num_key_value_heads * head_dim
-    return 2 * c.hidden_size * c.hidden_size + 2 * c.hidden_size * kv + 3 * c.hidden_size * c.intermediate_size
+def bench_case(shape: ModelShape, mode: str, blocks: int, seq: int) -> MemoryInputs:
+    """The bench's load as swarm/memory.py counts it: the span it loads, one micro-batch of ``seq`` tokens in flight
+    and one a step, one pipeline, no bound on the activation cache, no generation sessions."""
+    dtype, quant = MODES[mode]
+    return MemoryInputs(
+        shape,
+        quant,
+        dtype_bytes=torch.finfo(dtype).bits // 8,
+        lora=LORA,
+        blocks=blocks,
+        tokens=seq,
+        in_flight=1,
+        micro_batches=1,
+        replication=1,
+        cache_bytes=None,
+        inference_bytes=0.0,
+    )
 
 
-def estimate_bytes(spec: ModelSpec, mode: str) -> float:
-    """Per-block base-weight bytes implied by ``blocks_that_fit`` for this mode, without its 1.25 margin."""
-    quant = MODES[mode][1]
-    per_param = QUANT_BYTES.get(quant, torch.finfo(getattr(torch, DAEMON_DTYPE[mode])).bits / 8)
-    return block_params(spec) * per_param
+def card_case(shape: ModelShape, mode: str, seq: int, total_blocks: int) -> MemoryInputs:
+    """A CUDA peer started with the daemon's defaults for this mode (peers/daemon.py ``memory_case``), at ``seq``
+    tokens a micro-batch, on a model of ``total_blocks`` blocks of this shape."""
+    return replace(
+        bench_case(replace(shape, layers=total_blocks), mode, 1, seq),
+        in_flight=DEFAULT_IN_FLIGHT,
+        micro_batches=DEFAULT_MICRO_BATCHES,
+        replication=2,
+        cache_bytes=ACTIVATION_CACHE_MB << 20,
+        inference_bytes=MAX_INFERENCE_MB << 20,
+    )
 
 
-def lora_formula(spec: ModelSpec) -> int:
-    """LoRA parameters of one block: r * (in + out) per targeted projection."""
-    c = spec.config
-    h, inter = c.hidden_size, c.intermediate_size
-    kv = c.num_key_value_heads * (getattr(c, "head_dim", None) or h // c.num_attention_heads)
-    shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h)}
-    shapes.update({"gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)})
-    return sum(LORA_R * (i + o) for name, (i, o) in shapes.items() if name in TARGET_MODULES)
+def model_figures(spec: ModelSpec, mode: str, args: argparse.Namespace, result: ModeResult) -> None:
+    """Fill in the model's side: weights per block, the device parts of the span's peak, the card's span."""
+    shape = ModelShape.from_config(spec.config.to_dict())
+    case = bench_case(shape, mode, result.blocks, args.seq)
+    result.model_weights_per_block = block_weight_bytes(shape, case.quant, case.dtype_bytes)
+    parts = breakdown(case)
+    result.model_parts = {k: v for k, v in parts.parts().items() if k not in parts.HOST}
+    card = card_case(shape, mode, args.seq, args.total_blocks)
+    result.card_blocks = default_num_blocks(card, card_free_bytes(args.gpu_gib))
 
 
 # --- one mode -------------------------------------------------------------------------------------------------
@@ -258,8 +309,9 @@ def lora_formula(spec: ModelSpec) -> int:
 def train_step(
     backend: SpanBackend, blocks: range, step: int, seq: int, result: ModeResult, measure: bool
 ) -> tuple[float, float, float]:
-    """One micro-batch of 1 x ``seq`` tokens: forward (graph kept), backward from the cached forward, commit.
-    Returns (forward s, backward s, commit s); with ``measure``, records activation and gradient bytes."""
+    """One micro-batch of 1 x ``seq`` tokens as a peer trains it: forward (each block's input kept), backward (one
+    block recomputed at a time), commit. Returns (forward s, backward s, commit s) of the span; with ``measure``,
+    records the bytes of the block inputs kept and of the LoRA gradients."""
     generator = torch.Generator().manual_seed(step)
     hidden = torch.randn(1, seq, backend.spec.hidden_size, generator=generator)
     grad_out = torch.randn(1, seq, backend.spec.hidden_size, generator=generator) * 1e-3
@@ -269,15 +321,14 @@ def train_step(
     backend.forward("bench", blocks, step, hidden, None, mb)
     synchronize(backend.device)
     forward_s = time.perf_counter() - started
-    # the backend counts what autograd keeps of the forward it caches for the backward (peers/state.py SavedBytes:
-    # each storage once, the blocks' weights left out); this forward is the only entry in its cache
+    # the activation cache holds this forward's block inputs (each storage once), its only entry
     cached = backend.adapters.cache.bytes
     started = time.perf_counter()
     backend.backward("bench", blocks, step, mb, None, None, grad_out, input_grad=True)
     synchronize(backend.device)
     backward_s = time.perf_counter() - started
     if measure:
-        result.activations_per_block = cached // len(blocks)
+        result.block_inputs_per_block = cached // len(blocks)
         grads = backend.adapters.adapter("bench").blocks[blocks.start].grads[mb]
         result.lora_grads_per_mb = sum(g.nbytes for g in grads)
     started = time.perf_counter()
@@ -301,10 +352,11 @@ def touch(backend: SpanBackend, blocks: range) -> None:
 
 
 def run_mode(spec: ModelSpec, mode: str, args: argparse.Namespace) -> ModeResult:
-    """Load both blocks as a peer does, count their bytes, train, count the adapter state."""
+    """Load both blocks as a peer does, count their bytes, train, count the adapter state and the peak."""
     dtype, quant = MODES[mode]
-    result = ModeResult(mode, estimate=estimate_bytes(spec, mode))
     blocks = range(0, spec.num_blocks)
+    result = ModeResult(mode, blocks=len(blocks))
+    model_figures(spec, mode, args, result)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     release_memory()
@@ -332,7 +384,7 @@ def run_mode(spec: ModelSpec, mode: str, args: argparse.Namespace) -> ModeResult
     result.weights = layer_bytes(backend.layers[0])
     logger.info("%s: loaded %d blocks in %.1f s; block 0 holds %s", mode, len(blocks), result.load_s, result.weights)
 
-    config = peft.LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=TARGET_MODULES)
+    config = peft.LoraConfig(r=LORA.rank, lora_alpha=LORA_ALPHA, target_modules=list(LORA.targets))
     backend.adapters.open_adapter("bench", lora_config_to_wire(config), seed=0, session="bench")
     timings = []
     for step in range(args.warmup + args.steps):
@@ -340,12 +392,12 @@ def run_mode(spec: ModelSpec, mode: str, args: argparse.Namespace) -> ModeResult
             torch.cuda.reset_peak_memory_stats(device)
         times = train_step(backend, blocks, step, args.seq, result, measure=step == 0)
         kind = "warm-up" if step < args.warmup else "measured"
-        logger.info("%s: %s step %d: forward %.2f s, backward %.2f s, commit %.2f s", mode, kind, step, *times)
+        logger.info("%s: %s step %d: forward %.3f s, backward %.3f s, commit %.3f s", mode, kind, step, *times)
         if step >= args.warmup:
             timings.append(times)
     result.forward_s, result.backward_s, result.commit_s = min(timings, key=sum)  # the fastest measured step
     if cuda:
-        result.cuda_peak_per_block = (torch.cuda.max_memory_allocated(device) - allocated_before) // len(blocks)
+        result.cuda_peak = torch.cuda.max_memory_allocated(device) - allocated_before
         result.cuda_state_per_block = (torch.cuda.memory_allocated(device) - allocated_loaded) // len(blocks)
 
     state = backend.adapters.adapter("bench").blocks[0]
@@ -362,146 +414,115 @@ def run_mode(spec: ModelSpec, mode: str, args: argparse.Namespace) -> ModeResult
     return result
 
 
-# --- what it means on a GPU -----------------------------------------------------------------------------------
-
-
-def per_block_on_gpu(result: ModeResult, in_flight: int) -> int:
-    """Device bytes one served block needs: weights, LoRA + AdamW moments, and per micro-batch in flight its saved
-    activations and its LoRA gradients (kept per micro-batch until the commit)."""
-    per_mb = result.activations_per_block + result.lora_grads_per_mb
-    return result.weight_bytes + result.lora_params + result.lora_moments + in_flight * per_mb
-
-
-def blocks_per_peer(result: ModeResult, args: argparse.Namespace) -> int:
-    usable = args.gpu_gib * GIB * 0.9 - args.reserve_gib * GIB
-    return max(0, int(usable // per_block_on_gpu(result, args.in_flight)))
-
-
-def peers_needed(blocks: int, args: argparse.Namespace) -> int | None:
-    return math.ceil(args.replication * args.total_blocks / blocks) if blocks else None
-
-
 # --- report ---------------------------------------------------------------------------------------------------
 
 
+def measured_peak(result: ModeResult) -> str:
+    return f"{result.cuda_peak / MB:,.1f} MB" if result.cuda_peak else "n/a"
+
+
+def peak_ratio(result: ModeResult) -> str:
+    return f"{result.cuda_peak / result.model_peak:.3f}" if result.cuda_peak else "n/a"
+
+
 def report(spec: ModelSpec, results: list[ModeResult], args: argparse.Namespace, command: str) -> str:
-    """The markdown tables: bytes, estimate, step time, adapter state, and the 24 GiB GPU arithmetic."""
-    params = block_params(spec)
-    lora_n = lora_formula(spec)
+    """The markdown tables: weights, step times and adapter state, the span's peak, the card's span."""
+    shape = ModelShape.from_config(spec.config.to_dict())
+    lora_n = lora_params(shape, LORA)
+    n = spec.num_blocks
     lines = [
         f"Command: `{command}`",
         "",
-        f"Block: {params:,} projection parameters (+ {2 * spec.hidden_size:,} norm weights); LoRA r={LORA_R} on "
-        f"{len(TARGET_MODULES)} projections = {lora_n:,} parameters per block; micro-batch 1 x {args.seq} tokens.",
+        f"Block: {shape.linear_params():,} linear weights + {shape.norm_params():,} norm weights (hidden "
+        f"{shape.hidden}, heads {shape.heads}, KV heads {shape.kv_heads}, intermediate {shape.intermediate}); LoRA "
+        f"r={LORA.rank} alpha={LORA_ALPHA} on {len(LORA.targets)} projections = {lora_n:,} parameters per block; "
+        f"a step: one micro-batch of 1 x {args.seq} tokens through {n} blocks (forward keeping each block's input, "
+        "backward recomputing one block at a time, AdamW commit). Model: swarm/memory.py.",
         "",
         "| mode | weights/block measured | of which (MB) | RSS growth/block: anon at load; anon+file after use "
-        "| estimate (no margin) | measured / estimate | estimate x1.25 | load 2 blocks |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| model (`block_weight_bytes`) | measured / model | load {n} blocks |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r.error:
-            lines.append(f"| {r.mode} | failed: {r.error} | | | | | | |")
+            lines.append(f"| {r.mode} | failed: {r.error} | | | | | |")
             continue
+        params = shape.linear_params()
         parts = ", ".join(f"{k} {v / MB:,.1f}" for k, v in r.weights.items())
         lines.append(
-            f"| {r.mode} | {r.weight_bytes / MB:,.1f} MB ({r.weight_bytes / params:.4f} B/param) | {parts} "
+            f"| {r.mode} | {r.weight_bytes / MB:,.1f} MB ({r.weight_bytes / params:.4f} B/linear weight) | {parts} "
             f"| {r.rss_anon_per_block / MB:,.1f} MB; {r.rss_touched_per_block / MB:,.1f} MB "
-            f"| {r.estimate / MB:,.1f} MB ({r.estimate / params:.4f} B/param) "
-            f"| {r.weight_bytes / r.estimate:.3f} | {MARGIN * r.estimate / MB:,.1f} MB | {r.load_s:.1f} s |"
+            f"| {r.model_weights_per_block / MB:,.1f} MB ({r.model_weights_per_block / params:.4f} B/linear weight) "
+            f"| {r.weight_bytes / r.model_weights_per_block:.3f} | {r.load_s:.1f} s |"
         )
     lines += [
         "",
-        "| mode | forward s | backward s | commit s | step total s | LoRA params/block | AdamW moments/block "
-        "| LoRA grads/micro-batch | saved activations/block/micro-batch |",
+        f"Seconds per block (the fastest of {args.steps} measured step(s) after {args.warmup} warm-up, divided by "
+        f"{n}); bytes per block, one micro-batch (model: {lora_n:,} x {LORA_BYTES} B of LoRA, twice that of AdamW "
+        f"moments, as much of gradients; block inputs {args.seq} x {shape.hidden} x 2 B).",
+        "",
+        f"| mode | forward s/block | backward s/block | commit s/block | step s ({n} blocks) | LoRA params/block "
+        "| AdamW moments/block | LoRA grads/block/micro-batch | block inputs kept/block/micro-batch |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r.error:
             continue
         lines.append(
-            f"| {r.mode} | {r.forward_s:.2f} | {r.backward_s:.2f} | {r.commit_s:.2f} | {r.total_s:.2f} "
-            f"| {r.lora_params / MB:.1f} MB ({r.lora_dtype}; formula {lora_n:,} x {r.lora_params // lora_n} B) "
-            f"| {r.lora_moments / MB:.1f} MB (formula 2 x {lora_n * (r.lora_params // lora_n) / MB:.1f} MB) "
-            f"| {r.lora_grads_per_mb / MB:.1f} MB | {r.activations_per_block / MB:.1f} MB |"
+            f"| {r.mode} | {r.per_block(r.forward_s):.4f} | {r.per_block(r.backward_s):.4f} "
+            f"| {r.per_block(r.commit_s):.4f} | {r.total_s:.3f} | {r.lora_params / MB:.2f} MB ({r.lora_dtype}) "
+            f"| {r.lora_moments / MB:.2f} MB | {r.lora_grads_per_mb / MB:.2f} MB "
+            f"| {r.block_inputs_per_block / MB:.2f} MB |"
         )
-    usable = args.gpu_gib * 0.9 - args.reserve_gib
+    where = (
+        "CUDA `max_memory_allocated` over what was allocated before loading, the measured steps"
+        if args.device.startswith("cuda")
+        else "no allocator statistics on a CPU: n/a"
+    )
     lines += [
         "",
-        f"{args.gpu_gib:g} GiB GPU: usable {args.gpu_gib:g} x 0.9 - {args.reserve_gib:g} GiB reserve (CUDA context, "
-        f"one dequantized/transient weight, allocator slack) = {usable:.2f} GiB; per block = weights + LoRA + AdamW "
-        f"moments + {args.in_flight} micro-batches in flight x (saved activations + LoRA grads).",
+        f"The span's device peak: the model's (`breakdown` of {n} blocks, {args.seq} tokens, one micro-batch in flight "
+        f"and one a step, replication 1, no cache bound, no generation; its device parts) against the measured "
+        f"({where}). Blocks a {args.gpu_gib:g} GiB card takes: `default_num_blocks` on "
+        f"{card_free_bytes(args.gpu_gib) / GIB:.1f} GiB free for a CUDA peer with the daemon's defaults "
+        f"({DEFAULT_IN_FLIGHT} micro-batches of {args.seq} tokens in flight, {DEFAULT_MICRO_BATCHES} a step, "
+        f"replication 2, activation cache {ACTIVATION_CACHE_MB} MiB, generation {MAX_INFERENCE_MB} MiB), of "
+        f"{args.total_blocks} blocks.",
         "",
-        f"| mode | per block on GPU | blocks per peer | peers for {args.total_blocks} blocks x{args.replication} |",
-        "|---|---|---|---|",
+        "| mode | model peak | of which (MB) | measured peak | measured / model | free before load "
+        f"| blocks a {args.gpu_gib:g} GiB card takes |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r.error:
             continue
-        fit = blocks_per_peer(r, args)
+        parts = ", ".join(f"{k} {v / MB:,.1f}" for k, v in r.model_parts.items() if v)
+        free = f"{r.cuda_free_before / GIB:,.1f} GiB" if r.cuda_free_before else "n/a"
         lines.append(
-            f"| {r.mode} | {per_block_on_gpu(r, args.in_flight) / GIB:.3f} GiB | {fit} | {peers_needed(fit, args)} |"
+            f"| {r.mode} | {r.model_peak / MB:,.1f} MB | {parts} | {measured_peak(r)} | {peak_ratio(r)} | {free} "
+            f"| {r.card_blocks} |"
         )
-    measured = [r for r in results if not r.error and r.cuda_peak_per_block]
-    if measured:
-        lines += [
-            "",
-            f"On {args.device} (the CUDA caching allocator; peak: one micro-batch of 1 x {args.seq} in flight, "
-            f"everything counted): `--num-blocks` budgets {MARGIN} x the estimate per block and fits "
-            "0.8 x free memory / that.",
-            "",
-            "| mode | allocated/block at load | adapter state/block | peak/block in a step | estimate x1.25 "
-            "| peak / (estimate x1.25) | free before load | blocks `--num-blocks` would take "
-            "| blocks the peak allows |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in measured:
-            budget = MARGIN * r.estimate
-            lines.append(
-                f"| {r.mode} | {r.cuda_weights_per_block / MB:,.1f} MB | {r.cuda_state_per_block / MB:,.1f} MB "
-                f"| {r.cuda_peak_per_block / MB:,.1f} MB | {budget / MB:,.1f} MB "
-                f"| {r.cuda_peak_per_block / budget:.3f} "
-                f"| {r.cuda_free_before / GIB:,.1f} GiB | {estimated_fit(r)} | {peak_fit(r)} |"
-            )
     return "\n".join(lines)
 
 
-def estimated_fit(result: ModeResult) -> int:
-    """Blocks ``blocks_that_fit`` (peers/daemon.py) picks on the free memory seen before loading, without its cap at
-    the model's block count: 0.8 x free / (1.25 x estimate)."""
-    return int(0.8 * result.cuda_free_before / (MARGIN * result.estimate))
-
-
-def peak_fit(result: ModeResult) -> int:
-    """Blocks that 0.8 x the same free memory holds at the measured peak per block (one micro-batch in flight)."""
-    return int(0.8 * result.cuda_free_before / result.cuda_peak_per_block)
-
-
-def summary_rows(results: list[ModeResult], args: argparse.Namespace) -> list[dict]:
-    """One row per mode for scripts/bench_gpu.py's table: the step's times and the bytes against the estimate."""
+def summary_rows(results: list[ModeResult]) -> list[dict]:
+    """One row per mode for scripts/bench_gpu.py's table: seconds per block, and bytes against the model."""
     rows = []
     for r in results:
         if r.error:
             rows.append(dict(mode=r.mode, ok=False, error=r.error, figures={}))
             continue
         figures = {
-            "forward s": r.forward_s,
-            "backward s": r.backward_s,
-            "commit s": r.commit_s,
+            "forward s/block": r.per_block(r.forward_s),
+            "backward s/block": r.per_block(r.backward_s),
+            "commit s/block": r.per_block(r.commit_s),
             "weights/block MB": r.weight_bytes / MB,
-            "estimate x1.25 MB": MARGIN * r.estimate / MB,
+            "model weights/block MB": r.model_weights_per_block / MB,
+            "peak MB": r.cuda_peak / MB if r.cuda_peak else "n/a",
+            "model peak MB": r.model_peak / MB,
+            "peak/model": r.cuda_peak / r.model_peak if r.cuda_peak else "n/a",
+            "blocks on 24 GiB": r.card_blocks,
         }
-        if r.cuda_peak_per_block:
-            figures |= {
-                "peak/block MB": r.cuda_peak_per_block / MB,
-                "peak/estimate x1.25": r.cuda_peak_per_block / (MARGIN * r.estimate),
-                "--num-blocks fit": estimated_fit(r),
-                "peak fit": peak_fit(r),
-            }
-        else:  # no allocator on CPU: the counted bytes of a block on a GPU, and what a --gpu-gib GPU holds
-            figures |= {
-                "per block on GPU MB": per_block_on_gpu(r, args.in_flight) / MB,
-                f"blocks on {args.gpu_gib:g} GiB": blocks_per_peer(r, args),
-            }
         rows.append(dict(mode=r.mode, ok=True, figures=figures, detail=asdict(r)))
     return rows
 
@@ -509,23 +530,27 @@ def summary_rows(results: list[ModeResult], args: argparse.Namespace) -> list[di
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["nf4", "bf16"])
-    parser.add_argument("--seq", type=int, default=128, help="tokens of the one micro-batch (batch 1)")
+    parser.add_argument(
+        "--seq",
+        type=int,
+        default=None,
+        help=f"tokens of the one micro-batch (batch 1); default {SEQ}, {TINY_SEQ} with --tiny",
+    )
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/swarm-70b-block"))
     parser.add_argument("--keep", action="store_true", help="keep the model folder (~4.5 GB; reused next run)")
     parser.add_argument("--steps", type=int, default=1, help="measured training steps per mode (best one reported)")
     parser.add_argument("--warmup", type=int, default=1, help="training steps before the measured ones")
-    parser.add_argument("--gpu-gib", type=float, default=24.0)
-    parser.add_argument("--reserve-gib", type=float, default=1.5)
-    parser.add_argument("--in-flight", type=int, default=4, help="micro-batches whose graphs a block keeps at once")
+    parser.add_argument("--gpu-gib", type=float, default=24.0, help="the card whose default span is reported")
+    parser.add_argument("--total-blocks", type=int, default=80, help="the model's blocks, for that span")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--total-blocks", type=int, default=80)
-    parser.add_argument("--replication", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where the blocks live")
     parser.add_argument("--tiny", action="store_true", help="a small shape of the same structure (seconds on a CPU)")
     parser.add_argument("--json", type=Path, default=None, help="also write a summary row per mode here")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    if args.seq is None:
+        args.seq = TINY_SEQ if args.tiny else SEQ
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA device")
     return args
@@ -558,7 +583,7 @@ def main(argv: list[str] | None = None) -> None:
             f"load average at the end {load}."
         )
         if args.json:
-            args.json.write_text(json.dumps(summary_rows(results, args), indent=1))
+            args.json.write_text(json.dumps(summary_rows(results), indent=1))
     finally:
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)

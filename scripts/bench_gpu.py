@@ -1,9 +1,9 @@
 """What a CUDA machine says about the swarm, in one command (issue 22): parity with local transformers + peft on the
 device, LoRA training of SmolLM2 with nf4 and with bf16 base weights through a 4-peer local swarm on the one GPU,
-and the 70B-shaped block benchmark there (forward, backward, commit; memory per block against the ``--num-blocks``
-estimate). Each part runs as a process of its own under a time limit (a hung part is killed with every process it
-started, and the others still run) and writes its summary rows as JSON; this driver prints them as one table and
-exits 1 if a part failed.
+and the 70B-shaped block benchmark there (2 blocks, NF4 and bf16, one micro-batch of 2048 tokens: seconds per block
+forward, backward and commit; bytes per block and the span's peak against swarm/memory.py). Each part runs as a
+process of its own under a time limit (a hung part is killed with every process it started, and the others still
+run) and writes its summary rows as JSON; this driver prints them as one table and exits 1 if a part failed.
 
 ``--cpu`` runs the same parts on the CPU with tiny shapes (a random 4-block Llama instead of SmolLM2, on 2 peers
 instead of 4, a small block of the 70B structure, fewer steps), in about two minutes on two cores:
@@ -100,7 +100,8 @@ def plan(args: argparse.Namespace) -> list[Part]:
                 *python,
                 str(ROOT / "scripts" / "bench_70b_block.py"),
                 *("--device", device, "--work-dir", str(work / "70b-block"), "--warmup", "1"),
-                *(["--tiny", "--steps", "1"] if cpu else ["--steps", "3"]),
+                # on CPU 1 thread: the suite's 2 cores are shared, and a busy second thread slows each small op
+                *(["--tiny", "--steps", "1", "--threads", "1"] if cpu else ["--seq", "2048", "--steps", "3"]),
             ],
             90 if cpu else 180,
         ),
