@@ -46,7 +46,7 @@ from peers.replication import Replicator, StandbyPolicy
 from peers.service import InfoDoors, PeerHooks, PeerService
 from swarm.blocks import spans_text
 from swarm.hub import resolve_model
-from swarm.memory import DEFAULT_TOKENS, MemoryInputs, ModelShape, default_num_blocks, tokens_in_flight_bound
+from swarm.memory import DEFAULT_TOKENS, MemoryInputs, ModelShape, default_num_blocks, default_tokens_in_flight
 from swarm.net.deltas import DeltaReferences
 from swarm.net.errors import PEER_ERRORS, IdentityInUseError, SwarmAccessError
 from swarm.net.network import check_access, join_dht, load_swarm_key
@@ -192,14 +192,14 @@ def blocks_that_fit(spec: ModelSpec, config: PeerConfig, free: int | None = None
 
 
 def max_tokens_in_flight(spec: ModelSpec, config: PeerConfig, blocks: int, free: int) -> int:
-    """The bound on tokens in flight (``--max-tokens-in-flight``, else swarm/memory.py's: the block inputs of that
-    many tokens fit in ``free``, the device's free memory before the peer loaded, beside everything else a span of
-    ``blocks`` holds with one micro-batch computing). Never below one micro-batch of ``--max-tokens``'s default
-    load: the peer admits one micro-batch at a time whatever its bound (peers/state.py ``TokensInFlight``)."""
+    """The bound on tokens in flight: ``--max-tokens-in-flight``, else swarm/memory.py's for a span of ``blocks``
+    on ``free`` bytes (the device's free memory before the peer loaded) with ``--activation-cache-mb`` and
+    ``--kept-inputs-mb`` (``default_tokens_in_flight``). Never below one micro-batch of the default load: the peer
+    admits one micro-batch at a time whatever its bound (peers/state.py ``TokensInFlight``)."""
     if config.max_tokens_in_flight is not None:
         return config.max_tokens_in_flight
-    bound = tokens_in_flight_bound(replace(memory_case(spec, config), blocks=blocks), free)
-    return max(bound, min(DEFAULT_TOKENS, config.max_tokens))
+    case = replace(memory_case(spec, config), blocks=blocks)
+    return max(default_tokens_in_flight(case, free, config.kept_inputs_mb << 20), case.tokens)
 
 
 @dataclass

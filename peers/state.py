@@ -410,10 +410,11 @@ class KeptInputs:
 
 class TokensInFlight:
     """The tokens of training micro-batches forwarded here whose backward has not run, against the peer's bound
-    (``--max-tokens-in-flight``): what its device must hold block inputs for (swarm/memory.py), whether or not the
-    activation cache keeps them. A forward past the bound is refused, unless nothing is in flight (one micro-batch
-    within ``--max-tokens`` always runs: a bound below one would lock the peer). An entry ends with its backward, or
-    with its step (applied, taken back, replaced) or its blocks (no longer served), as the kept inputs do."""
+    (``--max-tokens-in-flight``: by default what memory they fill first, the device's room for block inputs or the
+    host's for span inputs, swarm/memory.py ``default_tokens_in_flight``). A forward past the bound is refused,
+    unless nothing is in flight (one micro-batch within ``--max-tokens`` always runs: a bound below one would lock
+    the peer). An entry ends with its backward, or with its step (applied, taken back, replaced) or its blocks (no
+    longer served), as the kept inputs do."""
 
     def __init__(self, bound: int):
         self.bound = bound

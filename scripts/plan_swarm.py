@@ -36,6 +36,7 @@ from swarm.memory import (  # noqa: E402
     DEFAULT_TOKENS,
     FREE_SHARE,
     GIB,
+    KEPT_INPUTS_MB,
     MAX_INFERENCE_MB,
     Breakdown,
     Lora,
@@ -43,6 +44,7 @@ from swarm.memory import (  # noqa: E402
     breakdown,
     card_free_bytes,
     default_num_blocks,
+    default_tokens_in_flight,
     load_shape,
     lora_params,
     tokens_in_flight_bound,
@@ -214,8 +216,10 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"- memory: the longest span that fits this load is {fits} blocks; the daemon's default --num-blocks "
         f"{default_span} ({DEFAULT_IN_FLIGHT} micro-batches of {DEFAULT_TOKENS} tokens in flight, "
-        f"{DEFAULT_MICRO_BATCHES} a step); a peer of {span_len} blocks keeps at most "
-        f"{tokens_in_flight_bound(sized, free):,} tokens in flight with every block input on the GPU"
+        f"{DEFAULT_MICRO_BATCHES} a step); a peer of {span_len} blocks would keep at most "
+        f"{tokens_in_flight_bound(sized, free):,} tokens in flight with every block input on the GPU, and admits "
+        f"{default_tokens_in_flight(sized, free, KEPT_INPUTS_MB << 20):,} by default (--max-tokens-in-flight: block "
+        "inputs past the activation cache are recomputed from span inputs in host memory)"
     )
     lanes, chunk = lanes_of(act)
     print(

@@ -53,9 +53,10 @@ CUDA_CONTEXT_GIB = 0.4  # in use before a peer loads: ~23.6 GiB free on a 24 GiB
 # The load a peer sizes its default span for: micro-batches of 2048 tokens, as many in flight through it as a client
 # keeps at least (swarm/client/routing.py MIN_IN_FLIGHT, all on one pipeline), 16 a step (the seed's case).
 DEFAULT_TOKENS, DEFAULT_IN_FLIGHT, DEFAULT_MICRO_BATCHES = 2048, 4, 16
-# A peer's bounds on its activation cache and generation sessions unless told (peers/daemon.py ``PeerConfig``:
-# --activation-cache-mb, --max-inference-mb), for plans of peers started with their defaults.
-ACTIVATION_CACHE_MB, MAX_INFERENCE_MB = 1024, 1024
+# A peer's bounds on its activation cache, generation sessions and kept span inputs unless told (peers/daemon.py
+# ``PeerConfig``: --activation-cache-mb, --max-inference-mb, --kept-inputs-mb), for plans of peers started with their
+# defaults.
+ACTIVATION_CACHE_MB, MAX_INFERENCE_MB, KEPT_INPUTS_MB = 1024, 1024, 4096
 
 
 @dataclass(frozen=True)
@@ -294,6 +295,21 @@ def tokens_in_flight_bound(case: MemoryInputs, free_bytes: float, share: float =
     idle = breakdown(replace(case, in_flight=0, cache_bytes=None))
     per_token = case.blocks * case.shape.hidden * case.dtype_bytes
     return max(0, int((share * free_bytes - idle.total) // per_token))
+
+
+def default_tokens_in_flight(
+    case: MemoryInputs, free_bytes: float, kept_inputs_bytes: float, share: float = FREE_SHARE
+) -> int:
+    """The most tokens in flight a peer admits unless told: what memory in-flight micro-batches fill first. Block
+    inputs past the activation cache are not kept on the device (a backward recomputes them from the span input in
+    host memory), so where the cache and the micro-batch computing fit in the device's room for block inputs
+    (``tokens_in_flight_bound``), micro-batches in flight never fill the device: their span inputs, kept in host
+    memory until the step commits (``kept_inputs_bytes``, fp32 at most), do first. Else the room bounds them."""
+    room = tokens_in_flight_bound(case, free_bytes, share)
+    if case.cache_bytes is None:
+        return room
+    cached = case.tokens + int(case.cache_bytes // (case.blocks * case.shape.hidden * case.dtype_bytes))
+    return room if cached > room else int(kept_inputs_bytes // (case.shape.hidden * FP32))
 
 
 def card_free_bytes(memory_gib: float) -> float:

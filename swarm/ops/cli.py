@@ -350,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="most tokens of training micro-batches between their forward and their backward here, all clients "
         "together (their block inputs grow with it); a forward past it is refused and the client routes around or "
-        "waits (default: what the device's free memory holds beside the span, by swarm/memory.py; announced)",
+        "waits (default: by swarm/memory.py, what memory in-flight micro-batches fill first: the device's room for "
+        "block inputs, or --kept-inputs-mb on the host; announced)",
     )
     peer.add_argument(
         "--max-inference-mb", type=int, default=1024, help="memory for generation sessions' keys and values, in MiB"

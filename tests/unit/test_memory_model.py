@@ -25,6 +25,7 @@ from swarm.memory import (
     DEFAULT_IN_FLIGHT,
     FREE_SHARE,
     GIB,
+    KEPT_INPUTS_MB,
     MAX_INFERENCE_MB,
     Breakdown,
     Lora,
@@ -118,7 +119,11 @@ def test_the_daemons_default_span_is_the_models(monkeypatch):
     peer = PeerConfig(model="llama-3-70b", initial_peers=[], device="cuda:0", quant="nf4", dtype="bfloat16")
     assert blocks_that_fit(spec, peer) == default_num_blocks(SEED_PEER, 24 * GIB) == 28
     defaults = PeerConfig(model="m", initial_peers=[])
-    assert (defaults.activation_cache_mb, defaults.max_inference_mb) == (ACTIVATION_CACHE_MB, MAX_INFERENCE_MB)
+    assert (defaults.activation_cache_mb, defaults.max_inference_mb, defaults.kept_inputs_mb) == (
+        ACTIVATION_CACHE_MB,
+        MAX_INFERENCE_MB,
+        KEPT_INPUTS_MB,
+    )
     assert (defaults.replication, defaults.standby_blocks, DEFAULT_IN_FLIGHT) == (2, None, MIN_IN_FLIGHT)
 
 

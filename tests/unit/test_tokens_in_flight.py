@@ -13,8 +13,15 @@ from transformers import LlamaConfig
 
 from peers.daemon import PeerConfig, max_tokens_in_flight
 from peers.state import TokensInFlight
-from swarm.client.routing import MIN_IN_FLIGHT, Router
-from swarm.memory import GIB, MemoryInputs, ModelShape, breakdown, tokens_in_flight_bound
+from swarm.client.routing import MIN_IN_FLIGHT, Router, RouterOptions
+from swarm.memory import (
+    GIB,
+    MemoryInputs,
+    ModelShape,
+    breakdown,
+    default_tokens_in_flight,
+    tokens_in_flight_bound,
+)
 from swarm.net.errors import ErrorKind, RemoteError, TokensInFlightError
 from swarm.net.protocol import PEER_STATE_ERRORS
 from swarm.net.records import ServerRecord, ServerState
@@ -55,19 +62,27 @@ def test_the_refusal_travels_as_its_own_kind():
 
 
 def test_the_default_bound_is_the_memory_models_at_the_seeds_case():
-    """Llama-3-70B in NF4 and bf16 on a card with 24 GiB free, 27 blocks: the model's bound, which is what a span
-    of 27 leaves for block inputs (at least one micro-batch of 2048 tokens); told, the told one."""
+    """Llama-3-70B in NF4 and bf16 on a card with 24 GiB free, 27 blocks. The activation cache (1 GiB) and the
+    micro-batch computing fit in what the span leaves for block inputs, and block inputs past the cache are
+    recomputed from span inputs in host memory: in-flight micro-batches never fill the card, the host's
+    --kept-inputs-mb (4 GiB, fp32 span inputs) does first: 131,072 tokens. With a cache larger than the card's room,
+    the room bounds them: every block input of that many tokens on the card beside the rest. Told, the told one."""
     config = json.loads((CONFIGS / "llama-3-70b.json").read_text())
     spec = SimpleNamespace(config=LlamaConfig(**config), num_blocks=80)
     peer = PeerConfig(model="llama-3-70b", initial_peers=[], device="cuda:0", quant="nf4", dtype="bfloat16")
     free = 24 * GIB
-    bound = max_tokens_in_flight(spec, peer, 27, free)
+    hidden = ModelShape.from_config(config).hidden
+    assert max_tokens_in_flight(spec, peer, 27, free) == (4096 << 20) // (hidden * 4) == 131_072
+    assert max_tokens_in_flight(spec, peer, 27, free) == default_tokens_in_flight(_seed(27), free, 4096 << 20)
+
+    roomy_cache = replace(peer, activation_cache_mb=8192)
+    bound = max_tokens_in_flight(spec, roomy_cache, 27, free)
     assert bound == tokens_in_flight_bound(_seed(27), free)
     assert 2 * 2048 <= bound < 40 * 2048
-    per_token = 27 * ModelShape.from_config(config).hidden * 2
+    per_token = 27 * hidden * 2
     idle = breakdown(_seed(27, in_flight=0, cache_bytes=None))
     assert idle.total + bound * per_token <= 0.9 * free < idle.total + (bound + 1) * per_token
-    assert max_tokens_in_flight(spec, peer, 40, free) < bound  # a longer span leaves less room
+    assert max_tokens_in_flight(spec, roomy_cache, 30, free) < bound  # a longer span leaves less room
     assert max_tokens_in_flight(spec, peer, 80, free) == 2048  # nothing left: one micro-batch at a time
     told = PeerConfig(model="m", initial_peers=[], max_tokens_in_flight=4096)
     assert max_tokens_in_flight(spec, told, 27, free) == 4096
@@ -87,7 +102,7 @@ def test_the_bound_is_announced_in_the_record():
 
 def _router(bounds: dict[int, tuple[int, int, int]]) -> Router:
     """Peers i -> (start, end, their announced bound) of a 4-block model."""
-    router = Router(None, Transport(p2p=None), "m", 4, seed=0)
+    router = Router(None, Transport(p2p=None), "m", 4, RouterOptions(seed=0))
     records = [
         ServerRecord(PeerID(bytes([i]) * 34), ServerState.ONLINE, s, e, 1.0, max_tokens_in_flight=b)
         for i, (s, e, b) in bounds.items()
