@@ -15,18 +15,30 @@ from peers.daemon import PeerConfig, max_tokens_in_flight
 from peers.state import TokensInFlight
 from swarm.client.routing import MIN_IN_FLIGHT, Router, RouterOptions
 from swarm.memory import (
+    ACTIVATION_CACHE_MB,
     GIB,
+    MAX_INFERENCE_MB,
     MemoryInputs,
     ModelShape,
     breakdown,
     default_tokens_in_flight,
+    load_shape,
     tokens_in_flight_bound,
 )
 from swarm.net.errors import ErrorKind, RemoteError, TokensInFlightError
 from swarm.net.protocol import PEER_STATE_ERRORS
 from swarm.net.records import ServerRecord, ServerState
 from swarm.net.transport import Transport
-from tests.unit.test_memory_model import CONFIGS, SEED_PEER
+from swarm.planning import CONFIGS
+
+# Llama-3-70B on a 24 GiB card as the daemon sizes it by default (tests/unit/test_memory_model.py's seed peer)
+SEED_PEER = MemoryInputs(
+    load_shape(CONFIGS / "llama-3-70b.json"),
+    "nf4",
+    dtype_bytes=2,
+    cache_bytes=ACTIVATION_CACHE_MB << 20,
+    inference_bytes=MAX_INFERENCE_MB << 20,
+)
 
 
 def test_a_peer_admits_up_to_its_bound_and_refuses_past_it():
