@@ -32,6 +32,7 @@ from swarm.net.errors import (  # noqa: E402
 )
 
 if TYPE_CHECKING:
+    from swarm.client.config import SwarmConfig
     from swarm.client.model import SwarmModelForCausalLM
     from swarm.client.optimizer import RemoteOptimizer
     from swarm.client.sft import SwarmSFTTrainer
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "SwarmModelForCausalLM": "swarm.client.model",
+    "SwarmConfig": "swarm.client.config",
     "RemoteOptimizer": "swarm.client.optimizer",
     "SwarmTrainer": "swarm.client.trainer",
     "SwarmSFTTrainer": "swarm.client.sft",  # imports trl: only when used
@@ -48,6 +50,7 @@ _LAZY = {
 
 __all__ = [
     "SwarmModelForCausalLM",
+    "SwarmConfig",
     "RemoteOptimizer",
     "SwarmTrainer",
     "SwarmSFTTrainer",

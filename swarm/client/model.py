@@ -4,10 +4,8 @@ everything about the adapter in the swarm (lease, ledger, replicas, commits, cop
 from __future__ import annotations
 
 import contextlib
-import getpass
 import logging
 import math
-import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from pathlib import Path
@@ -26,26 +24,18 @@ from swarm.blocks import lora_config_from_wire, lora_config_to_wire
 from swarm.client.calls import CallHook, Recovery
 from swarm.client.clipping import clip_factor
 from swarm.client.commit import LOST_GRACE, StepsLost
+from swarm.client.config import OPTIONS, SwarmConfig
 from swarm.client.export import save_peft_adapter
 from swarm.client.generation import SessionChain, generate_tokens, resolve_config
 from swarm.client.ledger import StepLedger
 from swarm.client.pipeline import run_pipelined
 from swarm.client.remote import RemoteStackFunction
-from swarm.client.session import (
-    RESUME_MODES,
-    AdapterIdentity,
-    AdapterSession,
-    SessionOptions,
-    TrainingSession,
-    committed_or_raise,
-    open_session,
-)
+from swarm.client.session import AdapterIdentity, AdapterSession, TrainingSession, committed_or_raise, open_session
 from swarm.hub import ModelSource, resolve_model
 from swarm.lora_options import resolve_lora_config
-from swarm.net.compression import WireFormat
-from swarm.net.errors import AdapterConfigError, AdapterStateLostError, CommitError, RequestError
+from swarm.net.errors import AdapterStateLostError, CommitError
 from swarm.net.network import initial_peers_or_env, join_dht, load_swarm_key
-from swarm.net.protocol import OptimizerHParams, check_adapter_name
+from swarm.net.protocol import OptimizerHParams
 from swarm.net.security import Identity
 from swarm.spec import ModelSpec, load_spec
 
@@ -194,6 +184,7 @@ class SwarmModelForCausalLM(nn.Module):
         revision: str | None = None,
         token: str | None = None,
         call_hook: CallHook | None = None,
+        config: SwarmConfig | None = None,
     ) -> SwarmModelForCausalLM:
         """Join the swarm as a client and open (or resume) ``adapter`` on the peers serving ``model_dir``.
 
@@ -241,46 +232,34 @@ class SwarmModelForCausalLM(nn.Module):
         ``call_hook(peer, message, send)``: sees each request the client makes and returns its reply,
         ``send(message)``, with code before or after it (a test recording requests, or killing a peer at one:
         ``swarm.testing.faults.CallTap``); none by default.
+        ``config``: all of the options above as one ``swarm.SwarmConfig`` (the keywords then stay at their defaults:
+        passing an option both ways is refused).
         """
-        if lora_config is None and is_trainable:
-            raise ValueError("pass lora_config=peft.LoraConfig(r=..., lora_alpha=..., target_modules=[...])")
-        try:
-            check_adapter_name(adapter)
-        except RequestError as e:
-            raise AdapterConfigError(str(e)) from None
-        if resume not in RESUME_MODES:
-            raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
-        if min_copies < 1:
-            raise ValueError(f"min_copies must be at least 1, got {min_copies}")
-        if wire_dtype is None and dtype == torch.bfloat16:
-            wire_dtype = "bfloat16"  # the hidden states are bf16 already: no rounding is added, half the bytes
-        wire = WireFormat(wire_dtype, compression, grad_compression)
-        source = resolve_model(model_dir, revision, token)
+        # every keyword but model_dir and initial_peers is an option of the config (a test keeps both lists equal)
+        config = SwarmConfig.given(config, {name: value for name, value in locals().items() if name in OPTIONS})
+        source = resolve_model(model_dir, config.revision, config.token)
         spec = load_spec(source.folder, name=source.name)
         source.fetch_client(spec.weight_files)
+        lora_config, seed = config.lora_config, config.seed
         if lora_config is not None:
             lora_config = resolve_lora_config(lora_config, spec)  # refused options fail here, before joining
         peers = initial_peers_or_env(initial_peers)
         if not peers:
             raise ValueError("pass initial_peers=[...] (multiaddrs printed by `swarm dht`) or set SWARM_INITIAL_PEERS")
-        key = load_swarm_key(swarm_key)
+        key = load_swarm_key(config.swarm_key)
         identity = Identity.load_or_create(None)
-        dht = join_dht(peers, identity, key, client_mode=True, join_timeout=patience)
+        dht = join_dht(peers, identity, key, client_mode=True, join_timeout=config.patience)
         if lora_config is None:
             try:
-                recorded = committed_or_raise(dht, spec, adapter)
+                recorded = committed_or_raise(dht, spec, config.adapter)
             except AdapterStateLostError:
                 dht.shutdown()
                 raise
             lora_config, seed = lora_config_from_wire(recorded.lora), recorded.seed
-        options = SessionOptions(
-            patience, spot_check, min_copies, resume, unreachable_wait, wire, chain, lost_grace, dtype, call_hook
-        )
-        trainer = (trainer or f"{getpass.getuser()}@{socket.gethostname()}") if is_trainable else None
-        identity_of_adapter = AdapterIdentity(adapter, lora_config_to_wire(lora_config), seed)
-        session = open_session(spec, dht, identity, key, peers, identity_of_adapter, options, trainer)
+        identity_of_adapter = AdapterIdentity(config.adapter, lora_config_to_wire(lora_config), seed)
+        session = open_session(spec, dht, identity, key, peers, identity_of_adapter, config)
         try:
-            return cls(spec, session, dtype, torch.device(device), source)
+            return cls(spec, session, config.dtype, torch.device(config.device), source)
         except BaseException:
             session.close()
             raise

@@ -72,6 +72,33 @@ SATURATED = 2.0
 PLAN_SPEED_STEP = 1.1  # a flow plan is made again when a server's speed moves by more than this factor
 
 
+@dataclass(frozen=True)
+class RouterOptions:
+    """How a router waits, bans and estimates. ``unreachable_wait``: how long a silent but connected peer counts as a
+    possible holder of state; ``first_timeout`` / ``min_timeout``: a request's timeout before a peer's first answer,
+    and the least after it; ``min_ban`` / ``max_ban``: a failing peer's first ban, doubled with each failure in a row
+    up to the most; ``refresh_every``: seconds between reads of the DHT; ``seed``: the shuffle that lets equally fast
+    servers share the work; ``tokens``: the size of a micro-batch routes are estimated for; ``hop_seconds``: the
+    latency of passing activations to the next peer while no peer announces a measured link; ``bytes_per_token``:
+    what one token's activations weigh on the wire (hidden size x bytes per value), carried over each link;
+    ``chained``: hops pass activations peer to peer, over the links peers announce (else every hop goes through the
+    client's own link, unmeasured); ``work_per_forward``: how long a peer is kept busy by one micro-batch, in forwards
+    of it (a backward takes about two)."""
+
+    unreachable_wait: float = 30.0
+    first_timeout: float = 60.0
+    min_timeout: float = 2.0
+    min_ban: float = 2.0
+    max_ban: float = 120.0
+    refresh_every: float = 3.0
+    seed: int | None = None
+    tokens: int = 1024
+    hop_seconds: float = 0.01
+    bytes_per_token: float = 0.0
+    chained: bool = True
+    work_per_forward: float = 3.0
+
+
 class Router:
     """The client's view of who serves what, refreshed from the DHT in the background, and the chains it routes
     micro-batches over: the fastest for each micro-batch, given the work already sent to each peer.
@@ -87,36 +114,18 @@ class Router:
         transport: Transport,
         model: str,
         num_blocks: int,
+        options: RouterOptions | None = None,
         *,
-        unreachable_wait: float = 30.0,
         eligible: Callable[[PeerID], bool] = lambda peer: True,
         on_moved: Callable[[PeerID], None] = lambda peer: None,
-        first_timeout: float = 60.0,
-        min_timeout: float = 2.0,
-        min_ban: float = 2.0,
-        max_ban: float = 120.0,
-        refresh_every: float = 3.0,
-        seed: int | None = None,
         weights: dict[int, str] | None = None,
-        tokens: int = 1024,
-        hop_seconds: float = 0.01,
-        bytes_per_token: float = 0.0,
-        chained: bool = True,
-        work_per_forward: float = 3.0,
         clock: Callable[[], float] = time.monotonic,
     ):
-        """``tokens``: the size of a micro-batch routes are estimated for; ``hop_seconds``: the latency of passing
-        activations to the next peer while no peer announces a measured link; ``bytes_per_token``: what one token's
-        activations weigh on the wire (hidden size x bytes per value), carried over each link; ``chained``: hops
-        pass activations peer to peer, over the links peers announce (else every hop goes through the client's own
-        link, unmeasured); ``work_per_forward``: how long a peer is kept busy by one micro-batch, in forwards of it
-        (a backward takes about two); ``clock``: the time work drains by (a simulation's)."""
+        """``options``: how it waits, bans and estimates (``RouterOptions``; its defaults without one); ``clock``: the
+        time work drains by (a simulation's)."""
         self.dht, self.transport, self.model, self.num_blocks = dht, transport, model, num_blocks
-        self.unreachable_wait = unreachable_wait
-        self.first_timeout, self.min_timeout = first_timeout, min_timeout
-        self.min_ban, self.max_ban, self.refresh_every = min_ban, max_ban, refresh_every
-        self.tokens, self.hop_seconds, self.work_per_forward, self.clock = tokens, hop_seconds, work_per_forward, clock
-        self.activation_bytes, self.chained = tokens * bytes_per_token, chained
+        self.options, self.clock = options or RouterOptions(), clock
+        self.activation_bytes = self.options.tokens * self.options.bytes_per_token
         self.servers: dict[int, list[ServerRecord]] = {}
         self.health: dict[PeerID, PeerHealth] = {}
         self.eligible = eligible  # whether a peer may be routed to (it holds the adapter at the client's step)
@@ -126,7 +135,7 @@ class Router:
         # block -> the digest of the base weights the adapter trains on; blocks not pinned yet are pinned by the first
         # announcements seen (a client whose folder holds no block tensors); peers with other weights are left out
         self.weights: dict[int, str] = dict(weights or {})
-        self.random = random.Random(seed)
+        self.random = random.Random(self.options.seed)
         self.busy_until: dict[PeerID, float] = {}  # when the work this client routed to each peer should be done
         # the flow plan saturated streams follow (see route()), what it was made for, and each chain's credit
         self._plan: tuple[tuple, FlowPlan | None, list[float]] | None = None
@@ -150,8 +159,8 @@ class Router:
         """A new view, and what each link it announces costs, worked out once per view (a simulation sets views
         here too)."""
         self._servers = servers
-        records = (r for records in servers.values() for r in records) if self.chained else ()
-        self.links: LinkCosts = link_costs(records, self.activation_bytes, self.hop_seconds)
+        records = (r for records in servers.values() for r in records) if self.options.chained else ()
+        self.links: LinkCosts = link_costs(records, self.activation_bytes, self.options.hop_seconds)
 
     def refresh(self) -> None:
         servers = read_servers(self.dht, self.model, self.num_blocks)
@@ -208,7 +217,7 @@ class Router:
 
     def _refresh_loop(self) -> None:
         while True:
-            self._wake.wait(self.refresh_every)
+            self._wake.wait(self.options.refresh_every)
             self._wake.clear()
             if self._stop.is_set():
                 return
@@ -238,7 +247,7 @@ class Router:
         health.failures += 1
         if health.failing_since is None:
             health.failing_since = time.monotonic()
-        seconds = min(self.max_ban, self.min_ban * 2 ** (health.failures - 1))
+        seconds = min(self.options.max_ban, self.options.min_ban * 2 ** (health.failures - 1))
         health.banned_until = time.monotonic() + seconds
         logger.warning("peer %s failed (%s); banned for %.0fs", peer, reason, seconds)
         return seconds
@@ -267,9 +276,13 @@ class Router:
         loaded, not failing). A peer that died or froze meanwhile is found by the call's watch, not by this."""
         rate = self._health(peer).seconds_per_unit.get(method)
         if rate is None:
-            return min(self.first_timeout, FIRST_CONTROL_TIMEOUT) if method in CONTROL_METHODS else self.first_timeout
+            return (
+                min(self.options.first_timeout, FIRST_CONTROL_TIMEOUT)
+                if method in CONTROL_METHODS
+                else self.options.first_timeout
+            )
         queued = max(0.0, self.busy_until.get(peer, 0.0) - self.clock())
-        return max(self.min_timeout, 1.0 + 5.0 * rate * max(units, 1.0) + queued)
+        return max(self.options.min_timeout, 1.0 + 5.0 * rate * max(units, 1.0) + queued)
 
     def usable(self, record: ServerRecord, eligible_only: bool = True) -> bool:
         """Online, not gone, not banned, and (unless told otherwise) eligible: holding the adapter at the client's
@@ -311,7 +324,7 @@ class Router:
         if self.transport.is_gone(peer):
             return False
         since = self._health(peer).failing_since
-        return since is None or time.monotonic() - since < self.unreachable_wait
+        return since is None or time.monotonic() - since < self.options.unreachable_wait
 
     def announced(self) -> dict[int, list[PeerID]]:
         """Per block, every peer announcing it online (banned or not) that may still hold its state."""
@@ -367,7 +380,7 @@ class Router:
                 if followed is not None:
                     return followed
             for hop in planned:
-                work = (hop.finishes - hop.begins) * self.work_per_forward
+                work = (hop.finishes - hop.begins) * self.options.work_per_forward
                 self.busy_until[hop.peer_id] = now + hop.begins + work
         return [Hop(hop.peer_id, hop.start, hop.end) for hop in planned]
 
@@ -394,7 +407,9 @@ class Router:
         hops = [Hop(peer, a, c) for peer, a, c in plan.chains[chosen].hops]
         for hop in hops:
             queued_until = max(now, self.busy_until.get(hop.peer_id, now))
-            self.busy_until[hop.peer_id] = queued_until + len(hop.blocks) * seconds[hop.peer_id] * self.work_per_forward
+            self.busy_until[hop.peer_id] = (
+                queued_until + len(hop.blocks) * seconds[hop.peer_id] * self.options.work_per_forward
+            )
         return hops
 
     def block_seconds(self, record: ServerRecord) -> float:
@@ -407,10 +422,10 @@ class Router:
         if said is not None and measured is not None:
             # believed down to a part of what the client measured: a peer claiming to compute in no time would
             # otherwise be sent every micro-batch
-            return max(said, measured * MIN_COMPUTE_SHARE) * self.tokens
+            return max(said, measured * MIN_COMPUTE_SHARE) * self.options.tokens
         if measured is not None:
-            return measured * self.tokens
-        return self.tokens / (max(record.throughput, UNKNOWN_SPEED) * (record.end - record.start))
+            return measured * self.options.tokens
+        return self.options.tokens / (max(record.throughput, UNKNOWN_SPEED) * (record.end - record.start))
 
     def _candidate(self, record: ServerRecord, now: float, prefer: PeerID | None, links: LinkCosts) -> Candidate:
         into = links.into.get(record.peer_id, {})
@@ -462,7 +477,7 @@ class Router:
             waiting.update(f"blocks {spans_text(missing)} have no live server since {since}")
             if on_missing is not None:
                 on_missing(self.uncovered(start, end, eligible_only=False))
-            deadline.pause(min(1.0, self.min_ban))
+            deadline.pause(min(1.0, self.options.min_ban))
             try:
                 self.refresh()
                 if on_wait is not None:

@@ -16,9 +16,10 @@ from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.p2p import PeerID
 
 from swarm.blocks import lora_config_from_wire, spans_text
-from swarm.client.calls import CallHook, PeerCalls, PeerFailure, Recovery
+from swarm.client.calls import PeerCalls, PeerFailure, Recovery
 from swarm.client.clipping import step_norm
-from swarm.client.commit import LOST_GRACE, ReplicaSet, StepsLost, commit, take_back_abandoned
+from swarm.client.commit import ReplicaSet, StepsLost, commit, take_back_abandoned
+from swarm.client.config import SwarmConfig
 from swarm.client.copies import CopyKeeper
 from swarm.client.current import CurrentPeers
 from swarm.client.lease import AdapterLease
@@ -27,7 +28,6 @@ from swarm.client.remote import RemoteStack, spot_check_policy
 from swarm.client.routing import Router
 from swarm.client.unserved import UnservedNotice
 from swarm.lora_options import blocks_without_lora
-from swarm.net.compression import WireFormat
 from swarm.net.deltas import DeltaReferences
 from swarm.net.errors import AdapterStateLostError, SwarmUnavailableError, WeightsMismatchError
 from swarm.net.network import check_access
@@ -41,7 +41,6 @@ from swarm.weights import block_digests, differing
 
 logger = logging.getLogger(__name__)
 
-RESUME_MODES = ("committed", "latest")
 # per step: how many times a step whose new state died with every peer that applied it, before a copy was made, is
 # committed again (a churn run lost such a step: declared lost after lost_grace at the next one)
 RECOMMITS = 2
@@ -54,22 +53,6 @@ class AdapterIdentity:
     name: str
     lora: dict
     seed: int
-
-
-@dataclass
-class SessionOptions:
-    """How a session waits, checks and copies (``SwarmModelForCausalLM.from_pretrained`` documents each)."""
-
-    patience: float = 60.0
-    spot_check: float | None = None  # None: spot_check_policy's default for the swarm (public or private)
-    min_copies: int = 2
-    resume: str = "committed"
-    unreachable_wait: float = 30.0
-    wire: WireFormat | None = None
-    chain: bool = True
-    lost_grace: float = LOST_GRACE
-    dtype: torch.dtype = torch.float32  # what the client computes in: hidden states travel in it unless ``wire`` casts
-    call_hook: CallHook | None = None  # sees each request the client makes (swarm/client/calls.py)
 
 
 class TrainerTracking:
@@ -281,7 +264,7 @@ class TrainingSession(AdapterSession):
         if self.ledger.empty:
             logger.warning("optimizer step with no backward since the last step: nothing to commit")
             return self.step
-        self.router.wait_fresh(timeout=self.router.refresh_every)
+        self.router.wait_fresh(timeout=self.router.options.refresh_every)
         ledger = self.ledger
         for attempt in range(RECOMMITS + 1):
             applied = commit(self.hops, self.replicas, ledger, hparams)
@@ -383,16 +366,16 @@ def open_session(
     swarm_key: SwarmKey | None,
     initial_peers: list[str],
     adapter: AdapterIdentity,
-    options: SessionOptions,
-    trainer: str | None,
+    config: SwarmConfig,
 ) -> AdapterSession:
-    """Assemble a session over a joined DHT, each part given what it needs when it is made; ``trainer`` None opens a
-    reader. Everything started is stopped again if a later part fails (the DHT included)."""
+    """Assemble a session over a joined DHT, each part given what it needs of ``config`` when it is made: a reader's
+    if it is not trainable. Everything started is stopped again if a later part fails (the DHT included)."""
     with contextlib.ExitStack() as undo:
         undo.callback(dht.shutdown)
         transport = Transport.for_dht(dht, swarm_key)
         undo.callback(lambda: RemoteExpertWorker.run_coroutine(transport.shutdown()))
         RemoteExpertWorker.run_coroutine(check_access(transport, initial_peers))
+        trainer = config.trainer_name()
         reading = trainer is None
         if reading:
             committed_or_raise(dht, spec, adapter.name)
@@ -402,35 +385,33 @@ def open_session(
             transport,
             spec.name,
             spec.num_blocks,
-            unreachable_wait=options.unreachable_wait,
+            config.router_options(spec.hidden_size),
             eligible=current.eligible,
             on_moved=current.forget,
             weights=pinned_weights(dht, spec, adapter.name),
-            bytes_per_token=spec.hidden_size * (options.wire or WireFormat()).value_bytes(options.dtype),
-            chained=options.chain,
         )
         undo.callback(router.stop)
-        calls = PeerCalls(transport, router, current, adapter.name, options.patience, options.wire, options.call_hook)
+        calls = PeerCalls(transport, router, current, adapter.name, config.patience, config.wire, config.call_hook)
         session_id = uuid.uuid4().hex[:16]
         replicas = ReplicaSet(
             calls,
             current,
             _opener(calls, adapter, None if reading else session_id),
-            lost_grace=options.lost_grace,
-            long_grace=options.patience / 2,
+            lost_grace=config.lost_grace,
+            long_grace=config.patience / 2,
         )
         undo.callback(replicas.close)
         if reading:
             catch_up: Callable[[], None] = ReaderTracking(dht, spec.name, adapter.name, replicas, current)
         else:
             catch_up = TrainerTracking(replicas, current)
-        rate, voters = spot_check_policy(options.spot_check, private=swarm_key is not None)
+        rate, voters = spot_check_policy(config.spot_check, private=swarm_key is not None)
         unserved = UnservedNotice(transport, router, spec.name)
         hops = RemoteStack(
             calls,
             catch_up,
             rate,
-            chain=options.chain,
+            chain=config.chain,
             min_voters=voters,
             unserved=unserved.send,
             references=None if calls.wire.delta_bits is None else DeltaReferences(),
@@ -441,7 +422,7 @@ def open_session(
             session = AdapterSession(*parts)
             session.start()
         else:
-            copies = CopyKeeper(calls, replicas, options.min_copies, adapter.lora, adapter.seed)
+            copies = CopyKeeper(calls, replicas, config.min_copies, adapter.lora, adapter.seed)
             undo.callback(copies.close)
             lease = AdapterLease(dht, spec.name, adapter.name, identity.owner, trainer, session_id)
             undo.callback(lease.release)
@@ -453,7 +434,7 @@ def open_session(
                 owner=identity.owner,
                 session_id=session_id,
             )
-            session.start(options.resume)
+            session.start(config.resume)
         router.start()
         undo.pop_all()
     logger.info("adapter %r at step %d", adapter.name, session.step)

@@ -86,7 +86,7 @@ from peers.balancer import (
 )
 from peers.placement import Settled, others_serving, settled_spans
 from swarm.client.flowplan import Server, plan_flow
-from swarm.client.routing import NoRouteError, Router
+from swarm.client.routing import NoRouteError, Router, RouterOptions
 from swarm.net.protocol import PeerInfo
 from swarm.net.records import ServerRecord, ServerState
 from swarm.net.view import SwarmView
@@ -268,7 +268,9 @@ class Simulation:
         self.fresh = [0] * n  # new (joining) peers per block, which the balancer counts as the median settled one
         self._view: tuple[int, SwarmView, Settled] | None = None
         self._relieved: tuple[int, str | None] = (-1, None)  # (version, the peer relief_move names then)
-        self.router = Router(None, _NoTransport(), MODEL, n, seed=config.seed, clock=lambda: self.route_clock)
+        self.router = Router(
+            None, _NoTransport(), MODEL, n, RouterOptions(seed=config.seed), clock=lambda: self.route_clock
+        )
         self.route_clock = 0.0  # the time within a measured step at which the router routes a micro-batch
         self.stats = Stats()
 
@@ -589,7 +591,7 @@ class Simulation:
             self.stats.throughput.append(Throughput(self.now, 0.0, 0.0, 0.0, 0.0, min(self.throughput), ideal))
             return
         self.router.servers, self.router.busy_until = view.records, {}  # a new step: no work booked yet
-        tokens = self.router.tokens
+        tokens = self.router.options.tokens
 
         def hops(chain: list[tuple[PeerID, int]]) -> list[tuple[PeerID, float]]:
             return [(peer, blocks * tokens / speeds[peer]) for peer, blocks in chain]
@@ -623,7 +625,7 @@ class Simulation:
             return
         speeds = {p.peer_id: p.speed for p in serving}
         self.router.servers, self.router.busy_until = view.records, {}
-        tokens = self.router.tokens
+        tokens = self.router.options.tokens
 
         def routed_at(at: float) -> list[tuple[PeerID, float]]:
             self.route_clock = at

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 
-from swarm.client.routing import Router
+from swarm.client.routing import Router, RouterOptions
 from swarm.net.errors import ErrorKind, RemoteError
 from swarm.net.network import join_dht
 from swarm.net.protocol import MAX_PING_BYTES, InfoRequest, PingRequest
@@ -40,7 +40,7 @@ def test_peers_announce_their_links_to_their_next_hops_and_the_router_reads_them
             assert link.bandwidth > 1e5, link
         last = [r for block in (2, 3) for r in records[block]]
         assert last and not any(r.links for r in last)  # the last span passes its output to the client only
-        router = Router(dht, transport, model, 4, bytes_per_token=4 * 64)
+        router = Router(dht, transport, model, 4, RouterOptions(bytes_per_token=4 * 64))
         router.refresh()
         into = router.links.into
         assert set(into) == {b, c} and set(into[b]) == set(into[c]) == {a}

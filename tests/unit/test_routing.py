@@ -11,7 +11,7 @@ import pytest
 from hivemind.p2p import PeerID
 
 from swarm.client.paths import Candidate, fastest_chain
-from swarm.client.routing import Router
+from swarm.client.routing import Router, RouterOptions
 from swarm.net.protocol import Method
 from swarm.net.records import Link, ServerRecord, ServerState
 from swarm.net.transport import Transport
@@ -29,10 +29,11 @@ def _peer(i: int) -> PeerID:
     return PeerID(bytes([i]) * 34)
 
 
-def _router(spans: dict[int, tuple[int, int, float]], num_blocks: int, **options) -> Router:
+def _router(spans: dict[int, tuple[int, int, float]], num_blocks: int, clock=None, **options) -> Router:
     """Peers i -> (start, end, tokens/s through their span); micro-batches of 100 tokens, 10 ms per hop."""
     options = {"tokens": 100, "hop_seconds": 0.01, "work_per_forward": 1.0, "seed": 0, **options}
-    router = Router(None, Transport(p2p=None), "m", num_blocks, **options)
+    timed = {} if clock is None else {"clock": clock}
+    router = Router(None, Transport(p2p=None), "m", num_blocks, RouterOptions(**options), **timed)
     records = [ServerRecord(_peer(i), ServerState.ONLINE, s, e, t) for i, (s, e, t) in spans.items()]
     router.servers = {b: [r for r in records if r.start <= b < r.end] for b in range(num_blocks)}
     return router

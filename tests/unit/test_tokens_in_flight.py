@@ -13,7 +13,7 @@ from transformers import LlamaConfig
 
 from peers.daemon import PeerConfig, max_tokens_in_flight
 from peers.state import TokensInFlight
-from swarm.client.routing import MIN_IN_FLIGHT, Router
+from swarm.client.routing import MIN_IN_FLIGHT, Router, RouterOptions
 from swarm.memory import (
     ACTIVATION_CACHE_MB,
     GIB,
@@ -114,7 +114,7 @@ def test_the_bound_is_announced_in_the_record():
 
 def _router(bounds: dict[int, tuple[int, int, int]]) -> Router:
     """Peers i -> (start, end, their announced bound) of a 4-block model."""
-    router = Router(None, Transport(p2p=None), "m", 4, seed=0)
+    router = Router(None, Transport(p2p=None), "m", 4, RouterOptions(seed=0))
     records = [
         ServerRecord(PeerID(bytes([i]) * 34), ServerState.ONLINE, s, e, 1.0, max_tokens_in_flight=b)
         for i, (s, e, b) in bounds.items()

@@ -16,7 +16,7 @@ import swarm
 from swarm.blocks import add_lora, load_block, lora_config_from_wire, lora_config_to_wire
 from swarm.client.copies import CopyKeeper
 from swarm.client.ledger import Segment, StepLedger
-from swarm.client.routing import NoRouteError, Router
+from swarm.client.routing import NoRouteError, Router, RouterOptions
 from swarm.net.errors import AdapterConfigError, ModelFolderError, RequestError
 from swarm.net.protocol import Held, OpenRequest
 from swarm.net.records import CommittedRecord, ServerRecord, ServerState, valid_value
@@ -100,7 +100,7 @@ def test_route_covers_all_blocks_with_fewest_hops_and_avoids_banned_or_leaving_p
 
 def test_gone_peers_are_skipped_at_once_and_unreachable_ones_waited_for_a_bound():
     transport = Transport(p2p=None)
-    router = Router(dht=None, transport=transport, model="m", num_blocks=2, unreachable_wait=5.0)
+    router = Router(dht=None, transport=transport, model="m", num_blocks=2, options=RouterOptions(unreachable_wait=5.0))
     dead, frozen, fine = _record(1, 0, 2), _record(2, 0, 2), _record(3, 0, 2)
     router.servers = {b: [dead, frozen, fine] for b in range(2)}
     transport.gone[dead.peer_id] = 100.0  # its connection closed at t=100
