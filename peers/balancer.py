@@ -219,6 +219,14 @@ class Snapshot:
     pinned_throughput: Mapping[int, float] | None = None
     costs: Mapping[str, MoveCost] | None = None
 
+    def counts(self) -> list[int]:
+        """Per block, its servers: those in ``spans`` and the pinned ones."""
+        counts = [(self.pinned or {}).get(b, 0) for b in range(self.num_blocks)]
+        for span in self.spans.values():
+            for b in span:
+                counts[b] += 1
+        return counts
+
 
 def next_move(
     swarm: Snapshot,
@@ -238,28 +246,19 @@ def next_move(
     covers one of them at least cost (least time by the announced costs, then fewest blocks added, then smallest id),
     so that one peer takes them over instead of every one in reach. Without speeds nobody moves for throughput.
     """
-    spans, num_blocks, replication, pinned = swarm.spans, swarm.num_blocks, swarm.replication, swarm.pinned
-    capacity, speeds, pinned_throughput = swarm.capacity, swarm.speeds, swarm.pinned_throughput
-    counts = _counts(spans, num_blocks, pinned)
-    target = _own_move(spans, me, counts, num_blocks, span_len, replication, max_blocks)
+    counts = swarm.counts()
+    target = _own_move(swarm, me, counts, span_len, max_blocks)
     if target is not None:
-        grows = len(target) > len(spans[me])
-        if grows and capacity is not None:
-            if _outgrown(spans, me, target, counts, num_blocks, replication, capacity, swarm.costs or {}):
-                return None
+        grows = len(target) > len(swarm.spans[me])
+        if grows and swarm.capacity is not None and _outgrown(swarm, me, target, counts):
+            return None
         return target
     if 0 in counts:
-        plan = cover_plan(spans, num_blocks, replication, pinned)
-    elif badness(counts, replication)[1]:
-        plan = replica_plan(spans, num_blocks, replication, pinned)
+        plan = cover_plan(swarm)
+    elif badness(counts, swarm.replication)[1]:
+        plan = replica_plan(swarm)
     else:
-        move = (
-            None
-            if speeds is None
-            else relief_move(
-                spans, speeds, num_blocks, replication, pinned, pinned_throughput, relieve_below, min_gain, swarm.costs
-            )
-        )
+        move = None if swarm.speeds is None else relief_move(swarm, relieve_below, min_gain)
         plan = [move] if move is not None else []
     return plan[0][1] if plan and plan[0][0] == me else None
 
@@ -281,18 +280,10 @@ def block_throughput(
 
 
 def relief_move(
-    spans: Mapping[str, range],
-    speeds: Mapping[str, float],
-    num_blocks: int,
-    replication: int,
-    pinned: Mapping[int, int] | None = None,
-    pinned_throughput: Mapping[int, float] | None = None,
-    level: float = RELIEVE_BELOW,
-    gain: float = MIN_GAIN,
-    costs: Mapping[str, MoveCost] | None = None,
-    payback: float = PAYBACK,
+    swarm: Snapshot, level: float = RELIEVE_BELOW, gain: float = MIN_GAIN, payback: float = PAYBACK
 ) -> tuple[str, range] | None:
-    """The one move for throughput that this snapshot calls for, as (peer, window), or None.
+    """The one move for throughput that this snapshot calls for, as (peer, window), or None (always None without
+    its `speeds`).
 
     It relieves the weakest block, if that block has less than `level` of the mean block throughput: some settled peer
     of span throughput x takes a window of its span's length holding that block, such that the least throughput over
@@ -304,14 +295,15 @@ def relief_move(
     moving peers will bring where they go, so that two peers do not both rush to the same block. Every peer computes the
     same move from the same snapshot and only its peer makes it.
     """
-    counts = _counts(spans, num_blocks, pinned)
-    flow = block_throughput(spans, speeds, num_blocks, pinned_throughput)
+    spans, speeds, num_blocks, costs = swarm.spans, swarm.speeds or {}, swarm.num_blocks, swarm.costs
+    counts = swarm.counts()
+    flow = block_throughput(spans, speeds, num_blocks, swarm.pinned_throughput)
     weakest = min(range(num_blocks), key=flow.__getitem__)
     floor = flow[weakest]
     if floor >= level * sum(flow) / num_blocks or max(speeds.values(), default=0.0) <= gain * floor:
         return None  # the common case, found at once: no block slow enough, or no peer fast enough to lift it
     order = sorted(range(num_blocks), key=flow.__getitem__)
-    neutral = _neutral(counts, replication)
+    neutral = _neutral(counts, swarm.replication)
     best: tuple[tuple[float, float, int, str, int], str, range] | None = None
     for peer in sorted(spans):
         span, speed = spans[peer], speeds.get(peer, 0.0)
@@ -364,37 +356,22 @@ def _neutral(counts: Sequence[int], replication: int) -> Callable[[range, range]
     return of
 
 
-def _own_move(
-    spans: Mapping[str, range],
-    peer: str,
-    counts: list[int],
-    num_blocks: int,
-    span_len: int,
-    replication: int,
-    max_blocks: int | None,
-) -> range | None:
-    """`peer`'s `plan_move` target, unless it drops a block nobody else serves."""
-    current = spans[peer]
+def _own_move(swarm: Snapshot, peer: str, counts: list[int], span_len: int, max_blocks: int | None) -> range | None:
+    """`peer`'s `plan_move` target, unless it drops a block nobody else serves (``counts``: the snapshot's)."""
+    current = swarm.spans[peer]
     others = {b: c - (b in current) for b, c in enumerate(counts)}
-    target = plan_move(others, num_blocks, current, span_len, replication, max_blocks)
+    target = plan_move(others, swarm.num_blocks, current, span_len, swarm.replication, max_blocks)
     return target if target is not None and all(others[b] for b in current if b not in target) else None
 
 
-def _outgrown(
-    spans: Mapping[str, range],
-    me: str,
-    target: range,
-    counts: list[int],
-    num_blocks: int,
-    replication: int,
-    capacity: Mapping[str, int],
-    costs: Mapping[str, MoveCost],
-) -> bool:
+def _outgrown(swarm: Snapshot, me: str, target: range, counts: list[int]) -> bool:
     """Whether another settled peer's own move serves one of the orphaned blocks `target` grows over sooner: in less
-    time (`costs`: what each peer announced a move costs it; none said: no time), then adding fewer blocks than this
-    growth does, then the smaller id. Orphaned blocks stop training until someone serves them: the peer that has
-    their weights on disk takes them before one that must download them. Each peer's move is judged as it judges it
-    itself, with the span it serves as its span length (the other peer's --num-blocks is not announced)."""
+    time (the snapshot's `costs`: what each peer announced a move costs it; none said: no time), then adding fewer
+    blocks than this growth does, then the smaller id. Orphaned blocks stop training until someone serves them: the
+    peer that has their weights on disk takes them before one that must download them. Each peer's move is judged as
+    it judges it itself, with the span it serves as its span length (the other peer's --num-blocks is not announced)
+    and up to the `capacity` it announces."""
+    spans, capacity, costs = swarm.spans, swarm.capacity or {}, swarm.costs or {}
 
     def cost(peer: str, grown: range) -> tuple[float, int, str]:
         seconds = costs[peer].seconds(spans[peer], grown) if peer in costs else 0.0
@@ -406,21 +383,16 @@ def _outgrown(
         room = capacity.get(peer, 0)
         if peer == me:
             continue
-        theirs = _own_move(spans, peer, counts, num_blocks, len(span), replication, max(len(span), room))
+        theirs = _own_move(swarm, peer, counts, len(span), max(len(span), room))
         if theirs is not None and orphans.intersection(theirs) and cost(peer, theirs) < mine:
             return True
     return False
 
 
-def cover_plan(
-    spans: Mapping[str, range],
-    num_blocks: int,
-    replication: int,
-    pinned: Mapping[int, int] | None = None,
-    max_states: int = MAX_PLAN_STATES,
-) -> list[tuple[str, range]]:
-    """The shortest list of (peer, new span) moves of the peers in `spans` after which one more block has a server;
-    [] if there is none within `max_states` expanded swarm states (or MAX_PLAN_WORK weighed).
+def cover_plan(swarm: Snapshot, max_states: int = MAX_PLAN_STATES) -> list[tuple[str, range]]:
+    """The shortest list of (peer, new span) moves of the peers in the snapshot's `spans` (its `pinned` servers stay)
+    after which one more block has a server; [] if there is none within `max_states` expanded swarm states (or
+    MAX_PLAN_WORK weighed).
 
     Each move keeps the peer's span length and leaves no block without a server, so `safe_to_drop` has no reason to
     refuse it; each one but the last covers no new block and does not raise the replication deficit, the last covers
@@ -429,16 +401,10 @@ def cover_plan(
     one span the smallest id moves, so the plan depends on the snapshot alone and every peer that sees it agrees on
     who moves first.
     """
-    return _plan(spans, num_blocks, replication, pinned, max_states, replicas=False)
+    return _plan(swarm, max_states, replicas=False)
 
 
-def replica_plan(
-    spans: Mapping[str, range],
-    num_blocks: int,
-    replication: int,
-    pinned: Mapping[int, int] | None = None,
-    max_states: int = MAX_PLAN_STATES,
-) -> list[tuple[str, range]]:
+def replica_plan(swarm: Snapshot, max_states: int = MAX_PLAN_STATES) -> list[tuple[str, range]]:
     """`cover_plan` for replicas: the shortest list of moves after which the replication deficit is lower, while
     every block has a server and the swarm serves `replication` x `num_blocks` blocks in all (`pinned` included);
     [] otherwise, or if there is none within `max_states` expanded states.
@@ -448,38 +414,25 @@ def replica_plan(
     and leaves every block served; each but the last leaves the deficit as it is, the last lowers it: so (deficit,
     plan length) drops with every step.
     """
-    served = sum(len(s) for s in spans.values()) + sum(c for b, c in (pinned or {}).items() if 0 <= b < num_blocks)
-    if served < replication * num_blocks:
+    num_blocks = swarm.num_blocks
+    pins = sum(c for b, c in (swarm.pinned or {}).items() if 0 <= b < num_blocks)
+    if sum(len(s) for s in swarm.spans.values()) + pins < swarm.replication * num_blocks:
         return []
-    return _plan(spans, num_blocks, replication, pinned, max_states, replicas=True)
+    return _plan(swarm, max_states, replicas=True)
 
 
-def _plan(
-    spans: Mapping[str, range],
-    num_blocks: int,
-    replication: int,
-    pinned: Mapping[int, int] | None,
-    max_states: int,
-    replicas: bool,
-) -> list[tuple[str, range]]:
+def _plan(swarm: Snapshot, max_states: int, replicas: bool) -> list[tuple[str, range]]:
     """The search's moves, each made by the first peer (by id) on the span it moves from."""
+    spans, num_blocks, pinned = swarm.spans, swarm.num_blocks, swarm.pinned
     frozen = tuple(sorted((span.start, len(span)) for span in spans.values()))
     pins = tuple(sorted((b, c) for b, c in (pinned or {}).items() if c and 0 <= b < num_blocks))
     where = {peer: spans[peer] for peer in sorted(spans)}
     plan = []
-    for old, window in _search(frozen, pins, num_blocks, replication, max_states, replicas):
+    for old, window in _search(frozen, pins, num_blocks, swarm.replication, max_states, replicas):
         peer = next(p for p, span in where.items() if span == old)
         where[peer] = window
         plan.append((peer, window))
     return plan
-
-
-def _counts(spans: Mapping[str, range], num_blocks: int, pinned: Mapping[int, int] | None) -> list[int]:
-    counts = [(pinned or {}).get(b, 0) for b in range(num_blocks)]
-    for span in spans.values():
-        for b in span:
-            counts[b] += 1
-    return counts
 
 
 @lru_cache(maxsize=16)  # every peer seeing the same snapshot asks for the same plan

@@ -4,7 +4,7 @@ decision of a peer's next move from them. Pure functions of a view, shared by th
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -23,6 +23,25 @@ class Settled(NamedTuple):
     pinned: dict[int, int]  # per block, how many joining or moving live peers will serve it
     speeds: dict[str, float]  # settled peers' span throughput (tokens/s through the whole span), as announced
     pinned_throughput: dict[int, float]  # per block, the span throughput the joining and moving peers will bring
+
+    def snapshot(
+        self,
+        num_blocks: int,
+        replication: int,
+        capacity: Mapping[str, int] | None = None,
+        costs: Mapping[str, MoveCost] | None = None,
+    ) -> Snapshot:
+        """The balancer's snapshot of this view (its dicts, not copies), with what peers announce of their moves."""
+        return Snapshot(
+            self.spans,
+            num_blocks,
+            replication,
+            pinned=self.pinned,
+            capacity=capacity,
+            speeds=self.speeds,
+            pinned_throughput=self.pinned_throughput,
+            costs=costs,
+        )
 
 
 def settled_spans(
@@ -187,30 +206,17 @@ def _placed_move(
     cost: MoveCost | None,
 ) -> Move | None:
     """``next_move`` for a peer that places itself, with the reason it follows."""
-    spans, pinned, speeds, pinned_throughput = settled_spans(view, placement.num_blocks, me, yielding)
-    mine = me.to_base58()
-    others = _counts_of(spans, pinned, placement.num_blocks)
+    settled = settled_spans(view, placement.num_blocks, me, yielding)
+    spans, speeds, mine = settled.spans, settled.speeds, me.to_base58()
+    others = _counts_of(spans, settled.pinned, placement.num_blocks)
     spans[mine], speeds[mine] = serving, throughput
     records = [r for records in view.records.values() for r in records]
     capacity = {r.peer_id.to_base58(): r.max_blocks for r in records}
     costs = {r.peer_id.to_base58(): r.cost for r in records if r.cost is not None and r.state == ServerState.ONLINE}
     if cost is not None:
         costs[mine] = cost
-    target = next_move(
-        Snapshot(
-            spans,
-            placement.num_blocks,
-            placement.replication,
-            pinned=pinned,
-            capacity=capacity,
-            speeds=speeds,
-            pinned_throughput=pinned_throughput,
-            costs=costs,
-        ),
-        mine,
-        placement.span_len,
-        placement.max_blocks,
-    )
+    swarm = settled.snapshot(placement.num_blocks, placement.replication, capacity, costs)
+    target = next_move(swarm, mine, placement.span_len, placement.max_blocks)
     return None if target is None else _explain(others, serving, target, placement, speeds, spans, mine)
 
 

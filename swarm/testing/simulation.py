@@ -359,18 +359,9 @@ class Simulation:
         if self._relieved[0] != self.version:
             move = None
             if self._may_relieve():
-                settled = self._snapshot()[1]
                 config = self.config
-                move = relief_move(
-                    settled.spans,
-                    settled.speeds,
-                    config.num_blocks,
-                    config.replication,
-                    settled.pinned,
-                    settled.pinned_throughput,
-                    config.relieve_below,
-                    config.min_gain,
-                )
+                swarm = self._snapshot()[1].snapshot(config.num_blocks, config.replication)
+                move = relief_move(swarm, config.relieve_below, config.min_gain)
             self._relieved = (self.version, None if move is None else move[0])
         return self._relieved[1]
 
@@ -494,17 +485,10 @@ class Simulation:
 
     def _decide(self, peer: Peer) -> range | None:
         config = self.config
-        spans, pinned, speeds, pinned_throughput = self._snapshot()[1]
+        swarm = self._snapshot()[1].snapshot(config.num_blocks, config.replication)
         started = time.perf_counter()
         target = next_move(
-            Snapshot(
-                spans,
-                config.num_blocks,
-                config.replication,
-                pinned=pinned,
-                speeds=speeds,
-                pinned_throughput=pinned_throughput,
-            ),
+            swarm,
             peer.name,
             peer.capacity,
             peer.capacity,

@@ -278,7 +278,7 @@ def test_cover_plan_breaks_the_known_stall():
     # No single move covers block 5 without uncovering another: b slides first (block 1 keeps a's replica, block 3
     # gains one), then c can leave block 3 for block 5.
     assert all(plan_move(_others(STALL, p), 8, STALL[p], 2, 2) is None for p in STALL)
-    assert cover_plan(STALL, 8, 2) == [("b", range(2, 4)), ("c", range(4, 6))]
+    assert cover_plan(Snapshot(STALL, 8, 2)) == [("b", range(2, 4)), ("c", range(4, 6))]
 
 
 def test_only_the_plans_first_mover_moves():
@@ -289,7 +289,7 @@ def test_only_the_plans_first_mover_moves():
         "d": None,
     }
     after = {**STALL, "b": range(2, 4)}
-    assert cover_plan(after, 8, 2) == [("c", range(4, 6))]
+    assert cover_plan(Snapshot(after, 8, 2)) == [("c", range(4, 6))]
 
 
 def test_next_move_covers_the_known_stall_and_settles():
@@ -302,11 +302,11 @@ def test_next_move_runs_a_long_domino_chain():
     spans = {f"p{i}": range(s, s + 2) for i, s in enumerate(starts)}
     final, moves = _rounds(spans, 16, 2)
     assert 0 not in _counts(final, 16) and moves == 7, final
-    assert len(cover_plan(spans, 16, 2)) == 7
+    assert len(cover_plan(Snapshot(spans, 16, 2))) == 7
     # The same on an 80-block model: 40 peers, a plan of 39 moves, found at once.
     spans = {f"p{i:02d}": range(s, s + 2) for i, s in enumerate([0, 1, *range(3, 78, 2)])}
     started = time.perf_counter()
-    assert len(cover_plan(spans, 80, 2)) == 39 and time.perf_counter() - started < 1.0
+    assert len(cover_plan(Snapshot(spans, 80, 2))) == 39 and time.perf_counter() - started < 1.0
 
 
 def test_next_move_never_drops_a_block_nobody_else_serves():
@@ -322,7 +322,7 @@ def test_pinned_servers_count_but_never_move():
     # A joining peer (pinned) is about to serve block 5: nobody needs to move.
     assert all(next_move(Snapshot(STALL, 8, 2, pinned={5: 1}), p, 2) is None for p in STALL)
     # Pinned servers relieve a peer of its blocks: with block 0 pinned, a may leave it and cover block 5 at once.
-    assert cover_plan(STALL, 8, 2, pinned={0: 1}) == [("a", range(4, 6))]
+    assert cover_plan(Snapshot(STALL, 8, 2, pinned={0: 1})) == [("a", range(4, 6))]
 
 
 def test_random_placements_reach_full_coverage_then_stop():
@@ -361,8 +361,8 @@ def test_next_move_is_fast_on_a_thousand_peers():
 def test_cover_plan_gives_up_past_its_state_budget():
     starts = [0, 1, 3, 5, 7, 9, 11, 13]
     spans = {f"p{i}": range(s, s + 2) for i, s in enumerate(starts)}
-    assert cover_plan(spans, 16, 2, max_states=3) == []
-    assert cover_plan({"a": range(0, 2)}, 4, 2) == []  # not enough capacity: nothing to find
+    assert cover_plan(Snapshot(spans, 16, 2), max_states=3) == []
+    assert cover_plan(Snapshot({"a": range(0, 2)}, 4, 2)) == []  # not enough capacity: nothing to find
 
 
 # --- replicas: plans that mend a deficit no single move can (issue 56) ---------------------------------------------
@@ -375,7 +375,7 @@ SHORT = {"a": range(0, 2), "b": range(0, 2), "c": range(1, 3), "d": range(2, 4),
 def test_a_plan_mends_a_replica_no_single_move_can():
     # c slides onto block 3 (block 1 keeps a's and b's replicas), then e can leave block 3 for block 5.
     assert all(plan_move(_others(SHORT, p), 6, SHORT[p], 2, 2) is None for p in SHORT)
-    assert replica_plan(SHORT, 6, 2) == [("c", range(2, 4)), ("e", range(4, 6))]
+    assert replica_plan(Snapshot(SHORT, 6, 2)) == [("c", range(2, 4)), ("e", range(4, 6))]
     spans, moves = _rounds(SHORT, 6, 2)
     assert min(_counts(spans, 6)) == 2 and moves == 2, spans
 
@@ -387,17 +387,17 @@ def test_every_peer_names_the_same_first_mover_whatever_the_order_it_sees_the_sw
         assert {p: next_move(Snapshot(seen, 6, 2), p, 2) for p in SHORT} == {**dict.fromkeys(SHORT), "c": range(2, 4)}
     # Of two peers on one span, the smaller id moves.
     twins = {"a": range(0, 2), "b": range(1, 3), "c": range(1, 3), "d": range(3, 5), "e": range(3, 5), "f": range(4, 6)}
-    assert replica_plan(twins, 6, 2) == [("b", range(0, 2)), ("d", range(2, 4))]
+    assert replica_plan(Snapshot(twins, 6, 2)) == [("b", range(0, 2)), ("d", range(2, 4))]
     assert [p for p in twins if next_move(Snapshot(twins, 6, 2), p, 2) is not None] == ["b"]
 
 
 def test_no_plan_without_the_capacity_for_every_replica():
     # Five 2-block peers serve 10 blocks, short of 2 x 6: no plan is sought, nobody moves.
     five = {p: s for p, s in SHORT.items() if p != "b"}
-    assert replica_plan(five, 6, 2) == []
+    assert replica_plan(Snapshot(five, 6, 2)) == []
     assert all(next_move(Snapshot(five, 6, 2), p, 2) is None for p in five)
     # Pinned servers count: a joining peer on block 0 makes up for b.
-    assert replica_plan(five, 6, 2, pinned={0: 1, 1: 1}) == replica_plan(SHORT, 6, 2)
+    assert replica_plan(Snapshot(five, 6, 2, pinned={0: 1, 1: 1})) == replica_plan(Snapshot(SHORT, 6, 2))
 
 
 def _random_spans(rng: random.Random, num_blocks: int, lengths: list[int]) -> dict[str, range]:
@@ -431,7 +431,7 @@ def test_every_step_of_a_replica_plan_keeps_every_block_served():
         while sum(lengths) < replication * num_blocks or rng.random() < 0.3:
             lengths.append(rng.randint(1, min(num_blocks, 8)))
         spans, _ = _rounds(_random_spans(rng, num_blocks, lengths), num_blocks, 1, rng)
-        while plan := replica_plan(spans, num_blocks, replication):
+        while plan := replica_plan(Snapshot(spans, num_blocks, replication)):
             deficit = badness(_counts(spans, num_blocks), replication)[1]
             for i, (peer, window) in enumerate(plan):
                 assert len(window) == len(spans[peer])
@@ -472,10 +472,10 @@ def test_a_replica_plan_search_is_bounded():
     for starts, length, num_blocks in cases:
         spans = {f"p{i:02d}": range(s, s + length) for i, s in enumerate(starts)}
         started = time.perf_counter()
-        replica_plan(spans, num_blocks, 2)
+        replica_plan(Snapshot(spans, num_blocks, 2))
         assert time.perf_counter() - started < 1.0
     five = {f"p{i}": range(s, s + 16) for i, s in enumerate(cases[0][0])}
-    assert replica_plan(five, 40, 2) == []
+    assert replica_plan(Snapshot(five, 40, 2)) == []
 
 
 def test_an_orphan_is_grown_over_by_the_nearest_peer_with_room_only():
@@ -532,7 +532,7 @@ FAST = {"a": 100.0, "b": 100.0, "c": 100.0, "d": 100.0, "e": 100.0, "s": 30.0}
 def test_a_fast_peer_on_strong_blocks_relieves_the_slowest_one():
     # Blocks 6:8 run at 30 tokens/s, the mean is 132.5. a, b, c or d can leave two servers' blocks (200 tokens/s) for
     # 6:8: the least over the blocks it touches goes from 30 to 100. Only a (smallest id) moves: one per snapshot.
-    assert relief_move(RELIEF, FAST, 8, 1) == ("a", range(6, 8))
+    assert relief_move(Snapshot(RELIEF, 8, 1, speeds=FAST)) == ("a", range(6, 8))
     moves = {p: next_move(Snapshot(RELIEF, 8, 1, speeds=FAST), p, 2) for p in RELIEF}
     assert moves == {"a": range(6, 8), "b": None, "c": None, "d": None, "e": None, "s": None}
     # Without speeds, nothing changes: every block has its replica.
@@ -548,18 +548,18 @@ def test_the_relief_that_leaves_the_swarm_strongest_wins():
     spans = {**_swarm({"a": 0, "b": 0, "c": 2, "d": 2, "f": 3, "e": 4, "s": 6}), "t": range(7, 8)}
     speeds = {"a": 100.0, "b": 100.0, "c": 100.0, "d": 100.0, "f": 100.0, "e": 50.0, "s": 30.0, "t": 70.0}
     assert block_throughput(spans, speeds, 8) == [200.0, 200.0, 200.0, 300.0, 150.0, 50.0, 30.0, 100.0]
-    assert relief_move(spans, speeds, 8, 1) == ("a", range(5, 7))
+    assert relief_move(Snapshot(spans, 8, 1, speeds=speeds)) == ("a", range(5, 7))
     # Then the peer that leaves the blocks it touches strongest: c and d, faster, leave 2:4 at 150 and lift 6:8 to 180;
     # a would leave 0:2 at 100. c has the smaller id.
-    assert relief_move(RELIEF, {**FAST, "c": 150.0, "d": 150.0}, 8, 1) == ("c", range(6, 8))
+    assert relief_move(Snapshot(RELIEF, 8, 1, speeds={**FAST, "c": 150.0, "d": 150.0})) == ("c", range(6, 8))
 
 
 def test_no_move_below_the_gain_or_above_the_level():
     # Three peers on 0:2: any of them would lift 6:8 well past a third. At 90 tokens/s, with a mean of 147.5, 6:8 is
     # not slow enough to be worth a move (below 0.6 x the mean is); at 80, with a mean of 145, it is.
     spans = _swarm({"a": 0, "b": 0, "c": 0, "d": 2, "e": 4, "s": 6})
-    assert relief_move(spans, {p: 100.0 for p in spans} | {"s": 90.0}, 8, 1) is None
-    assert relief_move(spans, {p: 100.0 for p in spans} | {"s": 80.0}, 8, 1) == ("a", range(6, 8))
+    assert relief_move(Snapshot(spans, 8, 1, speeds={p: 100.0 for p in spans} | {"s": 90.0})) is None
+    assert relief_move(Snapshot(spans, 8, 1, speeds={p: 100.0 for p in spans} | {"s": 80.0})) == ("a", range(6, 8))
     # next_move passes its own level on: at 0.7, 90 against the mean of 147.5 is slow enough.
     at_90 = {p: 100.0 for p in spans} | {"s": 90.0}
     assert next_move(Snapshot(spans, 8, 1, speeds=at_90), "a", 2) is None
@@ -567,11 +567,11 @@ def test_no_move_below_the_gain_or_above_the_level():
     # Blocks 6:8 at 30, but the fast peers are only 39 tokens/s: a move would lift the blocks it touches to 39 at
     # best, less than MIN_GAIN (a third) above 30; a gain of a fifth is enough.
     slow = {p: 39.0 for p in RELIEF} | {"s": 30.0}
-    assert relief_move(RELIEF, slow, 8, 1) is None
+    assert relief_move(Snapshot(RELIEF, 8, 1, speeds=slow)) is None
     assert next_move(Snapshot(RELIEF, 8, 1, speeds=slow), "a", 2, min_gain=0.2) == range(6, 8)
     # A gain above a third, on the same blocks, moves.
     slow |= {"a": 41.0, "b": 41.0}
-    assert relief_move(RELIEF, slow, 8, 1) == ("a", range(6, 8))
+    assert relief_move(Snapshot(RELIEF, 8, 1, speeds=slow)) == ("a", range(6, 8))
 
 
 def test_relief_never_costs_coverage_or_replication():
@@ -579,19 +579,19 @@ def test_relief_never_costs_coverage_or_replication():
     # short of replicas, so nobody moves for throughput.
     spans = _swarm({"a": 0, "b": 0, "c": 2, "d": 2, "e": 4, "f": 4, "s": 6, "t": 6})
     speeds = {p: 100.0 for p in spans} | {"s": 10.0, "t": 10.0}
-    assert relief_move(spans, speeds, 8, 2) is None
+    assert relief_move(Snapshot(spans, 8, 2, speeds=speeds)) is None
     assert all(next_move(Snapshot(spans, 8, 2, speeds=speeds), p, 2) is None for p in spans)
     # A third server on 0:2 can go: the blocks it leaves keep two.
     spans["g"], speeds["g"] = range(0, 2), 100.0
-    assert relief_move(spans, speeds, 8, 2) == ("a", range(6, 8))
+    assert relief_move(Snapshot(spans, 8, 2, speeds=speeds)) == ("a", range(6, 8))
     # A block nobody else serves is never left: e alone serves 0:2, however slow 2:6 is.
-    assert relief_move({"e": range(0, 2), "s": range(2, 6)}, {"e": 100.0, "s": 10.0}, 6, 1) is None
+    assert relief_move(Snapshot({"e": range(0, 2), "s": range(2, 6)}, 6, 1, speeds={"e": 100.0, "s": 10.0})) is None
 
 
 def test_relief_waits_for_every_block_to_have_its_replicas():
     # R=2: 4:6 and 6:8 have one server each, and no count move helps (a leaving 0:2 costs it a replica). a moving to
     # 6:8 would keep the deficit and lift the slowest block, but replicas come first: nobody moves.
-    assert relief_move(RELIEF, FAST, 8, 2) == ("a", range(6, 8))
+    assert relief_move(Snapshot(RELIEF, 8, 2, speeds=FAST)) == ("a", range(6, 8))
     assert all(next_move(Snapshot(RELIEF, 8, 2, speeds=FAST), p, 2) is None for p in RELIEF)
 
 
@@ -601,13 +601,13 @@ def test_a_peer_already_going_counts_so_others_do_not_pile_on():
     spans = {p: s for p, s in RELIEF.items() if p != "a"}
     speeds = {p: v for p, v in FAST.items() if p != "a"}
     pinned, flow = {6: 1, 7: 1}, {6: 100.0, 7: 100.0}
-    assert relief_move(spans, speeds, 8, 1, pinned, flow) is None
+    assert relief_move(Snapshot(spans, 8, 1, pinned=pinned, speeds=speeds, pinned_throughput=flow)) is None
     assert all(
         next_move(Snapshot(spans, 8, 1, pinned=pinned, speeds=speeds, pinned_throughput=flow), p, 2) is None
         for p in spans
     )
     # Counting a as a server of 6:8 without its throughput, c would rush there too.
-    assert relief_move(spans, speeds, 8, 1, pinned) == ("c", range(6, 8))
+    assert relief_move(Snapshot(spans, 8, 1, pinned=pinned, speeds=speeds)) == ("c", range(6, 8))
 
 
 # --- what a throughput move costs: loading, and downloading shards not on disk ----------------------------------------
@@ -619,22 +619,28 @@ def test_a_peer_with_the_weights_on_disk_relieves_before_one_that_must_download_
     # takes this long). a's lift counts for 1 - 2400/3600 of it: 30 + 70/3 = 53, still above the gain, but d's is whole.
     far = MoveCost(load=5.0, fetch=1200.0, on_disk=((0, 4),))
     costs = {p: far for p in ("a", "b", "c")} | {"d": MoveCost(5.0, 1200.0, ((2, 4), (6, 8)))}
-    assert relief_move(RELIEF, FAST, 8, 1, costs=costs) == ("d", range(6, 8))
+    assert relief_move(Snapshot(RELIEF, 8, 1, speeds=FAST, costs=costs)) == ("d", range(6, 8))
     moves = {p: next_move(Snapshot(RELIEF, 8, 1, speeds=FAST, costs=costs), p, 2) for p in RELIEF}
     assert moves == {"a": None, "b": None, "c": None, "d": range(6, 8), "e": None, "s": None}
     # Without d, a downloads: a late lift beats none.
-    assert relief_move({p: s for p, s in RELIEF.items() if p != "d"}, FAST, 8, 1, costs=costs) == ("a", range(6, 8))
+    assert relief_move(Snapshot({p: s for p, s in RELIEF.items() if p != "d"}, 8, 1, speeds=FAST, costs=costs)) == (
+        "a",
+        range(6, 8),
+    )
     # Costs said by nobody, or all on disk at the same load time: as before (a, the smallest id).
-    assert relief_move(RELIEF, FAST, 8, 1, costs={}) == ("a", range(6, 8))
+    assert relief_move(Snapshot(RELIEF, 8, 1, speeds=FAST, costs={})) == ("a", range(6, 8))
     local = MoveCost(5.0, 5.0, EVERYWHERE)
-    assert relief_move(RELIEF, FAST, 8, 1, costs=dict.fromkeys(RELIEF, local)) == ("a", range(6, 8))
+    assert relief_move(Snapshot(RELIEF, 8, 1, speeds=FAST, costs=dict.fromkeys(RELIEF, local))) == ("a", range(6, 8))
 
 
 def test_a_move_slower_than_the_payback_horizon_is_not_made():
     slow_link = MoveCost(load=5.0, fetch=PAYBACK / 2, on_disk=((0, 5),))  # two blocks: the whole horizon
     assert slow_link.seconds(range(0, 2), range(6, 8)) == slow_link.seconds(range(0, 2), range(5, 7)) == PAYBACK
-    assert relief_move(RELIEF, FAST, 8, 1, costs=dict.fromkeys(RELIEF, slow_link)) is None
-    assert relief_move(RELIEF, FAST, 8, 1, costs=dict.fromkeys(RELIEF, slow_link), payback=2 * PAYBACK) is not None
+    assert relief_move(Snapshot(RELIEF, 8, 1, speeds=FAST, costs=dict.fromkeys(RELIEF, slow_link))) is None
+    assert (
+        relief_move(Snapshot(RELIEF, 8, 1, speeds=FAST, costs=dict.fromkeys(RELIEF, slow_link)), payback=2 * PAYBACK)
+        is not None
+    )
 
 
 def test_a_costly_move_needs_a_larger_lift():
@@ -642,9 +648,9 @@ def test_a_costly_move_needs_a_larger_lift():
     # same move taking a tenth of the horizon counts for 0.9 x 0.367 = 0.33: not enough.
     slow = {p: 39.0 for p in RELIEF} | {"s": 30.0, "a": 41.0, "b": 41.0}
     quick = MoveCost(load=1.0, fetch=1.0, on_disk=EVERYWHERE)
-    assert relief_move(RELIEF, slow, 8, 1, costs=dict.fromkeys(RELIEF, quick)) == ("a", range(6, 8))
+    assert relief_move(Snapshot(RELIEF, 8, 1, speeds=slow, costs=dict.fromkeys(RELIEF, quick))) == ("a", range(6, 8))
     tenth = MoveCost(load=PAYBACK / 20, fetch=PAYBACK / 20, on_disk=EVERYWHERE)
-    assert relief_move(RELIEF, slow, 8, 1, costs=dict.fromkeys(RELIEF, tenth)) is None
+    assert relief_move(Snapshot(RELIEF, 8, 1, speeds=slow, costs=dict.fromkeys(RELIEF, tenth))) is None
 
 
 def test_a_move_costs_the_blocks_it_adds_only():
