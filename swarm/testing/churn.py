@@ -134,30 +134,14 @@ def run_churn(
     names = [f"peer{i}" for i in range(peers)]
     with LocalSwarm(workdir / "logs") as local, contextlib.ExitStack() as closing:
         closing.enter_context(_client_log(workdir / "logs" / "client.log"))
-        local.start_dht()
-        flags = [*PEER_FLAGS, "--num-blocks", str(span)]
-        envs = dict.fromkeys(names[1::2][:other_kernels], OTHER_KERNELS)
-        fleet = ChaosPeers(local, model_dir, flags, workdir / "peers", restart_nice, envs)
-        for name in names:
-            fleet.start(name)
+        fleet = _start_fleet(local, model_dir, workdir, names, span, restart_nice, other_kernels)
         schedule = chaos_schedule(seed, seconds, interval, names) if interval else []
         driver = ChaosDriver(fleet, [] if shadow else schedule, target_size=peers)
         closing.callback(driver.close)  # runs last: after the peers it restarted are stopped
         closing.callback(local.close)
         shadows = _shadow_starts(closing, workdir / "logs" / "shadow", model_dir, schedule if shadow else [], span)
         tap = CallTap()
-        model = swarm.SwarmModelForCausalLM.from_pretrained(
-            model_dir,
-            initial_peers=local.initial_peers,
-            adapter=f"churn-{seed}",
-            lora_config=peft.LoraConfig(**LORA),
-            seed=SEED,
-            # Restarts take 25-40 s here (six peers and the client share two cores): a span whose servers are all
-            # down twice in a row can outlast the default 60 s. The pause is reported (longest pauses).
-            patience=CLIENT_PATIENCE,
-            min_copies=min_copies,
-            call_hook=tap,
-        )
+        model = _connect(model_dir, local.initial_peers, seed, min_copies, tap)
         run = ChurnRun(seconds=0.0, steps=0)
         try:
             model.save_adapter(workdir / "initial")
@@ -171,11 +155,7 @@ def run_churn(
                 run.seconds = time.monotonic() - started
                 driver.stop()
                 shadows.stop()
-                run.steps = model.step
-                run.steps_lost = sum(e.steps for e in model.steps_lost)
-                run.lost_reports = [str(e) for e in model.steps_lost]
-                run.recoveries = len(model.recoveries)
-                run.dishonest = [str(peer) for peer in model.dishonest]
+                _record_the_client(run, model)
             model.save_adapter(workdir / "final")
         except Exception:  # the boundary of a measured run: whatever ended the training loop is what it reports
             run.error = traceback.format_exc()
@@ -187,6 +167,50 @@ def run_churn(
     if run.error is None:
         run.max_abs_diff = _diff_to_local(model_dir, workdir, run.steps, vocab)
     return run
+
+
+def _start_fleet(
+    local: LocalSwarm,
+    model_dir: Path,
+    workdir: Path,
+    names: list[str],
+    span: int,
+    restart_nice: int,
+    other_kernels: int,
+) -> ChaosPeers:
+    """The DHT, then every peer, ``other_kernels`` of them (every other one) on torch's portable CPU kernels."""
+    local.start_dht()
+    flags = [*PEER_FLAGS, "--num-blocks", str(span)]
+    envs = dict.fromkeys(names[1::2][:other_kernels], OTHER_KERNELS)
+    fleet = ChaosPeers(local, model_dir, flags, workdir / "peers", restart_nice, envs)
+    for name in names:
+        fleet.start(name)
+    return fleet
+
+
+def _connect(model_dir: Path, initial_peers: list[str], seed: int, min_copies: int, tap: CallTap):
+    """The measured client, its calls seen by ``tap``."""
+    return swarm.SwarmModelForCausalLM.from_pretrained(
+        model_dir,
+        initial_peers=initial_peers,
+        adapter=f"churn-{seed}",
+        lora_config=peft.LoraConfig(**LORA),
+        seed=SEED,
+        # Restarts take 25-40 s here (six peers and the client share two cores): a span whose servers are all
+        # down twice in a row can outlast the default 60 s. The pause is reported (longest pauses).
+        patience=CLIENT_PATIENCE,
+        min_copies=min_copies,
+        call_hook=tap,
+    )
+
+
+def _record_the_client(run: ChurnRun, model) -> None:
+    """What the client saw: its steps, the steps it lost, its recoveries and the peers it found dishonest."""
+    run.steps = model.step
+    run.steps_lost = sum(e.steps for e in model.steps_lost)
+    run.lost_reports = [str(e) for e in model.steps_lost]
+    run.recoveries = len(model.recoveries)
+    run.dishonest = [str(peer) for peer in model.dishonest]
 
 
 def _shadow_starts(

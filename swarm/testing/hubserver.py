@@ -171,166 +171,172 @@ class HubServer:
 
 
 def _handler(hub: HubServer, server: str) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    """The request handler class of one of the hub's two servers (``server``: "hub" or "cdn")."""
+    return type("Handler", (_Handler,), {"hub": hub, "role": server})
 
-        def log_message(self, *args) -> None:  # quiet: the test reads ``hub.requests``
-            pass
 
-        def setup(self) -> None:
-            super().setup()
-            with hub._lock:
-                hub._connections.add(self.connection)
+class _Handler(BaseHTTPRequestHandler):
+    """The hub's answers, as huggingface_hub reads them; ``hub`` and ``role`` are set by ``_handler``."""
 
-        def finish(self) -> None:
-            with hub._lock:
-                hub._connections.discard(self.connection)
-            super().finish()
+    hub: HubServer
+    role: str  # "hub" or "cdn" (not ``server``: BaseHTTPRequestHandler's server object)
+    protocol_version = "HTTP/1.1"
 
-        def do_HEAD(self) -> None:
-            self._answer(body=False)
+    def log_message(self, *args) -> None:  # quiet: the test reads ``hub.requests``
+        pass
 
-        def do_GET(self) -> None:
-            self._answer(body=True)
+    def setup(self) -> None:
+        super().setup()
+        with self.hub._lock:
+            self.hub._connections.add(self.connection)
 
-        # --- routing --------------------------------------------------------------------------------------------
+    def finish(self) -> None:
+        with self.hub._lock:
+            self.hub._connections.discard(self.connection)
+        super().finish()
 
-        def _answer(self, body: bool) -> None:
-            path = urlsplit(self.path).path
-            if server == "cdn":
-                return self._blob(path, body)
-            if path.startswith("/api/models/"):
-                return self._model_info(path)
-            if "/resolve/" in path:
-                return self._resolve(path, body)
-            self._error(404, None, None, "EntryNotFound", "no such endpoint")
+    def do_HEAD(self) -> None:
+        self._answer(body=False)
 
-        def _authorized(self, repo: Repo) -> bool:
-            return repo.token is not None and self.headers.get("Authorization") == f"Bearer {repo.token}"
+    def do_GET(self) -> None:
+        self._answer(body=True)
 
-        def _find(self, repo_id: str, revision: str, file: str | None) -> tuple[Repo, Commit] | None:
-            """The repo and commit, or None after answering the error."""
-            repo = hub.repos.get(repo_id)
-            if repo is None:
-                self._error(401, repo_id, file, "RepoNotFound", "Repository not found")
-                return None
-            sha = revision if revision in repo.commits else repo.refs.get(revision)
-            if sha is None:
-                self._error(404, repo_id, file, "RevisionNotFound", "Invalid rev id")
-                return None
-            return repo, repo.commits[sha]
+    # --- routing --------------------------------------------------------------------------------------------
 
-        def _model_info(self, path: str) -> None:
-            rest = path.removeprefix("/api/models/")
-            repo_id, _, revision = rest.partition("/revision/")
-            revision = unquote(revision) or "main"
-            found = self._find(repo_id, revision, None)
-            if found is None:
-                return
-            repo, commit = found
-            info = {
-                "id": repo_id,
-                "modelId": repo_id,
-                "sha": commit.sha,
-                "private": False,
-                "gated": "manual" if repo.gated else False,
-                "disabled": False,
-                "siblings": [{"rfilename": name} for name in commit.files],
+    def _answer(self, body: bool) -> None:
+        path = urlsplit(self.path).path
+        if self.role == "cdn":
+            return self._blob(path, body)
+        if path.startswith("/api/models/"):
+            return self._model_info(path)
+        if "/resolve/" in path:
+            return self._resolve(path, body)
+        self._error(404, None, None, "EntryNotFound", "no such endpoint")
+
+    def _authorized(self, repo: Repo) -> bool:
+        return repo.token is not None and self.headers.get("Authorization") == f"Bearer {repo.token}"
+
+    def _find(self, repo_id: str, revision: str, file: str | None) -> tuple[Repo, Commit] | None:
+        """The repo and commit, or None after answering the error."""
+        repo = self.hub.repos.get(repo_id)
+        if repo is None:
+            self._error(401, repo_id, file, "RepoNotFound", "Repository not found")
+            return None
+        sha = revision if revision in repo.commits else repo.refs.get(revision)
+        if sha is None:
+            self._error(404, repo_id, file, "RevisionNotFound", "Invalid rev id")
+            return None
+        return repo, repo.commits[sha]
+
+    def _model_info(self, path: str) -> None:
+        rest = path.removeprefix("/api/models/")
+        repo_id, _, revision = rest.partition("/revision/")
+        revision = unquote(revision) or "main"
+        found = self._find(repo_id, revision, None)
+        if found is None:
+            return
+        repo, commit = found
+        info = {
+            "id": repo_id,
+            "modelId": repo_id,
+            "sha": commit.sha,
+            "private": False,
+            "gated": "manual" if repo.gated else False,
+            "disabled": False,
+            "siblings": [{"rfilename": name} for name in commit.files],
+        }
+        self._send(200, json.dumps(info).encode(), {"Content-Type": "application/json"}, repo_id, None)
+
+    def _resolve(self, path: str, body: bool) -> None:
+        repo_id, _, rest = path.lstrip("/").partition("/resolve/")
+        revision, _, file = rest.partition("/")
+        revision, file = unquote(revision), unquote(file)
+        found = self._find(repo_id, revision, file)
+        if found is None:
+            return
+        repo, commit = found
+        headers = {"X-Repo-Commit": commit.sha}
+        if repo.gated and not self._authorized(repo):
+            message = f"Access to model {repo_id} is restricted. You must have access to it and be authenticated."
+            return self._error(401, repo_id, file, "GatedRepo", message, headers)
+        if file not in commit.files:
+            return self._error(404, repo_id, file, "EntryNotFound", "Entry not found", headers)
+        sha256, size = commit.files[file]
+        if file.endswith(LFS_SUFFIXES):  # as the hub: a redirect to a signed URL elsewhere
+            headers |= {
+                "Location": f"{self.hub.cdn}/blobs/{sha256}",
+                "X-Linked-Etag": f'"{sha256}"',
+                "X-Linked-Size": str(size),
+                "ETag": f'"{sha256[:40]}"',
             }
-            self._send(200, json.dumps(info).encode(), {"Content-Type": "application/json"}, repo_id, None)
+            return self._send(302, b"", headers, repo_id, file)
+        data = (commit.folder / file).read_bytes()
+        headers |= {"ETag": f'"{sha256}"', "Content-Type": "application/octet-stream"}
+        self._send(200, data if body else None, headers, repo_id, file, length=size)
 
-        def _resolve(self, path: str, body: bool) -> None:
-            repo_id, _, rest = path.lstrip("/").partition("/resolve/")
-            revision, _, file = rest.partition("/")
-            revision, file = unquote(revision), unquote(file)
-            found = self._find(repo_id, revision, file)
-            if found is None:
-                return
-            repo, commit = found
-            headers = {"X-Repo-Commit": commit.sha}
-            if repo.gated and not self._authorized(repo):
-                message = f"Access to model {repo_id} is restricted. You must have access to it and be authenticated."
-                return self._error(401, repo_id, file, "GatedRepo", message, headers)
-            if file not in commit.files:
-                return self._error(404, repo_id, file, "EntryNotFound", "Entry not found", headers)
-            sha256, size = commit.files[file]
-            if file.endswith(LFS_SUFFIXES):  # as the hub: a redirect to a signed URL elsewhere
-                headers |= {
-                    "Location": f"{hub.cdn}/blobs/{sha256}",
-                    "X-Linked-Etag": f'"{sha256}"',
-                    "X-Linked-Size": str(size),
-                    "ETag": f'"{sha256[:40]}"',
-                }
-                return self._send(302, b"", headers, repo_id, file)
-            data = (commit.folder / file).read_bytes()
-            headers |= {"ETag": f'"{sha256}"', "Content-Type": "application/octet-stream"}
-            self._send(200, data if body else None, headers, repo_id, file, length=size)
+    def _blob(self, path: str, body: bool) -> None:
+        sha256 = path.removeprefix("/blobs/")
+        if sha256 not in self.hub.blobs:
+            return self._error(404, None, None, "EntryNotFound", "no such blob")
+        source, file = self.hub.blobs[sha256]
+        data = source.read_bytes()
+        start, status, headers = 0, 200, {"ETag": f'"{sha256}"', "Accept-Ranges": "bytes"}
+        wanted = self.headers.get("Range")
+        if wanted:
+            first, _, last = wanted.removeprefix("bytes=").partition("-")
+            start, end = int(first), int(last) + 1 if last else len(data)
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
+            data, status = data[start:end], 206
+        if body and self.hub._take_cut(file):
+            return self._send_cut(status, data, headers, file)
+        self._send(status, data if body else None, headers, None, file, length=len(data))
 
-        def _blob(self, path: str, body: bool) -> None:
-            sha256 = path.removeprefix("/blobs/")
-            if sha256 not in hub.blobs:
-                return self._error(404, None, None, "EntryNotFound", "no such blob")
-            source, file = hub.blobs[sha256]
-            data = source.read_bytes()
-            start, status, headers = 0, 200, {"ETag": f'"{sha256}"', "Accept-Ranges": "bytes"}
-            wanted = self.headers.get("Range")
-            if wanted:
-                first, _, last = wanted.removeprefix("bytes=").partition("-")
-                start, end = int(first), int(last) + 1 if last else len(data)
-                headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
-                data, status = data[start:end], 206
-            if body and hub._take_cut(file):
-                return self._send_cut(status, data, headers, file)
-            self._send(status, data if body else None, headers, None, file, length=len(data))
+    # --- answers --------------------------------------------------------------------------------------------
 
-        # --- answers --------------------------------------------------------------------------------------------
-
-        def _send(
-            self,
-            status: int,
-            data: bytes | None,
-            headers: dict[str, str],
-            repo: str | None,
-            file: str | None,
-            length: int | None = None,
-        ) -> None:
-            hub._record(
-                Logged(
-                    server, self.command, repo, file, status, self.headers.get("Range"), "Authorization" in self.headers
-                )
+    def _send(
+        self,
+        status: int,
+        data: bytes | None,
+        headers: dict[str, str],
+        repo: str | None,
+        file: str | None,
+        length: int | None = None,
+    ) -> None:
+        self.hub._record(
+            Logged(
+                self.role, self.command, repo, file, status, self.headers.get("Range"), "Authorization" in self.headers
             )
-            self.send_response(status)
-            for key, value in headers.items():
-                self.send_header(key, value)
-            self.send_header("Content-Length", str(length if length is not None else len(data or b"")))
-            self.end_headers()
-            if data and self.command != "HEAD":
-                self.wfile.write(data)
+        )
+        self.send_response(status)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(length if length is not None else len(data or b"")))
+        self.end_headers()
+        if data and self.command != "HEAD":
+            self.wfile.write(data)
 
-        def _send_cut(self, status: int, data: bytes, headers: dict[str, str], file: str) -> None:
-            """Promise ``data`` whole, send half of it, and close the connection."""
-            hub._record(Logged(server, self.command, None, file, status, self.headers.get("Range"), cut=True))
-            self.send_response(status)
-            for key, value in headers.items():
-                self.send_header(key, value)
-            self.send_header("Content-Length", str(len(data)))
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(data[: len(data) // 2])
-            self.wfile.flush()
-            self.close_connection = True
+    def _send_cut(self, status: int, data: bytes, headers: dict[str, str], file: str) -> None:
+        """Promise ``data`` whole, send half of it, and close the connection."""
+        self.hub._record(Logged(self.role, self.command, None, file, status, self.headers.get("Range"), cut=True))
+        self.send_response(status)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data[: len(data) // 2])
+        self.wfile.flush()
+        self.close_connection = True
 
-        def _error(
-            self,
-            status: int,
-            repo: str | None,
-            file: str | None,
-            code: str,
-            message: str,
-            headers: dict[str, str] | None = None,
-        ) -> None:
-            body = json.dumps({"error": message}).encode()
-            headers = {**(headers or {}), "X-Error-Code": code, "X-Error-Message": message}
-            self._send(status, body, {**headers, "Content-Type": "application/json"}, repo, file)
-
-    return Handler
+    def _error(
+        self,
+        status: int,
+        repo: str | None,
+        file: str | None,
+        code: str,
+        message: str,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        body = json.dumps({"error": message}).encode()
+        headers = {**(headers or {}), "X-Error-Code": code, "X-Error-Message": message}
+        self._send(status, body, {**headers, "Content-Type": "application/json"}, repo, file)

@@ -409,26 +409,14 @@ def run_seed(
 
     import swarm
 
-    layers = transformers.AutoConfig.from_pretrained(model_dir).num_hidden_layers
-    vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    layers, vocab = config.num_hidden_layers, config.vocab_size
     run = SeedRun(peers, span, layers, [], [], [])
     with LocalSwarm(workdir / "logs") as local:
-        local.start_dht()
-        started = time.monotonic()
-        procs = start_peers(local, model_dir, peers, peer_flags(span, balance_interval))
-        watch = Watch(local, procs, layers, started, every, echo).start()
-        run.samples, run.events, run.commits = watch.samples, watch.events, watch.commits
-        watch.mark(f"{peers} peers started")
+        procs, watch = _start_watched(local, model_dir, run, balance_interval, every, echo)
         model = None
         try:
-            model = swarm.SwarmModelForCausalLM.from_pretrained(
-                model_dir,
-                initial_peers=local.initial_peers,
-                adapter="seed",
-                lora_config=peft.LoraConfig(**LORA),
-                seed=SEED,
-                patience=patience,
-            )
+            model = _connect(model_dir, local.initial_peers, patience)
             run.connected_at = watch.mark("client connected")
             model.save_adapter(workdir / "initial")
             optimizer = swarm.RemoteOptimizer(model, **HPARAMS)
@@ -437,65 +425,131 @@ def run_seed(
                 train_step(model, optimizer, vocab, micro_batches)
                 watch.committed()
 
-            def doubled(s: Sample) -> bool:
-                return s.doubled == layers
-
-            if kill_after is None:
-                while watch.first(doubled) is None and watch.now() < settle_timeout:
-                    step()
-                run.window_at = watch.mark(
-                    "measuring: " + ("every block at 2" if watch.first(doubled) else "settle timeout")
-                )
-                for _ in range(steps_before):
-                    step()
-            else:
-                while model.step < kill_after:
-                    step()
-                run.window_at = watch.commits[-steps_before - 1] if len(watch.commits) > steps_before else 0.0
-            name = f"peer{victim}"
-            run.victim, run.victim_id = name, procs[name].peer_id
-            gap = median_step(watch.commits[-steps_before:]) or 1.0
-
-            def kill() -> None:
-                procs[name].signal(signal.SIGKILL)
-                run.killed_at = watch.mark(f"{name} SIGKILLed")
-
-            timer = threading.Timer(gap / 2, kill)
-            timer.start()
-            try:
-                step()
-            finally:
-                timer.join()
-            best = best_doubled(peers - 1, span, layers)
-
-            def recovered(s: Sample) -> bool:
-                return run.victim_id not in s.alive and s.blocks_with(0) == 0 and s.doubled >= best
-
-            deadline = run.killed_at + recover_timeout
-            while (found := watch.first(recovered, run.killed_at)) is None and watch.now() < deadline:
-                step()
-            run.recovered_at = None if found is None else found.at
-            run.after_at = watch.mark("recovered" if found else "recovery timeout")
-            for _ in range(steps_after):
-                step()
-            run.steps = model.step
-            run.steps_lost = sum(e.steps for e in model.steps_lost)
-            run.lost_reports = [str(e) for e in model.steps_lost]
-            run.recoveries = len(model.recoveries)
+            _train_to_the_kill(run, watch, model, step, settle_timeout, steps_before, kill_after)
+            _kill_during_a_step(run, watch, procs, f"peer{victim}", step, steps_before)
+            _train_to_recovery(run, watch, step, best_doubled(peers - 1, span, layers), recover_timeout, steps_after)
+            _record_the_client(run, model)
             model.save_adapter(workdir / "final")
         except Exception:  # the boundary of a measured run: whatever ended the story is what it reports
             run.error = traceback.format_exc()
         finally:
-            if model is not None:
-                model.shutdown()
-            run.all_doubled_at = next((s.at for s in watch.samples if s.doubled == layers), None)
-            watch.stop()
-            run.moves = moves_by_peer(procs)
+            _end_the_story(run, watch, model, procs)
     if compare and run.error is None:
         run.max_abs_diff = diff_to_local(
             model_dir, workdir / "initial", workdir / "final", run.steps, vocab, micro_batches
         )
     return run
+
+
+def _start_watched(
+    local: LocalSwarm,
+    model_dir: Path,
+    run: SeedRun,
+    balance_interval: float,
+    every: float,
+    echo: Callable[[str], None] | None,
+) -> tuple[dict[str, Process], Watch]:
+    """The DHT, then the peers at once, watched from the moment they start (the run's clock)."""
+    local.start_dht()
+    started = time.monotonic()
+    procs = start_peers(local, model_dir, run.peers, peer_flags(run.span, balance_interval))
+    watch = Watch(local, procs, run.layers, started, every, echo).start()
+    run.samples, run.events, run.commits = watch.samples, watch.events, watch.commits
+    watch.mark(f"{run.peers} peers started")
+    return procs, watch
+
+
+def _connect(model_dir: Path, initial_peers: list[str], patience: float):
+    """The story's client: adapter "seed", connected while the peers still load."""
+    import swarm
+
+    return swarm.SwarmModelForCausalLM.from_pretrained(
+        model_dir,
+        initial_peers=initial_peers,
+        adapter="seed",
+        lora_config=peft.LoraConfig(**LORA),
+        seed=SEED,
+        patience=patience,
+    )
+
+
+def _end_the_story(run: SeedRun, watch: Watch, model, procs: dict[str, Process]) -> None:
+    """Whatever ended it: the client shut down, the watch stopped, the peers' moves read from their logs."""
+    if model is not None:
+        model.shutdown()
+    run.all_doubled_at = next((s.at for s in watch.samples if s.doubled == run.layers), None)
+    watch.stop()
+    run.moves = moves_by_peer(procs)
+
+
+def _train_to_the_kill(
+    run: SeedRun,
+    watch: Watch,
+    model,
+    step: Callable[[], None],
+    settle_timeout: float,
+    steps_before: int,
+    kill_after: int | None,
+) -> None:
+    """Train until every block has two servers (or ``kill_after`` steps), then the window before the kill."""
+    if kill_after is not None:
+        while model.step < kill_after:
+            step()
+        run.window_at = watch.commits[-steps_before - 1] if len(watch.commits) > steps_before else 0.0
+        return
+
+    def doubled(s: Sample) -> bool:
+        return s.doubled == run.layers
+
+    while watch.first(doubled) is None and watch.now() < settle_timeout:
+        step()
+    run.window_at = watch.mark("measuring: " + ("every block at 2" if watch.first(doubled) else "settle timeout"))
+    for _ in range(steps_before):
+        step()
+
+
+def _kill_during_a_step(
+    run: SeedRun, watch: Watch, procs: dict[str, Process], name: str, step: Callable[[], None], steps_before: int
+) -> None:
+    """SIGKILL peer ``name`` halfway through the next step (half the median step of the window before)."""
+    run.victim, run.victim_id = name, procs[name].peer_id
+    gap = median_step(watch.commits[-steps_before:]) or 1.0
+
+    def kill() -> None:
+        procs[name].signal(signal.SIGKILL)
+        run.killed_at = watch.mark(f"{name} SIGKILLed")
+
+    timer = threading.Timer(gap / 2, kill)
+    timer.start()
+    try:
+        step()
+    finally:
+        timer.join()
+
+
+def _train_to_recovery(
+    run: SeedRun, watch: Watch, step: Callable[[], None], best: int, recover_timeout: float, steps_after: int
+) -> None:
+    """Train until the peers left are at ``best`` doubled blocks, the victim gone; then the window after."""
+
+    def recovered(s: Sample) -> bool:
+        return run.victim_id not in s.alive and s.blocks_with(0) == 0 and s.doubled >= best
+
+    deadline = run.killed_at + recover_timeout
+    while (found := watch.first(recovered, run.killed_at)) is None and watch.now() < deadline:
+        step()
+    run.recovered_at = None if found is None else found.at
+    run.after_at = watch.mark("recovered" if found else "recovery timeout")
+    for _ in range(steps_after):
+        step()
+
+
+def _record_the_client(run: SeedRun, model) -> None:
+    """What the client saw: its steps, the steps it lost and its recoveries."""
+    run.steps = model.step
+    run.steps_lost = sum(e.steps for e in model.steps_lost)
+    run.lost_reports = [str(e) for e in model.steps_lost]
+    run.recoveries = len(model.recoveries)
 
 
 def plot(run: SeedRun, path: Path) -> str:

@@ -207,30 +207,7 @@ def make_tiny_model(
     """
     _validate(family, layers, hidden, heads, kv_heads, intermediate, vocab)
     config_cls, model_cls = FAMILIES[family]
-    config_kwargs: dict[str, object] = {
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": intermediate,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
-        "initializer_range": 0.02,
-        "tie_word_embeddings": tie_embeddings,
-    }
-    if family in ("qwen2", "qwen3"):
-        config_kwargs["use_sliding_window"] = False
-    if family == "qwen3":
-        config_kwargs["head_dim"] = hidden // heads  # Qwen3's default is 128 whatever the hidden size
-    if family in ("qwen3", "olmo2", "phi3", *GEMMA, *MOE):
-        config_kwargs.update(TOKEN_IDS)
-    if family == "qwen3_moe":
-        config_kwargs["head_dim"] = hidden // heads  # Qwen3-MoE's default is 128, as Qwen3's
-    if family in MOE:
-        config_kwargs.update(_moe_settings(family, intermediate))
-    if family in GEMMA:
-        config_kwargs.update(_gemma_settings(family, layers, hidden, heads))
-    config = config_cls(**config_kwargs)
+    config = config_cls(**_config_kwargs(family, layers, hidden, heads, kv_heads, intermediate, vocab, tie_embeddings))
 
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
@@ -247,6 +224,41 @@ def make_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, max_shard_size=max_shard_size)
 
+    _log_saved(model, family, tie_embeddings, out, max_shard_size)
+    return out
+
+
+def _config_kwargs(
+    family: str, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int, tied: bool
+) -> dict[str, object]:
+    """The family's config at this size, with what each family needs beyond the common fields."""
+    config_kwargs: dict[str, object] = {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": tied,
+    }
+    if family in ("qwen2", "qwen3"):
+        config_kwargs["use_sliding_window"] = False
+    if family == "qwen3":
+        config_kwargs["head_dim"] = hidden // heads  # Qwen3's default is 128 whatever the hidden size
+    if family in ("qwen3", "olmo2", "phi3", *GEMMA, *MOE):
+        config_kwargs.update(TOKEN_IDS)
+    if family == "qwen3_moe":
+        config_kwargs["head_dim"] = hidden // heads  # Qwen3-MoE's default is 128, as Qwen3's
+    if family in MOE:
+        config_kwargs.update(_moe_settings(family, intermediate))
+    if family in GEMMA:
+        config_kwargs.update(_gemma_settings(family, layers, hidden, heads))
+    return config_kwargs
+
+
+def _log_saved(model, family: str, tie_embeddings: bool, out: Path, max_shard_size: str | int) -> None:
     n_shards = len(list(out.glob("model-*-of-*.safetensors")))
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(
@@ -258,7 +270,6 @@ def make_tiny_model(
         n_shards,
         max_shard_size,
     )
-    return out
 
 
 CHAT_SPECIAL = ("<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>")
