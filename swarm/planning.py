@@ -528,13 +528,7 @@ def plan_step(
     pipeline, _ = play_step(lambda index, _at: routed[index], micro_batches, in_flight)
     servers = servers_of(spans, num_blocks)
     holders = holders_of(chains, micro_batches, num_blocks)
-    up: dict[str, dict[str, float]] = {p: {} for p in [CLIENT, *sorted(spans)]}
-    down: dict[str, dict[str, float]] = {p: {} for p in [CLIENT, *sorted(spans)]}
-    for stage in itertools.chain.from_iterable(routed):
-        for kind, party in stage.resources:
-            if kind in ("up", "down"):
-                sent = (up if kind == "up" else down)[party]
-                sent["activations"] = sent.get("activations", 0.0) + stage.nbytes
+    up, down = _activation_bytes(routed, [CLIENT, *sorted(spans)])
 
     clip_s = 0.0
     if clip:
@@ -553,11 +547,7 @@ def plan_step(
     _count(up, down, copies, "copies")
     _count(up, down, standby_pulls(rules, spans, num_blocks, grad, standby), "standby")
 
-    link_seconds = {}
-    for party in up:
-        link = net.links[party]
-        link_seconds[f"{party} up"] = sum(up[party].values()) * 8 / (link.up_mbit * 1e6)
-        link_seconds[f"{party} down"] = sum(down[party].values()) * 8 / (link.down_mbit * 1e6)
+    link_seconds = _link_seconds(up, down, net)
     busiest = max(link_seconds, key=link_seconds.__getitem__)
     return StepPlan(
         mode=mode,
@@ -571,6 +561,30 @@ def plan_step(
         up=up,
         down=down,
     )
+
+
+def _activation_bytes(
+    routed: Sequence[Sequence[Stage]], parties: Sequence[str]
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """Bytes each party sends (up) and receives (down) for the step's activations and their gradients."""
+    up: dict[str, dict[str, float]] = {p: {} for p in parties}
+    down: dict[str, dict[str, float]] = {p: {} for p in parties}
+    for stage in itertools.chain.from_iterable(routed):
+        for kind, party in stage.resources:
+            if kind in ("up", "down"):
+                sent = (up if kind == "up" else down)[party]
+                sent["activations"] = sent.get("activations", 0.0) + stage.nbytes
+    return up, down
+
+
+def _link_seconds(up: dict[str, dict[str, float]], down: dict[str, dict[str, float]], net: Network) -> dict[str, float]:
+    """Seconds each party's link takes, each way, to carry what it sends and receives in a step."""
+    link_seconds = {}
+    for party in up:
+        link = net.links[party]
+        link_seconds[f"{party} up"] = sum(up[party].values()) * 8 / (link.up_mbit * 1e6)
+        link_seconds[f"{party} down"] = sum(down[party].values()) * 8 / (link.down_mbit * 1e6)
+    return link_seconds
 
 
 def _count(up: dict, down: dict, phase: Exchange, what: str) -> None:
