@@ -96,7 +96,7 @@ def test_a_liar_inside_the_nf4_class_is_caught_by_its_class(inprocess_swarm, tin
         # So train on, a bounded while, until a lie is caught, and if a first round caught none, the exact replica
         # leaves: the NF4 ones serve 2:4 alone.
         for round_ in range(MAX_ROUNDS):
-            train(model, steps=STEPS)
+            train(model, steps=model.step + STEPS)  # train() runs until the model's step reaches ``steps``
             if model.dishonest:
                 break
             if round_ == 0:
