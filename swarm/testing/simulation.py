@@ -59,7 +59,6 @@ state is unchanged, and while every block has its replicas for every peer but th
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import itertools
 import logging
@@ -68,7 +67,6 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from hivemind.p2p import PeerID
 from tqdm import tqdm
@@ -85,12 +83,10 @@ from peers.balancer import (
     safe_to_drop,
 )
 from peers.placement import Settled, others_serving, settled_spans
-from swarm.client.flowplan import Server, plan_flow
-from swarm.client.routing import NoRouteError, Router, RouterOptions
 from swarm.net.protocol import PeerInfo
 from swarm.net.records import ServerRecord, ServerState
 from swarm.net.view import SwarmView
-from swarm.testing.steps import step_seconds
+from swarm.testing.simmeter import Burst, Meter, Stats
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +97,6 @@ SPEED_PER_CAPACITY = 250.0  # median tokens/s through one block, per block of ca
 STATE_S = 2.0  # taking the adapter state of a span from a replica
 HANDOFF_S = 1.5  # announcing the move and looking again before handing blocks over (PeerDaemon._move)
 WARMUP_S = 900.0  # the cold start, left out of the summary
-STREAM_BACKWARD_COST = 2.0  # a backward costs two forwards (``step_seconds``' default)
 
 
 @dataclass
@@ -178,72 +173,17 @@ class Peer:
         return found
 
 
-@dataclass
-class Burst:
-    """Peers leaving at once, and when the swarm was whole again."""
-
-    at: float
-    left: int
-    worst_uncovered: int = 0
-    covered_at: float | None = None
-    replicated_at: float | None = None
+def arrival_rate(config: SimConfig) -> float:
+    """Peers arriving per second: what keeps ``config.peers`` present, each staying ``lifetime_h`` on average."""
+    return config.peers / (config.lifetime_h * 3600.0)
 
 
-class Sample(NamedTuple):
-    at: float
-    peers: int
-    uncovered: int  # blocks without an online server
-    thin: int  # blocks with fewer than R online servers
-    least: int  # online servers of the least served block
-    mean: float  # online servers per block
-    capacity: int  # blocks the peers present can hold in all
-
-
-class Throughput(NamedTuple):
-    at: float
-    routed: float  # tokens/s of a step routed by Router.route(), micro-batch by micro-batch
-    widest: float  # tokens/s of the same step with every micro-batch on the widest chain
-    alone: float  # tokens/s of a steady stream through the chain Router.route() gives one micro-batch alone
-    best: float  # tokens/s of a steady stream through the widest chain
-    capacity: float
-    ideal: float
-
-
-class Stream(NamedTuple):
-    """A saturating stream's tokens/s, routed and as the largest flow allows, and the ideal's (``_sample_stream``)."""
-
-    at: float
-    routed: float
-    bound: float
-    ideal: float
-
-
-@dataclass
-class Stats:
-    samples: list[Sample] = field(default_factory=list)
-    throughput: list[Throughput] = field(default_factory=list)
-    streams: list[Stream] = field(default_factory=list)
-    moves: list[tuple[float, str, range, range]] = field(default_factory=list)
-    aborted: int = 0
-    relief: int = 0  # moves started for throughput
-    arrivals: int = 0
-    departures: int = 0
-    decisions: int = 0
-    decision_s: float = 0.0
-    bursts: list[Burst] = field(default_factory=list)
-    moves_per_epoch: dict[int, int] = field(default_factory=dict)
-    failures: list[str] = field(default_factory=list)
-
-
-class _NoTransport:
-    """The router asks the transport whether a peer's process is gone; in the simulation departed peers have no
-    records, so none is."""
-
-    def is_gone(self, peer: PeerID) -> bool:
-        return False
-
-    def learn(self, records: object) -> None:
-        pass
+def new_peer(rng: random.Random, config: SimConfig) -> Peer:
+    """A peer drawn from the population: its capacity, speed and balance-round interval and phase."""
+    capacity = min(rng.choices(CAPACITIES, CAPACITY_WEIGHTS)[0], config.num_blocks)
+    speed = SPEED_PER_CAPACITY * capacity * rng.lognormvariate(0.0, 0.3)
+    interval = config.round_s * rng.uniform(0.5, 1.5)
+    return Peer(PeerID(rng.randbytes(32)), capacity, speed, interval, rng.uniform(0.0, interval))
 
 
 class Simulation:
@@ -268,11 +208,8 @@ class Simulation:
         self.fresh = [0] * n  # new (joining) peers per block, which the balancer counts as the median settled one
         self._view: tuple[int, SwarmView, Settled] | None = None
         self._relieved: tuple[int, str | None] = (-1, None)  # (version, the peer relief_move names then)
-        self.router = Router(
-            None, _NoTransport(), MODEL, n, RouterOptions(seed=config.seed), clock=lambda: self.route_clock
-        )
-        self.route_clock = 0.0  # the time within a measured step at which the router routes a micro-batch
         self.stats = Stats()
+        self.meter = Meter(self, MODEL)
 
     # --- the event loop ---------------------------------------------------------------------------------------
 
@@ -284,13 +221,13 @@ class Simulation:
         end = config.hours * 3600.0
         for _ in range(config.peers):
             self.at(self.rng.uniform(0.0, 60.0), self._arrive, False)
-        self.at(self.rng.expovariate(self._arrival_rate()), self._arrive, True)
+        self.at(self.rng.expovariate(arrival_rate(self.config)), self._arrive, True)
         for k in range(config.bursts):
             self.at(WARMUP_S + (end - WARMUP_S) * (k + 0.5) / config.bursts, self._burst)
-        self.at(0.0, self._sample)
-        self.at(WARMUP_S, self._sample_throughput)
+        self.at(0.0, self.meter.sample)
+        self.at(WARMUP_S, self.meter.sample_throughput)
         if config.stream_s > 0:
-            self.at(WARMUP_S, self._sample_stream)
+            self.at(WARMUP_S, self.meter.sample_stream)
         bar = tqdm(total=int(end), unit="sim s", disable=not progress, leave=False, mininterval=1.0)
         while self.events and self.events[0][0] <= end:
             when, _, action, args = heapq.heappop(self.events)
@@ -298,7 +235,7 @@ class Simulation:
             self.now = when
             action(*args)
         bar.close()
-        self._check_epochs()
+        self.meter.check_epochs()
         return self.stats
 
     # --- the swarm's state ------------------------------------------------------------------------------------
@@ -337,16 +274,7 @@ class Simulation:
             if peer.asleep:
                 peer.asleep = False
                 self._schedule_round(peer)
-        self._track_bursts()
-
-    def _track_bursts(self) -> None:
-        holes, least = self.online.count(0), min(self.online)
-        for burst in self.stats.bursts:
-            if burst.covered_at is None:
-                burst.worst_uncovered = max(burst.worst_uncovered, holes)
-                burst.covered_at = self.now if holes == 0 else None
-            if burst.replicated_at is None and least >= self.config.replication:
-                burst.replicated_at = self.now
+        self.meter.track_bursts()
 
     def _clean(self) -> bool:
         """Every block has its replicas: no round can move for coverage (no peer holds more than its capacity), only
@@ -405,21 +333,11 @@ class Simulation:
 
     # --- peers come and go ------------------------------------------------------------------------------------
 
-    def _arrival_rate(self) -> float:
-        return self.config.peers / (self.config.lifetime_h * 3600.0)
-
-    def _new_peer(self) -> Peer:
-        rng, config = self.rng, self.config
-        capacity = min(rng.choices(CAPACITIES, CAPACITY_WEIGHTS)[0], config.num_blocks)
-        speed = SPEED_PER_CAPACITY * capacity * rng.lognormvariate(0.0, 0.3)
-        interval = config.round_s * rng.uniform(0.5, 1.5)
-        return Peer(PeerID(rng.randbytes(32)), capacity, speed, interval, rng.uniform(0.0, interval))
-
     def _arrive(self, poisson: bool) -> None:
         config = self.config
         if poisson:
-            self.at(self.now + self.rng.expovariate(self._arrival_rate()), self._arrive, True)
-        peer = self._new_peer()
+            self.at(self.now + self.rng.expovariate(arrival_rate(self.config)), self._arrive, True)
+        peer = new_peer(self.rng, self.config)
         coverage = dict(enumerate(self.coverage))
         throughput = dict(enumerate(self._planned_throughput()))
         span = choose_span(coverage, config.num_blocks, peer.capacity, config.replication, throughput, self.rng)
@@ -455,7 +373,7 @@ class Simulation:
         for name in gone:
             self._leave(self.peers[name])
         self.stats.bursts.append(Burst(self.now, len(gone)))
-        self._track_bursts()
+        self.meter.track_bursts()
 
     # --- balance rounds and moves -----------------------------------------------------------------------------
 
@@ -539,112 +457,6 @@ class Simulation:
         self.stats.moves.append((self.now, peer.name, peer.serving, peer.joining))
         self._update(peer, serving=peer.joining, joining=None, moving_to=None)
         self._schedule_round(peer)
-
-    def _check_epochs(self) -> None:
-        """Between two membership changes every move makes the swarm better, so the moves run out: a peer has little
-        reason to move twice."""
-        for epoch, moves in self.stats.moves_per_epoch.items():
-            if moves > self.config.peers:
-                self.stats.failures.append(f"{moves} moves between two membership changes (epoch {epoch})")
-
-    # --- measurements -----------------------------------------------------------------------------------------
-
-    def _sample(self) -> None:
-        self.at(self.now + self.config.sample_s, self._sample)
-        online = self.online
-        holes = online.count(0)
-        thin = sum(1 for c in online if c < self.config.replication)
-        capacity = sum(p.capacity for p in self.peers.values())
-        mean = sum(online) / len(online)
-        self.stats.samples.append(Sample(self.now, len(self.peers), holes, thin, min(online), mean, capacity))
-        if self._stalled(capacity):
-            self.stats.failures.append(f"stall at t={self.now:.0f}s: blocks without a server and nobody moves")
-
-    def _stalled(self, capacity: int) -> bool:
-        if 0 not in self.planned or capacity < self.config.num_blocks:
-            return False
-        return all(p.settled and not p.asleep and p.decided == self.version for p in self.peers.values())
-
-    def _sample_throughput(self) -> None:
-        self.at(self.now + self.config.route_s, self._sample_throughput)
-        config, view = self.config, self.view()
-        speeds = {p.peer_id: p.speed for p in self.peers.values()}
-        ideal = sum(speeds[p.peer_id] for p in self.peers.values() if p.serving) / config.num_blocks
-        widest = widest_chain(view, speeds, config.num_blocks)
-        if widest is None:
-            self.stats.throughput.append(Throughput(self.now, 0.0, 0.0, 0.0, 0.0, min(self.throughput), ideal))
-            return
-        self.router.servers, self.router.busy_until = view.records, {}  # a new step: no work booked yet
-        tokens = self.router.options.tokens
-
-        def hops(chain: list[tuple[PeerID, int]]) -> list[tuple[PeerID, float]]:
-            return [(peer, blocks * tokens / speeds[peer]) for peer, blocks in chain]
-
-        def routed_at(at: float) -> list[tuple[PeerID, float]]:
-            self.route_clock = at
-            return hops([(h.peer_id, len(h.blocks)) for h in self.router.route()])
-
-        in_flight = config.in_flight or self.router.in_flight()
-
-        def step_rate(chain_at) -> float:
-            return config.micro_batches * tokens / step_seconds(chain_at, config.micro_batches, in_flight)
-
-        routed = step_rate(routed_at)
-        alone = 0.0
-        with contextlib.suppress(NoRouteError):  # one micro-batch with nothing else booked
-            self.router.busy_until = {}
-            alone = min(speeds[h.peer_id] / len(h.blocks) for h in self.router.route())
-        on_widest = step_rate(lambda at: hops(widest))
-        best = min(speeds[peer] / blocks for peer, blocks in widest)
-        self.stats.throughput.append(Throughput(self.now, routed, on_widest, alone, best, min(self.throughput), ideal))
-
-    def _sample_stream(self) -> None:
-        """The tokens/s of training micro-batches pushed through the swarm as fast as it takes them, every one
-        routed by ``Router.route()`` as it starts, against the ideal: every online peer's speed spread evenly over the
-        blocks, a micro-batch costing each block a forward and a backward (``1 + backward_cost`` forwards)."""
-        self.at(self.now + self.config.stream_s, self._sample_stream)
-        config, view = self.config, self.view()
-        serving = [p for p in self.peers.values() if p.serving]
-        if any(not view.online(b) for b in range(config.num_blocks)):
-            return
-        speeds = {p.peer_id: p.speed for p in serving}
-        self.router.servers, self.router.busy_until = view.records, {}
-        tokens = self.router.options.tokens
-
-        def routed_at(at: float) -> list[tuple[PeerID, float]]:
-            self.route_clock = at
-            return [(h.peer_id, len(h.blocks) * tokens / speeds[h.peer_id]) for h in self.router.route()]
-
-        in_flight = config.stream_in_flight * len(serving)
-        micro_batches = config.stream_waves * in_flight
-        routed = micro_batches * tokens / step_seconds(routed_at, micro_batches, in_flight, STREAM_BACKWARD_COST)
-        ideal = sum(speeds.values()) / config.num_blocks / (1.0 + STREAM_BACKWARD_COST)
-        servers = [Server(p.peer_id, p.serving.start, p.serving.stop, tokens / p.speed) for p in serving]
-        plan = plan_flow(servers, 0, config.num_blocks)
-        bound = plan.rate * tokens / (1.0 + STREAM_BACKWARD_COST) if plan else 0.0
-        self.stats.streams.append(Stream(self.now, routed, bound, ideal))
-
-
-def widest_chain(view: SwarmView, speeds: dict[PeerID, float], num_blocks: int) -> list[tuple[PeerID, int]] | None:
-    """The chain of online servers through blocks [0, n) whose slowest hop is fastest: the best pipeline for a steady
-    stream of micro-batches (dynamic programming from the last block back), as (peer, blocks) hops; None if some block
-    has no server."""
-    best: list[float] = [0.0] * num_blocks + [float("inf")]
-    step: list[tuple[PeerID, int] | None] = [None] * num_blocks
-    for b in range(num_blocks - 1, -1, -1):
-        for r in view.online(b):
-            for end in range(b + 1, min(r.end, num_blocks) + 1):
-                rate = min(speeds[r.peer_id] / (end - b), best[end])
-                if rate > best[b]:
-                    best[b], step[b] = rate, (r.peer_id, end)
-    if step[0] is None:
-        return None
-    chain, b = [], 0
-    while b < num_blocks:
-        peer, end = step[b]
-        chain.append((peer, end - b))
-        b = end
-    return chain
 
 
 # --- the stall search ---------------------------------------------------------------------------------------------
