@@ -33,7 +33,7 @@ class Behaviour:
         return sums
 
     def reduced_chunks(self, found: GradsByBlock) -> GradsByBlock:
-        """Chunks of reduced gradients handed to another replica (``PeerService._reduced_chunks``)."""
+        """Chunks of reduced gradients handed to another replica (``Reduction.serve``, peers/reduction/exchange.py)."""
         return found
 
     def fetched_grads(self, found: GradsByBlock) -> GradsByBlock:

@@ -93,8 +93,8 @@ class PeerClient:
         return reply.grads if self.behaviour is None else self.behaviour.fetched_grads(reply.grads)
 
     async def fetch_chunk(self, reducer: str, key: ChunkKey, wait: float, timeout: float) -> torch.Tensor | None:
-        """One chunk of a block's reduced gradient from its reducer (peers/scatter.py), which waits up to ``wait``
-        seconds while it is still reducing it; None if it has none, fails or is silent."""
+        """One chunk of a block's reduced gradient from its reducer (peers/reduction/scatter.py), which waits up to
+        ``wait`` seconds while it is still reducing it; None if it has none, fails or is silent."""
         request = GradsRequest(
             adapter=key.adapter,
             step=key.step,

@@ -18,19 +18,18 @@ from peers.backend import SpanBackend
 from peers.compute import Compute
 from peers.peer_client import ChainBroken, PeerClient
 from peers.pullers import RecentPullers
-from peers.scatter import ChunkedReduction
-from peers.state import GradsByBlock, pack_states
+from peers.reduction.audit import AUDIT_RATE
+from peers.reduction.exchange import Reduction
+from peers.state import pack_states
 from peers.stepphase import StepPhases
 from swarm.blocks import lora_config_from_wire
 from swarm.net import rotated
 from swarm.net.chain import ChainFailure, HopAck
 from swarm.net.compression import DELTAS
 from swarm.net.deltas import CLIENT, Delta, DeltaReferences, ReferenceKey
-from swarm.net.errors import PEER_ERRORS, BadGradientsError, ErrorKind, RequestError, SourceUnavailableError
-from swarm.net.gradhash import grad_hash
+from swarm.net.errors import PEER_ERRORS, ErrorKind, RequestError, SourceUnavailableError
 from swarm.net.gradnorm import GradNorm
 from swarm.net.protocol import (
-    SUM,
     Ack,
     BackwardRequest,
     CommitReply,
@@ -48,7 +47,6 @@ from swarm.net.protocol import (
     GradReply,
     GradsReply,
     GradsRequest,
-    Group,
     HiddenReply,
     InferRequest,
     InfoRequest,
@@ -67,17 +65,11 @@ from swarm.net.protocol import (
     TieBreakRequest,
     UnservedRequest,
 )
-from swarm.net.reduction import ChunkKey, chunk_of, partial_sum, same_bits
 from swarm.net.security import SwarmKey
 from swarm.net.servicer import Doorkeeper, FaultHook
 from swarm.net.wire import DEFAULT_MAX_PAYLOAD_BYTES
 
 logger = logging.getLogger(__name__)
-
-# The share of fetched partial sums a peer audits: the micro-batch gradients behind one block's sum are fetched too,
-# checked against their reported hashes and added up again. An audit costs the holder's share of the step's gradients
-# for that block, once; a holder caught lying is refused and named (``bad_gradients``), and the client bans it.
-AUDIT_RATE = 0.05
 
 
 @dataclass(frozen=True)
@@ -136,12 +128,9 @@ class PeerService(InfoDoors):
         super().__init__(info, swarm_key, max_payload_bytes, faults=faults)
         self.backend, self.adapters, self.peers = backend, adapters, peers
         self.references = DeltaReferences() if references is None else references
-        self.audit_rate, self.random = audit_rate, random.Random()
         self.compute, self.hooks, self.pullers = compute, hooks, pullers
         self.phases = StepPhases()  # where each block's step stands here (peers/stepphase.py)
-        self.reduction = ChunkedReduction(
-            lambda: self.me, adapters, compute, peers, self._audit, audit_rate, self.random, self.phases
-        )
+        self.reduction = Reduction(lambda: self.me, adapters, compute, peers, self.phases, audit_rate, random.Random())
         self.handlers.update(
             {
                 Method.OPEN: self._open,
@@ -330,7 +319,7 @@ class PeerService(InfoDoors):
         replays them and asks again. Idempotent: blocks already past the step are left alone. The reply carries the
         ledger blocks' digests after the step: the replicas' vote (swarm/client/votes.py)."""
         name, step, groups = request.adapter, request.step, request.groups()
-        await self._fetch_missing(request)
+        await self.reduction.fetch_missing(request)
 
         def apply() -> tuple[CommitReply, list[int]]:
             before = self.adapters.adapter(name).steps()
@@ -353,9 +342,7 @@ class PeerService(InfoDoors):
         """Break two replicas' tie: the commit's ledger applied to this peer's standby copies, the gradients fetched
         from the ledger's holders (and checked against their hashes) like a commit does; only the digests come
         back."""
-        grads, bad = await self._fetch_checked(request, request.micro_batches())
-        if bad:
-            raise _bad_gradients(request.step, bad)
+        grads = await self.reduction.checked_grads(request)
         digests = await self.compute(
             self.adapters.tiebreak,
             request.adapter,
@@ -370,121 +357,10 @@ class PeerService(InfoDoors):
     async def _norms(self, request: NormsRequest) -> NormsReply:
         """The step's gradient norm shares of the ledger's blocks, for clipping, after fetching the gradients this
         peer lacks like a commit does (the commit then finds them here)."""
-        await self._fetch_missing(request)
+        await self.reduction.fetch_missing(request)
         groups = request.groups()
         parts = await self.compute(self.adapters.norm_parts, request.adapter, request.step, groups, request.norm_type)
         return NormsReply(parts)
-
-    async def _fetch_missing(self, request: CommitRequest | NormsRequest) -> None:
-        """Fetch the partial sums of the ledger's other holders this peer lacks, one per holder and block, all at
-        once (ARCHITECTURE.md "One reduction per step"); this peer's own gradients of micro-batches held elsewhere
-        (a retried backward) it drops where they hash otherwise, so that a group it can sum itself is the holder's
-        bits. A holder whose partial sum fails an audit is refused (``bad_gradients``, naming it)."""
-        name, step = request.adapter, request.step
-        self.peers.hint({p: m for p, m in request.holder_maddrs.items() if p != self.me})
-        others = {
-            block: {mb: held.grad_hash for mb, held in by_mb.items() if held.holder != self.me and held.grad_hash}
-            for block, by_mb in request.ledger.items()
-        }
-        await self.compute(self.adapters.drop_unlike, name, step, others)
-        audit = request.audit
-        groups = request.groups()
-        if audit:
-            await self.compute(self.adapters.drop_partials, name, step)
-            self.phases.dropped(name, groups, step)
-        else:
-            bad = await self.reduction.run(request, groups)
-            if bad:
-                raise _bad_gradients(step, bad)
-        missing = await self.compute(self.adapters.missing, name, step, groups)
-        wanted_from: dict[str, dict[int, list[str]]] = {}
-        for block, mbs in missing.items():
-            for group in {group for group in groups[block] if set(group) & set(mbs)}:
-                holder = request.ledger[block][group[0]].holder
-                if holder != self.me:
-                    wanted_from.setdefault(holder, {})[block] = list(group)
-        fetch = self.peers.fetch_grads
-        fetched = await asyncio.gather(
-            *(fetch(peer, name, step, part, request.fetch_timeout, summed=True) for peer, part in wanted_from.items())
-        )
-        bad = []
-        for (peer, part), sums in zip(wanted_from.items(), fetched, strict=True):
-            partials = {block: {tuple(part[block]): by_key[SUM]} for block, by_key in sums.items() if SUM in by_key}
-            if partials and not await self._audit(request, peer, part, partials, always=audit):
-                bad.append(peer)
-                continue
-            await self.compute(self.adapters.add_partials, name, step, partials)
-            self.phases.fetched(name, partials, step)
-        if bad:
-            raise _bad_gradients(step, bad)
-
-    async def _audit(
-        self,
-        request: CommitRequest | NormsRequest,
-        peer: str,
-        part: dict[int, list[str]],
-        partials: dict[int, dict[Group, list[torch.Tensor]]],
-        always: bool = False,
-        chunk: tuple[int, int] | None = None,
-    ) -> bool:
-        """With probability ``audit_rate`` (``always``: every block): fetch the micro-batch gradients behind a
-        block's partial sum (or that ``chunk`` of it: index, count) from its holder, check them against the hashes
-        its acks reported, and check that they add up to the partial sum, to the bit. A holder that sends a partial
-        sum other than the sum of what it reported fails."""
-        if not always and self.random.random() >= self.audit_rate:
-            return True
-        blocks = sorted(partials) if always else [self.random.choice(sorted(partials))]
-        return all([await self._audit_block(request, peer, part, partials, block, chunk) for block in blocks])
-
-    async def _audit_block(
-        self,
-        request: CommitRequest | NormsRequest,
-        peer: str,
-        part: dict[int, list[str]],
-        partials: dict[int, dict[Group, list[torch.Tensor]]],
-        block: int,
-        chunk: tuple[int, int] | None,
-    ) -> bool:
-        wanted = {block: part[block]}
-        grads = await self.peers.fetch_grads(peer, request.adapter, request.step, wanted, request.fetch_timeout)
-        if not grads:
-            return True  # gone meanwhile (or silent): not proven wrong; its micro-batches are replayed if need be
-        matching, mismatched = await self.compute(_as_reported, request, wanted, grads)
-        if mismatched or set(matching.get(block, {})) != set(part[block]):
-            logger.warning("audit of %s's partial sum of block %d: its gradients are not as it reported", peer, block)
-            return False
-        ((group, summed),) = partials[block].items()
-        recomputed = await self.compute(partial_sum, matching[block], group)
-        if chunk is not None:
-            recomputed = [chunk_of(recomputed, *chunk)]
-        if same_bits(recomputed, summed):
-            return True
-        logger.warning("audit of %s's partial sum of block %d: not the sum of its reported gradients", peer, block)
-        return False
-
-    async def _fetch_checked(
-        self, request: CommitRequest | NormsRequest, wanted: dict[int, list[str]]
-    ) -> tuple[GradsByBlock, list[str]]:
-        """The ``wanted`` micro-batch gradients from the ledger's holders, all at once: those that hash as their
-        holder reported, and the holders whose gradients do not."""
-        wanted_from: dict[str, dict[int, list[str]]] = {}
-        for block, mbs in wanted.items():
-            for mb in mbs:
-                wanted_from.setdefault(request.ledger[block][mb].holder, {}).setdefault(block, []).append(mb)
-        name, step, timeout = request.adapter, request.step, request.fetch_timeout
-        self.peers.hint({p: m for p, m in request.holder_maddrs.items() if p != self.me})
-        fetched = await asyncio.gather(
-            *(self.peers.fetch_grads(peer, name, step, part, timeout) for peer, part in wanted_from.items())
-        )
-        good: GradsByBlock = {}
-        bad = []
-        for (peer, part), grads in zip(wanted_from.items(), fetched, strict=True):
-            matching, mismatched = await self.compute(_as_reported, request, part, grads)
-            for block, by_mb in matching.items():
-                good.setdefault(block, {}).update(by_mb)
-            if mismatched:
-                bad.append(peer)
-        return good, bad
 
     async def _revert(self, request: RevertRequest) -> StepsReply:
         steps = await self.compute(self.adapters.revert, request.adapter, request.step)
@@ -493,26 +369,7 @@ class PeerService(InfoDoors):
         return StepsReply(steps)
 
     async def _grads(self, request: GradsRequest) -> GradsReply:
-        name, step = request.adapter, request.step
-        if request.reduced:
-            return GradsReply(await self._reduced_chunks(request))
-        if request.summed:
-            sums = self.adapters.partial_sums
-            return GradsReply(await self.compute(sums, name, step, request.wanted, request.chunk, request.chunks))
-        return GradsReply(await self.compute(self.adapters.micro_batch_grads, name, step, request.wanted))
-
-    async def _reduced_chunks(self, request: GradsRequest) -> GradsByBlock:
-        """The asked chunk of each block's reduced gradient that this peer reduces (peers/scatter.py)."""
-        if not request.chunks:
-            raise RequestError("a reduced chunk is asked with 'chunks' > 0")
-        found: GradsByBlock = {}
-        deadline = time.monotonic() + request.wait  # one wait for the whole request, however many blocks it names
-        for block, digest in request.reduced.items():
-            key = ChunkKey(request.adapter, request.step, block, digest, request.chunk, request.chunks)
-            reduced = await self.reduction.serve(key, max(0.0, deadline - time.monotonic()))
-            if reduced is not None:
-                found[block] = {SUM: [reduced]}
-        return found if self.adapters.behaviour is None else self.adapters.behaviour.reduced_chunks(found)
+        return GradsReply(await self.reduction.serve(request))
 
     async def _export(self, request: ExportRequest) -> ExportReply:
         """State of blocks; with ``held`` (block -> the step of the asker's copy), the last update of served blocks
@@ -582,35 +439,6 @@ class PeerService(InfoDoors):
 
     async def _digest(self, request: DigestRequest) -> DigestReply:
         return DigestReply(await self.compute(self.adapters.digests, request.adapter))
-
-
-def _bad_gradients(step: int, bad: list[str]) -> BadGradientsError:
-    logger.warning("gradients of step %d from %s do not match the hashes they reported", step, bad)
-    return BadGradientsError(
-        f"the gradients of step {step} fetched from {', '.join(bad)} do not match the hashes those peers reported "
-        "with their backwards; nothing was applied: replay their micro-batches elsewhere",
-        bad,
-    )
-
-
-def _as_reported(
-    request: CommitRequest | NormsRequest, wanted: dict[int, list[str]], grads: GradsByBlock
-) -> tuple[GradsByBlock, bool]:
-    """The fetched gradients that were asked for (``wanted``) and hash as the ledger says their holder reported
-    (every one, when the ledger has no hash for it), and whether any did not. On the compute thread: hashing reads
-    the tensors."""
-    good: GradsByBlock = {}
-    mismatched = False
-    for block, by_mb in grads.items():
-        for mb, tensors in by_mb.items():
-            if mb not in wanted.get(block, ()):
-                continue
-            expected = request.ledger[block][mb].grad_hash
-            if expected is None or grad_hash(tensors) == expected:
-                good.setdefault(block, {})[mb] = tensors
-            else:
-                mismatched = True
-    return good, mismatched
 
 
 def _sent_key(request: ForwardRequest, to: str) -> ReferenceKey:

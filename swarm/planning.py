@@ -371,8 +371,8 @@ def reduction(
 
 
 def _chunked(phase: Exchange, replicas: Sequence[str], counts: Mapping[str, int], grad: float) -> None:
-    """peers/scatter.py: each of a block's R replicas reduces one chunk (a gradient / R) of every holder's partial
-    sum, then fetches the other chunks from their reducers: two rounds."""
+    """peers/reduction/scatter.py: each of a block's R replicas reduces one chunk (a gradient / R) of every holder's
+    partial sum, then fetches the other chunks from their reducers: two rounds."""
     share = grad / len(replicas)
     for reducer in replicas:
         for holder, count in counts.items():

@@ -6,7 +6,7 @@ micro-batches it holds), so clipping costs no round trip when one peer holds all
 does unless a failure re-routed part of the step. Other blocks, and norm types other than 2 and inf, are asked for:
 one request per replica, which first fetches the gradients it lacks (as a commit does; the commit then finds them
 there), with the lost ones replayed from what the client kept. A block of three replicas or more is asked of all of
-them: they reduce its gradient in chunks together (peers/scatter.py).
+them: they reduce its gradient in chunks together (peers/reduction/scatter.py).
 """
 
 from __future__ import annotations

@@ -147,7 +147,8 @@ def ask_round(
 
 def reducers(spans: dict[PeerID, range], blocks: range) -> dict[int, list[str]]:
     """Per block of ``blocks`` committed on at least ``MIN_REDUCERS`` of the replicas asked (``spans``), those
-    replicas, sorted: they reduce its gradient in chunks (peers/scatter.py); fewer exchange partial sums directly."""
+    replicas, sorted: they reduce its gradient in chunks (peers/reduction/scatter.py); fewer exchange partial sums
+    directly."""
     found = {}
     for block in blocks:
         serving = sorted(peer.to_base58() for peer, span in spans.items() if block in span)

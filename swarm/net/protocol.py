@@ -104,7 +104,7 @@ PEER_STATE_ERRORS = frozenset(
 )
 FETCH_TIMEOUT = 3.0  # how long a replica waits for another's gradients before the client replays them
 # how long a client waits for a replica's commit beyond its usual time: the fetch of partial sums and the replays'
-# fetch; in chunks (peers/scatter.py) a round more, the direct fetch of a block whose reducer failed
+# fetch; in chunks (peers/reduction/scatter.py) a round more, the direct fetch of a block whose reducer failed
 COMMIT_FLOOR = 2 * FETCH_TIMEOUT
 CHUNKED_COMMIT_FLOOR = 3 * FETCH_TIMEOUT
 

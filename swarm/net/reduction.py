@@ -88,7 +88,7 @@ def groups_digest(groups: list[Group]) -> str:
 
 @dataclass(frozen=True)
 class ChunkKey:
-    """Names one chunk of one block's reduced gradient of a step (peers/scatter.py)."""
+    """Names one chunk of one block's reduced gradient of a step (peers/reduction/scatter.py)."""
 
     adapter: str
     step: int

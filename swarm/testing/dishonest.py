@@ -64,7 +64,7 @@ class CorruptPartialSums(Liar):
 
 
 class CorruptReducedChunks(Liar):
-    """A wrong chunk of a reduced gradient (peers/scatter.py): the one it hands the block's other replicas is
+    """A wrong chunk of a reduced gradient (peers/reduction/scatter.py): the one it hands the block's other replicas is
     perturbed; its partial sums, and what it applies itself, are honest."""
 
     def reduced_chunks(self, found: GradsByBlock) -> GradsByBlock:

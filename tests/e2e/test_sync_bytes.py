@@ -3,11 +3,11 @@ link carries about one span's LoRA gradient (G) each way for the step's reductio
 micro-batches, not M(R-1)/R times it.
 
 Two spans, the first of three replicas (its gradient reduced in chunks: 2(R-1)/R = 1.33 G each way,
-peers/scatter.py), the second of two (a direct exchange: G each way), every peer alone on a host of its own (its
-own network namespace and interface), no standby copies (copies are another promise's bytes); the client trains 8
-micro-batches a step with LoRA r=64 on all seven projections (G = 2.5 MB per span, the micro-batches' hidden states
-0.13 MB a hop), and reads every peer's interface counters around each step (swarm/testing/linkmeter.py). Bytes, not
-times, are compared.
+peers/reduction/scatter.py), the second of two (a direct exchange: G each way), every peer alone on a host of its own
+(its own network namespace and interface), no standby copies (copies are another promise's bytes); the client trains 8
+micro-batches a step with LoRA r=64 on all seven projections (G = 2.5 MB per span, the micro-batches' hidden states 0.13
+MB a hop), and reads every peer's interface counters around each step (swarm/testing/linkmeter.py). Bytes, not times,
+are compared.
 
 The median over seven steps is compared: a replica audits 5 % of the partial sums it fetches, and an audit costs
 the holder's micro-batch gradients of one block (up to 8 x G/2 here) in that one step; a median over two steps

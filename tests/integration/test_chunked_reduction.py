@@ -1,9 +1,9 @@
-"""Promise 12 at three replicas, on real peers in this process: a block whose step's gradients are held by three or
-more replicas is reduced in chunks (peers/scatter.py), each replica reducing one chunk and gathering the others, and
-every replica applies the bits the direct exchange would: the adapter equals local peft, the replicas agree. A
+"""Promise 12 at three replicas, on real peers in this process: a block whose step's gradients are held by three or more
+replicas is reduced in chunks (peers/reduction/scatter.py), each replica reducing one chunk and gathering the others,
+and every replica applies the bits the direct exchange would: the adapter equals local peft, the replicas agree. A
 replica that hands the others a wrong reduced chunk poisons nothing: the vote finds the disagreement, the step is
-committed again the direct way, and the adapter still equals local peft. Under two busy processes where a liar is
-in the swarm (``cpu_load``)."""
+committed again the direct way, and the adapter still equals local peft. Under two busy processes where a liar is in the
+swarm (``cpu_load``)."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_three_replicas_reduce_a_blocks_gradient_in_chunks_to_the_bits_of_local_
     local = inprocess_swarm()
     peers = local.start_peers(REPLICAS)
     _train_and_save(local, model_dir, "chunked", tmp_path)
-    gathered = {name: peers[name].daemon.parts.service.reduction.gathered for name in ("r1", "r2", "r3")}
+    gathered = {name: peers[name].daemon.parts.service.reduction.chunked.gathered for name in ("r1", "r2", "r3")}
     assert sum(gathered.values()) > 0, f"no replica gathered a reduced gradient in chunks: {gathered}"
     assert_matches_local_peft(model_dir, tmp_path, steps=STEPS)
     assert MICRO_BATCHES * 2 == len(_rows(0))

@@ -1,5 +1,5 @@
-"""The board a reducer posts its chunks on (peers/scatter.py): a replica that asks before the chunk is reduced gets
-it once it is posted, one that asks for a chunk nobody posts gets nothing within its wait, and the board forgets
+"""The board a reducer posts its chunks on (peers/reduction/scatter.py): a replica that asks before the chunk is reduced
+gets it once it is posted, one that asks for a chunk nobody posts gets nothing within its wait, and the board forgets
 chunks of steps long past and holds a bounded number of unanswered asks."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import asyncio
 
 import torch
 
-from peers import scatter
-from peers.scatter import ChunkBoard
+from peers.reduction import scatter
+from peers.reduction.scatter import ChunkBoard
 from swarm.net.reduction import ChunkKey
 
 

@@ -3,15 +3,14 @@ all-gather): the k-th of the replicas the client names (``reducers``, sorted) re
 chunk of each holder's partial sum, and every replica gathers the reduced chunks from their reducers. Each peer
 moves 2(R-1)/R of the block's gradient each way instead of the direct exchange's R-1 (1.33 G instead of 2 G at
 R = 3), in two rounds instead of one; the bits are the direct exchange's (a sum is elementwise). Anything that
-fails (a reducer gone, slow, or caught by an audit) leaves the block to the direct exchange (peers/service.py
-``_fetch_missing``). ARCHITECTURE.md "One reduction per step"."""
+fails (a reducer gone, slow, or caught by an audit) leaves the block to the direct exchange
+(peers/reduction/exchange.py ``Reduction.fetch_missing``). ARCHITECTURE.md "One reduction per step"."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -19,6 +18,7 @@ import torch
 from peers.adapters import AdapterStore
 from peers.compute import Compute
 from peers.peer_client import PeerClient
+from peers.reduction.audit import Auditor
 from peers.stepphase import StepPhases
 from swarm.net.errors import RequestError
 from swarm.net.protocol import SUM, CommitRequest, Group, NormsRequest
@@ -28,10 +28,6 @@ logger = logging.getLogger(__name__)
 
 MAX_WAITING = 4096  # chunks asked for before this peer reduced them, at most (asks beyond it are answered "none")
 KEPT_STEPS = 2  # a reducer keeps its chunks for replicas that commit late, this many steps back
-
-# the service's audit of a holder's partial sum (request, holder, wanted, partials; keywords always, chunk): its
-# micro-batch gradients fetched, checked against their hashes, and added up again
-Audit = Callable[..., Awaitable[bool]]
 
 
 class Chunk(NamedTuple):
@@ -95,13 +91,12 @@ class ChunkedReduction:
         adapters: AdapterStore,
         compute: Compute,
         peers: PeerClient,
-        audit: Audit,
-        audit_rate: float,
-        rng: random.Random,
+        auditor: Auditor,
         phases: StepPhases,
     ) -> None:
+        """``auditor``: the audits of the direct exchange, whose rate and random draws these share."""
         self.whoami, self.adapters, self.compute, self.peers = me, adapters, compute, peers
-        self.audit, self.audit_rate, self.random = audit, audit_rate, rng
+        self.auditor, self.audit_rate, self.random = auditor, auditor.rate, auditor.random
         self.phases = phases  # a gathered block's step is reduced
         self.board = ChunkBoard()
         self.distrusted: set[str] = set()  # reducers whose chunk failed an audit here: their blocks go direct
@@ -191,7 +186,7 @@ class ChunkedReduction:
                 return None
             wanted = {block: list(groups[i])}
             partials = {block: {groups[i]: sums}}
-            if audited.get(holder) == block and not await self.audit(
+            if audited.get(holder) == block and not await self.auditor.audit(
                 request, holder, wanted, partials, always=True, chunk=(chunk, n)
             ):
                 bad.append(holder)
