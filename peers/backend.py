@@ -17,6 +17,7 @@ from peers.behaviour import Behaviour
 from peers.calibration import block_error, exact
 from peers.inference import InferenceSession, InferenceSessions
 from peers.layers import run_layers
+from peers.state import BlockAdapter
 from swarm.blocks import load_block, spans_text, stored_tensors
 from swarm.dropout import dropout_masks
 from swarm.net.errors import MissingForwardError, NotServedError, RequestError, SessionLostError
@@ -325,25 +326,57 @@ class SpanBackend:
         states = store.states(adapter, blocks, step)
         self._activate(name)
         key = (name, micro_batch, blocks.start, blocks.stop)
-        cached = store.cache.pop(key)
-        kept = store.kept.get(key)
-        if cached is None:
-            if hidden is None and kept is None:
-                raise MissingForwardError(f"no forward of micro-batch {micro_batch} kept here; send its input")
-            if hidden is None:
-                hidden, attention_mask = kept
-            inputs = hidden.to(self.device, self.dtype)
-            mask = None if attention_mask is None else attention_mask.to(self.device)
-            # the forward again, without a graph, up to the last block's input: its dropout masks, its autocast
-            with torch.no_grad(), dropout_masks(adapter.seed, micro_batch), self._autocast(autocast):
-                before_last, last_input = self._block_inputs(inputs, mask, range(blocks.start, blocks.stop - 1))
-            block_inputs = [*before_last, last_input]
-        else:
-            block_inputs, mask = cached
+        block_inputs, mask = self._inputs_for_backward(key, adapter.seed, hidden, attention_mask, autocast)
         if grad_outputs.shape != block_inputs[0].shape:
             raise RequestError(
                 f"output gradients must be {list(block_inputs[0].shape)}, got {list(grad_outputs.shape)}"
             )
+        seeded = (adapter.seed, micro_batch, autocast)
+        gradient, grads_of = self._backward_blocks(blocks, states, block_inputs, mask, grad_outputs, input_grad, seeded)
+        store.hold_grads(states, micro_batch, [g for block in states for g in grads_of[block]])
+        store.in_flight_tokens.end(key)
+        return None if not input_grad else gradient.to(grad_outputs.dtype).cpu()
+
+    def _inputs_for_backward(
+        self,
+        key: tuple[str, str, int, int],
+        seed: int,
+        hidden: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        autocast: str | None,
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Each block's input and the mask: from the activation cache, else the forward again from ``hidden`` or
+        the kept span input, without a graph."""
+        _, micro_batch, start, stop = key
+        store = self.adapters
+        cached = store.cache.pop(key)
+        if cached is not None:
+            return cached
+        kept = store.kept.get(key)
+        if hidden is None and kept is None:
+            raise MissingForwardError(f"no forward of micro-batch {micro_batch} kept here; send its input")
+        if hidden is None:
+            hidden, attention_mask = kept
+        inputs = hidden.to(self.device, self.dtype)
+        mask = None if attention_mask is None else attention_mask.to(self.device)
+        # the forward again, without a graph, up to the last block's input: its dropout masks, its autocast
+        with torch.no_grad(), dropout_masks(seed, micro_batch), self._autocast(autocast):
+            before_last, last_input = self._block_inputs(inputs, mask, range(start, stop - 1))
+        return [*before_last, last_input], mask
+
+    def _backward_blocks(
+        self,
+        blocks: range,
+        states: dict[int, BlockAdapter],
+        block_inputs: list[torch.Tensor],
+        mask: torch.Tensor | None,
+        grad_outputs: torch.Tensor,
+        input_grad: bool,
+        seeded: tuple[int, str, str | None],
+    ) -> tuple[torch.Tensor | None, dict[int, list[torch.Tensor]]]:
+        """One block at a time, last to first, recomputed with grad (``seeded``: the forward's dropout seed,
+        micro-batch and autocast) and back-propagated: the span input's gradient and each block's LoRA gradients."""
+        seed, micro_batch, autocast = seeded
         grads_of: dict[int, list[torch.Tensor]] = {}
         gradient = grad_outputs
         for block in reversed(blocks):
@@ -355,13 +388,11 @@ class SpanBackend:
                 grads_of[block] = []
                 continue
             # the block again, with grad: the forward's dropout masks (drawn per block) and autocast
-            with torch.enable_grad(), dropout_masks(adapter.seed, micro_batch), self._autocast(autocast):
+            with torch.enable_grad(), dropout_masks(seed, micro_batch), self._autocast(autocast):
                 outputs = self.run(block_input, mask, range(block, block + 1))
             gradient = gradient.to(outputs.device, outputs.dtype)
             grads = list(torch.autograd.grad(outputs, wanted, gradient))
             del outputs  # the block's graph: autograd.grad has freed its saved tensors
             gradient = grads.pop(0) if wants_input else None
             grads_of[block] = grads
-        store.hold_grads(states, micro_batch, [g for block in states for g in grads_of[block]])
-        store.in_flight_tokens.end(key)
-        return None if not input_grad else gradient.to(grad_outputs.dtype).cpu()
+        return gradient, grads_of

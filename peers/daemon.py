@@ -19,7 +19,7 @@ from typing import Protocol
 
 import psutil
 import torch
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 
 from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
@@ -788,8 +788,17 @@ class PeerDaemon:
         stop.set()
 
     async def _serve(self, stop: asyncio.Event, embedded: bool) -> None:
-        config = self.config
+        """Join, load and take state, serve until ``stop``, leave."""
         self._loop = asyncio.get_running_loop()
+        p2p, timeline = await self._join(embedded)
+        await self._start_serving(p2p, timeline)
+        await self._serve_until(stop)
+        await self._leave(p2p, exit_if_stuck=not embedded)
+
+    async def _join(self, embedded: bool) -> tuple[P2P, StartTimeline]:
+        """Relays chosen, the DHT joined with this peer's identity, its addresses known; the start timed from the
+        process's start (``embedded``: from now)."""
+        config = self.config
         timeline = StartTimeline(psutil.Process().create_time() if not embedded else time.time())
         self.digests = await asyncio.to_thread(block_digests, self.spec)
         announce = list(config.announce_maddrs)
@@ -819,6 +828,12 @@ class PeerDaemon:
             self.dht.shutdown()
             raise
         timeline.mark("join")
+        return p2p, timeline
+
+    async def _start_serving(self, p2p: P2P, timeline: StartTimeline) -> None:
+        """Choose the span (or take ``--blocks``), load it and take its state while answering ``info`` only, then open
+        every door."""
+        config = self.config
         joining_doors = InfoDoors(self.info, self.swarm_key, config.max_payload_mb << 20, faults=self.faults)
         await joining_doors.register(p2p)
         if config.blocks is None:
@@ -844,6 +859,10 @@ class PeerDaemon:
             me,
             timeline.text(),
         )
+
+    async def _serve_until(self, stop: asyncio.Event) -> None:
+        """Announce every third of the records' lifetime and balance every round (early when woken) until ``stop``."""
+        config = self.config
         next_announce, next_round, last_round = 0.0, self._next_round(), 0.0
         while not stop.is_set():
             if time.monotonic() >= next_announce:
@@ -867,7 +886,6 @@ class PeerDaemon:
             except Exception:  # the boundary of a background loop: the peer serves on, and retries next round
                 logger.exception("balancing round failed (will retry)")
             last_round, next_round = time.monotonic(), self._next_round()
-        await self._leave(p2p, exit_if_stuck=not embedded)
 
     @contextlib.asynccontextmanager
     async def _announcing(self) -> AsyncIterator[None]:

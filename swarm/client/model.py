@@ -234,6 +234,9 @@ class SwarmModelForCausalLM(nn.Module):
         ``swarm.testing.faults.CallTap``); none by default.
         ``config``: all of the options above as one ``swarm.SwarmConfig`` (the keywords then stay at their defaults:
         passing an option both ways is refused).
+
+        size: long for its signature and this documentation, which are the public contract (23 keywords, kept equal
+        to ``SwarmConfig``'s fields by a test); what it does is the 30 lines below.
         """
         # every keyword but model_dir and initial_peers is an option of the config (a test keeps both lists equal)
         config = SwarmConfig.given(config, {name: value for name, value in locals().items() if name in OPTIONS})

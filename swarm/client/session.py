@@ -380,42 +380,18 @@ def open_session(
         if reading:
             committed_or_raise(dht, spec, adapter.name)
         current = CurrentPeers(step=0, exact=not reading)
-        router = Router(
-            dht,
-            transport,
-            spec.name,
-            spec.num_blocks,
-            config.router_options(spec.hidden_size),
-            eligible=current.eligible,
-            on_moved=current.forget,
-            weights=pinned_weights(dht, spec, adapter.name),
-        )
+        router = _router(dht, transport, spec, adapter.name, config, current)
         undo.callback(router.stop)
         calls = PeerCalls(transport, router, current, adapter.name, config.patience, config.wire, config.call_hook)
         session_id = uuid.uuid4().hex[:16]
-        replicas = ReplicaSet(
-            calls,
-            current,
-            _opener(calls, adapter, None if reading else session_id),
-            lost_grace=config.lost_grace,
-            long_grace=config.patience / 2,
-        )
+        replicas = _replica_set(calls, current, _opener(calls, adapter, None if reading else session_id), config)
         undo.callback(replicas.close)
         if reading:
             catch_up: Callable[[], None] = ReaderTracking(dht, spec.name, adapter.name, replicas, current)
         else:
             catch_up = TrainerTracking(replicas, current)
-        rate, voters = spot_check_policy(config.spot_check, private=swarm_key is not None)
         unserved = UnservedNotice(transport, router, spec.name)
-        hops = RemoteStack(
-            calls,
-            catch_up,
-            rate,
-            chain=config.chain,
-            min_voters=voters,
-            unserved=unserved.send,
-            references=None if calls.wire.delta_bits is None else DeltaReferences(),
-        )
+        hops = _remote_stack(calls, catch_up, unserved, config, private=swarm_key is not None)
         parts = (spec, dht, transport, router, current, calls, replicas, hops, adapter, catch_up)
         session: AdapterSession
         if reading:
@@ -439,3 +415,47 @@ def open_session(
         undo.pop_all()
     logger.info("adapter %r at step %d", adapter.name, session.step)
     return session
+
+
+def _router(
+    dht: DHT, transport: Transport, spec: ModelSpec, adapter: str, config: SwarmConfig, current: CurrentPeers
+) -> Router:
+    """Routing over the swarm's announcements, to the peers ``current`` calls eligible, weights pinned by the
+    adapter's committed record."""
+    return Router(
+        dht,
+        transport,
+        spec.name,
+        spec.num_blocks,
+        config.router_options(spec.hidden_size),
+        eligible=current.eligible,
+        on_moved=current.forget,
+        weights=pinned_weights(dht, spec, adapter),
+    )
+
+
+def _replica_set(
+    calls: PeerCalls,
+    current: CurrentPeers,
+    opener: Callable[[PeerID], tuple[dict[int, int], dict[int, int]]],
+    config: SwarmConfig,
+) -> ReplicaSet:
+    """The replicas; lost copies waited for ``lost_grace`` when the newest left is a step behind, else half the
+    patience (restarting holders may bring back more steps)."""
+    return ReplicaSet(calls, current, opener, lost_grace=config.lost_grace, long_grace=config.patience / 2)
+
+
+def _remote_stack(
+    calls: PeerCalls, catch_up: Callable[[], None], unserved: UnservedNotice, config: SwarmConfig, private: bool
+) -> RemoteStack:
+    """The hops forward and backward, spot-checked as the policy says for a public or private swarm."""
+    rate, voters = spot_check_policy(config.spot_check, private=private)
+    return RemoteStack(
+        calls,
+        catch_up,
+        rate,
+        chain=config.chain,
+        min_voters=voters,
+        unserved=unserved.send,
+        references=None if calls.wire.delta_bits is None else DeltaReferences(),
+    )
