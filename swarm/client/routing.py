@@ -18,6 +18,7 @@ from swarm.blocks import spans_text
 from swarm.client.flowplan import FlowPlan, Server, plan_flow
 from swarm.client.links import LinkCosts, link_costs
 from swarm.client.paths import Candidate, PlannedHop, fastest_chain
+from swarm.client.viewrefresh import ViewRefresh
 from swarm.net.errors import PEER_ERRORS, SwarmError, SwarmUnavailableError
 from swarm.net.protocol import Method
 from swarm.net.records import ServerRecord, ServerState, read_servers
@@ -141,11 +142,8 @@ class Router:
         self._plan: tuple[tuple, FlowPlan | None, list[float]] | None = None
         self._lock = threading.Lock()
         self._booking = threading.Lock()  # micro-batches in flight route at once: each sees the others' work
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._fresh = threading.Event()
-        self._fresh.set()
-        self._thread: threading.Thread | None = None
+        # the view refreshed in the background (started by whoever owns the router: a simulation's never is)
+        self.refresher = ViewRefresh(self.refresh, self.options.refresh_every)
 
     # --- the swarm's view -------------------------------------------------------------------------------------
 
@@ -198,43 +196,6 @@ class Router:
         if learned:
             logger.info("pinned the base weights of blocks %s to what their peers announce", spans_text(learned))
             self.weights.update(learned)
-
-    def start(self) -> None:
-        """Refresh the view every ``refresh_every`` seconds (or sooner, see ``refresh_soon``) until ``stop()``."""
-        self._thread = threading.Thread(target=self._refresh_loop, name="swarm-router", daemon=True)
-        self._thread.start()
-
-    def refresh_soon(self) -> None:
-        """Refresh in the background now (after a commit, while the next step computes)."""
-        self._fresh.clear()
-        self._wake.set()
-
-    def wait_fresh(self, timeout: float) -> None:
-        """Wait (at most ``timeout``) for the refresh asked by ``refresh_soon`` to finish: a commit that waits for
-        it sees every peer that had announced itself by the previous commit, so a peer that joined or moved is
-        brought in within one step."""
-        self._fresh.wait(timeout)
-
-    def _refresh_loop(self) -> None:
-        while True:
-            self._wake.wait(self.options.refresh_every)
-            self._wake.clear()
-            if self._stop.is_set():
-                return
-            try:
-                self.refresh()
-            except PEER_ERRORS as e:
-                logger.warning("could not refresh the swarm view: %s", e)
-            except Exception:  # the boundary of a background loop: the client goes on with the view it has
-                logger.exception("refreshing the swarm view failed")
-            finally:
-                self._fresh.set()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
 
     # --- health -----------------------------------------------------------------------------------------------
 

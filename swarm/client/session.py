@@ -221,7 +221,7 @@ class AdapterSession:
 
     def close(self) -> None:
         """Leave the swarm: stop routing, close this client's P2P connection and DHT node."""
-        self.router.stop()
+        self.router.refresher.stop()
         self.replicas.close()
         RemoteExpertWorker.run_coroutine(self.transport.shutdown())
         self.dht.shutdown()
@@ -264,7 +264,7 @@ class TrainingSession(AdapterSession):
         if self.ledger.empty:
             logger.warning("optimizer step with no backward since the last step: nothing to commit")
             return self.step
-        self.router.wait_fresh(timeout=self.router.options.refresh_every)
+        self.router.refresher.wait_fresh(timeout=self.router.options.refresh_every)
         ledger = self.ledger
         for attempt in range(RECOMMITS + 1):
             applied = commit(self.hops, self.replicas, ledger, hparams)
@@ -289,7 +289,7 @@ class TrainingSession(AdapterSession):
         adapter, weights = self.adapter, dict(self.router.weights)
         record = CommittedRecord(self.step, adapter.lora, adapter.seed, self.trainer, recent, lost, dishonest, weights)
         announce_committed(self.dht, self.spec.name, self.adapter.name, self.owner, record)
-        self.router.refresh_soon()  # peers that joined or moved meanwhile are brought in at the next step
+        self.router.refresher.refresh_soon()  # peers that joined or moved meanwhile are brought in at the next step
         return self.step
 
     def grad_norm(self, norm_type: float) -> float:
@@ -381,7 +381,7 @@ def open_session(
             committed_or_raise(dht, spec, adapter.name)
         current = CurrentPeers(step=0, exact=not reading)
         router = _router(dht, transport, spec, adapter.name, config, current)
-        undo.callback(router.stop)
+        undo.callback(router.refresher.stop)
         calls = PeerCalls(transport, router, current, adapter.name, config.patience, config.wire, config.call_hook)
         session_id = uuid.uuid4().hex[:16]
         replicas = _replica_set(calls, current, _opener(calls, adapter, None if reading else session_id), config)
@@ -411,7 +411,7 @@ def open_session(
                 session_id=session_id,
             )
             session.start(config.resume)
-        router.start()
+        router.refresher.start()
         undo.pop_all()
     logger.info("adapter %r at step %d", adapter.name, session.step)
     return session

@@ -61,7 +61,7 @@ def test_a_peer_found_frozen_is_left_out_of_the_dht_lookups(two_peers, cpu_load)
     # Each DHT lookup that asks a frozen peer waits hivemind's 3 s RPC timeout: in the churn hour a takeover's first
     # announcement waited 6 s on two frozen peers before it loaded anything.
     model, peers = two_peers
-    model.session.router.stop()  # no lookups of its own meanwhile: only the transport may have told the DHT
+    model.session.router.refresher.stop()  # no lookups of its own meanwhile: only the transport may have told the DHT
     session, a, b = model.session, peers["a"].peer_id, peers["b"].peer_id
     assert session.transport.call(a, Message(INFO, []), timeout=60)
     peers["b"].freeze()
@@ -85,7 +85,7 @@ def test_a_peer_found_gone_is_dialed_again_once_it_may_have_restarted(two_peers)
     # A replica fetching gradients from a holder that restarted under the same id, before the holder's new record
     # reached it: the churn hour's commit failed 8 rounds in a row on "peer ... is gone" while the holder served.
     model, peers = two_peers
-    model.session.router.stop()  # no new records learned meanwhile: only the call itself may bring b back
+    model.session.router.refresher.stop()  # no new records learned meanwhile: only the call itself may bring b back
     transport, b = model.session.transport, peers["b"].peer_id
     transport.gone[b] = time.time()  # just found gone: calls fail at once, no dial
     with pytest.raises(PeerGoneError):
