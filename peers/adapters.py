@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
@@ -488,7 +489,7 @@ class AdapterStore:
             served = adapter.blocks.get(block)
             update = served.last_update if served is not None else None
             if update is not None and held is not None and held.get(block) == update.step == served.step - 1:
-                updates[block] = update
+                updates[block] = replace(update, after=served.digest())  # what the asker's copy must reach
             elif served is not None:
                 states[block] = BlockState.of(served)
             elif block in adapter.standby:
@@ -539,30 +540,81 @@ class AdapterStore:
         if created:
             self._fill(name, adapter)  # served blocks start from the copies just stored
 
-    def apply_updates(self, name: str, updates: dict[int, BlockUpdate]) -> list[int]:
+    def apply_updates(
+        self,
+        name: str,
+        updates: dict[int, BlockUpdate],
+        sources: Mapping[int, object] | None = None,
+        own_lineage: bool = False,
+    ) -> list[int]:
         """Bring standby copies one step forward with their servers' last updates; returns the blocks updated (a
         copy that is not at the update's step is left as it is: its holder pulls the whole state next time). A copy
-        at the step but not in the server's bits (``BlockUpdate.fits``) is dropped, so the next pull brings it whole."""
+        at the step but not in the server's bits (``BlockUpdate.fits``) is dropped, so the next pull brings it whole.
+        A served block gets an update only where its caller asked for one (a span taken over from its deterministic
+        init, a trainer's sync): it is brought forward the same way, or left as it is; with ``own_lineage``, also
+        where its state is not the server's at the step (the server's state was found altered: see
+        ``PeerService._sync``). Where the result is not the server's state (``BlockUpdate.reaches``), the server
+        altered its adapter outside the step: the result made here is kept, and the server (``sources``: block ->
+        who sent the update) named in the log."""
         adapter = self.adapter(name)
-        done = []
+        done, diverged = [], []
         for block, update in updates.items():
-            held = adapter.standby.get(block)
-            if held is None or held.step != update.step:
-                continue
-            if not update.fits(held):
-                logger.warning(
-                    "adapter %r block %d: the standby copy at step %d differs from its server's state; dropped, to be "
-                    "pulled whole",
-                    name,
-                    block,
-                    held.step,
-                )
-                del adapter.standby[block]
-                continue
-            advanced = adapter.standby[block] = update.apply_to(held)
-            advanced.before = replace(held, before=None)  # revertible like the server's state
-            done.append(block)
+            served = adapter.blocks.get(block)
+            if served is not None:
+                at_step = served.step == update.step
+                advanced = self._advance_served(served, update, own_lineage) if at_step else None
+                if advanced is not None:
+                    self._forget_forwards(name)
+            else:
+                advanced = self._advance_copy(name, adapter, block, update)
+            if advanced is not None:
+                done.append(block)
+                if not update.reaches(advanced):
+                    diverged.append(block)
+        for source in {(sources or {}).get(block) for block in diverged}:
+            logger.error(
+                "adapter %r blocks %s: the state of %s is not its own last update applied to the step before; "
+                "refused (this peer applied the update to its own copy). It altered its adapter outside the step: "
+                "the replicas' next vote outvotes it",
+                name,
+                sorted(b for b in diverged if (sources or {}).get(b) == source),
+                source or "their server",
+            )
         return done
+
+    @staticmethod
+    def _advance_copy(name: str, adapter: Adapter, block: int, update: BlockUpdate) -> BlockState | None:
+        held = adapter.standby.get(block)
+        if held is None or held.step != update.step:
+            return None
+        if not update.fits(held):
+            logger.warning(
+                "adapter %r block %d: the standby copy at step %d differs from its server's state; dropped, to be "
+                "pulled whole",
+                name,
+                block,
+                held.step,
+            )
+            del adapter.standby[block]
+            return None
+        advanced = adapter.standby[block] = update.apply_to(held)
+        advanced.before = replace(held, before=None)  # revertible like the server's state
+        return advanced
+
+    @staticmethod
+    def _advance_served(served: BlockAdapter, update: BlockUpdate, own_lineage: bool) -> BlockState | None:
+        """A served block one step forward with another server's update, if it holds that server's bits at the
+        step (or ``own_lineage``); it then hands the same update on itself."""
+        held = BlockState.of(served, with_before=False)
+        if not own_lineage and not update.fits(held):
+            return None
+        if own_lineage:
+            update = replace(update, base=held.digest())
+        advanced = update.apply_to(held)
+        advanced.before = held  # revertible like the server's state
+        advanced.load_into(served)
+        served.last_update = replace(update, after="")
+        return advanced
 
     def fast_forward(self, name: str, blocks: range, step: int) -> dict[int, int]:
         """Declare blocks whose newest surviving state is older than ``step`` current at ``step``: the updates

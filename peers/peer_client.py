@@ -137,7 +137,8 @@ class PeerClient:
             states = unpack_states(reply.index, reply.states)
             packed = unpack_states(reply.update_index, reply.updates)
             updates = {
-                b: BlockUpdate.from_state(u, reply.hparams[b], reply.bases.get(b, "")) for b, u in packed.items()
+                b: BlockUpdate.from_state(u, reply.hparams[b], reply.bases.get(b, ""), reply.afters.get(b, ""))
+                for b, u in packed.items()
             }
         except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
             raise ReplyError(f"malformed state export from {peer}: {e}") from None

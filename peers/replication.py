@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from hivemind.p2p import PeerID
@@ -95,7 +95,8 @@ class Replicator:
             states = {b: state for part, _ in fetched for b, state in part.items() if state.step >= step}
             updates = {b: update for _, part in fetched for b, update in part.items() if update.step + 1 >= step}
             if states or updates:
-                await self._store(name, meta, states, updates, keep=None, trainer_step=step)
+                sources = {block: peer for span, peer in todo for block in span}
+                await self._store(name, meta, states, updates, keep=None, trainer_step=step, sources=sources)
                 held = await self.compute(self._held, name)
         if states or updates:
             task = asyncio.ensure_future(self.on_refreshed(name))  # checkpoint in the background
@@ -107,6 +108,13 @@ class Replicator:
         """Steps of every block of the adapter this peer holds, served or standby (on the compute thread)."""
         adapter = self.adapters.by_name.get(name)
         return {**adapter.standby_steps(), **adapter.steps()} if adapter is not None else {}
+
+    def _makeable(self, name: str, blocks: Iterable[int]) -> dict[int, int]:
+        """Blocks of ``blocks`` whose layer this peer serves, of an adapter it holds nothing of yet: their
+        deterministic init, at step 0, is made here when the adapter is (on the compute thread)."""
+        if name in self.adapters.by_name:
+            return {}
+        return {block: 0 for block in blocks if block in self.adapters.served}
 
     def _standby_steps(self, name: str) -> dict[int, int]:
         """Steps of the standby copies this peer holds of the adapter (on the compute thread)."""
@@ -138,7 +146,11 @@ class Replicator:
                 await self.on_refreshed(name)
 
     async def take_state(self, view: SwarmView, blocks: range) -> None:
-        """Before serving ``blocks``: hold the newest state of each (adapter, block) the swarm still has."""
+        """Before serving ``blocks``: hold the newest state of each (adapter, block) the swarm still has. Where this
+        peer holds a block one step behind its newest holder (a copy, its own served state, or the deterministic
+        init it makes itself of a block whose layer it loaded), it takes the holder's last update and applies it
+        itself rather than the holder's state: a span's first server cannot seed the replicas that join one step
+        after it with a state its own update does not give (``BlockUpdate.reaches``)."""
         for name, meta in view.adapters().items():
             held = await self.compute(self._held, name)
             wanted = {}
@@ -146,7 +158,9 @@ class Replicator:
                 newest = view.newest(name, block, self.me)
                 if newest is not None and newest[0] > held.get(block, -1):
                     wanted[block] = newest
-            await self._pull(name, meta, wanted, keep=None)
+            made = await self.compute(self._makeable, name, wanted)
+            standby = await self.compute(self._standby_steps, name)
+            await self._pull(name, meta, wanted, keep=None, held={**made, **standby})
             await self.compute(self.adapters.ensure_adapter, name, *lora_and_seed(meta))
             took = await self.compute(self._held, name)
             trainer = view.trainer_step(name)
@@ -170,29 +184,40 @@ class Replicator:
                 else:
                     logger.info("adapter %r block %d: taking over at step %d, no step lost", name, block, step)
 
-    async def _pull(self, name: str, meta: dict, wanted: dict[int, tuple[int, PeerID]], keep: set[int] | None) -> bool:
-        """Fetch ``wanted`` blocks (block -> (step, holder)), one request per holder, into the standby store."""
+    async def _pull(
+        self,
+        name: str,
+        meta: dict,
+        wanted: dict[int, tuple[int, PeerID]],
+        keep: set[int] | None,
+        held: dict[int, int] | None = None,
+    ) -> bool:
+        """Fetch ``wanted`` blocks (block -> (step, holder)), one request per holder, into the standby store (and,
+        given ``held``, the served blocks it names: see ``take_state``)."""
         by_peer: dict[PeerID, list[int]] = {}
         for block, (_, peer) in wanted.items():
             by_peer.setdefault(peer, []).append(block)
-        states, updates = {}, {}
+        states, updates, sources = {}, {}, {}
         for peer, blocks in by_peer.items():
-            part_states, part_updates = await self._fetch(name, peer, range(min(blocks), max(blocks) + 1))
+            part_states, part_updates = await self._fetch(name, peer, range(min(blocks), max(blocks) + 1), held)
             states.update({block: state for block, state in part_states.items() if block in blocks})
             updates.update({block: update for block, update in part_updates.items() if block in blocks})
+            sources.update(dict.fromkeys(blocks, peer))
         if states or updates or keep is not None:
-            await self._store(name, meta, states, updates, keep)
+            await self._store(name, meta, states, updates, keep, sources=sources)
         if states or updates:
             logger.debug("adapter %r: standby copies of blocks %s refreshed", name, sorted({*states, *updates}))
         return bool(states or updates)
 
     async def _fetch(
-        self, name: str, peer: PeerID, span: range
+        self, name: str, peer: PeerID, span: range, held: dict[int, int] | None = None
     ) -> tuple[dict[int, BlockState], dict[int, BlockUpdate]]:
-        """The state of ``span`` from ``peer``; for blocks this peer keeps a standby copy of one step behind, the
-        peer's last update instead (a third of the bytes). Nothing, logged, if the peer does not answer. ``peer``
-        tells this one of its next commits of ``span``, so that the copy follows them."""
-        held = await self.compute(self._standby_steps, name)
+        """The state of ``span`` from ``peer``; for blocks this peer keeps a standby copy of one step behind (or
+        ``held``, block -> step, says it holds so), the peer's last update instead (a third of the bytes). Nothing,
+        logged, if the peer does not answer. ``peer`` tells this one of its next commits of ``span``, so that the
+        copy follows them."""
+        if held is None:
+            held = await self.compute(self._standby_steps, name)
         try:
             return await self.peers.fetch_state_or_updates(
                 peer, name, span, {b: held[b] for b in span if b in held}, watcher=self.me
@@ -209,11 +234,12 @@ class Replicator:
         updates: dict[int, BlockUpdate],
         keep: set[int] | None,
         trainer_step: int | None = None,
+        sources: dict[int, PeerID] | None = None,
     ) -> None:
         def store() -> None:
             self.adapters.keep_standby(name, meta, states, keep, trainer_step)
             if updates:
-                self.adapters.apply_updates(name, updates)
+                self.adapters.apply_updates(name, updates, sources)
 
         await self.compute(store)
 

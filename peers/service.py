@@ -20,7 +20,7 @@ from peers.peer_client import ChainBroken, PeerClient
 from peers.pullers import RecentPullers
 from peers.reduction.audit import AUDIT_RATE
 from peers.reduction.exchange import Reduction
-from peers.state import pack_states
+from peers.state import BlockState, BlockUpdate, pack_states
 from peers.stepphase import StepPhases
 from swarm.blocks import lora_config_from_wire
 from swarm.net import rotated
@@ -379,23 +379,56 @@ class PeerService(InfoDoors):
             self.pullers.note(request.watcher, request.blocks)
         index, flat = pack_states(states)
         update_index, update_flat = pack_states({block: u.as_state() for block, u in updates.items()})
-        hparams = {block: u.hparams for block, u in updates.items()}
-        bases = {block: u.base for block, u in updates.items() if u.base}
-        return ExportReply(index, update_index, hparams, bases, flat, update_flat)
+        return ExportReply(
+            index=index,
+            update_index=update_index,
+            hparams={block: u.hparams for block, u in updates.items()},
+            bases={block: u.base for block, u in updates.items() if u.base},
+            afters={block: u.after for block, u in updates.items() if u.after},
+            states=flat,
+            updates=update_flat,
+        )
 
     async def _sync(self, request: SyncRequest) -> StepsReply:
-        """Pull the adapter state of some blocks from a current replica, so this peer can serve them again."""
+        """Pull the adapter state of some blocks from a current replica, so this peer can serve them again. Blocks
+        held here one step behind take the replica's last update instead, applied here and checked against the
+        replica's state (``AdapterStore.apply_updates``): a replica cannot hand on what it altered outside a step
+        (a liar that served a span first would otherwise seed every replica that joins it). Blocks further behind,
+        or whose state here is not the replica's at the step before, take its state."""
         name, blocks, source = request.adapter, request.blocks, request.source
+        served = await self.compute(lambda: self.adapters.adapter(name).steps())
+        states, updates = await self._fetch_from(source, name, blocks, {b: served[b] for b in blocks if b in served})
+        advanced = await self.compute(self.adapters.apply_updates, name, updates, dict.fromkeys(updates, source))
+        unfit = [block for block in updates if block not in advanced]
+        if unfit:  # the state here is not the source's at the step before: take its state, if its update gives it
+            more, _ = await self._fetch_from(source, name, range(min(unfit), max(unfit) + 1), None)
+            explained = [block for block in unfit if block in more and updates[block].explains(more[block])]
+            states.update({block: more[block] for block in explained})
+            altered = {block: updates[block] for block in unfit if block not in states}
+            if altered:
+                logger.error(
+                    "adapter %r blocks %s: the state of %s is not its own last update applied to its state before; "
+                    "refused, and its update applied to this peer's own state instead. It altered its adapter outside "
+                    "the step: the replicas' next vote outvotes it",
+                    name,
+                    sorted(altered),
+                    source,
+                )
+                await self.compute(self.adapters.apply_updates, name, altered, None, True)
+        steps = await self.compute(self.adapters.import_state, name, states)
+        self.phases.loaded(name, {block: steps[block] for block in blocks if block in steps})
+        logger.info("synced adapter %r blocks %s from %s: steps %s", name, list(blocks), source, steps)
+        return StepsReply(steps)
+
+    async def _fetch_from(
+        self, source: PeerID, name: str, blocks: range, held: dict[int, int] | None
+    ) -> tuple[dict[int, BlockState], dict[int, BlockUpdate]]:
         try:
-            states = await self.peers.fetch_state(source, name, blocks)
+            return await self.peers.fetch_state_or_updates(source, name, blocks, held)
         except (*PEER_ERRORS, RequestError) as e:  # the source's failure (or bad reply): the client picks another
             raise SourceUnavailableError(
                 f"could not pull blocks {blocks.start}:{blocks.stop} from {source}: {e}", source.to_base58()
             ) from None
-        steps = await self.compute(self.adapters.import_state, name, states)
-        self.phases.loaded(name, {block: steps[block] for block in states if block in steps})
-        logger.info("synced adapter %r blocks %s from %s: steps %s", name, sorted(states), source, steps)
-        return StepsReply(steps)
 
     async def _fast_forward(self, request: FastForwardRequest) -> FastForwardReply:
         """No current copy of these blocks survived anywhere: the trainer declares the newest one current."""

@@ -8,7 +8,7 @@ import hashlib
 import math
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -182,12 +182,29 @@ class BlockUpdate:
     grads: dict[str, torch.Tensor]
     hparams: OptimizerHParams
     base: str = ""  # the digest of the state it was applied to on its server ("": not known, not checked)
+    # the digest of its server's state when it handed the update on: what that server serves and votes with
+    after: str = ""
 
     def fits(self, state: BlockState) -> bool:
         """Whether ``state``, at the update's step, holds the server's bits (when the base is known). A copy at the
         right step from another lineage (a step the server took back and redid with other gradients) would silently
         drift from the servers, and its holder break a vote when it takes over."""
         return not self.base or state.digest() == self.base
+
+    def reaches(self, state: BlockState) -> bool:
+        """Whether ``state``, this update applied to a copy that fits, is the server's state (when it was sent). A
+        server whose state is not its own update applied to the state before altered it outside the step: the copy
+        made here is the honest one, and the server's state is refused (issue 59: a liar that served a span first
+        must not seed its replicas)."""
+        return not self.after or state.digest() == self.after
+
+    def explains(self, state: BlockState) -> bool:
+        """Whether ``state`` (a server's, with the state before its last step) is this update applied to that state
+        before: a server that altered its adapter outside the step holds a state its own update does not give."""
+        before = state.before
+        if before is None or before.step != self.step or state.step != self.step + 1 or not self.fits(before):
+            return False
+        return self.apply_to(replace(before, before=None)).digest() == state.digest()
 
     def apply_to(self, state: BlockState) -> BlockState:
         if state.step != self.step or set(state.tensors) != set(self.grads):
@@ -205,8 +222,10 @@ class BlockUpdate:
         return BlockState(self.step, {name: {"grad": grad} for name, grad in self.grads.items()})
 
     @classmethod
-    def from_state(cls, state: BlockState, hparams: OptimizerHParams, base: str = "") -> BlockUpdate:
-        return cls(state.step, {name: entry["grad"] for name, entry in state.tensors.items()}, hparams, base)
+    def from_state(
+        cls, state: BlockState, hparams: OptimizerHParams, base: str = "", after: str = ""
+    ) -> BlockUpdate:
+        return cls(state.step, {name: entry["grad"] for name, entry in state.tensors.items()}, hparams, base, after)
 
 
 STATE_DTYPES = ("float32", "bfloat16", "float16")

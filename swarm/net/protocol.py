@@ -1098,7 +1098,8 @@ def _hparams(value: object) -> OptimizerHParams:
 @dataclass(frozen=True)
 class ExportReply(Reply):
     """Packed block states (``index`` over the flat tensor ``states``) and packed last updates (``update_index`` over
-    ``updates``) with their AdamW settings and the digest of the state each was applied to (``bases``) per block.
+    ``updates``) with their AdamW settings, the digest of the state each was applied to (``bases``) and of the state
+    it gave (``afters``) per block.
     Tensors: [states, updates]. (Packing: peers.state.)"""
 
     index: list = wire(read_list)
@@ -1107,6 +1108,8 @@ class ExportReply(Reply):
         by_blocks(_hparams, "AdamW settings"), lambda hp: {str(b): h.to_meta() for b, h in hp.items()}
     )
     bases: dict[int, str] = wire(by_blocks(_string, "digest"), by_block)
+    # the digest of the server's state each update took it to (``BlockUpdate.after``)
+    afters: dict[int, str] = wire(by_blocks(_string, "digest"), by_block)
     states: torch.Tensor = tensor()
     updates: torch.Tensor = tensor()
 

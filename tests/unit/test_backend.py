@@ -4,6 +4,7 @@ catch-up, fast-forward, taking a step back, cached forwards, and refusals the cl
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 
 import peft
 import pytest
@@ -17,6 +18,7 @@ from swarm.net.errors import ErrorKind, MissingForwardError, NotServedError, Req
 from swarm.net.gradhash import grad_hash
 from swarm.net.protocol import PEER_STATE_ERRORS, InferRequest, OptimizerHParams
 from swarm.spec import load_spec
+from swarm.testing.dishonest import CorruptUpdates
 
 HPARAMS = OptimizerHParams(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
 
@@ -329,3 +331,51 @@ def test_generation_runs_under_the_clients_autocast(tiny_models):
         local = backend.run(hidden, None, range(0, 2)).float()
     assert torch.equal(infer("bf16", "bfloat16"), local)
     assert not torch.equal(infer("fp32", None), local)
+
+
+def test_a_server_that_altered_its_state_after_its_update_is_found_out_by_the_copies_it_updates(tiny_models, caplog):
+    """Issue 59: a copy one step behind applies the server's last update itself; where the result is not the
+    server's state (``BlockUpdate.reaches``), the server altered its adapter outside the step. The copy keeps what
+    the update gives, and the server is named. ``explains`` tells the same from the server's own state before."""
+    wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    server, holder = _backend(tiny_models["llama"], range(2, 4)), _backend(tiny_models["llama"], range(0, 2))
+    server.adapters.open_adapter("a", wire, seed=3, session="s")
+    _train_one_step(server, "a", range(2, 4), 0)
+    holder.adapters.keep_standby(
+        "a", {"lora": wire, "seed": 3}, server.adapters.export_state("a", range(2, 4))[0], keep={2, 3}
+    )
+    _train_one_step(server, "a", range(2, 4), 1)
+    CorruptUpdates().updated([server.adapters.adapter("a").blocks[2]])  # block 2 altered after its update
+    _, updates = server.adapters.export_state("a", range(2, 4), held=holder.adapters.adapter("a").standby_steps())
+    assert sorted(updates) == [2, 3] and all(u.after for u in updates.values())
+    whole = server.adapters.export_state("a", range(2, 4))[0]  # the server's states, with the state before
+    assert updates[3].explains(whole[3]) and not updates[2].explains(whole[2])
+    with caplog.at_level("ERROR", logger="peers.adapters"):
+        assert holder.adapters.apply_updates("a", updates, dict.fromkeys(updates, "the-server")) == [2, 3]
+    named = [r.getMessage() for r in caplog.records if "is not its own last update applied" in r.getMessage()]
+    assert len(named) == 1 and "blocks [2]" in named[0] and "the-server" in named[0], named
+    copies, digests = holder.adapters.adapter("a").standby, server.adapters.digests("a")
+    assert copies[3].digest() == digests[3] and copies[2].digest() != digests[2]
+    assert copies[2].digest() == updates[2].apply_to(replace(whole[2].before, before=None)).digest()
+
+
+def test_a_served_block_takes_an_update_onto_its_own_state_only_when_told_to(tiny_models):
+    """A trainer's sync from a server whose state was found altered: the replica's own state, in other bits than the
+    server's state before the step, is brought forward with the server's update (``own_lineage``), not left behind
+    nor replaced by the altered state."""
+    wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    liar, replica = _backend(tiny_models["llama"], range(2, 4)), _backend(tiny_models["llama"], range(2, 4))
+    for backend in (liar, replica):
+        backend.adapters.open_adapter("a", wire, seed=3, session="s")
+        _train_one_step(backend, "a", range(2, 4), 0)
+    CorruptUpdates().updated(list(liar.adapters.adapter("a").blocks.values()))
+    _train_one_step(liar, "a", range(2, 4), 1)
+    _, updates = liar.adapters.export_state("a", range(2, 4), held=replica.adapters.adapter("a").steps())
+    assert sorted(updates) == [2, 3]
+    assert replica.adapters.apply_updates("a", updates) == [], "the replica's state is not the liar's at step 1"
+    served = replica.adapters.adapter("a").blocks
+    before = {block: BlockState.of(state, with_before=False) for block, state in served.items()}
+    assert replica.adapters.apply_updates("a", updates, own_lineage=True) == [2, 3]
+    for block, state in replica.adapters.adapter("a").blocks.items():
+        assert state.step == 2 and state.digest() == updates[block].apply_to(before[block]).digest()
+        assert state.digest() != liar.adapters.digests("a")[block]

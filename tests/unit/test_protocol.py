@@ -102,7 +102,13 @@ EXAMPLES: dict[str, tuple[protocol.Request, protocol.Reply]] = {
     Method.EXPORT: (
         protocol.ExportRequest(adapter="run", start=0, end=2, held={0: 2}, watcher=OTHER),
         protocol.ExportReply(
-            [[1, 3, "q", "a", [2], "float32"]], [], {0: HPARAMS}, {0: "ab" * 32}, torch.randn(2), torch.zeros(0)
+            index=[[1, 3, "q", "a", [2], "float32"]],
+            update_index=[],
+            hparams={0: HPARAMS},
+            bases={0: "ab" * 32},
+            afters={0: "cd" * 32},
+            states=torch.randn(2),
+            updates=torch.zeros(0),
         ),
     ),
     Method.SYNC: (protocol.SyncRequest(adapter="run", source=OTHER, start=0, end=2), protocol.StepsReply({0: 3, 1: 3})),
