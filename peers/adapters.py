@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from peers.behaviour import Behaviour
+from peers.reduction import sums
 from peers.state import (
     ActivationCache,
     Adapter,
@@ -23,7 +24,6 @@ from peers.state import (
     BlockUpdate,
     GradsByBlock,
     KeptInputs,
-    Reduced,
     TokensInFlight,
     Undo,
     session_of,
@@ -41,8 +41,8 @@ from swarm.net.errors import (
 )
 from swarm.net.gradhash import grad_hash
 from swarm.net.gradnorm import GradNorm, covers_digest
-from swarm.net.protocol import SUM, AdapterInfo, Group, OptimizerHParams, lora_and_seed
-from swarm.net.reduction import add_up, chunk_of, from_chunks, partial_chunk, partial_sum
+from swarm.net.protocol import AdapterInfo, Group, OptimizerHParams, lora_and_seed
+from swarm.net.reduction import add_up, partial_sum
 from swarm.spec import ModelSpec
 from swarm.weights import differing
 
@@ -218,7 +218,7 @@ class AdapterStore:
 
     # --- commit ---------------------------------------------------------------------------------------------
 
-    def _ledger_states(self, name: str, step: int, ledger: dict[int, list[Group]]) -> dict[int, BlockAdapter]:
+    def ledger_states(self, name: str, step: int, ledger: dict[int, list[Group]]) -> dict[int, BlockAdapter]:
         """The blocks of the ledger that this peer holds, checked to be served here and at ``step`` or past it. A peer
         that restarted on other blocks may still hold the state of those it served before, one step behind or stale;
         a client whose records are older asks it to commit them: refused (``not_served``), never applied or voted."""
@@ -236,32 +236,6 @@ class AdapterStore:
         if behind:
             raise StaleStepError(f"blocks {behind} of adapter {name!r} are behind step {step}; sync them first")
         return states
-
-    def missing(self, name: str, step: int, groups: dict[int, list[Group]]) -> dict[int, list[str]]:
-        """Micro-batches of the ledger (``groups``: block -> each holder's micro-batches, see ``ledger_groups``) whose
-        group this peer can sum neither from gradients held here nor from a partial sum fetched for it, on blocks
-        still at ``step``."""
-        states = self._ledger_states(name, step, groups)
-        missing = {
-            block: [mb for group in groups[block] if not _can_sum(state, group) for mb in group]
-            for block, state in states.items()
-            if state.step == step and not _gathered(state, groups[block])
-        }
-        return {block: mbs for block, mbs in missing.items() if mbs}
-
-    def drop_unlike(self, name: str, step: int, hashes: dict[int, dict[str, str]]) -> None:
-        """Forget gradients held here for micro-batches whose ledger holder is another peer, where they hash otherwise
-        (``hashes``: block -> micro-batch -> the holder's hash): this peer computed the micro-batch too (a retried
-        backward) on hardware that rounds differently, and every replica must apply the same bits, the holder's."""
-        adapter = self.adapter(name)
-        for block, by_mb in hashes.items():
-            state = adapter.blocks.get(block)
-            if state is None or state.step != step:
-                continue
-            for mb, wanted in by_mb.items():
-                held = state.grads.get(mb)
-                if held is not None and grad_hash(held) != wanted:
-                    del state.grads[mb]
 
     def grad_norms(self, name: str, blocks: range, step: int) -> tuple[GradNorm, ...]:
         """What a backward's reply says of its blocks: each one's gradient summed over every micro-batch held here at
@@ -292,109 +266,20 @@ class AdapterStore:
     def norm_parts(self, name: str, step: int, groups: dict[int, list[Group]], norm_type: float) -> dict[int, float]:
         """Per block of the ledger held here at ``step``, its share of the step's ``norm_type``-norm (see
         ``NormsRequest``); raises MissingGradientsError when some of the ledger's gradients are not here."""
-        states = self._ledger_states(name, step, groups)
-        missing = self.missing(name, step, groups)
+        states = self.ledger_states(name, step, groups)
+        missing = sums.missing(states, step, groups)
         if missing:
             raise MissingGradientsError(f"no gradients for {missing} at step {step}", missing)
         parts = {}
         for block, state in states.items():
             if state.step != step:
                 continue
-            norms = [torch.linalg.vector_norm(g, norm_type) for g in _reduced(state, groups[block])]
+            norms = [torch.linalg.vector_norm(g, norm_type) for g in sums.reduced(state, groups[block])]
             if math.isinf(norm_type):
                 parts[block] = max((float(n) for n in norms), default=0.0)
             else:
                 parts[block] = math.fsum(float(n) ** norm_type for n in norms)
         return parts
-
-    def micro_batch_grads(self, name: str, step: int, wanted: dict[int, list[str]]) -> GradsByBlock:
-        """Gradients this peer holds for (block, micro-batch) at ``step`` (applied or not), for a replica that lacks
-        them."""
-        adapter = self.adapter(name)
-        found: GradsByBlock = {}
-        for block, mbs in wanted.items():
-            state = adapter.blocks.get(block)
-            if state is not None and state.step == step:
-                held = state.grads
-            elif state is not None and state.step == step + 1 and state.undo is not None:
-                held = state.undo.grads  # this replica applied the step already; others may not have yet
-            else:
-                continue
-            found[block] = {mb: held[mb] for mb in mbs if mb in held}
-        return found if self.behaviour is None else self.behaviour.served_grads(found)
-
-    def partial_sums(
-        self, name: str, step: int, wanted: dict[int, list[str]], chunk: int = 0, chunks: int = 0
-    ) -> GradsByBlock:
-        """This peer's partial sum of the step on each block: the ``wanted`` micro-batches' gradients held here,
-        summed in sorted order (under the key ``SUM``; with ``chunks``, only that chunk of it: see
-        swarm/net/reduction.py); a block where some are not held is left out."""
-        held = self.micro_batch_grads(name, step, wanted)
-        sums: GradsByBlock = {}
-        for block, mbs in wanted.items():
-            by_mb, group = held.get(block, {}), tuple(sorted(mbs))
-            if all(mb in by_mb for mb in mbs):
-                summed = [partial_chunk(by_mb, group, chunk, chunks)] if chunks else partial_sum(by_mb, group)
-                sums[block] = {SUM: summed}
-        return sums if self.behaviour is None else self.behaviour.partial_sums(sums)
-
-    def blocks_at(self, name: str, step: int, groups: dict[int, list[Group]]) -> list[int]:
-        """The ledger's blocks held here still at ``step`` (checked like a commit's: see ``_ledger_states``)."""
-        return sorted(block for block, state in self._ledger_states(name, step, groups).items() if state.step == step)
-
-    def chunk_parts(
-        self, name: str, step: int, block: int, groups: list[Group], chunk: int, chunks: int
-    ) -> list[torch.Tensor | None]:
-        """Per group of a block's ledger, in order, the chunk of its partial sum this peer can make (from gradients
-        or a partial sum held here), or None where the group's holder must send it."""
-        state = self.adapter(name).blocks[block]
-        return [
-            (
-                chunk_of(state.partials[g], chunk, chunks)
-                if g in state.partials
-                else partial_chunk(state.grads, g, chunk, chunks)
-            )
-            if _can_sum(state, g)
-            else None
-            for g in groups
-        ]
-
-    def gathered(self, name: str, step: int, block: int, groups: list[Group]) -> list[torch.Tensor] | None:
-        """The block's reduced gradient of the step for these groups, if it was gathered here."""
-        state = self.adapter(name).blocks.get(block)
-        return state.reduced.grads if state is not None and state.step == step and _gathered(state, groups) else None
-
-    def set_gathered(self, name: str, step: int, block: int, groups: list[Group], chunks: list[torch.Tensor]) -> None:
-        """Take a block's reduced gradient of the step, gathered in chunks from its reducers; checked like any
-        input."""
-        state = self.adapter(name).blocks.get(block)
-        if state is None or state.step != step:
-            return
-        try:
-            grads = from_chunks(chunks, [lp.param for lp in state.params])
-        except ValueError as e:
-            raise RequestError(f"the reduced gradient of block {block} does not fit its LoRA tensors: {e}") from None
-        _check_grads(state, block, "(reduced)", grads)
-        state.reduced = Reduced(tuple(groups), grads)
-
-    def add_partials(self, name: str, step: int, partials: dict[int, dict[Group, list[torch.Tensor]]]) -> None:
-        """Take other holders' partial sums of the step (block -> their micro-batches -> the sum); checked like any
-        input."""
-        adapter = self.adapter(name)
-        for block, by_group in partials.items():
-            state = adapter.blocks.get(block)
-            if state is None or state.step != step:
-                continue
-            for group, tensors in by_group.items():
-                _check_grads(state, block, "+".join(group), tensors)
-                state.partials[group] = [t.to(lp.param.dtype) for t, lp in zip(tensors, state.params, strict=True)]
-
-    def drop_partials(self, name: str, step: int) -> None:
-        """Forget the partial sums (and reduced gradients) fetched for ``step``: an audited commit fetches each
-        holder's partial sum again."""
-        for state in self.adapter(name).blocks.values():
-            if state.step == step:
-                state.partials, state.reduced = {}, None
 
     def apply(
         self,
@@ -408,15 +293,15 @@ class AdapterStore:
         sorted order, then those partial sums in the order of ``groups``: see ``ledger_groups``), scaled by the step's
         global clipping factor, then one AdamW update. Idempotent: blocks already past ``step`` are left alone."""
         adapter = self.adapter(name)
-        states = self._ledger_states(name, step, groups)
-        missing = self.missing(name, step, groups)
+        states = self.ledger_states(name, step, groups)
+        missing = sums.missing(states, step, groups)
         if missing:
             raise MissingGradientsError(f"no gradients for {missing} at step {step}", missing)
         moved: set[int] = set()
         for block, state in states.items():
             if state.step != step:
                 continue
-            summed = _reduced(state, groups[block])
+            summed = sums.reduced(state, groups[block])
             if not all(torch.isfinite(g).all() for g in summed):
                 raise RequestError(f"step {step} has non-finite gradients on block {block}; refusing to apply them")
             if grad_scale != 1.0:
@@ -655,26 +540,3 @@ class AdapterStore:
 
     def digests(self, name: str) -> dict[int, str]:
         return {block: state.digest() for block, state in self.adapter(name).blocks.items()}
-
-
-def _can_sum(state: BlockAdapter, group: Group) -> bool:
-    return group in state.partials or all(mb in state.grads for mb in group)
-
-
-def _gathered(state: BlockAdapter, groups: list[Group]) -> bool:
-    return state.reduced is not None and state.reduced.groups == tuple(groups)
-
-
-def _reduced(state: BlockAdapter, groups: list[Group]) -> list[torch.Tensor]:
-    """A block's gradient of the step: each group's partial sum (fetched from its holder, or summed here from the
-    gradients held here, which are its holder's bits: see ``drop_unlike``), added up in the order of ``groups``; or
-    the same bits gathered in chunks from the block's reducers."""
-    if _gathered(state, groups):
-        return [g.clone() for g in state.reduced.grads]
-    return add_up([state.partials[g] if g in state.partials else partial_sum(state.grads, g) for g in groups])
-
-
-def _check_grads(state: BlockAdapter, block: int, what: str, tensors: list[torch.Tensor]) -> None:
-    shapes = [tuple(lp.param.shape) for lp in state.params]
-    if [tuple(t.shape) for t in tensors] != shapes or not all(torch.isfinite(t).all() for t in tensors):
-        raise RequestError(f"gradients for block {block}, micro-batch {what} have wrong shapes or values")

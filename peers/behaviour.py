@@ -24,12 +24,12 @@ class Behaviour:
         return grads
 
     def served_grads(self, found: GradsByBlock) -> GradsByBlock:
-        """Micro-batch gradients handed to another replica (``AdapterStore.micro_batch_grads``; this peer's partial
+        """Micro-batch gradients handed to another replica (``HeldGradients.micro_batch_grads``; this peer's partial
         sums are made of them too)."""
         return found
 
     def partial_sums(self, sums: GradsByBlock) -> GradsByBlock:
-        """Partial sums handed to another replica (``AdapterStore.partial_sums``)."""
+        """Partial sums handed to another replica (``HeldGradients.partial_sums``)."""
         return sums
 
     def reduced_chunks(self, found: GradsByBlock) -> GradsByBlock:

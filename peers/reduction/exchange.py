@@ -14,6 +14,7 @@ from peers.adapters import AdapterStore
 from peers.compute import Compute
 from peers.peer_client import PeerClient
 from peers.reduction.audit import Auditor, as_reported, bad_gradients
+from peers.reduction.held import HeldGradients
 from peers.reduction.scatter import ChunkedReduction
 from peers.state import GradsByBlock
 from peers.stepphase import StepPhases
@@ -38,8 +39,9 @@ class Reduction:
     ) -> None:
         """``me``: this peer's id (known once its service is registered)."""
         self.whoami, self.adapters, self.compute, self.peers, self.phases = me, adapters, compute, peers, phases
+        self.held = HeldGradients(adapters)
         self.auditor = Auditor(compute, peers, audit_rate, rng)
-        self.chunked = ChunkedReduction(me, adapters, compute, peers, self.auditor, phases)
+        self.chunked = ChunkedReduction(me, self.held, compute, peers, self.auditor, phases)
 
     async def fetch_missing(self, request: CommitRequest | NormsRequest) -> None:
         """Fetch the partial sums of the ledger's other holders this peer lacks, one per holder and block, all at
@@ -53,17 +55,17 @@ class Reduction:
             block: {mb: held.grad_hash for mb, held in by_mb.items() if held.holder != me and held.grad_hash}
             for block, by_mb in request.ledger.items()
         }
-        await self.compute(self.adapters.drop_unlike, name, step, others)
+        await self.compute(self.held.drop_unlike, name, step, others)
         audit = request.audit
         groups = request.groups()
         if audit:
-            await self.compute(self.adapters.drop_partials, name, step)
+            await self.compute(self.held.drop_partials, name, step)
             self.phases.dropped(name, groups, step)
         else:
             bad = await self.chunked.run(request, groups)
             if bad:
                 raise bad_gradients(step, bad)
-        missing = await self.compute(self.adapters.missing, name, step, groups)
+        missing = await self.compute(self.held.missing, name, step, groups)
         wanted_from: dict[str, dict[int, list[str]]] = {}
         for block, mbs in missing.items():
             for group in {group for group in groups[block] if set(group) & set(mbs)}:
@@ -80,7 +82,7 @@ class Reduction:
             if partials and not await self.auditor.audit(request, peer, part, partials, always=audit):
                 bad.append(peer)
                 continue
-            await self.compute(self.adapters.add_partials, name, step, partials)
+            await self.compute(self.held.add_partials, name, step, partials)
             self.phases.fetched(name, partials, step)
         if bad:
             raise bad_gradients(step, bad)
@@ -117,9 +119,9 @@ class Reduction:
         if request.reduced:
             return await self._reduced_chunks(request)
         if request.summed:
-            sums = self.adapters.partial_sums
+            sums = self.held.partial_sums
             return await self.compute(sums, name, step, request.wanted, request.chunk, request.chunks)
-        return await self.compute(self.adapters.micro_batch_grads, name, step, request.wanted)
+        return await self.compute(self.held.micro_batch_grads, name, step, request.wanted)
 
     async def _reduced_chunks(self, request: GradsRequest) -> GradsByBlock:
         """The asked chunk of each block's reduced gradient that this peer reduces (peers/reduction/scatter.py)."""

@@ -15,10 +15,10 @@ from typing import NamedTuple
 
 import torch
 
-from peers.adapters import AdapterStore
 from peers.compute import Compute
 from peers.peer_client import PeerClient
 from peers.reduction.audit import Auditor
+from peers.reduction.held import HeldGradients
 from peers.stepphase import StepPhases
 from swarm.net.errors import RequestError
 from swarm.net.protocol import SUM, CommitRequest, Group, NormsRequest
@@ -88,14 +88,14 @@ class ChunkedReduction:
     def __init__(
         self,
         me: Callable[[], str],
-        adapters: AdapterStore,
+        held: HeldGradients,
         compute: Compute,
         peers: PeerClient,
         auditor: Auditor,
         phases: StepPhases,
     ) -> None:
         """``auditor``: the audits of the direct exchange, whose rate and random draws these share."""
-        self.whoami, self.adapters, self.compute, self.peers = me, adapters, compute, peers
+        self.whoami, self.held, self.compute, self.peers = me, held, compute, peers
         self.auditor, self.audit_rate, self.random = auditor, auditor.rate, auditor.random
         self.phases = phases  # a gathered block's step is reduced
         self.board = ChunkBoard()
@@ -112,13 +112,13 @@ class ChunkedReduction:
         every chunk of those whose gradient this peer lacks (but from no reducer it distrusts: those blocks go the
         direct way). Returns the holders whose partial sum failed an audit."""
         name, step = request.adapter, request.step
-        at_step = await self.compute(self.adapters.blocks_at, name, step, groups)
+        at_step = await self.compute(self.held.blocks_at, name, step, groups)
         plan = {block: request.reducers.get(block, []) for block in at_step}
         plan = {block: rs for block, rs in plan.items() if len(rs) >= MIN_REDUCERS}
         if not plan:
             return []
         trusted = [block for block, rs in plan.items() if not self.distrusted.intersection(rs)]
-        lacking = await self.compute(self.adapters.missing, name, step, {block: groups[block] for block in trusted})
+        lacking = await self.compute(self.held.missing, name, step, {block: groups[block] for block in trusted})
         reducing = [block for block, rs in plan.items() if self.me in rs]
         audited = self._audited(request, reducing)
         checked = self.random.choice(sorted(lacking)) if lacking and self.random.random() < self.audit_rate else None
@@ -154,7 +154,7 @@ class ChunkedReduction:
         request, block, groups, chunk, n = job
         reduced = None
         try:
-            gathered = await self.compute(self.adapters.gathered, request.adapter, request.step, block, groups)
+            gathered = await self.compute(self.held.gathered, request.adapter, request.step, block, groups)
             if gathered is not None:
                 reduced = await self.compute(chunk_of, gathered, chunk, n)
             else:
@@ -169,7 +169,7 @@ class ChunkedReduction:
         ``bad``). None if some holder did not answer or failed."""
         request, block, groups, chunk, n = job
         name, step = request.adapter, request.step
-        parts = await self.compute(self.adapters.chunk_parts, name, step, block, groups, chunk, n)
+        parts = await self.compute(self.held.chunk_parts, name, step, block, groups, chunk, n)
         lacking = [i for i, part in enumerate(parts) if part is None]
         holders = [request.ledger[block][groups[i][0]].holder for i in lacking]
         fetched = await asyncio.gather(
@@ -231,7 +231,7 @@ class ChunkedReduction:
                 self.distrusted.add(rs[chunk])
                 return
         try:
-            await self.compute(self.adapters.set_gathered, request.adapter, request.step, block, groups, chunks)
+            await self.compute(self.held.set_gathered, request.adapter, request.step, block, groups, chunks)
         except RequestError as e:  # a chunk of the wrong size or with non-finite values: this block goes direct
             logger.warning("the reduced chunks of block %d (step %d) from %s: %s", block, request.step, rs, e)
             return

@@ -12,6 +12,7 @@ import torch
 
 from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
+from peers.reduction.held import HeldGradients
 from peers.state import BlockState, BlockUpdate, SavedBytes, pack_states, unpack_states
 from swarm.blocks import lora_config_to_wire
 from swarm.net.errors import ErrorKind, MissingForwardError, NotServedError, RequestError
@@ -204,7 +205,7 @@ def test_a_step_taken_back_is_redone_to_the_same_bits(tiny_models):
     applied = backend.adapters.digests("a")
     assert backend.adapters.revert("a", 1) == {0: 1, 1: 1}
     assert backend.adapters.digests("a") == before, "taking a step back restores the state before it exactly"
-    assert backend.adapters.micro_batch_grads("a", 1, {0: ["s:1:0"]})[0].keys() == {"s:1:0"}
+    assert HeldGradients(backend.adapters).micro_batch_grads("a", 1, {0: ["s:1:0"]})[0].keys() == {"s:1:0"}
     assert backend.adapters.revert("a", 1) == {0: 1, 1: 1}, "nothing to take back twice"
     backend.adapters.apply("a", 1, {b: [("s:1:0",)] for b in range(2)}, HPARAMS)
     assert backend.adapters.digests("a") == applied
@@ -217,7 +218,7 @@ def test_a_step_taken_back_is_redone_to_the_same_bits(tiny_models):
     assert other.adapters.digests("a") == applied
     assert other.adapters.revert("a", 1) == {0: 1, 1: 1}, "a copy takes the step back like the replica it came from"
     assert other.adapters.digests("a") == before
-    assert other.adapters.micro_batch_grads("a", 1, {0: ["s:1:0"]}) == {0: {}}, (
+    assert HeldGradients(other.adapters).micro_batch_grads("a", 1, {0: ["s:1:0"]}) == {0: {}}, (
         "without the gradients: a redo fetches them"
     )
     assert other.adapters.revert("a", 1) == {0: 1, 1: 1}, "nothing to take back twice"
@@ -291,9 +292,9 @@ def test_gradients_computed_here_in_other_bits_than_the_ledgers_holder_are_dropp
         backend.backward("a", range(0, 2), 0, mb, hidden, None, torch.ones_like(hidden), input_grad=False)
     held = backend.adapters.adapter("a").blocks[0].grads
     same = grad_hash(held["s:0:0"])
-    backend.adapters.drop_unlike("a", 0, {0: {"s:0:0": same, "s:0:1": "f" * 64}})
+    HeldGradients(backend.adapters).drop_unlike("a", 0, {0: {"s:0:0": same, "s:0:1": "f" * 64}})
     assert set(backend.adapters.adapter("a").blocks[0].grads) == {"s:0:0"}  # the one in the holder's bits stays
-    assert backend.adapters.missing("a", 0, {0: [("s:0:0",), ("s:0:1",)]}) == {
+    assert HeldGradients(backend.adapters).missing("a", 0, {0: [("s:0:0",), ("s:0:1",)]}) == {
         0: ["s:0:1"]
     }  # the other is fetched at commit
 

@@ -10,6 +10,7 @@ import torch
 
 from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
+from peers.reduction.held import HeldGradients
 from swarm.net.protocol import SUM, Held, OptimizerHParams, ledger_groups
 from swarm.net.reduction import (
     add_chunks,
@@ -96,8 +97,8 @@ def test_a_fetched_partial_sum_applies_the_same_bits_as_one_summed_here(tiny_mod
     groups = {block: [(mbs[0], mbs[2]), (mbs[1], mbs[3])] for block in range(2)}
     computes = {"A": [mbs[0], mbs[2]], "B": [mbs[1], mbs[3]], "C": mbs}
     replicas = _replicas_that_computed(tiny_models["llama"], computes)
-    from_b = replicas["B"].adapters.partial_sums("a", 0, {block: [mbs[1], mbs[3]] for block in range(2)})
-    replicas["A"].adapters.add_partials(
+    from_b = HeldGradients(replicas["B"].adapters).partial_sums("a", 0, {block: [mbs[1], mbs[3]] for block in range(2)})
+    HeldGradients(replicas["A"].adapters).add_partials(
         "a", 0, {block: {groups[block][1]: by_key[SUM]} for block, by_key in from_b.items()}
     )
     for name in "AC":
@@ -138,17 +139,17 @@ def test_a_gradient_gathered_in_chunks_applies_the_same_bits_as_the_direct_excha
     groups = {block: sorted(computes.values()) for block in range(2)}
     replicas = _replicas_that_computed(tiny_models["llama"], {**computes, "D": ()})
     sums = {
-        name: replicas[name].adapters.partial_sums("a", 0, {block: list(group) for block in range(2)})
+        name: HeldGradients(replicas[name].adapters).partial_sums("a", 0, {block: list(group) for block in range(2)})
         for name, group in computes.items()
     }
     for name in "BC":
         partials = {block: {computes[name]: by_key[SUM]} for block, by_key in sums[name].items()}
-        replicas["A"].adapters.add_partials("a", 0, partials)
+        HeldGradients(replicas["A"].adapters).add_partials("a", 0, partials)
     for block in range(2):
         parts = [sums[name][block][SUM] for name in sorted(computes, key=computes.get)]
         chunks = [add_chunks([chunk_of(part, k, 3) for part in parts]) for k in range(3)]
-        replicas["D"].adapters.set_gathered("a", 0, block, groups[block], chunks)
-    assert replicas["D"].adapters.missing("a", 0, groups) == {}
+        HeldGradients(replicas["D"].adapters).set_gathered("a", 0, block, groups[block], chunks)
+    assert HeldGradients(replicas["D"].adapters).missing("a", 0, groups) == {}
     for name in "AD":
         replicas[name].adapters.apply("a", 0, groups, HPARAMS)
     assert replicas["A"].adapters.digests("a") == replicas["D"].adapters.digests("a")
