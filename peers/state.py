@@ -222,9 +222,7 @@ class BlockUpdate:
         return BlockState(self.step, {name: {"grad": grad} for name, grad in self.grads.items()})
 
     @classmethod
-    def from_state(
-        cls, state: BlockState, hparams: OptimizerHParams, base: str = "", after: str = ""
-    ) -> BlockUpdate:
+    def from_state(cls, state: BlockState, hparams: OptimizerHParams, base: str = "", after: str = "") -> BlockUpdate:
         return cls(state.step, {name: entry["grad"] for name, entry in state.tensors.items()}, hparams, base, after)
 
 

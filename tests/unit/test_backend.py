@@ -37,6 +37,18 @@ def _train_one_step(backend: SpanBackend, name: str, blocks: range, step: int) -
     backend.adapters.apply(name, step, {b: [(mb,)] for b in blocks}, HPARAMS)
 
 
+def _server_and_copies(model_dir) -> tuple[SpanBackend, SpanBackend]:
+    """A server of blocks 2:4 one step into adapter "a", and a peer of 0:2 holding copies of its blocks at step 1."""
+    wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    server, holder = _backend(model_dir, range(2, 4)), _backend(model_dir, range(0, 2))
+    server.adapters.open_adapter("a", wire, seed=3, session="s")
+    _train_one_step(server, "a", range(2, 4), 0)
+    holder.adapters.keep_standby(
+        "a", {"lora": wire, "seed": 3}, server.adapters.export_state("a", range(2, 4))[0], keep={2, 3}
+    )
+    return server, holder
+
+
 def test_standby_copies_take_over_exactly_and_moves_keep_state(tiny_models):
     import peft
 
@@ -125,15 +137,7 @@ def test_a_copy_from_a_step_its_server_took_back_and_redid_otherwise_is_dropped_
     gradients (a replay). The copy is at the right step in other bits: brought forward by the next update it would
     drift from the servers for good (seen under churn: the copy took the block over and broke the replicas' vote).
     It is dropped instead, and the next pull brings the whole state."""
-    import peft
-
-    wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    server, holder = _backend(tiny_models["llama"], range(2, 4)), _backend(tiny_models["llama"], range(0, 2))
-    server.adapters.open_adapter("a", wire, seed=3, session="s")
-    _train_one_step(server, "a", range(2, 4), 0)
-    holder.adapters.keep_standby(
-        "a", {"lora": wire, "seed": 3}, server.adapters.export_state("a", range(2, 4))[0], keep={2, 3}
-    )
+    server, holder = _server_and_copies(tiny_models["llama"])
     _train_one_step(server, "a", range(2, 4), 1)
     _, updates = server.adapters.export_state("a", range(2, 4), held=holder.adapters.adapter("a").standby_steps())
     assert holder.adapters.apply_updates("a", updates) == [2, 3]
@@ -151,7 +155,7 @@ def test_a_copy_from_a_step_its_server_took_back_and_redid_otherwise_is_dropped_
     assert holder.adapters.adapter("a").standby_steps() == {}
     states, updates = server.adapters.export_state("a", range(2, 4), held=holder.adapters.adapter("a").standby_steps())
     assert sorted(states) == [2, 3] and updates == {}
-    holder.adapters.keep_standby("a", {"lora": wire, "seed": 3}, states, keep={2, 3})
+    holder.adapters.keep_standby("a", holder.adapters.adapter("a").meta, states, keep={2, 3})
     for block in (2, 3):
         assert holder.adapters.adapter("a").standby[block].digest() == server.adapters.digests("a")[block]
 
@@ -338,13 +342,7 @@ def test_a_server_that_altered_its_state_after_its_update_is_found_out_by_the_co
     """Issue 59: a copy one step behind applies the server's last update itself; where the result is not the
     server's state (``BlockUpdate.reaches``), the server altered its adapter outside the step. The copy keeps what
     the update gives, and the server is named. ``explains`` tells the same from the server's own state before."""
-    wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    server, holder = _backend(tiny_models["llama"], range(2, 4)), _backend(tiny_models["llama"], range(0, 2))
-    server.adapters.open_adapter("a", wire, seed=3, session="s")
-    _train_one_step(server, "a", range(2, 4), 0)
-    holder.adapters.keep_standby(
-        "a", {"lora": wire, "seed": 3}, server.adapters.export_state("a", range(2, 4))[0], keep={2, 3}
-    )
+    server, holder = _server_and_copies(tiny_models["llama"])
     _train_one_step(server, "a", range(2, 4), 1)
     CorruptUpdates().updated([server.adapters.adapter("a").blocks[2]])  # block 2 altered after its update
     _, updates = server.adapters.export_state("a", range(2, 4), held=holder.adapters.adapter("a").standby_steps())
