@@ -19,7 +19,9 @@ from swarm.testing import seed
 from swarm.testing.tiny import make_tiny_model
 
 BALANCE_INTERVAL = 2.0
-SETTLE = 240.0  # seconds from the first peer's start until the six put two servers on every block (two cores, loaded)
+# seconds from the first peer's start until the six put two servers on every block (two cores, loaded); 250.7 s was
+# measured once, in a suite run 35 % slower than usual on this machine (the whole test: 354 s, 184 s on a quiet day)
+SETTLE = 300.0
 RECOVER = 60.0  # seconds from the kill until the five left are at the best their spans allow
 PATIENCE = 150.0  # the client's: it connects while the peers load, and waits out blocks without a server
 MAX_MOVES = 3  # moves a peer may begin: one to settle, and a takeover's growth and shrink back after the kill
