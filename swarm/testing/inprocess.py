@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import psutil
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.p2p import PeerID
+from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
 from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
@@ -37,6 +40,26 @@ STOP_TIMEOUT = 15.0  # a peer that has not left by then is killed
 # What every in-process peer differs in from `swarm peer`'s defaults: loopback, no relays, the spans a test gives
 # stay where they are, and a leave that takes a blink.
 IN_PROCESS = dict(host="127.0.0.1", relay="never", rebalance=False, leave_grace=0.2)
+
+
+@contextlib.contextmanager
+def _fork_shared_locks(deadline: float, name: str) -> Iterator[None]:
+    """Hold hivemind's MPFuture locks, which every DHT process forked from this one shares (multiprocessing
+    semaphores made at import): a DHT process stopped while holding one hangs every other DHT's replies (a test's
+    client waited forever on ``dht.run_coroutine``), one killed holding one hangs them for good. Holding them, the
+    peer is stopped or killed outside them. Separate processes, as real peers are, share none (the test fork server
+    resets them in each child)."""
+    locks = (MPFuture._initialization_lock, MPFuture._update_lock, SharedBytes._lock)
+    held = []
+    try:
+        for lock in locks:
+            if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise InProcessPeerError(f"peer {name} could not be stopped: a process holds hivemind's MPFuture lock")
+            held.append(lock)
+        yield
+    finally:
+        for lock in reversed(held):
+            lock.release()
 
 
 class InProcessPeerError(RuntimeError):
@@ -115,7 +138,8 @@ class InProcessPeer:
         """Die like a crashed machine, from any thread (a fault fires it from the peer's own loop): SIGKILL its DHT
         process and P2P daemon, so that every connection drops at once, and drop its loop without leaving."""
         self.killed = True
-        self._signal_network(signal.SIGKILL)
+        with _fork_shared_locks(time.monotonic() + STOP_TIMEOUT, self.name):  # none is left held by the dead
+            self._signal_network(signal.SIGKILL)
         if self._served is not None:
             self._served.cancel()
 
@@ -123,15 +147,16 @@ class InProcessPeer:
         """Hang like a frozen machine, seen from outside: SIGSTOP its DHT process and P2P daemon, so that nothing
         it is sent is answered while its connections stay open; returns once both are stopped (a test calling it
         next must find it frozen). ``thaw()`` undoes it."""
-        stopped = self._signal_network(signal.SIGSTOP)
-        if len(stopped) < 2:
-            raise InProcessPeerError(f"peer {self.name} has no DHT process and P2P daemon to freeze: {stopped}")
         deadline = time.monotonic() + timeout
-        while not all(process.status() == psutil.STATUS_STOPPED for process in stopped):
-            if time.monotonic() > deadline:
-                states = {process.pid: process.status() for process in stopped}
-                raise InProcessPeerError(f"peer {self.name} did not freeze within {timeout:.0f}s: {states}")
-            time.sleep(0.01)
+        with _fork_shared_locks(deadline, self.name):
+            stopped = self._signal_network(signal.SIGSTOP)
+            if len(stopped) < 2:
+                raise InProcessPeerError(f"peer {self.name} has no DHT process and P2P daemon to freeze: {stopped}")
+            while not all(process.status() == psutil.STATUS_STOPPED for process in stopped):
+                if time.monotonic() > deadline:
+                    states = {process.pid: process.status() for process in stopped}
+                    raise InProcessPeerError(f"peer {self.name} did not freeze within {timeout:.0f}s: {states}")
+                time.sleep(0.01)
 
     def thaw(self) -> None:
         self._signal_network(signal.SIGCONT)

@@ -5,12 +5,15 @@ again once it may have restarted under the same id; a peer found frozen is kept 
 from __future__ import annotations
 
 import shutil
+import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import peft
 import pytest
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+from hivemind.utils.mpfuture import MPFuture
 
 import swarm
 from swarm.net.addresses import hang_up
@@ -69,6 +72,31 @@ def test_a_peer_found_frozen_is_left_out_of_the_dht_lookups(two_peers, cpu_load)
         session.transport.call(b, Message(INFO, []), timeout=2)
     assert is_suspected(session.dht, b)
     assert not is_suspected(session.dht, a)
+
+
+async def _hold_reply_lock(_dht, _node, seconds: float, flag: str) -> None:
+    """In a DHT process: take hivemind's reply lock, shared by every DHT process forked from the test's, for a while."""
+    MPFuture._update_lock.acquire()
+    Path(flag).touch()
+    threading.Timer(seconds, MPFuture._update_lock.release).start()
+
+
+async def _answer(_dht, _node) -> bool:
+    return True
+
+
+def test_a_peer_frozen_while_its_dht_replies_hangs_no_other_dht(two_peers, tmp_path):
+    # The last test's client once waited forever on its own DHT process: b had been stopped while replying, holding
+    # the lock that every DHT process forked from this one shares, so no other could reply. Real peers share none.
+    model, peers = two_peers
+    flag = tmp_path / "held"
+    peers["b"].daemon.dht.run_coroutine(partial(_hold_reply_lock, seconds=1.0, flag=str(flag)), return_future=True)
+    deadline = time.monotonic() + 60
+    while not flag.exists():
+        assert time.monotonic() < deadline, "b's DHT process never took the lock"
+        time.sleep(0.01)
+    peers["b"].freeze()
+    assert model.session.dht.run_coroutine(_answer, return_future=True).result(timeout=30)
 
 
 def test_a_busy_peer_that_still_answers_hello_is_waited_for(two_peers, cpu_load):
