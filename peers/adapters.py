@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from peers.behaviour import Behaviour
-from peers.reduction import sums
+from peers.reduction import norms, sums
+from peers.reduction.running import RunningSum
 from peers.state import (
     ActivationCache,
     Adapter,
@@ -27,9 +28,11 @@ from peers.state import (
     TokensInFlight,
     Undo,
     session_of,
+    state_digests,
 )
-from peers.update import BlockOptimizer
+from peers.update import BlockOptimizer, steps_done
 from swarm.blocks import add_lora, lora_config_from_wire, spans_text
+from swarm.net import hostsync
 from swarm.net.errors import (
     FencedError,
     MissingGradientsError,
@@ -39,7 +42,7 @@ from swarm.net.errors import (
     UnknownAdapterError,
     WeightsMismatchError,
 )
-from swarm.net.gradhash import grad_hash
+from swarm.net.gradhash import grad_hashes
 from swarm.net.gradnorm import GradNorm, covers_digest
 from swarm.net.protocol import AdapterInfo, Group, OptimizerHParams, lora_and_seed
 from swarm.net.reduction import add_up, partial_sum
@@ -240,28 +243,33 @@ class AdapterStore:
     def grad_norms(self, name: str, blocks: range, step: int) -> tuple[GradNorm, ...]:
         """What a backward's reply says of its blocks: each one's gradient summed over every micro-batch held here at
         ``step``, as a 2-norm and an inf-norm share, and which micro-batches those are."""
-        adapter = self.adapter(name)
-        norms = []
-        for block in blocks:
-            state = adapter.blocks.get(block)
-            if state is None or state.step != step or not state.grads:
-                continue
-            summed = partial_sum(state.grads, tuple(state.grads))  # one holder's sum: the step's, if it holds all
-            sum_sq = math.fsum(float(torch.linalg.vector_norm(g)) ** 2 for g in summed)
-            max_abs = max((float(g.abs().max()) for g in summed if g.numel()), default=0.0)
-            norms.append(GradNorm(block, covers_digest(state.grads), sum_sq, max_abs))
-        return tuple(norms)
+        held = self._holding(name, blocks, step)
+        # one holder's sum: the step's, if it holds all; kept as the backwards come (peers/reduction/running.py)
+        summed = [state.running.of(state.grads, tuple(state.grads)) for state in held.values()]
+        return tuple(
+            GradNorm(
+                block,
+                covers_digest(state.grads),
+                math.fsum(two**2 for two, _ in by_tensor),
+                max((inf for _, inf in by_tensor), default=0.0),
+            )
+            for (block, state), by_tensor in zip(held.items(), norms.tensor_norms(summed, (2.0, math.inf)), strict=True)
+        )
 
     def grad_hashes(self, name: str, blocks: range, step: int, micro_batch: str) -> tuple[tuple[int, str], ...]:
         """What a backward's reply says of the micro-batch's gradients held here on each block: their hash (see
         swarm/net/gradhash.py), which the replicas fetching them at commit check."""
-        adapter = self.adapter(name)
-        hashes = []
-        for block in blocks:
-            state = adapter.blocks.get(block)
-            if state is not None and state.step == step and micro_batch in state.grads:
-                hashes.append((block, grad_hash(state.grads[micro_batch])))
-        return tuple(hashes)
+        held = {block: s.grads[micro_batch] for block, s in self._holding(name, blocks, step, micro_batch).items()}
+        return tuple(zip(held, grad_hashes(list(held.values())), strict=True))
+
+    def _holding(self, name: str, blocks: range, step: int, micro_batch: str | None = None) -> dict[int, BlockAdapter]:
+        """The blocks holding gradients at ``step`` here (of ``micro_batch``, if given)."""
+        at_step = {block: self.adapter(name).blocks.get(block) for block in blocks}
+        return {
+            block: state
+            for block, state in at_step.items()
+            if state is not None and state.step == step and (micro_batch in state.grads if micro_batch else state.grads)
+        }
 
     def norm_parts(self, name: str, step: int, groups: dict[int, list[Group]], norm_type: float) -> dict[int, float]:
         """Per block of the ledger held here at ``step``, its share of the step's ``norm_type``-norm (see
@@ -270,15 +278,14 @@ class AdapterStore:
         missing = sums.missing(states, step, groups)
         if missing:
             raise MissingGradientsError(f"no gradients for {missing} at step {step}", missing)
+        at_step = {block: state for block, state in states.items() if state.step == step}
+        reduced = [sums.reduced(state, groups[block]) for block, state in at_step.items()]
         parts = {}
-        for block, state in states.items():
-            if state.step != step:
-                continue
-            norms = [torch.linalg.vector_norm(g, norm_type) for g in sums.reduced(state, groups[block])]
+        for block, tensor_norms in zip(at_step, norms.tensor_norms(reduced, (norm_type,)), strict=True):
             if math.isinf(norm_type):
-                parts[block] = max((float(n) for n in norms), default=0.0)
+                parts[block] = max((n for (n,) in tensor_norms), default=0.0)
             else:
-                parts[block] = math.fsum(float(n) ** norm_type for n in norms)
+                parts[block] = math.fsum(n**norm_type for (n,) in tensor_norms)
         return parts
 
     def apply(
@@ -297,24 +304,28 @@ class AdapterStore:
         missing = sums.missing(states, step, groups)
         if missing:
             raise MissingGradientsError(f"no gradients for {missing} at step {step}", missing)
-        moved: set[int] = set()
-        for block, state in states.items():
-            if state.step != step:
-                continue
-            summed = sums.reduced(state, groups[block])
-            if not all(torch.isfinite(g).all() for g in summed):
+        at_step = {block: state for block, state in states.items() if state.step == step}
+        summed = {block: sums.reduced(state, groups[block]) for block, state in at_step.items()}
+        for block, finite in zip(summed, norms.finite(list(summed.values())), strict=True):
+            if not finite:
                 raise RequestError(f"step {step} has non-finite gradients on block {block}; refusing to apply them")
-            if grad_scale != 1.0:
-                for grad in summed:
-                    grad.mul_(grad_scale)
-            before = BlockState.of(state, with_before=False)
+        if grad_scale != 1.0:
+            for grad in (g for grads in summed.values() for g in grads):
+                grad.mul_(grad_scale)
+        befores = BlockState.of_all(list(at_step.values()), with_before=False)
+        bases = state_digests([(before.step, before.entries()) for before in befores])
+        params = {block: [lp.param for lp in state.params] for block, state in at_step.items()}
+        done = steps_done([(state.optimizer, params[block]) for block, state in at_step.items()])
+        for (block, state), before, steps in zip(at_step.items(), befores, done, strict=True):
             state.undo = Undo(before, state.grads, state.last_update, state.partials)
-            state.optimizer.step([lp.param for lp in state.params], summed, hparams)
-            grads = {lp.name: grad.detach().cpu() for lp, grad in zip(state.params, summed, strict=True)}
-            state.last_update = BlockUpdate(step, grads, hparams, before.digest())
-            state.grads, state.partials, state.reduced = {}, {}, None
+            state.optimizer.step(params[block], summed[block], hparams, steps)
+        host = iter(hostsync.to_host([g for grads in summed.values() for g in grads]))
+        for state, base in zip(at_step.values(), bases, strict=True):
+            grads = {lp.name: next(host) for lp in state.params}
+            state.last_update = BlockUpdate(step, grads, hparams, base)
+            state.grads, state.partials, state.reduced, state.running = {}, {}, None, RunningSum()
             state.step += 1
-            moved.add(block)
+        moved = set(at_step)
         self._forget_forwards(name)
         if self.behaviour is not None:
             self.behaviour.updated([state for block, state in adapter.blocks.items() if block in moved])
@@ -369,17 +380,20 @@ class AdapterStore:
         """LoRA tensors, AdamW moments and step of each block, served or standby: what another peer needs. For a
         served block that the asking peer ``held`` one step behind, the last update instead (a third of the bytes)."""
         adapter = self.adapter(name)
-        states, updates = {}, {}
+        states: dict[int, BlockState | None] = {}  # None: a served block's, copied below
+        updates, whole = {}, []
         for block in blocks:
             served = adapter.blocks.get(block)
             update = served.last_update if served is not None else None
             if update is not None and held is not None and held.get(block) == update.step == served.step - 1:
                 updates[block] = replace(update, after=served.digest())  # what the asker's copy must reach
             elif served is not None:
-                states[block] = BlockState.of(served)
+                states[block] = None
+                whole.append(served)
             elif block in adapter.standby:
                 states[block] = adapter.standby[block]
-        return states, updates
+        copies = iter(BlockState.of_all(whole))  # one copy to the host
+        return {block: next(copies) if state is None else state for block, state in states.items()}, updates
 
     def import_state(self, name: str, states: dict[int, BlockState]) -> dict[int, int]:
         """Replace this peer's state of served blocks by a current replica's (gradients in progress are dropped)."""
@@ -527,7 +541,7 @@ class AdapterStore:
     def snapshot(self, name: str) -> dict[int, BlockState]:
         """Every block state this peer holds for the adapter (served and standby), for a checkpoint."""
         adapter = self.adapter(name)
-        states = {block: BlockState.of(state) for block, state in adapter.blocks.items()}
+        states = dict(zip(adapter.blocks, BlockState.of_all(list(adapter.blocks.values())), strict=True))
         return {**adapter.standby, **states}
 
     def lora_state(self, name: str) -> dict[int, dict[str, torch.Tensor]]:
@@ -539,4 +553,6 @@ class AdapterStore:
         }
 
     def digests(self, name: str) -> dict[int, str]:
-        return {block: state.digest() for block, state in self.adapter(name).blocks.items()}
+        """Each served block's state digest (the replicas' vote), from one copy of the span's state to the host."""
+        blocks = self.adapter(name).blocks
+        return dict(zip(blocks, state_digests([(s.step, s.entries()) for s in blocks.values()]), strict=True))

@@ -20,6 +20,7 @@ from peers.layers import run_layers
 from peers.state import BlockAdapter
 from swarm.blocks import load_block, spans_text, stored_tensors
 from swarm.dropout import dropout_masks
+from swarm.net import hostsync
 from swarm.net.errors import MissingForwardError, NotServedError, RequestError, SessionLostError
 from swarm.net.numerics import Numerics
 from swarm.net.protocol import InferRequest
@@ -180,7 +181,7 @@ class SpanBackend:
             self.sessions.end(request.session)
             raise
         session.length += length
-        return outputs.to(hidden.dtype).cpu()
+        return hostsync.one_to_host(outputs.to(hidden.dtype))
 
     def _session(self, request: InferRequest, batch: int, length: int) -> InferenceSession:
         """The request's session: opened (position 0) with room for ``max_length`` tokens, or continued."""
@@ -262,7 +263,7 @@ class SpanBackend:
         mask = None if attention_mask is None else attention_mask.to(self.device)
         if micro_batch is None:
             with torch.no_grad(), self._autocast(autocast):
-                return self._hand_on(self.run(inputs, mask, blocks).to(hidden.dtype).cpu())
+                return self._hand_on(hostsync.one_to_host(self.run(inputs, mask, blocks).to(hidden.dtype)))
         key = (name, micro_batch, blocks.start, blocks.stop)
         store.in_flight_tokens.admit(key, hidden.shape[0] * hidden.shape[1])
         try:
@@ -273,7 +274,7 @@ class SpanBackend:
             store.in_flight_tokens.end(key)
             raise
         store.cache.put(key, block_inputs, mask)
-        return self._hand_on(outputs.to(hidden.dtype).cpu())
+        return self._hand_on(hostsync.one_to_host(outputs.to(hidden.dtype)))
 
     def _block_inputs(
         self, inputs: torch.Tensor, mask: torch.Tensor | None, blocks: range
@@ -335,7 +336,7 @@ class SpanBackend:
         gradient, grads_of = self._backward_blocks(blocks, states, block_inputs, mask, grad_outputs, input_grad, seeded)
         store.hold_grads(states, micro_batch, [g for block in states for g in grads_of[block]])
         store.in_flight_tokens.end(key)
-        return None if not input_grad else gradient.to(grad_outputs.dtype).cpu()
+        return None if not input_grad else hostsync.one_to_host(gradient.to(grad_outputs.dtype))
 
     def _inputs_for_backward(
         self,

@@ -30,13 +30,9 @@ def run_layers(
         position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)[:, -length:]
     else:
         position_ids = torch.arange(position, position + length, device=hidden.device).unsqueeze(0)
-    mask_args = dict(
-        config=spec.config,
-        inputs_embeds=hidden,
-        attention_mask=attention_mask,
-        cache=cache,
-        position_ids=position_ids,
-    )
+    # no position_ids for the masks: ours are one run per row, never packed sequences, and transformers reads them
+    # back to the host to look for packing (a sync per mask, per block where the span runs one block at a time)
+    mask_args = dict(config=spec.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache)
     masks: dict[str, torch.Tensor | None] = {}
     position_embeddings: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for block in blocks:

@@ -12,12 +12,15 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from peers.reduction.running import RunningSum
 from peers.update import BlockOptimizer, adamw_, new_moments
 from swarm.blocks import LoraParam
+from swarm.net import hostsync
 from swarm.net.errors import KeptInputsFullError, RequestError, TokensInFlightError
 from swarm.net.protocol import Group, OptimizerHParams, adapter_meta
 
 GradsByBlock = dict[int, dict[str, list[torch.Tensor]]]
+Entries = list[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]  # per LoRA tensor: its name, value and moments
 
 
 def session_of(micro_batch: str) -> str:
@@ -45,6 +48,7 @@ class BlockAdapter:
     reduced: Reduced | None = None  # the step's whole reduced gradient, gathered in chunks at commit
     last_update: BlockUpdate | None = None  # what took the state from step - 1 to step, for copies one step behind
     undo: Undo | None = None  # the block as it was before its last apply
+    running: RunningSum = field(default_factory=RunningSum)  # its own micro-batches' sum so far
 
     def take_back(self) -> bool:
         """Undo the last apply exactly (state, gradients, last update): a commit that reached this replica but
@@ -60,26 +64,28 @@ class BlockAdapter:
 
     def digest(self) -> str:
         """Hash of everything that must agree between replicas: step, LoRA tensors, AdamW moments."""
-        return state_digest(
-            self.step, ((lp.name, lp.param, self.optimizer.state.get(lp.param, {})) for lp in self.params)
-        )
+        return state_digests([(self.step, self.entries())])[0]
+
+    def entries(self) -> Entries:
+        return [(lp.name, lp.param, self.optimizer.state.get(lp.param, {})) for lp in self.params]
 
 
-def state_digest(step: int, tensors: Iterable[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]) -> str:
-    """The digest of a block's state (step; per LoRA tensor: its name, value and AdamW moments), served or a copy."""
-    h = hashlib.sha256(str(step).encode())
-    for name, param, moments in tensors:
-        h.update(name.encode())
-        h.update(_raw_bytes(param))
-        for key, value in sorted(moments.items()):
-            h.update(key.encode())
-            h.update(_raw_bytes(value))
-    return h.hexdigest()
-
-
-def _raw_bytes(tensor: torch.Tensor) -> bytes:
-    """A tensor's bytes in any dtype (numpy has no bfloat16; LoRA kept in bf16 hashes too)."""
-    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+def state_digests(states: list[tuple[int, Entries]]) -> list[str]:
+    """The digest of each block's state (step; per LoRA tensor: its name, value and AdamW moments), served or a
+    copy: the bytes of them all copied to the host at once (swarm/net/hostsync.py), then hashed block by block."""
+    order = [[(name, param), *sorted(moments.items())] for _, entries in states for name, param, moments in entries]
+    flat = hostsync.flat_bytes([tensor for fields in order for _, tensor in fields]).numpy()
+    digests, offset, fields = [], 0, iter(order)
+    for step, entries in states:
+        h = hashlib.sha256(str(step).encode())
+        for _ in entries:
+            for label, tensor in next(fields):
+                size = tensor.numel() * tensor.element_size()
+                h.update(label.encode())
+                h.update(memoryview(flat[offset : offset + size]))
+                offset += size
+        digests.append(h.hexdigest())
+    return digests
 
 
 @dataclass
@@ -110,14 +116,22 @@ class BlockState:
 
     @classmethod
     def of(cls, state: BlockAdapter, with_before: bool = True) -> BlockState:
-        tensors = {}
-        for lp in state.params:
-            entry = {"param": lp.param.detach().cpu().clone()}
-            for key, value in state.optimizer.state.get(lp.param, {}).items():
-                entry[key] = value.detach().cpu().clone()
-            tensors[lp.name] = entry
-        before = state.undo.state if with_before and state.undo is not None else None
-        return cls(step=state.step, tensors=tensors, before=before)
+        return cls.of_all([state], with_before)[0]
+
+    @classmethod
+    def of_all(cls, states: list[BlockAdapter], with_before: bool = True) -> list[BlockState]:
+        """Host copies of blocks' states, for one copy from the device (swarm/net/hostsync.py)."""
+        fields = [
+            [(name, [("param", param), *moments.items()]) for name, param, moments in state.entries()]
+            for state in states
+        ]
+        host = iter(hostsync.to_host([t for block in fields for _, entry in block for _, t in entry]))
+        copies = []
+        for state, block in zip(states, fields, strict=True):
+            tensors = {name: {key: next(host) for key, _ in entry} for name, entry in block}
+            before = state.undo.state if with_before and state.undo is not None else None
+            copies.append(cls(step=state.step, tensors=tensors, before=before))
+        return copies
 
     def fields(self) -> dict[str, dict[str, torch.Tensor]]:
         """Per LoRA tensor its fields, those of ``before`` among them under the prefix ``BEFORE``: one flat form."""
@@ -144,10 +158,10 @@ class BlockState:
 
     def digest(self) -> str:
         """The same digest as the served block's (``BlockAdapter.digest``) holding this state."""
-        entries = self.tensors.items()
-        return state_digest(
-            self.step, ((n, e["param"], {k: v for k, v in e.items() if k != "param"}) for n, e in entries)
-        )
+        return state_digests([(self.step, self.entries())])[0]
+
+    def entries(self) -> Entries:
+        return [(n, e["param"], {k: v for k, v in e.items() if k != "param"}) for n, e in self.tensors.items()]
 
     def load_into(self, state: BlockAdapter) -> None:
         names = {lp.name for lp in state.params}
@@ -159,7 +173,10 @@ class BlockState:
                 if entry["param"].shape != lp.param.shape:
                     raise RequestError(f"state tensor {lp.name} has shape {list(entry['param'].shape)}")
                 lp.param.copy_(entry["param"])
-                moments = {k: v.to(lp.param.device) for k, v in entry.items() if k != "param"}
+                # the step count stays on the host, as torch's AdamW keeps it: read there without a device's sync
+                moments = {
+                    k: v.clone() if k == "step" else v.to(lp.param.device) for k, v in entry.items() if k != "param"
+                }
                 if moments:
                     state.optimizer.state[lp.param] = moments
                 else:

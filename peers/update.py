@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from swarm.net import hostsync
 from swarm.net.protocol import OptimizerHParams
 
 MOMENTS = ("step", "exp_avg", "exp_avg_sq")
@@ -51,10 +52,17 @@ def new_moments(param: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def adamw_(param: torch.Tensor, grad: torch.Tensor, moments: dict[str, torch.Tensor], hp: OptimizerHParams) -> None:
+def adamw_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    moments: dict[str, torch.Tensor],
+    hp: OptimizerHParams,
+    done: int | None = None,
+) -> None:
     """One AdamW step of ``param`` with ``grad``, in place, and of its ``moments`` (``new_moments`` at first). One
-    scratch tensor holds each intermediate in turn."""
-    step = int(moments["step"].item()) + 1
+    scratch tensor holds each intermediate in turn. ``done``: the steps the moments had, where the caller read them
+    already (``steps_done``)."""
+    step = (int(moments["step"].item()) if done is None else done) + 1
     beta1, beta2 = (float(b) for b in hp.betas)
     grad = grad.to(param.dtype)
     exp_avg, exp_avg_sq = moments["exp_avg"], moments["exp_avg_sq"]
@@ -77,9 +85,25 @@ class BlockOptimizer:
     def __init__(self) -> None:
         self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
 
-    def step(self, params: list[torch.Tensor], grads: list[torch.Tensor], hp: OptimizerHParams) -> None:
-        for param, grad in zip(params, grads, strict=True):
-            adamw_(param, grad, self.state.setdefault(param, new_moments(param)), hp)
+    def step(
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        hp: OptimizerHParams,
+        done: list[int | None] | None = None,
+    ) -> None:
+        """One AdamW step of each of ``params``, whose moments had ``done`` steps (``steps_done``; None: read here,
+        one each)."""
+        for param, grad, steps in zip(params, grads, done or [None] * len(params), strict=True):
+            adamw_(param, grad, self.state.setdefault(param, new_moments(param)), hp, steps)
+
+
+def steps_done(blocks: list[tuple[BlockOptimizer, list[torch.Tensor]]]) -> list[list[int]]:
+    """Per block (its optimizer and LoRA tensors), the steps each tensor's moments had (0 before the first): read
+    for a whole span at once, where one read per tensor was a sync each once the counts were loaded onto a GPU."""
+    counts = [opt.state[p]["step"] if p in opt.state else torch.tensor(0.0) for opt, params in blocks for p in params]
+    read = iter(hostsync.values(torch.stack([c.double() for c in counts])) if counts else [])
+    return [[int(next(read)) for _ in params] for _, params in blocks]
 
 
 class ExactAdamW(torch.optim.Optimizer):

@@ -12,7 +12,7 @@ from peers.adapters import AdapterStore
 from peers.reduction import sums
 from peers.state import BlockAdapter, GradsByBlock, Reduced
 from swarm.net.errors import RequestError
-from swarm.net.gradhash import grad_hash
+from swarm.net.gradhash import grad_hashes
 from swarm.net.protocol import SUM, Group
 from swarm.net.reduction import chunk_of, from_chunks, partial_chunk, partial_sum
 
@@ -36,11 +36,13 @@ class HeldGradients:
         """Forget gradients held here for micro-batches whose ledger holder is another peer, where they hash otherwise
         (``hashes``: block -> micro-batch -> the holder's hash): this peer computed the micro-batch too (a retried
         backward) on hardware that rounds differently, and every replica must apply the same bits, the holder's."""
-        for _, state, by_mb in self._at_step(name, step, hashes):
-            for mb, wanted in by_mb.items():
-                held = state.grads.get(mb)
-                if held is not None and grad_hash(held) != wanted:
-                    del state.grads[mb]
+        held = [
+            (state, mb, want) for _, state, by_mb in self._at_step(name, step, hashes) for mb, want in by_mb.items()
+        ]
+        held = [(state, mb, want) for state, mb, want in held if mb in state.grads]
+        for (state, mb, wanted), found in zip(held, grad_hashes([s.grads[mb] for s, mb, _ in held]), strict=True):
+            if found != wanted:
+                del state.grads[mb]
 
     def micro_batch_grads(self, name: str, step: int, wanted: dict[int, list[str]]) -> GradsByBlock:
         """Gradients this peer holds for (block, micro-batch) at ``step`` (applied or not), for a replica that lacks

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from peers.reduction import norms
 from peers.state import BlockAdapter
 from swarm.net.errors import RequestError
 from swarm.net.protocol import Group
-from swarm.net.reduction import add_up, partial_sum
+from swarm.net.reduction import add_up
 
 
 def can_sum(state: BlockAdapter, group: Group) -> bool:
@@ -34,14 +35,15 @@ def missing(states: dict[int, BlockAdapter], step: int, groups: dict[int, list[G
 
 def reduced(state: BlockAdapter, groups: list[Group]) -> list[torch.Tensor]:
     """A block's gradient of the step: each group's partial sum (fetched from its holder, or summed here from the
-    gradients held here, which are its holder's bits: see ``HeldGradients.drop_unlike``), added up in the order of
-    ``groups``; or the same bits gathered in chunks from the block's reducers."""
+    gradients held here, which are its holder's bits: see ``HeldGradients.drop_unlike``; the sum kept as the backwards
+    came, where it covers the group: peers/reduction/running.py), added up in the order of ``groups``; or the same
+    bits gathered in chunks from the block's reducers."""
     if gathered(state, groups):
         return [g.clone() for g in state.reduced.grads]
-    return add_up([state.partials[g] if g in state.partials else partial_sum(state.grads, g) for g in groups])
+    return add_up([state.partials[g] if g in state.partials else state.running.of(state.grads, g) for g in groups])
 
 
 def check_grads(state: BlockAdapter, block: int, what: str, tensors: list[torch.Tensor]) -> None:
     shapes = [tuple(lp.param.shape) for lp in state.params]
-    if [tuple(t.shape) for t in tensors] != shapes or not all(torch.isfinite(t).all() for t in tensors):
+    if [tuple(t.shape) for t in tensors] != shapes or not norms.finite([tensors])[0]:
         raise RequestError(f"gradients for block {block}, micro-batch {what} have wrong shapes or values")

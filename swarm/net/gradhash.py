@@ -14,17 +14,30 @@ from collections.abc import Sequence
 
 import torch
 
+from swarm.net import hostsync
+
 HASH = re.compile(r"[0-9a-f]{64}")
 
 
 def grad_hash(tensors: Sequence[torch.Tensor]) -> str:
     """The canonical sha256 of one block's LoRA gradients for one micro-batch (hex)."""
-    digest = hashlib.sha256(f"{len(tensors)}\n".encode())
-    for tensor in tensors:
-        flat = tensor.detach().contiguous().cpu()
-        digest.update(f"{str(flat.dtype).removeprefix('torch.')}{list(flat.shape)}\n".encode())
-        digest.update(flat.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+    return grad_hashes([tensors])[0]
+
+
+def grad_hashes(blocks: Sequence[Sequence[torch.Tensor]]) -> list[str]:
+    """``grad_hash`` of each block's gradients, from one flat copy of them all on the host: a span's blocks and LoRA
+    tensors cost the device one copy, not one each (swarm/net/hostsync.py)."""
+    flat = hostsync.flat_bytes([t for tensors in blocks for t in tensors]).numpy()
+    hashes, offset = [], 0
+    for tensors in blocks:
+        digest = hashlib.sha256(f"{len(tensors)}\n".encode())
+        for tensor in tensors:
+            size = tensor.numel() * tensor.element_size()
+            digest.update(f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}\n".encode())
+            digest.update(memoryview(flat[offset : offset + size]))
+            offset += size
+        hashes.append(digest.hexdigest())
+    return hashes
 
 
 def read_grad_hash(value: object) -> str:
