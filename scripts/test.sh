@@ -15,4 +15,7 @@ if [ "$(id -u)" = 0 ] && ! command -v chromium >/dev/null && ! command -v chromi
     echo "could not install chromium: the monitor's browser test will skip" >&2
 fi
 .venv/bin/ruff check .
-exec .venv/bin/python -m pytest -q -rs --durations=50 --durations-min=5 "$@"
+# Two workers: most tests spend their time waiting on timeouts, heartbeats and other processes, so two at a time
+# take ~0.6 of the time on two cores; the slow ones run one after another on one worker (tests/conftest.py).
+# SWARM_TEST_WORKERS=0 runs everything in this one process.
+exec .venv/bin/python -m pytest -q -rs --durations=50 --durations-min=5 -n "${SWARM_TEST_WORKERS:-2}" --dist loadgroup "$@"

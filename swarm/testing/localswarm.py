@@ -157,7 +157,7 @@ class LocalSwarm:
     def start_dht(
         self,
         extra: list[str] | None = None,
-        timeout: float = 60.0,
+        timeout: float = 180.0,
         host: str = "127.0.0.1",
         prefix: list[str] | None = None,
     ) -> Process:
@@ -179,7 +179,7 @@ class LocalSwarm:
         the workdir)."""
         return self._spawn(name, args, [sys.executable, str(script)], prefix, log=log)
 
-    def start_monitor(self, port: int = 0, refresh: float = 2.0, timeout: float = 60.0) -> tuple[Process, str]:
+    def start_monitor(self, port: int = 0, refresh: float = 2.0, timeout: float = 180.0) -> tuple[Process, str]:
         """``swarm monitor`` on 127.0.0.1 (``port`` 0: any free one); returns it and the page's URL (no trailing
         slash)."""
         monitor = self._spawn(
@@ -196,7 +196,7 @@ class LocalSwarm:
         name: str | None = None,
         extra: list[str] | None = None,
         wait: bool = True,
-        timeout: float = 120.0,
+        timeout: float = 300.0,
         launcher: list[str] | None = None,
         host: str = "127.0.0.1",
         prefix: list[str] | None = None,
