@@ -11,6 +11,7 @@ import torch
 from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
 from peers.reduction.held import HeldGradients
+from peers.reduction.running import RunningSum
 from swarm.net.protocol import SUM, Held, OptimizerHParams, ledger_groups
 from swarm.net.reduction import (
     add_chunks,
@@ -55,6 +56,20 @@ def test_with_one_holder_the_reduced_gradient_is_local_accumulation_to_the_bit()
     grads = _grads(8)
     reduced = add_up([partial_sum(grads, tuple(grads))])
     assert all(torch.equal(a, b) for a, b in zip(reduced, _accumulated(grads), strict=True))
+
+
+def test_a_partial_sum_kept_as_the_backwards_come_is_the_partial_sums_bits_in_any_order_they_come():
+    grads = _grads(6)
+    mbs = sorted(grads)
+    running, held = RunningSum(), {}
+    for mb in [mbs[0], mbs[1], mbs[3], mbs[2], mbs[4], mbs[5]]:  # one comes late: the sum starts over
+        held[mb] = grads[mb]
+        assert same_bits(running.of(held, tuple(held)), partial_sum(held, tuple(held)))
+    extended = running.total
+    held[mbs[5]] = [t.clone() for t in grads[mbs[0]]]  # a held gradient replaced (drop_unlike, then fetched)
+    assert same_bits(running.of(held, tuple(held)), partial_sum(held, tuple(held)))
+    assert running.total is not extended
+    assert same_bits(running.of(held, tuple(mbs[:3])), partial_sum(held, tuple(mbs[:3])))  # a ledger's subset
 
 
 def test_with_several_holders_it_differs_by_summation_order_rounding_within_its_bound():
