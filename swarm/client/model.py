@@ -370,7 +370,7 @@ class SwarmModelForCausalLM(nn.Module):
         so a caller running micro-batches in threads takes them in data order, then runs each forward inside
         ``in_micro_batch(id)`` (transformers' Trainer glue, swarm/client/trainer.py)."""
         with self._ids:
-            return self.ledger.new_micro_batch()
+            return self.training_session.new_micro_batch()
 
     @contextlib.contextmanager
     def in_micro_batch(self, micro_batch: str) -> Iterator[None]:
@@ -535,7 +535,7 @@ class SwarmModelForCausalLM(nn.Module):
         def start(batch: Mapping[str, torch.Tensor]) -> Callable[[], torch.Tensor]:
             _check_micro_batch(batch)
             hidden, mask = self._inputs(batch["input_ids"], batch.get("attention_mask"))
-            micro_batch = ledger.new_micro_batch()  # here, in order: the canonical order of the sum
+            micro_batch = self.training_session.new_micro_batch()  # here, in order: the canonical order of the sum
 
             def run() -> torch.Tensor:
                 with torch.enable_grad():

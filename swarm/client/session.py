@@ -22,6 +22,7 @@ from swarm.client.commit import ReplicaSet, StepsLost, commit, take_back_abandon
 from swarm.client.config import SwarmConfig
 from swarm.client.copies import CopyKeeper
 from swarm.client.current import CurrentPeers
+from swarm.client.joiners import judge_joiners
 from swarm.client.lease import AdapterLease
 from swarm.client.ledger import StepLedger
 from swarm.client.remote import RemoteStack, spot_check_policy
@@ -244,6 +245,8 @@ class TrainingSession(AdapterSession):
         super().__init__(*parts, **named)
         self.lease, self.copies, self.trainer, self.owner = lease, copies, trainer, owner
         self.ledger = StepLedger(step=self.current.step, session=session_id)
+        self.judged: set[PeerID] = set()  # the replicas whose states were compared at the step: the last vote's
+        self.opened: int | None = None  # the step whose first micro-batch was made
 
     def start(self, resume: str = "committed") -> None:
         """Take the lease and resume at the adapter's last committed step, with its copies in place."""
@@ -264,7 +267,6 @@ class TrainingSession(AdapterSession):
         if self.ledger.empty:
             logger.warning("optimizer step with no backward since the last step: nothing to commit")
             return self.step
-        self.router.refresher.wait_fresh(timeout=self.router.options.refresh_every)
         ledger = self.ledger
         for attempt in range(RECOMMITS + 1):
             applied = commit(self.hops, self.replicas, ledger, hparams)
@@ -289,8 +291,24 @@ class TrainingSession(AdapterSession):
         adapter, weights = self.adapter, dict(self.router.weights)
         record = CommittedRecord(self.step, adapter.lora, adapter.seed, self.trainer, recent, lost, dishonest, weights)
         announce_committed(self.dht, self.spec.name, self.adapter.name, self.owner, record)
-        self.router.refresher.refresh_soon()  # peers that joined or moved meanwhile are brought in at the next step
+        self.judged = set(applied)
         return self.step
+
+    def new_micro_batch(self) -> str:
+        """A micro-batch id of the step in progress; the step's first brings in the replicas that joined first."""
+        if self.opened != self.step:
+            self.opened = self.step
+            self._admit_joiners()
+        return self.ledger.new_micro_batch()
+
+    def _admit_joiners(self) -> None:
+        """A fresh look at the swarm, the peers that joined or moved opened and synced, and the replicas not in the
+        last vote compared with the others (``judge_joiners``): before any micro-batch of the step is routed, so
+        that none runs through a state its replicas outvote."""
+        self.router.refresher.refresh_soon()
+        self.router.refresher.wait_fresh(timeout=self.router.options.refresh_every)
+        self.replicas.refresh(self.step)
+        self.judged = judge_joiners(self.hops, self.replicas, self.step, self.judged)
 
     def grad_norm(self, norm_type: float) -> float:
         """The norm of the step's gradient so far, as the commit would apply it (its clipping factor included)."""

@@ -1,5 +1,5 @@
 """A router's view of the swarm kept fresh in the background: a look every ``refresh_every`` seconds, or at once when
-asked (after a commit, while the next step computes), on a thread of its own."""
+asked (at a trainer's step start: swarm/client/session.py), on a thread of its own."""
 
 from __future__ import annotations
 
@@ -29,14 +29,14 @@ class ViewRefresh:
         self._thread.start()
 
     def refresh_soon(self) -> None:
-        """Refresh in the background now (after a commit, while the next step computes)."""
+        """Refresh in the background now."""
         self._fresh.clear()
         self._wake.set()
 
     def wait_fresh(self, timeout: float) -> None:
-        """Wait (at most ``timeout``) for the refresh asked by ``refresh_soon`` to finish: a commit that waits for
-        it sees every peer that had announced itself by the previous commit, so a peer that joined or moved is
-        brought in within one step."""
+        """Wait (at most ``timeout``) for the refresh asked by ``refresh_soon`` to finish: a step that starts with
+        both sees every peer that had announced itself by then, so a peer that joined or moved is brought in, and
+        compared with the replicas it joins, before the step's micro-batches are routed."""
         self._fresh.wait(timeout)
 
     def _loop(self) -> None:

@@ -5,8 +5,9 @@ themselves instead of taking its state (``Replicator.take_state``), find its sta
 (``BlockUpdate.reaches``) and name it in their logs. With the liar gone, the adapter the client saves is local
 peft's after one step: the liar seeded nobody. (Before: both took the liar's state, and kept its corruption.)
 
-What this does not cover yet: the client does not learn of the divergence before the next step, so a step whose
-micro-batches ran through the liar's altered blocks before a vote banned it trains on its altered LoRA."""
+With the liar still there, the client compares the joiners' states with the liar's at the next step's start and bans
+it, outvoted, before any micro-batch runs through its altered blocks (swarm/client/joiners.py); so does a client that
+connects while the three replicas load."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from swarm.testing.dishonest import CorruptUpdates
 from swarm.testing.recipe import assert_matches_local_peft, connect, train
 
 REFUSED = "is not its own last update applied"
+STEPS = 3
 
 
 def test_replicas_joining_a_liar_one_step_behind_apply_its_update_themselves(
@@ -43,3 +45,56 @@ def test_replicas_joining_a_liar_one_step_behind_apply_its_update_themselves(
     finally:
         model.shutdown()
     assert_matches_local_peft(model_dir, tmp_path, steps=1)
+
+
+def test_a_liar_first_and_alone_on_a_span_is_banned_before_the_next_step_runs_through_it(
+    inprocess_swarm, tiny_models, tmp_path
+):
+    """The issue's scenario, in order: the liar commits step 0 alone, two honest replicas join before step 1. At
+    step 1's start the client sees them, compares their states with the liar's and bans the liar, outvoted, before
+    any micro-batch runs through its altered blocks (before: step 1 ran through them and a vote banned it after)."""
+    model_dir = tiny_models["llama"]
+    local = inprocess_swarm()
+    local.start_peers({"head": "0:2", "liar": "2:4"}, behaviours={"liar": CorruptUpdates()})
+    liar = local.peers["liar"].peer_id
+    model = connect(local, model_dir, adapter="poison")
+    try:
+        model.save_adapter(tmp_path / "initial")
+        train(model, steps=1)
+        for name in ("honest-1", "honest-2"):
+            local.add_peer("2:4", name, wait=False)
+        for name in ("honest-1", "honest-2"):
+            local.peers[name].wait_serving()
+        train(model, steps=STEPS)
+        assert list(model.dishonest) == [liar]
+        model.save_adapter(tmp_path / "final")
+    finally:
+        model.shutdown()
+    assert_matches_local_peft(model_dir, tmp_path, steps=STEPS)
+
+
+def test_a_liar_among_replicas_started_together_is_banned_when_the_client_does_not_wait(
+    inprocess_swarm, tiny_models, tmp_path
+):
+    """The impatient variant: the three replicas of 2:4 start together, the liar first, and the client connects while
+    they load and trains at once. Whichever serves first and whenever the others join (the test waits for them only
+    after the first step, so that the liar takes part at all), the liar ends banned and the exported adapter is local
+    peft's."""
+    model_dir = tiny_models["llama"]
+    local = inprocess_swarm()
+    local.add_peer("0:2", "head", wait=False)
+    local.add_peer("2:4", "liar", wait=False, behaviour=CorruptUpdates())
+    for name in ("honest-1", "honest-2"):
+        local.add_peer("2:4", name, wait=False)
+    model = connect(local, model_dir, adapter="impatient", patience=120.0)
+    try:
+        model.save_adapter(tmp_path / "initial")
+        train(model, steps=1)
+        for peer in local.peers.values():
+            peer.wait_serving(120.0)
+        train(model, steps=STEPS)
+        assert list(model.dishonest) == [local.peers["liar"].peer_id]
+        model.save_adapter(tmp_path / "final")
+    finally:
+        model.shutdown()
+    assert_matches_local_peft(model_dir, tmp_path, steps=STEPS)
