@@ -70,6 +70,8 @@ def test_a_partial_sum_kept_as_the_backwards_come_is_the_partial_sums_bits_in_an
     assert same_bits(running.of(held, tuple(held)), partial_sum(held, tuple(held)))
     assert running.total is not extended
     assert same_bits(running.of(held, tuple(mbs[:3])), partial_sum(held, tuple(mbs[:3])))  # a ledger's subset
+    held[mbs[1]][0].mul_(2.0)  # changed in place where it is held
+    assert same_bits(running.of(held, tuple(mbs[:3])), partial_sum(held, tuple(mbs[:3])))
 
 
 def test_with_several_holders_it_differs_by_summation_order_rounding_within_its_bound():
