@@ -42,7 +42,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import swarm  # noqa: E402
-from swarm.client.remote import PUBLIC_SPOT_CHECK, VOTERS  # noqa: E402
+from swarm.client.trust import PUBLIC_SPOT_CHECK, VOTERS  # noqa: E402
 from swarm.net.protocol import InfoRequest, Method, method_of  # noqa: E402
 from swarm.testing.faults import CallTap  # noqa: E402
 from swarm.testing.localswarm import LocalSwarm  # noqa: E402
@@ -229,7 +229,7 @@ def run_swarm(
             runs.append(train("swarm clipped", model, optimizer, batches, steps, warmup, pipelined, clip=clip))
         if spot_check:
             hops = model.session.hops
-            hops.spot_check, hops.min_voters = 1.0, VOTERS
+            hops.trust.spot_check, hops.trust.min_voters = 1.0, VOTERS
             runs.append(train("swarm checked", model, optimizer, batches, steps, warmup, pipelined))
             logger.info("spot checks banned %d peer(s) (honest peers: expect none)", len(model.dishonest))
         try:

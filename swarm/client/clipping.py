@@ -18,9 +18,10 @@ from functools import partial
 from hivemind.p2p import PeerID
 
 from swarm.client.calls import PeerFailure
-from swarm.client.commit import ReplicaSet, judge_accused, replay_lost
+from swarm.client.commit import ReplicaSet, judge_accused
 from swarm.client.ledger import StepLedger
 from swarm.client.remote import RemoteStack
+from swarm.client.replays import replay_lost
 from swarm.net.errors import CommitError, ErrorKind, RemoteError, ReplyError
 from swarm.net.gradnorm import combine
 from swarm.net.protocol import NormsRequest, bad_holders, commit_floor, missing_gradients

@@ -30,6 +30,7 @@ from swarm.client.commitround import Phase, ask_round, held_by_departed, mbs_tex
 from swarm.client.current import CurrentPeers
 from swarm.client.ledger import StepLedger
 from swarm.client.remote import RemoteStack
+from swarm.client.replays import replay_lost
 from swarm.client.votes import tally
 from swarm.net.errors import CommitError, RemoteError, ReplicasDisagreeError, SwarmUnavailableError
 from swarm.net.protocol import (
@@ -615,7 +616,7 @@ def _vote(
             outvoted.setdefault(peer, block)
     for peer, block in outvoted.items():
         reason = f"its state of block {block} after step {step} disagrees with the majority of its replicas'"
-        hops.ban_dishonest(peer, reason)
+        hops.trust.ban_dishonest(peer, reason)
         replicas.standby.pop(peer, None)
     kept = {peer: span for peer, span in applied.items() if peer not in outvoted}
     if disputes:
@@ -638,7 +639,7 @@ def _tiebreak(
     ledger's gradients to its copy: its digest, the deciding vote. Empty if none can."""
     calls, step = hops.calls, ledger.step
     for holder in replicas.standby_holders(block, step):
-        if holder in opinions or holder in hops.dishonest:
+        if holder in opinions or holder in hops.trust.dishonest:
             continue
         holders = ledger.wire_holders(range(block, block + 1))
         request = TieBreakRequest(
@@ -668,11 +669,11 @@ def judge_accused(hops: RemoteStack, ledger: StepLedger, accused: list[tuple[Pee
     micro-batches are replayed on honest replicas: they count as departed)."""
     banned = []
     for accuser, holder in dict.fromkeys(accused):
-        if holder in hops.dishonest or accuser in hops.dishonest:
+        if holder in hops.trust.dishonest or accuser in hops.trust.dishonest:
             continue
         held = ledger.held_by(holder)
         try:
-            honest = bool(held) and hops.reported_sums(holder, ledger.step, held, ledger.hashes)
+            honest = bool(held) and hops.trust.reported_sums(holder, ledger.step, held, ledger.hashes)
         except (PeerFailure, RemoteError) as e:  # it does not answer: its gradients are replayed elsewhere
             hops.calls.router.ban(holder, f"could not hand on the gradients of step {ledger.step}: {e}")
             continue
@@ -681,7 +682,7 @@ def judge_accused(hops: RemoteStack, ledger: StepLedger, accused: list[tuple[Pee
             if honest
             else (holder, f"it handed on gradients of step {ledger.step} that differ from those it reported")
         )
-        hops.ban_dishonest(culprit, reason)
+        hops.trust.ban_dishonest(culprit, reason)
         banned.append(culprit)
     return banned
 
@@ -694,14 +695,6 @@ def take_back_abandoned(replicas: ReplicaSet, step: int) -> None:
     if ahead:
         logger.warning("taking step %d back on %d replica(s) that applied discarded gradients", step, len(ahead))
         replicas.take_back(list(ahead), step)
-
-
-def replay_lost(hops: RemoteStack, ledger: StepLedger, missing: dict[int, list[str]]) -> None:
-    """Recompute lost gradients on live replicas from the segments the client kept."""
-    plan = ledger.replay_plan(missing)
-    logger.warning("replaying %d segment(s) whose gradients died with a peer (step %d)", len(plan), ledger.step)
-    for micro_batch, segment in plan:
-        hops.replay(micro_batch, segment, ledger.masks.get(micro_batch), ledger)
 
 
 def _run_end(held: dict[int, int], block: int, step: int) -> int:

@@ -18,7 +18,7 @@ from hivemind.p2p import PeerID
 
 from swarm.client.calls import PeerFailure
 from swarm.client.commit import ReplicaSet
-from swarm.client.remote import RemoteStack
+from swarm.client.trust import Trust
 from swarm.client.votes import tally
 from swarm.net.errors import RemoteError
 from swarm.net.protocol import DigestRequest
@@ -26,7 +26,7 @@ from swarm.net.protocol import DigestRequest
 logger = logging.getLogger(__name__)
 
 
-def judge_joiners(hops: RemoteStack, replicas: ReplicaSet, step: int, judged: Iterable[PeerID]) -> set[PeerID]:
+def judge_joiners(trust: Trust, replicas: ReplicaSet, step: int, judged: Iterable[PeerID]) -> set[PeerID]:
     """Compare the current replicas at ``step`` of every block that a replica not in ``judged`` (it was not in the
     last vote) serves, and ban those outvoted. Returns the current replicas left: all judged now."""
     current = replicas.peers(step)
@@ -34,18 +34,18 @@ def judge_joiners(hops: RemoteStack, replicas: ReplicaSet, step: int, judged: It
     blocks = {b for span in joined.values() for b in span}
     if blocks:
         voters = [p for p, span in current.items() if blocks.intersection(span)]
-        digests = _digests(hops, replicas, {p: current[p] for p in voters})
+        digests = _digests(trust, replicas, {p: current[p] for p in voters})
         for peer, block in _outvoted(digests, sorted(blocks)).items():
             reason = f"its state of block {block} at step {step} disagrees with the majority of its replicas'"
-            hops.ban_dishonest(peer, reason)
+            trust.ban_dishonest(peer, reason)
             replicas.standby.pop(peer, None)
     return set(replicas.peers(step))
 
 
-def _digests(hops: RemoteStack, replicas: ReplicaSet, spans: Mapping[PeerID, range]) -> dict[PeerID, dict[int, str]]:
+def _digests(trust: Trust, replicas: ReplicaSet, spans: Mapping[PeerID, range]) -> dict[PeerID, dict[int, str]]:
     """Each replica's state digests of the blocks of its span, asked of all at once; one that does not answer is
     left out (it is not judged on nothing)."""
-    calls = hops.calls
+    calls = trust.calls
 
     def ask(peer: PeerID) -> dict[int, str] | None:
         try:

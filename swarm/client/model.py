@@ -294,7 +294,7 @@ class SwarmModelForCausalLM(nn.Module):
     @property
     def dishonest(self) -> list[PeerID]:
         """Peers caught returning results that their replicas disagree with."""
-        return self.session.hops.dishonest
+        return self.session.hops.trust.dishonest
 
     @property
     def copies(self) -> dict[int, int]:

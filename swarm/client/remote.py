@@ -4,41 +4,32 @@ themselves (a chain: swarm/net/chain.py); ``chain=False`` makes every hop a roun
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 from hivemind.p2p import PeerID
 
 from swarm.client.calls import Attempts, PeerCalls, PeerFailure
+from swarm.client.chaindeltas import ChainDeltas
 from swarm.client.ledger import Segment, StepLedger
 from swarm.client.routing import Hop
-from swarm.net import rotated
+from swarm.client.trust import Trust
 from swarm.net.chain import MAX_ROUTE_MADDRS, ChainFailure, ChainHop, FailureKind, HopAck, route_timeout
-from swarm.net.deltas import Delta, DeltaReferences, ReferenceKey
 from swarm.net.errors import LeaseLostError, MissingReferenceError, RemoteError
-from swarm.net.gradhash import grad_hash
-from swarm.net.numerics import tolerance
 from swarm.net.protocol import (
     PEER_STATE_ERRORS,
-    SUM,
     BackwardRequest,
     ErrorKind,
     ForwardRequest,
-    GradsRequest,
     InferRequest,
     Method,
     Reply,
 )
-from swarm.net.reduction import partial_sum, same_bits
 
 ChainRequest = ForwardRequest | BackwardRequest | InferRequest
-T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -72,54 +63,6 @@ class Forwarded:
     check: float
 
 
-# Spot checks by default, in a public swarm (no swarm key): this share of micro-batches is also computed on other
-# replicas, hop by hop, wherever a span has VOTERS replicas (two that agree outvote a third). Its cost per step is
-# measured by scripts/bench_step.py --spot-check (BENCHMARKS.md); a private swarm checks nothing unless asked.
-PUBLIC_SPOT_CHECK = 0.03
-VOTERS = 3
-
-
-def spot_check_policy(requested: float | None, private: bool) -> tuple[float, int]:
-    """(rate, replicas a hop needs to be checked). A rate given is used wherever a hop has another replica; none
-    given: PUBLIC_SPOT_CHECK where a vote can decide in a public swarm, nothing in a private one."""
-    if requested is not None:
-        if not 0.0 <= requested <= 1.0:
-            raise ValueError(f"spot_check is a fraction of micro-batches, from 0 to 1; got {requested}")
-        return requested, 2
-    return (0.0 if private else PUBLIC_SPOT_CHECK), VOTERS
-
-
-SPOT_CHECK_ROUNDS = 3  # times a spot check asks a replica that did not answer in time
-
-
-Verdict = Callable[[PeerID, PeerID], bool | None]  # two replicas' results agree, disagree, or cannot be told
-
-
-def _majority(opinions: dict[PeerID, T], verdict: Verdict) -> list[PeerID]:
-    """The largest group of at least two peers whose results agree with one of them (empty if none)."""
-    majority: list[PeerID] = []
-    for reference in opinions:
-        agreeing = [p for p in opinions if p == reference or verdict(reference, p) is True]
-        if len(agreeing) >= 2 and len(agreeing) > len(majority):
-            majority = agreeing
-    return majority
-
-
-def _outvoted(majority: list[PeerID], opinions: dict, verdict: Verdict) -> list[PeerID]:
-    """The peers outside the majority that two of its members disagree with; one that the majority's numerics
-    cannot judge is not among them."""
-    return [
-        peer
-        for peer in opinions
-        if peer not in majority and sum(verdict(member, peer) is False for member in majority) >= 2
-    ]
-
-
-def _decided(majority: list[PeerID], opinions: dict) -> bool:
-    """Everyone asked so far agrees (at least two), or two agree beside a third (outvoted, or out of their reach)."""
-    return len(majority) >= 2 and (len(majority) == len(opinions) or len(opinions) >= 3)
-
-
 class RemoteStack:
     """Runs blocks of one adapter through the swarm with retries, and records who holds which gradients.
 
@@ -131,21 +74,17 @@ class RemoteStack:
         self,
         calls: PeerCalls,
         catch_up: Callable[[], None],
-        spot_check: float = 0.0,
+        trust: Trust,
         chain: bool = True,
-        min_voters: int = 2,
         unserved: Callable[[list[int]], None] | None = None,
-        references: DeltaReferences | None = None,
+        deltas: ChainDeltas | None = None,
     ):
-        """``references``: the samples' last hidden states sent and received, given where the wire sends a chained
-        forward's hidden states as changes (``WireFormat.delta_bits``); None: it does not."""
+        """``trust``: the spot checks hops go through. ``deltas``: the references a chained forward's hidden states
+        are sent as changes against, where the wire does (``WireFormat.delta_bits``)."""
         self.calls, self.catch_up, self.unserved = calls, catch_up, unserved
-        self.references = references
+        self.trust, self.deltas = trust, deltas or ChainDeltas(calls, None)
         self.router, self.adapter, self.wire = calls.router, calls.adapter, calls.wire
-        self.spot_check = spot_check
-        self.chain, self.min_voters = chain, min_voters  # min_voters: replicas of a hop (itself included) to check it
-        self.dishonest: list[PeerID] = []
-        self.random = random.Random()
+        self.chain = chain
         # The dtype of the autocast the client's forwards run under (a Trainer's bf16), sent with every forward and
         # backward so that the peers compute under it too; set by the model at each forward.
         self.autocast: str | None = None
@@ -229,162 +168,6 @@ class RemoteStack:
             raise self.calls.peer_failed(hop.peer_id, "backward: the ack lacks the hash of some block's gradients")
         return hashes
 
-    def ban_dishonest(self, peer: PeerID, reason: str) -> None:
-        """``peer`` was caught (a spot check, the commit's vote, gradients that do not match their hash): never route
-        to it or commit on it again, nor count it as a replica."""
-        if peer in self.dishonest:
-            return
-        self.router.distrust(peer, reason)
-        self.dishonest.append(peer)
-        self.calls.current.forget(peer)
-
-    # --- spot checks ------------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _agree(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> bool:
-        """Within ``tolerance``, relative to the larger of the two largest magnitudes (swarm/net/numerics.py)."""
-        scale = max(a.abs().max().item(), b.abs().max().item(), 1e-6)
-        return a.shape == b.shape and (a - b).abs().max().item() <= tolerance * scale
-
-    def _tolerance(self, a: PeerID, b: PeerID, hop: Hop) -> float | None:
-        """How far two replicas' honest results of ``hop`` may differ, from the numerics their records announce;
-        None where that cannot be told (numerics too coarse, or a record gone)."""
-        announced = {r.peer_id: r.numerics for r in self.router.replicas(hop.start, eligible_only=False)}
-        if a not in announced or b not in announced:
-            return None
-        return tolerance(announced[a], announced[b], hop.blocks, self.autocast)
-
-    def _check_rate(self) -> float:
-        """The spot-check rate now: none while no block has enough replicas to be checked (a checked micro-batch,
-        and the input gradients a check compares, would only cost)."""
-        if self.spot_check <= 0:
-            return 0.0
-        blocks = range(self.router.num_blocks)
-        return self.spot_check if any(len(self.router.replicas(b)) >= self.min_voters for b in blocks) else 0.0
-
-    def _backwards_agree(
-        self, a: BackwardResult, b: BackwardResult, tolerance: float, hop: Hop, step: int, micro_batch: str
-    ) -> bool:
-        """Two replicas' backwards of a hop agree: their input gradients within ``tolerance``, and their LoRA
-        gradients bit for bit (equal hashes) or, where the hashes differ (other kernels or numerics), within it as
-        each holder hands them on (checked against the hashes it reported)."""
-        if a.grad_inputs is None or b.grad_inputs is None or not self._agree(a.grad_inputs, b.grad_inputs, tolerance):
-            return False
-        if a.hashes == b.hashes:
-            return True
-        grads_a = self._reported_grads(a, hop, step, micro_batch)
-        grads_b = self._reported_grads(b, hop, step, micro_batch)
-        if grads_a is None or grads_b is None or len(grads_a) != len(grads_b):
-            return False
-        pairs = zip(grads_a, grads_b, strict=True)
-        return all(x.shape == y.shape and (x.numel() == 0 or self._agree(x, y, tolerance)) for x, y in pairs)
-
-    def _reported_grads(
-        self, result: BackwardResult, hop: Hop, step: int, micro_batch: str
-    ) -> list[torch.Tensor] | None:
-        """The LoRA gradients of ``micro_batch`` that ``result``'s peer holds on the hop's blocks (in block order),
-        if it hands them on as they hash in its ack; None if it does not (or does not answer)."""
-        wanted = {block: [micro_batch] for block in hop.blocks}
-        hashes = {block: {micro_batch: result.hashes[block]} for block in hop.blocks}
-        try:
-            grads = self.reported_grads(result.peer, step, wanted, hashes)
-        except (PeerFailure, RemoteError) as e:
-            logger.warning("spot check: could not fetch gradients from %s: %s", result.peer, e)
-            return None
-        return None if grads is None else [t.float() for block in hop.blocks for t in grads[block][micro_batch]]
-
-    def reported_sums(
-        self, peer: PeerID, step: int, wanted: dict[int, list[str]], hashes: dict[int, dict[str, str]]
-    ) -> bool:
-        """Whether ``peer`` hands on the ``wanted`` micro-batch gradients as it reported them (see
-        ``reported_grads``) and, per block, a partial sum that is theirs to the bit (swarm/net/reduction.py). Raises
-        PeerFailure or RemoteError when it does not answer."""
-        grads = self.reported_grads(peer, step, wanted, hashes)
-        if grads is None:
-            return False
-        sums = self.calls.ask(peer, GradsRequest(adapter=self.adapter, step=step, wanted=wanted, summed=True)).grads
-        return all(
-            same_bits(sums.get(block, {}).get(SUM, []), partial_sum(grads[block], tuple(mbs)))
-            for block, mbs in wanted.items()
-        )
-
-    def reported_grads(
-        self, peer: PeerID, step: int, wanted: dict[int, list[str]], hashes: dict[int, dict[str, str]]
-    ) -> dict[int, dict[str, list[torch.Tensor]]] | None:
-        """The ``wanted`` micro-batch gradients as ``peer`` hands them on (peer to peer, at commit), if every one
-        hashes as ``hashes`` (block -> micro-batch -> hash) say it reported; None if some do not or are missing.
-        Raises PeerFailure or RemoteError when it does not answer."""
-        grads = self.calls.ask(peer, GradsRequest(adapter=self.adapter, step=step, wanted=wanted)).grads
-        for block, mbs in wanted.items():
-            for mb in mbs:
-                held = grads.get(block, {}).get(mb)
-                if held is None or grad_hash(held) != hashes[block][mb]:
-                    return None
-        return grads
-
-    def _spot_check(
-        self,
-        hop: Hop,
-        result: T,
-        redo: Callable[[PeerID], T],
-        rate: float,
-        agree: Callable[[T, T, float], bool] | None = None,
-    ) -> tuple[T, PeerID]:
-        """With probability ``rate``, redo the hop on other replicas; a peer outvoted by two that agree is banned for
-        good. Replicas of the hop's numerics class are asked first (they are compared tightly); a result the others'
-        numerics cannot judge is never outvoted. Returns the result to use and the peer that produced it.
-        ``agree``: whether two results agree within a tolerance (by default: tensors)."""
-        if rate <= 0 or self.random.random() >= rate:
-            return result, hop.peer_id
-        agree = agree or self._agree
-        opinions: dict[PeerID, T] = {hop.peer_id: result}
-        others = [
-            r
-            for r in self.router.replicas(hop.start)
-            if r.peer_id != hop.peer_id and r.start <= hop.start and hop.end <= r.end
-        ]
-        if len(others) + 1 < self.min_voters:
-            return result, hop.peer_id
-        # In random order within each class: checking stops once the replicas asked agree, so a fixed order (the
-        # records') would never ask a dishonest peer listed last, unless it computed the hop itself.
-        self.random.shuffle(others)
-        own = {r.peer_id: r.numerics.key for r in self.router.replicas(hop.start, eligible_only=False)}.get(hop.peer_id)
-        others.sort(key=lambda r: r.numerics.key != own)
-
-        def verdict(a: PeerID, b: PeerID) -> bool | None:
-            tolerance = self._tolerance(a, b, hop)
-            return None if tolerance is None else agree(opinions[a], opinions[b], tolerance)
-
-        majority: list[PeerID] = []
-        asking = [r.peer_id for r in others]
-        for _ in range(SPOT_CHECK_ROUNDS):  # a replica too slow to answer in time is asked again
-            unanswered = []
-            for peer in asking:
-                try:
-                    opinions[peer] = redo(peer)
-                except PeerFailure:
-                    unanswered.append(peer)
-                    continue
-                majority = _majority(opinions, verdict)
-                if _decided(majority, opinions):
-                    break
-            if _decided(majority, opinions) or not unanswered:
-                break
-            asking = unanswered
-        if len(majority) < 2:
-            if len(opinions) > 1 and len(others) + 1 >= VOTERS:
-                # No two agree, and the rest did not answer or cannot be judged: accepting any could take a liar's.
-                raise self.calls.peer_failed(
-                    hop.peer_id, f"blocks {hop.start}:{hop.end}: a spot check could not decide"
-                )
-            if len(opinions) > 1:
-                logger.warning("replicas of blocks %d:%d disagree and no majority exists", hop.start, hop.end)
-            return result, hop.peer_id
-        for peer in _outvoted(majority, opinions, verdict):
-            self.ban_dishonest(peer, f"its blocks {hop.start}:{hop.end} results disagree with its replicas'")
-        chosen = hop.peer_id if hop.peer_id in majority else majority[0]
-        return opinions[chosen], chosen
-
     # --- forward and backward -------------------------------------------------------------------------------
 
     def forward(
@@ -393,11 +176,10 @@ class RemoteStack:
         """Through blocks [0, n): along a chain of peers, or hop by hop from the client (``chain=False``, and the
         micro-batches drawn for a spot check, whose every hop is then checked: the same share of hops as
         client-driven checks)."""
-        rate = self._check_rate()
-        checked = rate > 0 and self.random.random() < rate
-        if self.chain and not checked:
-            sample = None if micro_batch is None else self._sample_of(hidden, mask)  # an eval's sample: seldom again
-            return self._forward_chain(hidden, mask, step, micro_batch, sample)
+        rate = self.trust.rate()
+        if self.chain and not self.trust.drawn(rate):
+            sample = None if micro_batch is None else self.deltas.sample_of(hidden, mask)  # an eval's: seldom again
+            return self.forward_chain(hidden, mask, step, micro_batch, sample)
         rate = 1.0 if self.chain else rate
         outputs, inputs = self._forward_hops(hidden, mask, step, micro_batch, rate)
         return outputs, Forwarded(inputs, chained=False, check=rate)
@@ -418,7 +200,7 @@ class RemoteStack:
             return self._backward_hops(forwarded, grad, mask, ledger, micro_batch, input_grad)
         first = forwarded.hops[0]
         ledger.keep(micro_batch, Segment(first.hop.start, forwarded.hops[-1].hop.end, first.hidden, grad), mask)
-        return self._backward_chain(forwarded, grad, mask, ledger, micro_batch, input_grad)
+        return self.backward_chain(forwarded, grad, mask, ledger, micro_batch, input_grad)
 
     def _forward_hops(
         self, hidden: torch.Tensor, mask: torch.Tensor | None, step: int, micro_batch: str | None, rate: float
@@ -430,11 +212,12 @@ class RemoteStack:
             hop = self.wait_route(block)[0]
             try:
                 outputs = self._forward_hop(hop, hidden, mask, step, micro_batch)
-                outputs, chosen = self._spot_check(
+                outputs, chosen = self.trust.check(
                     hop,
                     outputs,
                     lambda peer, h=hop, x=hidden: self._forward_hop(Hop(peer, h.start, h.end), x, mask, step, None),
                     rate,
+                    autocast=self.autocast,
                 )
                 hop = Hop(chosen, hop.start, hop.end)
             except PeerFailure as e:
@@ -486,7 +269,7 @@ class RemoteStack:
 
         Backwards are idempotent per (micro-batch, block) on the peers, so redoing part of a segment is safe.
         """
-        rate = self._check_rate() if rate is None else rate
+        rate = self.trust.rate() if rate is None else rate
         attempts = self.calls.attempts(Method.BACKWARD)
         prefer = None if cached_on is None else cached_on.peer_id
         while True:
@@ -500,14 +283,15 @@ class RemoteStack:
                     hop, hidden, grad_out = hops[index], hiddens[index], grad
                     wanted = input_grad or index > 0 or rate > 0  # spot checks compare input gradients
                     ran = self._backward_hop(hop, hidden, grad_out, mask, ledger, micro_batch, hop == cached_on, wanted)
-                    ran, chosen = self._spot_check(
+                    ran, chosen = self.trust.check(
                         hop,
                         ran,
                         lambda peer, h=hop, x=hidden, g=grad_out: self._backward_hop(
                             Hop(peer, h.start, h.end), x, g, mask, ledger, micro_batch
                         ),
                         rate,
-                        lambda a, b, tol, h=hop: self._backwards_agree(a, b, tol, h, ledger.step, micro_batch),
+                        lambda a, b, tol, h=hop: self.trust.backwards_agree(a, b, tol, h, ledger.step, micro_batch),
+                        self.autocast,
                     )
                     ledger.acknowledge(micro_batch, hop.blocks, chosen, ran.hashes)
                     grad = ran.grad_inputs
@@ -517,16 +301,6 @@ class RemoteStack:
                 continue
             attempts.succeeded(ledger.step)
             return grad
-
-    def replay(self, micro_batch: str, segment: Segment, mask: torch.Tensor | None, ledger: StepLedger) -> None:
-        """Recompute a micro-batch's gradients on a segment the client kept, because some of them died with a peer:
-        along a chain when it is the whole stack (the client's link carries its input, output and gradient once),
-        else hop by hop. Peers that still hold their gradients keep them: a backward counts once per block."""
-        if not self.chain or segment.start != 0 or segment.end != self.router.num_blocks:
-            self.backward_segment(segment, mask, ledger, micro_batch, input_grad=False)
-            return
-        _, forwarded = self._forward_chain(segment.hidden, mask, ledger.step, micro_batch)
-        self._backward_chain(forwarded, segment.grad_outputs, mask, ledger, micro_batch, input_grad=False)
 
     # --- chains -----------------------------------------------------------------------------------------------
 
@@ -587,21 +361,7 @@ class RemoteStack:
             return None
         raise RemoteError(failure.kind, f"{failure.peer}: {failure.error}", {})
 
-    def _sample_of(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> str | None:
-        """A training micro-batch's identity for delta-coded hops: a hash of the stack's input (the frozen
-        embeddings of its tokens) and mask, so that the same tokens in a later epoch find their references. None:
-        no deltas. Evaluations send values: a held-out batch comes back rarely, after many steps, when its change
-        is no smaller than itself."""
-        if self.references is None:
-            return None
-        digest = hashlib.blake2b(digest_size=16)
-        for tensor in (hidden, mask):
-            if tensor is not None:
-                digest.update(str((tensor.dtype, tuple(tensor.shape))).encode())
-                digest.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
-        return digest.hexdigest()
-
-    def _forward_chain(
+    def forward_chain(
         self,
         hidden: torch.Tensor,
         mask: torch.Tensor | None,
@@ -620,13 +380,13 @@ class RemoteStack:
             prefer, first = None, hops[0]
             route = self.route_of(hops[1:], Method.FORWARD, hidden)
             last = hops[-1]
-            have = None if sample is None else self.references.digest_of(self._key(sample, last.end, last.peer_id))
+            have = self.deltas.have(sample, last)
             request = ForwardRequest(
                 adapter=self.adapter,
                 start=first.start,
                 end=first.end,
                 step=step,
-                hidden=self._outgoing(sample, block, wire.cast(hidden), first.peer_id),
+                hidden=self.deltas.outgoing(sample, block, wire.cast(hidden), first.peer_id),
                 mask=mask,
                 micro_batch=micro_batch,
                 compression=wire.compression,
@@ -637,17 +397,17 @@ class RemoteStack:
             )
             try:
                 reply, ran = self.chain_ask(hops, request, hidden)
-                outputs = self._incoming(request, ran[-1], reply.outputs)
+                outputs = self.deltas.incoming(request, ran[-1], reply.outputs)
             except PeerFailure as e:
                 attempts.failed(e, first)
                 continue
             except RemoteError as e:
                 if sample is None or e.kind != ErrorKind.MISSING_REFERENCE:
                     raise
-                self.references.forget(self._key(sample, block, first.peer_id, sent=True))  # send the value
+                self.deltas.forget(sample, block, first.peer_id, sent=True)  # send the value
                 continue
             except MissingReferenceError:  # a micro-batch of the same tokens in flight moved the reference on
-                self.references.forget(self._key(sample, last.end, last.peer_id))  # ask for the value
+                self.deltas.forget(sample, last.end, last.peer_id)  # ask for the value
                 continue
             inputs.append(HopInput(ran[0], hidden))
             inputs.extend(HopInput(hop, None) for hop in ran[1:])
@@ -657,29 +417,7 @@ class RemoteStack:
         attempts.succeeded(step)
         return hidden, Forwarded(inputs, chained=True, check=0.0)
 
-    def _key(self, sample: str, boundary: int, peer: PeerID, sent: bool = False) -> ReferenceKey:
-        """Where a sample's reference is kept: by the peer it was sent to (``sent``) or came from, so that each
-        replica has its own."""
-        return ReferenceKey(adapter=self.adapter, sample=sample, boundary=boundary, sent=sent, peer=peer.to_base58())
-
-    def _outgoing(self, sample: str | None, boundary: int, hidden: torch.Tensor, to: PeerID) -> torch.Tensor | Delta:
-        if sample is None:
-            return hidden
-        return self.references.encode(self._key(sample, boundary, to, sent=True), hidden, self.wire.delta_bits)[0]
-
-    def _incoming(self, request: ForwardRequest, last: Hop, outputs: torch.Tensor | Delta) -> torch.Tensor:
-        """A chain's answer as a tensor: a delta rebuilt from the reference the client holds. A change from a
-        reference the request did not name is a lie; one from the reference it named, which the client no longer
-        holds, raises MissingReferenceError (the client asks again, for the value)."""
-        if not isinstance(outputs, Delta):
-            return outputs
-        if request.sample is None or (outputs.base is not None and outputs.base != request.have):
-            reason = "forward: a delta from a reference the request did not name"
-            raise self.calls.peer_failed(last.peer_id, reason)
-        value = self.references.decode(self._key(request.sample, last.end, last.peer_id), outputs)
-        return value.to(rotated.DTYPES[outputs.dtype])
-
-    def _backward_chain(
+    def backward_chain(
         self,
         forwarded: Forwarded,
         grad: torch.Tensor,
@@ -696,22 +434,8 @@ class RemoteStack:
         attempts = self.calls.attempts(Method.BACKWARD)
         while True:
             hops = [item.hop for item in reversed(pending)]
-            route = self.route_of(hops[1:], Method.BACKWARD, grad)
             last = hops[0]
-            request = BackwardRequest(
-                adapter=self.adapter,
-                start=last.start,
-                end=last.end,
-                step=ledger.step,
-                micro_batch=micro_batch,
-                grad=self.wire.cast(grad),
-                hidden=None,
-                mask=mask,
-                input_grad=input_grad,
-                compression=self.wire.backward_compression,
-                route=route,
-                autocast=self.autocast,
-            )
+            request = self._chain_backward_request(hops, grad, mask, ledger.step, micro_batch, input_grad)
             try:
                 reply, ran = self.chain_ask(hops, request, grad)
                 hashes = [self._ack_hashes(ack, hop) for hop, ack in zip(ran, reply.acks, strict=True)]
@@ -741,6 +465,33 @@ class RemoteStack:
         attempts.succeeded(ledger.step)
         return grad
 
+    def _chain_backward_request(
+        self,
+        hops: list[Hop],
+        grad: torch.Tensor,
+        mask: torch.Tensor | None,
+        step: int,
+        micro_batch: str,
+        input_grad: bool,
+    ) -> BackwardRequest:
+        """A backward to the chain's last span (``hops[0]``), with the spans before it as the route: each peer runs
+        its backward from the input it kept."""
+        last = hops[0]
+        return BackwardRequest(
+            adapter=self.adapter,
+            start=last.start,
+            end=last.end,
+            step=step,
+            micro_batch=micro_batch,
+            grad=self.wire.cast(grad),
+            hidden=None,
+            mask=mask,
+            input_grad=input_grad,
+            compression=self.wire.backward_compression,
+            route=self.route_of(hops[1:], Method.BACKWARD, grad),
+            autocast=self.autocast,
+        )
+
     def _backward_rest(
         self,
         pending: list[HopInput],
@@ -757,7 +508,7 @@ class RemoteStack:
         grad = self.backward_segment(segment, mask, ledger, micro_batch, input_grad=input_grad or held > 0)
         if held == 0:
             return grad
-        return self._backward_chain(
+        return self.backward_chain(
             Forwarded(pending[:held], chained=True, check=0.0), grad, mask, ledger, micro_batch, input_grad
         )
 

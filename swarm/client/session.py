@@ -17,6 +17,7 @@ from hivemind.p2p import PeerID
 
 from swarm.blocks import lora_config_from_wire, spans_text
 from swarm.client.calls import PeerCalls, PeerFailure, Recovery
+from swarm.client.chaindeltas import ChainDeltas
 from swarm.client.clipping import step_norm
 from swarm.client.commit import ReplicaSet, StepsLost, commit, take_back_abandoned
 from swarm.client.config import SwarmConfig
@@ -25,8 +26,9 @@ from swarm.client.current import CurrentPeers
 from swarm.client.joiners import judge_joiners
 from swarm.client.lease import AdapterLease
 from swarm.client.ledger import StepLedger
-from swarm.client.remote import RemoteStack, spot_check_policy
+from swarm.client.remote import RemoteStack
 from swarm.client.routing import Router
+from swarm.client.trust import Trust, spot_check_policy
 from swarm.client.unserved import UnservedNotice
 from swarm.lora_options import blocks_without_lora
 from swarm.net.deltas import DeltaReferences
@@ -130,7 +132,7 @@ class AdapterSession:
                 "pass the same lora_config and seed to resume it, or pick another adapter name"
             )
         for peer in recorded.dishonest if recorded is not None else []:
-            self.hops.ban_dishonest(PeerID.from_base58(peer), "this adapter's trainer found it dishonest")
+            self.hops.trust.ban_dishonest(PeerID.from_base58(peer), "this adapter's trainer found it dishonest")
         deadline = Deadline(self.calls.patience)
         waiting = WaitLine(f"waiting for the peers of adapter {name!r}", deadline, logger)
         while True:
@@ -287,7 +289,7 @@ class TrainingSession(AdapterSession):
             for r in self.recoveries[-RECOVERIES_KEPT:]
         ]
         lost = sum(e.steps for e in self.steps_lost)
-        dishonest = [peer.to_base58() for peer in self.hops.dishonest]  # for `swarm status`, health, a restart
+        dishonest = [peer.to_base58() for peer in self.hops.trust.dishonest]  # for `swarm status`, health, a restart
         adapter, weights = self.adapter, dict(self.router.weights)
         record = CommittedRecord(self.step, adapter.lora, adapter.seed, self.trainer, recent, lost, dishonest, weights)
         announce_committed(self.dht, self.spec.name, self.adapter.name, self.owner, record)
@@ -308,7 +310,7 @@ class TrainingSession(AdapterSession):
         self.router.refresher.refresh_soon()
         self.router.refresher.wait_fresh(timeout=self.router.options.refresh_every)
         self.replicas.refresh(self.step)
-        self.judged = judge_joiners(self.hops, self.replicas, self.step, self.judged)
+        self.judged = judge_joiners(self.hops.trust, self.replicas, self.step, self.judged)
 
     def grad_norm(self, norm_type: float) -> float:
         """The norm of the step's gradient so far, as the commit would apply it (its clipping factor included)."""
@@ -471,9 +473,8 @@ def _remote_stack(
     return RemoteStack(
         calls,
         catch_up,
-        rate,
+        Trust(calls, rate, min_voters=voters),
         chain=config.chain,
-        min_voters=voters,
         unserved=unserved.send,
-        references=None if calls.wire.delta_bits is None else DeltaReferences(),
+        deltas=ChainDeltas(calls, None if calls.wire.delta_bits is None else DeltaReferences()),
     )

@@ -1,4 +1,4 @@
-"""The client's end of a delta-coded chain (swarm.client.remote): what it takes from a chain's answer. A change
+"""The client's end of a delta-coded chain (swarm/client/chaindeltas.py): what it takes from a chain's answer. A change
 from a reference the request did not name is the peer's lie (banned); one from the reference it named but no longer
 holds (a micro-batch of the same tokens in flight moved it on) asks again; a value is rebuilt and kept as the
 reference of the peer that sent it."""
@@ -12,7 +12,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from swarm.client.calls import PeerFailure
-from swarm.client.remote import RemoteStack
+from swarm.client.chaindeltas import ChainDeltas
 from swarm.client.routing import Hop
 from swarm.net.compression import WireFormat
 from swarm.net.deltas import CLIENT, DeltaBits, DeltaReferences, ReferenceKey
@@ -53,31 +53,31 @@ def _request(have: bytes | None, sample: str | None = "s") -> ForwardRequest:
 
 def test_a_chains_answer_as_a_value_a_change_from_the_named_reference_or_a_lie():
     calls = Calls()
-    stack = RemoteStack(calls, catch_up=lambda: None, references=DeltaReferences())
+    stack = ChainDeltas(calls, DeltaReferences())
     peer_side = DeltaReferences()
     first, second = residual_stream(shape=(1, 8, 256)), residual_stream(seed=2, shape=(1, 8, 256))
     last = Hop(LAST, 2, 4)
 
     value, sent = peer_side.encode(TO_CLIENT, first, BITS)
-    got = stack._incoming(_request(have=None), last, value)
+    got = stack.incoming(_request(have=None), last, value)
     assert torch.equal(got, sent) and got.dtype == torch.float32
-    have = stack.references.digest_of(stack._key("s", 4, LAST))
+    have = stack.references.digest_of(stack.key("s", 4, LAST))
     assert have is not None
 
     change, sent = peer_side.encode(TO_CLIENT, second, BITS)
     assert change.base == have
-    assert torch.equal(stack._incoming(_request(have=have), last, change), sent)
+    assert torch.equal(stack.incoming(_request(have=have), last, change), sent)
     assert calls.banned == []
 
     lie, _ = peer_side.encode(TO_CLIENT, first, BITS)  # a change, from a reference the request does not name
     with pytest.raises(PeerFailure, match="did not name"):
-        stack._incoming(_request(have=None), last, lie)
+        stack.incoming(_request(have=None), last, lie)
     with pytest.raises(PeerFailure, match="did not name"):
-        stack._incoming(_request(have=lie.base, sample=None), last, lie)
+        stack.incoming(_request(have=lie.base, sample=None), last, lie)
     assert calls.banned == [LAST, LAST]
 
-    stack.references.forget(stack._key("s", 4, LAST))  # the named reference moved on meanwhile
+    stack.references.forget(stack.key("s", 4, LAST))  # the named reference moved on meanwhile
     with pytest.raises(MissingReferenceError):
-        stack._incoming(_request(have=lie.base), last, lie)
+        stack.incoming(_request(have=lie.base), last, lie)
     assert calls.banned == [LAST, LAST], "an honest race is asked again, not banned"
-    assert torch.equal(stack._incoming(_request(have=None), last, torch.ones(2)), torch.ones(2)), "plain tensors pass"
+    assert torch.equal(stack.incoming(_request(have=None), last, torch.ones(2)), torch.ones(2)), "plain tensors pass"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarm.client.remote import PUBLIC_SPOT_CHECK, VOTERS, spot_check_policy
+from swarm.client.trust import PUBLIC_SPOT_CHECK, VOTERS, spot_check_policy
 
 
 def test_a_public_swarm_checks_by_default_where_three_replicas_can_vote():
