@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from hivemind.p2p import PeerID
 
@@ -26,20 +27,31 @@ from swarm.net.protocol import DigestRequest
 logger = logging.getLogger(__name__)
 
 
-def judge_joiners(trust: Trust, replicas: ReplicaSet, step: int, judged: Iterable[PeerID]) -> set[PeerID]:
+@dataclass(frozen=True)
+class Judgement:
+    """The current replicas after a comparison (all judged now), and the blocks whose replicas disagree with no
+    majority (two that differ, nobody to break the tie yet)."""
+
+    judged: set[PeerID]
+    undecided: list[int] = field(default_factory=list)
+
+
+def judge_joiners(trust: Trust, replicas: ReplicaSet, step: int, judged: Iterable[PeerID]) -> Judgement:
     """Compare the current replicas at ``step`` of every block that a replica not in ``judged`` (it was not in the
-    last vote) serves, and ban those outvoted. Returns the current replicas left: all judged now."""
+    last vote) serves, and ban those outvoted."""
     current = replicas.peers(step)
     joined = {p: span for p, span in current.items() if p not in set(judged)}
     blocks = {b for span in joined.values() for b in span}
+    undecided: list[int] = []
     if blocks:
         voters = [p for p, span in current.items() if blocks.intersection(span)]
         digests = _digests(trust, replicas, {p: current[p] for p in voters})
-        for peer, block in _outvoted(digests, sorted(blocks)).items():
+        outvoted, undecided = _outvoted(digests, sorted(blocks))
+        for peer, block in outvoted.items():
             reason = f"its state of block {block} at step {step} disagrees with the majority of its replicas'"
             trust.ban_dishonest(peer, reason)
             replicas.standby.pop(peer, None)
-    return set(replicas.peers(step))
+    return Judgement(set(replicas.peers(step)), undecided)
 
 
 def _digests(trust: Trust, replicas: ReplicaSet, spans: Mapping[PeerID, range]) -> dict[PeerID, dict[int, str]]:
@@ -59,13 +71,16 @@ def _digests(trust: Trust, replicas: ReplicaSet, spans: Mapping[PeerID, range]) 
     return {p: d for p, d in zip(peers, replicas.each(ask, peers), strict=True) if d is not None}
 
 
-def _outvoted(digests: Mapping[PeerID, Mapping[int, str]], blocks: list[int]) -> dict[PeerID, int]:
-    """Per replica outvoted on some of ``blocks``, the first such block. Two that disagree alone stay: no majority."""
+def _outvoted(digests: Mapping[PeerID, Mapping[int, str]], blocks: list[int]) -> tuple[dict[PeerID, int], list[int]]:
+    """Per replica outvoted on some of ``blocks``, the first such block; and the blocks where two that disagree
+    stay, with no majority."""
     outvoted: dict[PeerID, int] = {}
+    undecided = []
     for block in blocks:
         verdict = tally({p: held[block] for p, held in digests.items() if block in held})
         if verdict.undecided:
             logger.warning("replicas of block %d hold different states and no majority decides", block)
+            undecided.append(block)
         for peer in verdict.outvoted:
             outvoted.setdefault(peer, block)
-    return outvoted
+    return outvoted, undecided

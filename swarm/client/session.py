@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +48,9 @@ logger = logging.getLogger(__name__)
 # per step: how many times a step whose new state died with every peer that applied it, before a copy was made, is
 # committed again (a churn run lost such a step: declared lost after lost_grace at the next one)
 RECOMMITS = 2
+# at a step's start: how long a joiner and the replica it joined that differ, with nobody to break the tie, hold the
+# step back while the client looks for another replica of their blocks (the vote after the step judges them anyway)
+TIE_WAIT = 30.0
 
 
 @dataclass(frozen=True)
@@ -307,10 +311,18 @@ class TrainingSession(AdapterSession):
         """A fresh look at the swarm, the peers that joined or moved opened and synced, and the replicas not in the
         last vote compared with the others (``judge_joiners``): before any micro-batch of the step is routed, so
         that none runs through a state its replicas outvote."""
-        self.router.refresher.refresh_soon()
-        self.router.refresher.wait_fresh(timeout=self.router.options.refresh_every)
-        self.replicas.refresh(self.step)
-        self.judged = judge_joiners(self.hops.trust, self.replicas, self.step, self.judged)
+        deadline = time.monotonic() + TIE_WAIT
+        while True:
+            self.router.refresher.refresh_soon()
+            self.router.refresher.wait_fresh(timeout=self.router.options.refresh_every)
+            self.replicas.refresh(self.step)
+            judgement = judge_joiners(self.hops.trust, self.replicas, self.step, self.judged)
+            if not judgement.undecided or time.monotonic() >= deadline:
+                break
+            # A joiner and the replica it joined differ: whichever is honest, the step must not run through both.
+            # Another replica on its way (a joiner still syncing, a slow machine's DHT) breaks the tie.
+            logger.info("blocks %s: two replicas differ; looking for a third", spans_text(judgement.undecided))
+        self.judged = judgement.judged
 
     def grad_norm(self, norm_type: float) -> float:
         """The norm of the step's gradient so far, as the commit would apply it (its clipping factor included)."""

@@ -42,7 +42,7 @@ def _swarm(liar_digest: str, spans: dict[str, range] = SPANS) -> FakeSwarm:
 
 def test_a_replica_outvoted_by_two_joiners_is_banned_and_only_the_joined_blocks_are_asked():
     swarm = _swarm(liar_digest="altered")
-    judged = judge_joiners(swarm, swarm, step=1, judged={"head", "liar"})
+    judged = judge_joiners(swarm, swarm, step=1, judged={"head", "liar"}).judged
     assert swarm.banned == ["liar"] and "liar" not in swarm.standby
     assert sorted(swarm.asked) == ["honest-1", "honest-2", "liar"]  # the head's blocks had no joiner
     assert judged == {"head", "honest-1", "honest-2"}
@@ -50,13 +50,14 @@ def test_a_replica_outvoted_by_two_joiners_is_banned_and_only_the_joined_blocks_
 
 def test_nothing_is_asked_when_nobody_joined_and_replicas_that_agree_stay():
     swarm = _swarm(liar_digest=HONEST[2])
-    assert judge_joiners(swarm, swarm, step=1, judged=set(SPANS)) == set(SPANS)
+    assert judge_joiners(swarm, swarm, step=1, judged=set(SPANS)).judged == set(SPANS)
     assert swarm.asked == []
-    assert judge_joiners(swarm, swarm, step=1, judged={"head"}) == set(SPANS)
+    assert judge_joiners(swarm, swarm, step=1, judged={"head"}).judged == set(SPANS)
     assert swarm.banned == []
 
 
 def test_two_that_disagree_alone_ban_nobody():
     swarm = _swarm(liar_digest="altered", spans={p: span for p, span in SPANS.items() if p != "honest-2"})
-    assert judge_joiners(swarm, swarm, step=1, judged={"head", "liar"}) == {"head", "liar", "honest-1"}
+    judgement = judge_joiners(swarm, swarm, step=1, judged={"head", "liar"})
+    assert judgement.judged == {"head", "liar", "honest-1"} and judgement.undecided == [2]
     assert swarm.banned == []
