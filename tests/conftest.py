@@ -96,8 +96,15 @@ def pytest_collection_modifyitems(config, items) -> None:
         if item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.xdist_group("slow"))
     # The slow tests go first, one after another on one worker (--dist loadgroup): each keeps both cores busy for
-    # minutes, and started last they would make the run's tail.
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    # minutes, and started last they would make the run's tail. Then the longer tiers: a run of two workers ends on
+    # short tests (a 143 s e2e test started last ended one).
+    longest_first = {"e2e": 0, "integration": 1, "unit": 2}
+    items.sort(
+        key=lambda item: (
+            item.get_closest_marker("slow") is None,
+            min((longest_first[m.name] for m in item.iter_markers() if m.name in longest_first), default=3),
+        )
+    )
 
 
 def pytest_runtest_logreport(report) -> None:

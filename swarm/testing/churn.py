@@ -112,6 +112,9 @@ OTHER_KERNELS = {"ATEN_CPU_CAPABILITY": "default"}
 LONG_PAUSE = 5.0  # seconds between two commits that the report lists one by one
 
 
+AFTER_CHAOS = 300.0  # the most a run trains past its chaos window to reach its min_steps
+
+
 def run_churn(
     model_dir: Path,
     workdir: Path,
@@ -124,8 +127,11 @@ def run_churn(
     min_copies: int = 2,
     shadow: bool = False,
     other_kernels: int = 0,
+    min_steps: int = 0,
 ) -> ChurnRun:
     """Train for ``seconds`` under chaos at mean ``interval`` (None: no chaos); compare with local peft.
+    ``min_steps``: train on past ``seconds`` (up to ``AFTER_CHAOS`` more) until the model has taken so many steps: on
+    a slow machine restarts take longer than the schedule's gaps, and the chaos may leave too few steps to judge.
     ``restart_nice``: see ``ChaosPeers``; ``min_copies``: the client's (``from_pretrained``); ``shadow``: strike
     nothing, and start peers in a swarm of their own where the schedule would start them (``ShadowStarts``);
     ``other_kernels``: so many of the peers (every other one) run torch's portable CPU kernels
@@ -150,7 +156,7 @@ def run_churn(
             shadows.start()
             started = time.monotonic()
             try:
-                _train(model, vocab, started + seconds, run, started)
+                _train(model, vocab, started + seconds, run, started, min_steps)
             finally:
                 run.seconds = time.monotonic() - started
                 driver.stop()
@@ -263,10 +269,12 @@ def _strikes_see(driver: ChaosDriver) -> CallHook:
     return call
 
 
-def _train(model: swarm.SwarmModelForCausalLM, vocab: int, deadline: float, run: ChurnRun, started: float) -> None:
+def _train(
+    model: swarm.SwarmModelForCausalLM, vocab: int, deadline: float, run: ChurnRun, started: float, min_steps: int
+) -> None:
     optimizer = swarm.RemoteOptimizer(model, **HPARAMS)
     with tqdm(desc="steps", unit="step", leave=False) as bar:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline or (model.step < min_steps and time.monotonic() < deadline + AFTER_CHAOS):
             for batch in batches_for_step(model.step, vocab):
                 (model(**batch).loss / MICRO_BATCHES).backward()
             optimizer.step()

@@ -16,9 +16,10 @@ from swarm.testing import churn
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a minute of chaos, up to AFTER_CHAOS more on a slow machine, local peft
 def test_a_minute_of_churn_lose_nothing_unreported_and_end_equal_to_local_peft(tiny_models, tmp_path):
     run = churn.run_churn(
-        tiny_models["llama"], tmp_path, seconds=60, interval=2.5, seed=4, peers=5, span=2, other_kernels=2
+        tiny_models["llama"], tmp_path, seconds=60, interval=2.5, seed=4, peers=5, span=2, other_kernels=2, min_steps=10
     )
     print(churn.report({"churn": run}))
     assert run.error is None, run.error
@@ -26,7 +27,7 @@ def test_a_minute_of_churn_lose_nothing_unreported_and_end_equal_to_local_peft(t
     kinds = {kind.split("@")[0] for kind in run.chaos.applied}
     assert {"kill", "freeze", "term", "double-kill", "join"} <= kinds, run.chaos.applied
     assert any("@" in kind for kind in run.chaos.applied), "no strike was aimed at a client request"
-    assert run.steps >= 10, "training hardly moved"
+    assert run.steps >= 10, "training hardly moved"  # min_steps: on a slow machine it trains on after the chaos
     if run.steps_lost:
         assert run.excused, f"{run.steps_lost} step(s) lost, with never two holders of a block down at once"
         assert run.lost_reports
