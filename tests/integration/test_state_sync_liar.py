@@ -12,30 +12,42 @@ connects while the three replicas load."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
+from hivemind.p2p import PeerID
+
+from swarm import SwarmModelForCausalLM as SwarmModel
 from swarm.testing.dishonest import CorruptUpdates
+from swarm.testing.inprocess import InProcessSwarm
 from swarm.testing.recipe import assert_matches_local_peft, connect, train
 
 REFUSED = "is not its own last update applied"
 STEPS = 3
 
 
+def _a_liar_alone_on_2_4(local: InProcessSwarm, model_dir: Path) -> tuple[InProcessSwarm, PeerID, SwarmModel]:
+    """A head on 0:2, a liar alone on 2:4, and a trainer connected to them."""
+    local.start_peers({"head": "0:2", "liar": "2:4"}, behaviours={"liar": CorruptUpdates()})
+    return local, local.peers["liar"].peer_id, connect(local, model_dir, adapter="poison")
+
+
+def _two_honest_join(local: InProcessSwarm) -> None:
+    for name in ("honest-1", "honest-2"):
+        local.add_peer("2:4", name, wait=False)
+    for name in ("honest-1", "honest-2"):
+        local.peers[name].wait_serving()
+
+
 def test_replicas_joining_a_liar_one_step_behind_apply_its_update_themselves(
     inprocess_swarm, tiny_models, tmp_path, caplog
 ):
     model_dir = tiny_models["llama"]
-    local = inprocess_swarm()
-    local.start_peers({"head": "0:2", "liar": "2:4"}, behaviours={"liar": CorruptUpdates()})
-    liar = local.peers["liar"].peer_id
-    model = connect(local, model_dir, adapter="poison")
+    local, liar, model = _a_liar_alone_on_2_4(inprocess_swarm(), model_dir)
     try:
         model.save_adapter(tmp_path / "initial")
         with caplog.at_level(logging.ERROR, logger="peers.adapters"):
             train(model, steps=1)  # step 0, committed by the liar alone on 2:4
-            for name in ("honest-1", "honest-2"):
-                local.add_peer("2:4", name, wait=False)
-            for name in ("honest-1", "honest-2"):
-                local.peers[name].wait_serving()
+            _two_honest_join(local)
         refusals = [r.getMessage() for r in caplog.records if REFUSED in r.getMessage()]
         assert any(str(liar) in message for message in refusals), refusals
         for name in ("honest-1", "honest-2"):
@@ -54,17 +66,11 @@ def test_a_liar_first_and_alone_on_a_span_is_banned_before_the_next_step_runs_th
     step 1's start the client sees them, compares their states with the liar's and bans the liar, outvoted, before
     any micro-batch runs through its altered blocks (before: step 1 ran through them and a vote banned it after)."""
     model_dir = tiny_models["llama"]
-    local = inprocess_swarm()
-    local.start_peers({"head": "0:2", "liar": "2:4"}, behaviours={"liar": CorruptUpdates()})
-    liar = local.peers["liar"].peer_id
-    model = connect(local, model_dir, adapter="poison")
+    local, liar, model = _a_liar_alone_on_2_4(inprocess_swarm(), model_dir)
     try:
         model.save_adapter(tmp_path / "initial")
         train(model, steps=1)
-        for name in ("honest-1", "honest-2"):
-            local.add_peer("2:4", name, wait=False)
-        for name in ("honest-1", "honest-2"):
-            local.peers[name].wait_serving()
+        _two_honest_join(local)
         train(model, steps=STEPS)
         assert list(model.dishonest) == [liar]
         model.save_adapter(tmp_path / "final")
