@@ -16,6 +16,7 @@ if [ "$(id -u)" = 0 ] && ! command -v chromium >/dev/null && ! command -v chromi
 fi
 .venv/bin/ruff check .
 # Two workers: most tests spend their time waiting on timeouts, heartbeats and other processes, so two at a time
-# take ~0.6 of the time on two cores; the slow ones run one after another on one worker (tests/conftest.py).
+# take ~0.6 of the time on two cores; the slow ones are handed out first (tests/conftest.py). --dist loadgroup hands
+# tests out a few at a time in that order (plain `load` hands each worker a large first share of the queue).
 # SWARM_TEST_WORKERS=0 runs everything in this one process.
 exec .venv/bin/python -m pytest -q -rs --durations=50 --durations-min=5 -n "${SWARM_TEST_WORKERS:-2}" --dist loadgroup "$@"

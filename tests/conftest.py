@@ -85,7 +85,7 @@ _started = time.time()  # this module is imported as the session starts
 def pytest_collection_modifyitems(config, items) -> None:
     """Each test marked with its tier (``-m unit``), and ``netns`` where it builds network namespaces (the ``lab``
     fixture): select or leave out a kind of test without knowing the files. ``slow`` and ``browser`` are marked
-    where the tests are; the slow ones share one xdist group."""
+    where the tests are."""
     for item in items:
         parts = Path(str(item.fspath)).parts
         tier = next((part for part in reversed(parts) if part in TIERS), None)
@@ -93,11 +93,9 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(tier)
         if "lab" in getattr(item, "fixturenames", ()):
             item.add_marker("netns")
-        if item.get_closest_marker("slow"):
-            item.add_marker(pytest.mark.xdist_group("slow"))
-    # The slow tests go first, one after another on one worker (--dist loadgroup): each keeps both cores busy for
-    # minutes, and started last they would make the run's tail. Then the longer tiers: a run of two workers ends on
-    # short tests (a 143 s e2e test started last ended one).
+    # The slow tests go first (pytest-xdist hands tests out in this order): each keeps both cores busy for minutes,
+    # and started last they would make the run's tail. Then the longer tiers: a run of two workers ends on short
+    # tests (a 143 s e2e test started last ended one).
     longest_first = {"e2e": 0, "integration": 1, "unit": 2}
     items.sort(
         key=lambda item: (

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-RUN_TIMEOUT = 960.0  # about three minutes on two shared cores; the parts' own limits add up to 900 s
+RUN_TIMEOUT = 1650.0  # three minutes alone on two cores, ten beside the seed's test; the parts' limits add up to 1600 s
 MARKER = "SWARM_TEST_BENCH_GPU_RUN"  # in the environment of the run and of everything it starts (p2pd included)
 EXPECTED = {
     ("parity", "fp32"),
@@ -64,7 +64,7 @@ def of_run(run_id: str) -> list[psutil.Process]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1100)
+@pytest.mark.timeout(1800)
 def test_the_cpu_run_prints_one_table_with_every_part_ok(tmp_path):
     workdir = tmp_path / "bench"
     result = bench_gpu("--cpu", "--workdir", str(workdir), run_id=str(tmp_path), timeout=RUN_TIMEOUT)
