@@ -15,7 +15,7 @@ from swarm.net.errors import DECODE_ERRORS, WireError
 
 LANE_BYTES = 192 * 1024  # a chunk per lane, under the stream window with room for framing
 MAX_LANES = 64
-LANE_WAIT = 60.0  # how long a peer waits for the other lanes of a message before it gives up on it
+LANE_WAIT = 60.0  # how long a peer waits, from a message's first lane, for the others before it gives up on it
 
 
 def chunk_bytes(payload: int) -> int:
@@ -79,10 +79,30 @@ class Arrivals:
     size: int = 0
     reply: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     answered: int = 0
+    all_in: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def complete(self) -> bool:
         return len(self.parts) == self.count
+
+    def arrived(self, index: int, parts: list[runtime_pb2.ExpertRequest]) -> None:
+        self.parts[index] = parts
+        if self.complete:
+            self.all_in.set()
+
+    async def replied(self, lane_wait: float) -> list[runtime_pb2.ExpertRequest]:
+        """The reply's parts. Only the wait for the other lanes is bounded here (TimeoutError after ``lane_wait``
+        from the first lane): once all are in, the message's own handling takes what it takes (a backward chained
+        through busy peers may take minutes; its caller's timeout bounds it)."""
+        gathered = asyncio.ensure_future(self.all_in.wait())
+        try:
+            remaining = max(0.0, self.started + lane_wait - time.monotonic())
+            done, _ = await asyncio.wait({gathered, self.reply}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gathered.cancel()
+        if not done:
+            raise asyncio.TimeoutError
+        return await asyncio.shield(self.reply)
 
     def ordered(self) -> list[runtime_pb2.ExpertRequest]:
         return [part for index in sorted(self.parts) for part in self.parts[index]]

@@ -73,9 +73,10 @@ class Doorkeeper:
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         relays: bool = True,
         faults: FaultHook | None = None,
+        lane_wait: float = lanes.LANE_WAIT,
     ):
         self.swarm_key, self.max_payload_bytes, self.relays = swarm_key, max_payload_bytes, relays
-        self.faults = faults
+        self.faults, self.lane_wait = faults, lane_wait
         self.probe = ReachabilityProbe()
         self.me, self.relay = "", None  # set by register()
         self.handlers: dict[str, Handler] = {
@@ -129,11 +130,11 @@ class Doorkeeper:
         elif arrivals.size > self.max_payload_bytes:
             self._answer(arrivals, error_message(ErrorKind.TOO_LARGE, f"request exceeds {self.max_payload_bytes} B"))
         else:
-            arrivals.parts[index] = parts
+            arrivals.arrived(index, parts)
             if arrivals.complete and not arrivals.reply.done():
                 self._answer(arrivals, self.handle(arrivals.ordered(), context))
         try:
-            reply = await asyncio.wait_for(asyncio.shield(arrivals.reply), lanes.LANE_WAIT)
+            reply = await arrivals.replied(self.lane_wait)
         except asyncio.TimeoutError:
             reply = encode(error_message(ErrorKind.BAD_REQUEST, "the other lanes of this message never came"))
         finally:
@@ -166,7 +167,7 @@ class Doorkeeper:
     def _expire_arrivals(self) -> None:
         """Forget messages whose lanes stopped coming (their caller gave up or died)."""
         now = time.monotonic()
-        for key in [k for k, a in self.arrivals.items() if now - a.started > 2 * lanes.LANE_WAIT]:
+        for key in [k for k, a in self.arrivals.items() if not a.complete and now - a.started > 2 * self.lane_wait]:
             del self.arrivals[key]
 
     async def rpc_stream(
