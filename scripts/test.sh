@@ -19,4 +19,4 @@ fi
 # take ~0.6 of the time on two cores; the slow ones are handed out first (tests/conftest.py). --dist loadgroup hands
 # tests out a few at a time in that order (plain `load` hands each worker a large first share of the queue).
 # SWARM_TEST_WORKERS=0 runs everything in this one process.
-exec .venv/bin/python -m pytest -q -rs --durations=50 --durations-min=5 -n "${SWARM_TEST_WORKERS:-2}" --dist loadgroup "$@"
+exec .venv/bin/python -m pytest -q -rfEs --durations=50 --durations-min=5 -n "${SWARM_TEST_WORKERS:-2}" --dist loadgroup "$@"
