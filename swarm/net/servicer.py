@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import AsyncIterator, Protocol  # noqa: UP035 -- matches the doors' signatures
@@ -85,6 +86,8 @@ class Doorkeeper:
             Method.REACHABLE: self._reachable,
         }
         self.arrivals: dict[tuple, lanes.Arrivals] = {}  # (caller, message id) -> lanes received so far
+        # method -> tensor bytes answered (before the wire's codec): what this node's replies carried, relayed ones too
+        self.replied: Counter[str] = Counter()
         self._settling: set[asyncio.Task] = set()
 
     async def register(self, p2p: P2P) -> None:
@@ -193,13 +196,13 @@ class Doorkeeper:
                 except WireError as e:
                     return error_message(ErrorKind.UNAUTHORIZED, str(e))
             if message.meta.get(RELAY_TO, self.me) != self.me:
-                return await self._pass_on(message)
+                return self._counted(method, await self._pass_on(message))
             handler = self.handlers.get(method) if isinstance(method, str) else None
             if handler is None:
                 raise RequestError(f"unknown method {method!r}; known: {sorted(self.handlers)}")
             if self.faults is not None:
-                return await self.faults.around(method, partial(_typed, handler), message)
-            return await _typed(handler, message)
+                return self._counted(method, await self.faults.around(method, partial(_typed, handler), message))
+            return self._counted(method, await _typed(handler, message))
         except RequestError as e:
             logger.info("refused a request from %s: %s", context.remote_id, e)
             return refusal(e)
@@ -211,6 +214,10 @@ class Doorkeeper:
         except Exception as e:  # the boundary: a bug here answers `internal` and the peer serves on
             logger.exception("request from %s failed", context.remote_id)
             return error_message(ErrorKind.INTERNAL, f"{type(e).__name__}: {e}")
+
+    def _counted(self, method: object, reply: Message) -> Message:
+        self.replied[str(method)] += payload_bytes(reply.tensors)
+        return reply
 
     async def _pass_on(self, message: Message) -> Message:
         """Relay a request to the peer it is for, over that peer's own connection here; its answer goes back as is."""

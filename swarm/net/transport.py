@@ -89,6 +89,7 @@ class Transport:
         self.rechecked: dict[PeerID, float] = {}  # gone peer -> wall-clock time of the last dial that tried it again
         self.addresses: dict[PeerID, list[str]] = {}  # peer -> the multiaddrs it announced
         self.laned: Counter[str] = Counter()  # method -> requests sent as parallel lanes (too large for one call)
+        self.sent: Counter[str] = Counter()  # method -> tensor bytes of the requests sent (before the wire's codec)
 
     @classmethod
     def for_dht(cls, dht: DHT, swarm_key: SwarmKey | None = None) -> Transport:
@@ -205,6 +206,7 @@ class Transport:
     async def _send(self, peer: PeerID, message: Message, timeout: float | None) -> Message:
         stub = PeerDoors.get_stub(self.p2p, peer)
         payload = payload_bytes(message.tensors)
+        self.sent[str(method_of(message.meta))] += payload
         streamed = method_of(message.meta) in STREAMED_REPLIES
         if payload > lanes.LANE_BYTES and not streamed:
             self.laned[method_of(message.meta)] += 1
