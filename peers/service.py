@@ -16,6 +16,7 @@ from hivemind.p2p import PeerID
 from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
 from peers.compute import Compute
+from peers.deliveries import Deliveries
 from peers.peer_client import ChainBroken, PeerClient
 from peers.pullers import RecentPullers
 from peers.reduction.audit import AUDIT_RATE
@@ -32,6 +33,7 @@ from swarm.net.gradnorm import GradNorm
 from swarm.net.protocol import (
     Ack,
     BackwardRequest,
+    CollectReply,
     CommitReply,
     CommitRequest,
     CommittedRequest,
@@ -122,12 +124,15 @@ class PeerService(InfoDoors):
         faults: FaultHook | None = None,
         audit_rate: float = AUDIT_RATE,
         references: DeltaReferences | None = None,
+        deliveries: Deliveries | None = None,
     ):
         """``references``: the samples' last hidden states this peer received and passed on, for delta-coded
-        forwards (swarm.net.deltas; default: a store of at most 1 GiB)."""
+        forwards (swarm.net.deltas; default: a store of at most 1 GiB). ``deliveries``: the chain outputs this peer
+        holds for the client's ``collect`` (peers/deliveries.py; default: its bounds)."""
         super().__init__(info, swarm_key, max_payload_bytes, faults=faults)
         self.backend, self.adapters, self.peers = backend, adapters, peers
         self.references = DeltaReferences() if references is None else references
+        self.deliveries = Deliveries() if deliveries is None else deliveries
         self.compute, self.hooks, self.pullers = compute, hooks, pullers
         self.phases = StepPhases()  # where each block's step stands here (peers/stepphase.py)
         self.reduction = Reduction(lambda: self.me, adapters, compute, peers, self.phases, audit_rate, random.Random())
@@ -151,6 +156,7 @@ class PeerService(InfoDoors):
                 Method.REPLICATE: self._replicate,
                 Method.INFER: self._infer,
                 Method.END_SESSION: self._end_session,
+                Method.COLLECT: self.deliveries.collect,
             }
         )
         self._background: set[asyncio.Task] = set()
@@ -167,7 +173,8 @@ class PeerService(InfoDoors):
     async def _forward(self, request: ForwardRequest) -> HiddenReply:
         """The span, then (in a chain) the rest of the route, passed on from here: the answer is the last hop's.
         Delta-coded (a ``sample`` and a delta compression): the input may come as a change since the sample's last
-        pass, the output goes on as one, and the chain's end answers with one from the client's reference."""
+        pass, the output goes on as one, and the chain's end answers with one from the client's reference. The
+        chain's end hands its output to the client's collect where the request names a ``deliver`` token."""
 
         delta_coded = request.sample is not None and request.compression in DELTAS
 
@@ -188,11 +195,16 @@ class PeerService(InfoDoors):
 
         arrived = time.monotonic()
         (outputs, delta), spent = await self.compute.timed(forward)
+        if not request.route:  # the chain's end: its answer to the client
+            answer = delta if delta_coded else outputs
+            if request.deliver is not None and self.deliveries.offer(
+                request.deliver.token, CollectReply(answer, request.compression), request.deliver.hold
+            ):
+                answer = None  # straight to the client's collect: the chain carries the ack only
+            return HiddenReply(answer, request.compression, [self._ack(request.blocks, arrived, spent, (), ())])
         if not delta_coded:
             carried, acks, failure = await self._chain_on(request, arrived, spent, outputs, (), (), hidden=outputs)
             return HiddenReply(carried, request.compression, acks, failure)
-        if not request.route:  # the chain's end: its answer to the client
-            return HiddenReply(delta, request.compression, [self._ack(request.blocks, arrived, spent, (), ())])
         carried, acks, failure = await self._chain_on(
             request,
             arrived,

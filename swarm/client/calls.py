@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 
@@ -34,6 +35,8 @@ Send = Callable[[Message], Message]
 # Sees each request the client makes, with the peer it goes to, and sends it on (or runs code before or after it):
 # how tests watch a client's requests or time a fault at one (``swarm.testing.faults.CallTap``) without patching.
 CallHook = Callable[[PeerID, Message, Send], Message]
+# Handed a call in flight (the transport's future), so that another thread may cancel it.
+Started = Callable[[Future], None]
 
 
 class PeerFailure(SwarmError):
@@ -85,31 +88,41 @@ class PeerCalls:
         return {peer: list(known[peer][:MAX_ROUTE_MADDRS]) for peer in sorted(holders) if known.get(peer)}
 
     def ask(
-        self, peer: PeerID, request: Request, units: float = 1.0, floor: float = 0.0, measured: bool = True
+        self,
+        peer: PeerID,
+        request: Request,
+        units: float = 1.0,
+        floor: float = 0.0,
+        measured: bool = True,
+        started: Started | None = None,
     ) -> Reply:
         """One typed request, its typed reply; failures of the peer (a reply that breaks its schema too) become
         PeerFailure after a ban, refusals of the request raise. ``measured``: the time it takes is the peer's own
-        (not that of a chain behind it)."""
+        (not that of a chain behind it). ``started``: handed the call in flight, for another thread to cancel."""
         message = request.to_message()
-        if self.hook is None:
-            reply = self.call(peer, message, units, floor, measured)
-        else:
-            reply = self.hook(peer, message, partial(self.call, peer, units=units, floor=floor, measured=measured))
+        call = partial(self.call, peer, units=units, floor=floor, measured=measured, started=started)
+        reply = call(message) if self.hook is None else self.hook(peer, message, call)
         try:
             return read_reply(request, reply)
         except ReplyError as e:
             raise self.peer_failed(peer, str(e)) from e
 
     def call(
-        self, peer: PeerID, message: Message, units: float = 1.0, floor: float = 0.0, measured: bool = True
+        self,
+        peer: PeerID,
+        message: Message,
+        units: float = 1.0,
+        floor: float = 0.0,
+        measured: bool = True,
+        started: Started | None = None,
     ) -> Message:
         """One encoded request (what :meth:`ask` sends, through the hook if there is one); failures of the peer
         become PeerFailure (after a ban), refusals of the request raise."""
         method = str(method_of(message.meta))
-        started = time.monotonic()
+        since = time.monotonic()
         timeout = floor + self.router.timeout(peer, method, units)
         try:
-            reply = self.transport.call(peer, message, timeout, watch=True)
+            reply = self.transport.call(peer, message, timeout, watch=True, started=started)
         except RemoteError as e:
             if e.kind == ErrorKind.FENCED:
                 raise LeaseLostError(str(e)) from None
@@ -123,7 +136,7 @@ class PeerCalls:
         except TRANSPORT_ERRORS as e:
             reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             raise self.peer_failed(peer, f"{method}: {reason}") from e
-        self.router.succeeded(peer, method, units, time.monotonic() - started if measured else None)
+        self.router.succeeded(peer, method, units, time.monotonic() - since if measured else None)
         return reply
 
     def likely_reachable(self, peer: PeerID) -> bool:

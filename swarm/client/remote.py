@@ -14,16 +14,19 @@ from hivemind.p2p import PeerID
 
 from swarm.client.calls import Attempts, PeerCalls, PeerFailure
 from swarm.client.chaindeltas import ChainDeltas
+from swarm.client.collects import Collect, Collects
 from swarm.client.ledger import Segment, StepLedger
 from swarm.client.routing import Hop
 from swarm.client.trust import Trust
 from swarm.net.chain import MAX_ROUTE_MADDRS, ChainFailure, ChainHop, FailureKind, HopAck, route_timeout
+from swarm.net.deltas import Delta
 from swarm.net.errors import LeaseLostError, MissingReferenceError, RemoteError
 from swarm.net.protocol import (
     PEER_STATE_ERRORS,
     BackwardRequest,
     ErrorKind,
     ForwardRequest,
+    HiddenReply,
     InferRequest,
     Method,
     Reply,
@@ -83,6 +86,7 @@ class RemoteStack:
         are sent as changes against, where the wire does (``WireFormat.delta_bits``)."""
         self.calls, self.catch_up, self.unserved = calls, catch_up, unserved
         self.trust, self.deltas = trust, deltas or ChainDeltas(calls, None)
+        self.collects = Collects(calls)  # chains' outputs, straight from their last hop
         self.router, self.adapter, self.wire = calls.router, calls.adapter, calls.wire
         self.chain = chain
         # The dtype of the autocast the client's forwards run under (a Trainer's bf16), sent with every forward and
@@ -369,35 +373,22 @@ class RemoteStack:
         micro_batch: str | None,
         sample: str | None = None,
     ) -> tuple[torch.Tensor, Forwarded]:
-        """The hidden states go to the first span with the route after it; each peer passes its output on, the last
-        answers. Where the chain breaks, the client goes on from the output of the last hop that ran, on a new
-        route (through the failed peer itself when the hop before could only not reach it). With a ``sample``,
-        hidden states travel as changes since its last pass (swarm.net.deltas)."""
-        wire, inputs = self.wire, []
+        """The hidden states go to the first span with the route after it; each peer passes its output on, and the
+        last hands its output to the client's collect (the acks come back along the chain). Where the chain breaks,
+        the client goes on from the output of the last hop that ran, on a new route (through the failed peer itself
+        when the hop before could only not reach it); where the chain ran but its collect failed, the last hop is
+        lost: the client sends the same input again, on a route without it. With a ``sample``, hidden states travel
+        as changes since its last pass (swarm.net.deltas)."""
+        inputs: list[HopInput] = []
         block, prefer, attempts = 0, None, self.calls.attempts(Method.FORWARD)
         while block < self.router.num_blocks:
             hops = self.wait_route(block, prefer=prefer)
-            prefer, first = None, hops[0]
-            route = self.route_of(hops[1:], Method.FORWARD, hidden)
-            last = hops[-1]
-            have = self.deltas.have(sample, last)
-            request = ForwardRequest(
-                adapter=self.adapter,
-                start=first.start,
-                end=first.end,
-                step=step,
-                hidden=self.deltas.outgoing(sample, block, wire.cast(hidden), first.peer_id),
-                mask=mask,
-                micro_batch=micro_batch,
-                compression=wire.compression,
-                route=route,
-                autocast=self.autocast,
-                sample=sample,
-                have=have,
-            )
+            prefer, first, last = None, hops[0], hops[-1]
+            collect = None if len(hops) == 1 else self.collects.start(last.peer_id, self._chain_wait(hops, hidden))
+            request = self._chain_forward_request(hops, hidden, mask, step, micro_batch, sample, collect)
             try:
                 reply, ran = self.chain_ask(hops, request, hidden)
-                outputs = self.deltas.incoming(request, ran[-1], reply.outputs)
+                outputs = self.deltas.incoming(request, ran[-1], self._chain_output(reply, ran, collect))
             except PeerFailure as e:
                 attempts.failed(e, first)
                 continue
@@ -409,6 +400,9 @@ class RemoteStack:
             except MissingReferenceError:  # a micro-batch of the same tokens in flight moved the reference on
                 self.deltas.forget(sample, last.end, last.peer_id)  # ask for the value
                 continue
+            finally:
+                if collect is not None:
+                    collect.abandon()  # a no-op once its output came
             inputs.append(HopInput(ran[0], hidden))
             inputs.extend(HopInput(hop, None) for hop in ran[1:])
             hidden, block = outputs.to(hidden.dtype), ran[-1].end
@@ -416,6 +410,46 @@ class RemoteStack:
                 prefer = self.chain_failed(reply.failure, attempts, hops[len(ran)])
         attempts.succeeded(step)
         return hidden, Forwarded(inputs, chained=True, check=0.0)
+
+    def _chain_forward_request(
+        self,
+        hops: list[Hop],
+        hidden: torch.Tensor,
+        mask: torch.Tensor | None,
+        step: int,
+        micro_batch: str | None,
+        sample: str | None,
+        collect: Collect | None,
+    ) -> ForwardRequest:
+        """A forward to the chain's first span (``hops[0]``) with the rest as its route; its output to ``collect``
+        (a chain of one hop answers with it: its reply crosses the same link)."""
+        first, last, wire = hops[0], hops[-1], self.wire
+        return ForwardRequest(
+            adapter=self.adapter,
+            start=first.start,
+            end=first.end,
+            step=step,
+            hidden=self.deltas.outgoing(sample, first.start, wire.cast(hidden), first.peer_id),
+            mask=mask,
+            micro_batch=micro_batch,
+            compression=wire.compression,
+            route=self.route_of(hops[1:], Method.FORWARD, hidden),
+            autocast=self.autocast,
+            sample=sample,
+            have=self.deltas.have(sample, last),
+            deliver=None if collect is None else collect.delivery,
+        )
+
+    def _chain_wait(self, hops: list[Hop], hidden: torch.Tensor) -> float:
+        """How long a chain's collect waits for its output (and its last hop holds it): the chain's timeout."""
+        return route_timeout(self.route_of(hops, Method.FORWARD, hidden))
+
+    def _chain_output(self, reply: HiddenReply, ran: list[Hop], collect: Collect | None) -> torch.Tensor | Delta:
+        """The output of the last hop that ran: the reply's, or the collect's (its failure: the last hop's)."""
+        outputs = reply.outputs if collect is None else collect.outputs(reply)
+        if outputs is None:
+            raise self.calls.peer_failed(ran[0].peer_id, "forward: a broken chain's reply lacks its output")
+        return outputs
 
     def backward_chain(
         self,

@@ -230,6 +230,7 @@ class AdapterSession:
         """Leave the swarm: stop routing, close this client's P2P connection and DHT node."""
         self.router.refresher.stop()
         self.replicas.close()
+        self.hops.collects.close()
         RemoteExpertWorker.run_coroutine(self.transport.shutdown())
         self.dht.shutdown()
 

@@ -2,7 +2,9 @@
 ran report back (how long each took, who holds which gradients), and where a chain broke.
 
 A chained request runs on the peer it is sent to, which passes its output on to the first hop of the route itself;
-the last hop's answer comes back along the chain. A hop that cannot reach the next one answers with its own output
+the hops' acks come back along the chain. A forward that names a ``Delivery`` has its last hop hand the output to the
+client's ``collect`` instead (the reply along the chain then carries acks only); one without, or a last hop that
+cannot hold it, answers along the chain with it. A hop that cannot reach the next one answers with its own output
 and the failure, so that the client goes on from there (``reached``) without recomputing the spans before.
 """
 
@@ -40,6 +42,40 @@ class ChainHop:
 
     def to_wire(self) -> list:
         return [self.peer, self.start, self.end, self.timeout, list(self.maddrs)]
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Where a chain's last hop puts its output: held for the client's ``collect`` of ``token``, at most ``hold``
+    seconds (the chain's timeout: the client has given up on the chain by then)."""
+
+    token: str
+    hold: float
+
+    def to_wire(self) -> list:
+        return [self.token, self.hold]
+
+
+MAX_HOLD = 600.0  # seconds a peer keeps an output for a collect, whatever the request asks
+TOKEN_CHARS = 64
+
+
+def read_delivery(meta: dict, key: str) -> Delivery | None:
+    value = meta.get(key)
+    if value is None:
+        return None
+    if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)):
+        raise RequestError(f"{key!r} must be [token, hold seconds]")
+    token, hold = value
+    if not 1 <= len(token) <= TOKEN_CHARS:
+        raise RequestError(f"{key!r}: a token is 1 to {TOKEN_CHARS} characters")
+    if not isinstance(hold, int | float) or isinstance(hold, bool) or not 0 < hold <= MAX_HOLD:
+        raise RequestError(f"{key!r}: the hold must be seconds in (0, {MAX_HOLD:g}]")
+    return Delivery(token, float(hold))
+
+
+def write_delivery(delivery: Delivery | None) -> list | None:
+    return None if delivery is None else delivery.to_wire()
 
 
 def route_timeout(route: list[ChainHop]) -> float:

@@ -138,6 +138,7 @@ class ErrorKind:
     TOKENS_IN_FLIGHT = "tokens_in_flight"  # micro-batches between forward and backward here fill its bound
     BAD_GRADIENTS = "bad_gradients"  # gradients fetched at commit do not hash as their holder said: it is dishonest
     WEIGHTS_MISMATCH = "weights_mismatch"  # the adapter is pinned to base weights other than this peer's
+    UNDELIVERED = "undelivered"  # a collect whose chain output this peer does not hold (not yet, expired, taken)
 
 
 class RequestError(SwarmError, ValueError):
@@ -229,6 +230,13 @@ class TokensInFlightError(RequestError):
     micro-batch to another replica or sends it again once some of its own came back."""
 
     kind = ErrorKind.TOKENS_IN_FLIGHT
+
+
+class UndeliveredError(RequestError):
+    """A ``collect`` for a chain output this peer does not hold: it was not computed here within the collect's wait,
+    was kept past its hold, was taken already, or too many wait. The client treats the chain's last hop as lost."""
+
+    kind = ErrorKind.UNDELIVERED
 
 
 class SourceUnavailableError(RequestError):

@@ -20,13 +20,18 @@ import torch
 from hivemind.p2p import PeerID
 
 from swarm.net.chain import (
+    MAX_HOLD,
+    TOKEN_CHARS,
     ChainFailure,
     ChainHop,
+    Delivery,
     HopAck,
     read_acks,
+    read_delivery,
     read_failure,
     read_route,
     write_acks,
+    write_delivery,
     write_failure,
     write_route,
 )
@@ -71,6 +76,7 @@ class Method:
     REACHABLE = "reachable"  # dial the asking peer back at the addresses it names (is it reachable from outside?)
     INFER = "infer"  # generation: new tokens through blocks, keys and values kept per session
     END_SESSION = "end_session"  # free a generation session's keys and values
+    COLLECT = "collect"  # client to a chain's last hop: the chain's output, straight back (``Delivery``)
 
 
 # Keys every message may carry, whatever its method: the method itself; a refusal's text and kind; the HMAC of a
@@ -100,6 +106,7 @@ PEER_STATE_ERRORS = frozenset(
         ErrorKind.INFERENCE_MEMORY,
         ErrorKind.NOT_SERVED,
         ErrorKind.TOKENS_IN_FLIGHT,
+        ErrorKind.UNDELIVERED,
     }
 )
 FETCH_TIMEOUT = 3.0  # how long a replica waits for another's gradients before the client replays them
@@ -669,7 +676,9 @@ class ForwardRequest(HiddenRequest):
     its graph and its input for the backward; one without is an evaluation. With a ``route``, the peer passes its
     output on to the route's first hop (swarm/net/chain.py). With a ``sample`` (the client's hash of its tokens) and a
     delta compression, hidden states may travel as a delta (swarm.net.deltas), the output passed on too, and the
-    chain's end answers with one from the reference whose digest is ``have`` (the client's for the stack's output)."""
+    chain's end answers with one from the reference whose digest is ``have`` (the client's for the stack's output).
+    With ``deliver``, the chain's end hands its output to the client's ``collect`` of that token and answers along
+    the chain with its ack only."""
 
     method: ClassVar[str] = Method.FORWARD
     adapter: str = wire(read_adapter)
@@ -684,6 +693,7 @@ class ForwardRequest(HiddenRequest):
     autocast: str | None = wire(optional(read_autocast), default=None)  # the client's autocast dtype, if on
     sample: str | None = wire(optional(read_sample), default=None)
     have: bytes | None = wire(optional(read_digest), default=None)
+    deliver: Delivery | None = wire(read_delivery, write_delivery, default=None)  # the chain's end: to a collect
 
     @property
     def blocks(self) -> range:
@@ -732,20 +742,65 @@ class BackwardRequest(Request):
 @dataclass(frozen=True)
 class HiddenReply(Reply):
     """The hidden states out of a span (a forward, or new tokens of a generation), or a delta of them (a delta-coded
-    chain's end). Tensors: [outputs]. Of a chain: the hops that ran (``acks``, in the route's order), and where it
-    broke (``failure``), the outputs then being those of the last hop that ran."""
+    chain's end). Tensors: [outputs], or none where the chain's end handed them to the client's ``collect``
+    (``ForwardRequest.deliver``). Of a chain: the hops that ran (``acks``, in the route's order), and where it broke
+    (``failure``), the outputs then being those of the last hop that ran."""
 
-    outputs: torch.Tensor | Delta = tensor()
+    outputs: torch.Tensor | Delta | None = tensor(default=None)
     compression: str = field(default="none", compare=False)  # how they travel; not sent
     acks: list[HopAck] = wire(read_acks, write_acks, default_factory=list)
     failure: ChainFailure | None = wire(read_failure, write_failure, default=None)
+
+    def to_message(self) -> Message:
+        tensors, delta = ([], {}) if self.outputs is None else _hidden_tensors(self.outputs)
+        return Message({**self.to_meta(), **delta}, tensors, COMPRESSIONS[self.compression])
+
+    @classmethod
+    def from_message(cls, message: Message) -> HiddenReply:
+        tensors = _expect(message, (0, 1))
+        outputs = _read_hidden(message, tensors[0]) if tensors else None
+        return cls(outputs, **cls.read_meta(message.meta))
+
+
+def read_token(meta: dict, key: str) -> str:
+    value = meta.get(key)
+    if not isinstance(value, str) or not 1 <= len(value) <= TOKEN_CHARS:
+        raise RequestError(f"{key!r} must be a token of 1 to {TOKEN_CHARS} characters")
+    return value
+
+
+def read_collect_wait(meta: dict, key: str) -> float:
+    value = read_float(meta, key)
+    if not 0 < value <= MAX_HOLD:
+        raise RequestError(f"{key!r} must be seconds in (0, {MAX_HOLD:g}]")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectRequest(Request):
+    """The client, to a chain's last hop, sent beside the chained forward that names ``token`` (in either order of
+    arrival): the chain's output, as soon as it is computed, waited for at most ``wait`` seconds (then, or for a
+    token whose output was dropped or taken already, ``undelivered``)."""
+
+    method: ClassVar[str] = Method.COLLECT
+    token: str = wire(read_token)
+    wait: float = wire(read_collect_wait)
+
+
+@dataclass(frozen=True)
+class CollectReply(Reply):
+    """A chain's output, as the chain's end would have answered it (a delta from the client's reference where the
+    forward was delta-coded). Tensors: [outputs]."""
+
+    outputs: torch.Tensor | Delta = tensor()
+    compression: str = field(default="none", compare=False)
 
     def to_message(self) -> Message:
         tensors, delta = _hidden_tensors(self.outputs)
         return Message({**self.to_meta(), **delta}, tensors, COMPRESSIONS[self.compression])
 
     @classmethod
-    def from_message(cls, message: Message) -> HiddenReply:
+    def from_message(cls, message: Message) -> CollectReply:
         return cls(_read_hidden(message, _expect(message, (1,))[0]), **cls.read_meta(message.meta))
 
 
@@ -1372,6 +1427,7 @@ METHODS: dict[str, MethodSpec] = {
     Method.REACHABLE: MethodSpec(ReachableRequest, ReachableReply),
     Method.INFER: MethodSpec(InferRequest, HiddenReply),
     Method.END_SESSION: MethodSpec(EndSessionRequest, EndSessionReply),
+    Method.COLLECT: MethodSpec(CollectRequest, CollectReply, streamed=True),
 }
 STREAMED_REPLIES = frozenset(name for name, spec in METHODS.items() if spec.streamed)
 

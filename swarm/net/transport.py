@@ -8,6 +8,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import Future
 from functools import partial
 
 from hivemind import DHT
@@ -97,9 +98,20 @@ class Transport:
         p2p = RemoteExpertWorker.run_coroutine(dht.replicate_p2p())
         return cls(p2p, swarm_key, on_unresponsive=partial(suspect, dht))
 
-    def call(self, peer: PeerID, message: Message, timeout: float | None = None, watch: bool = False) -> Message:
-        """Send ``message`` and wait for the reply; a refusal becomes a RemoteError. ``watch``: see :meth:`acall`."""
-        return RemoteExpertWorker.run_coroutine(self.acall(peer, message, timeout, watch=watch))
+    def call(
+        self,
+        peer: PeerID,
+        message: Message,
+        timeout: float | None = None,
+        watch: bool = False,
+        started: Callable[[Future], None] | None = None,
+    ) -> Message:
+        """Send ``message`` and wait for the reply; a refusal becomes a RemoteError. ``watch``: see :meth:`acall`.
+        ``started`` is handed the call in flight, which another thread may cancel (then CancelledError here)."""
+        call = RemoteExpertWorker.run_coroutine(self.acall(peer, message, timeout, watch=watch), return_future=True)
+        if started is not None:
+            started(call)
+        return call.result()
 
     def ask(self, peer: PeerID, request: Request, timeout: float | None = None) -> Reply:
         """:meth:`aask`, from synchronous code."""

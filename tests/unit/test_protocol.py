@@ -17,7 +17,7 @@ from hivemind.p2p import PeerID
 from peers.compute import Compute
 from peers.service import PeerService
 from swarm.net import protocol
-from swarm.net.chain import ChainFailure, ChainHop, HopAck, read_acks, write_acks
+from swarm.net.chain import ChainFailure, ChainHop, Delivery, HopAck, read_acks, write_acks
 from swarm.net.deltas import DeltaBits, DeltaReferences, ReferenceKey
 from swarm.net.errors import ErrorKind, MissingGradientsError, RemoteError, RequestError, SourceUnavailableError
 from swarm.net.gradnorm import GradNorm
@@ -56,10 +56,19 @@ EXAMPLES: dict[str, tuple[protocol.Request, protocol.Reply]] = {
     ),
     Method.FORWARD: (
         protocol.ForwardRequest(
-            adapter="run", start=0, end=2, step=3, hidden=HIDDEN, mask=MASK, micro_batch="mb-0", route=ROUTE
+            adapter="run",
+            start=0,
+            end=2,
+            step=3,
+            hidden=HIDDEN,
+            mask=MASK,
+            micro_batch="mb-0",
+            route=ROUTE,
+            deliver=Delivery("tok-1", 12.5),
         ),
         protocol.HiddenReply(HIDDEN, acks=ACKS, failure=BROKEN),
     ),
+    Method.COLLECT: (protocol.CollectRequest(token="tok-1", wait=12.5), protocol.CollectReply(HIDDEN)),
     Method.BACKWARD: (
         protocol.BackwardRequest(
             adapter="run",
@@ -295,8 +304,10 @@ def test_tensors_must_match_what_the_metadata_announces():
         adapter="run", start=0, end=2, step=3, micro_batch="mb-0", grad=GRAD
     )  # no hidden states: the peer has them
     assert read_request(cached.to_message()).hidden is None
+    with pytest.raises(ReplyError, match="expected 0 or 1 tensors, got 2"):  # none: handed to a collect
+        read_reply(forward, Message({}, [HIDDEN, HIDDEN]))
     with pytest.raises(ReplyError, match="expected 1 tensors, got 0"):
-        read_reply(forward, Message({}, []))
+        read_reply(EXAMPLES[Method.COLLECT][0], Message({}, []))
     grads, reply = EXAMPLES[Method.GRADS]
     with pytest.raises(ReplyError, match="expected 3 tensors"):
         read_reply(grads, Message(reply.to_message().meta, [GRAD]))
