@@ -238,9 +238,10 @@ def chain_stages(
     chain: Sequence[Hop], block_s: float, act: int, net: Network, grad_act: int | None = None
 ) -> list[Stage]:
     """One micro-batch along a chain, as the client runs it chained (docs/ARCHITECTURE.md "One micro-batch"): in
-    from the client, hop to hop, the last hop's output back along the chain to the client; the output gradient to
-    the last hop, hop to hop back (the first span returns no input gradient), the acks back along the chain.
-    ``act``: the hidden states' bytes; ``grad_act``: their gradient's (default: the same)."""
+    from the client, hop to hop, the last hop's output straight to the client (its collect) while the acks come
+    back along the chain; the output gradient to the last hop, hop to hop back (the first span returns no input
+    gradient), the acks back along the chain. ``act``: the hidden states' bytes; ``grad_act``: their gradient's
+    (default: the same)."""
     grad_act = act if grad_act is None else grad_act
     peers = [peer for peer, _ in chain]
     fwd_s = [len(blocks) * block_s for _, blocks in chain]
@@ -250,8 +251,7 @@ def chain_stages(
         stages.append(compute(peer, fwd_s[i]))
         if i + 1 < len(peers):
             stages.append(net.transfer(peer, peers[i + 1], act))
-    for i in range(len(peers) - 1, -1, -1):  # the output (and the acks so far) back to the client
-        stages.append(net.transfer(peers[i], peers[i - 1] if i else CLIENT, act + sum(acks[i:])))
+    stages += output_stages(peers, acks, act, net)
     stages.append(net.transfer(CLIENT, peers[-1], grad_act))
     for i in range(len(peers) - 1, -1, -1):
         stages.append(compute(peers[i], BACKWARD_COST * fwd_s[i]))
@@ -260,6 +260,20 @@ def chain_stages(
     for i in range(len(peers)):  # the acks back to the client
         stages.append(net.transfer(peers[i], peers[i + 1] if i + 1 < len(peers) else CLIENT, sum(acks[: i + 1])))
     return stages
+
+
+def output_stages(peers: Sequence[str], acks: Sequence[float], act: int, net: Network) -> list[Stage]:
+    """A chain's output to the client: straight from its last hop (the collect), while the acks come back along
+    the chain; the forward is done when the later of the two is in. The acks' transfers hold their links for their
+    bytes, and their latency counts only where it outlasts the output's. A chain of one hop answers with its output
+    and ack together."""
+    back = [net.transfer(peers[i], peers[i - 1] if i else CLIENT, sum(acks[i:])) for i in reversed(range(len(peers)))]
+    if len(peers) == 1:
+        return [net.transfer(peers[0], CLIENT, act + acks[0])]
+    output = net.transfer(peers[-1], CLIENT, act)
+    acks_in = sum(stage.seconds + stage.delay for stage in back)
+    output_in = output.seconds + output.delay + sum(stage.seconds for stage in back)
+    return [output, *(stage._replace(delay=0.0) for stage in back), Stage((), 0.0, max(0.0, acks_in - output_in))]
 
 
 def play_step(

@@ -28,12 +28,26 @@ def chained_pair(inprocess_swarm):
 
 
 def _connect(lab, tiny_models, name: str, sent: list, **wire):
+    """A client whose chained forwards are recorded in ``sent``: [the delta header sent, the tensor's size, the
+    delta header of the output that came back]. The output comes from the chain's last peer, in the reply to the
+    client's collect of the token the forward names (issue 60, item 2), or in the forward's reply where it has one."""
+    by_token: dict[str, list] = {}
+
     def call(peer, message, send):
-        if message.meta.get("method") != "forward":
+        method = message.meta.get("method")
+        if method == "collect":
+            reply = send(message)
+            by_token[message.meta["token"]][2] = reply.meta.get("delta")
+            return reply
+        if method != "forward":
             return send(message)
-        sent.append([message.meta.get("delta"), message.tensors[0].numel(), None])
+        entry = [message.meta.get("delta"), message.tensors[0].numel(), None]
+        sent.append(entry)
+        if message.meta.get("deliver") is not None:
+            by_token[message.meta["deliver"][0]] = entry
         reply = send(message)  # raises where the peer refuses the request
-        sent[-1][2] = reply.meta.get("delta")
+        if reply.tensors:
+            entry[2] = reply.meta.get("delta")
         return reply
 
     return swarm.SwarmModelForCausalLM.from_pretrained(

@@ -25,6 +25,7 @@ from swarm.planning import (
     activation_bytes,
     block_forward_seconds,
     block_grad_bytes,
+    chain_stages,
     chains_of,
     holders_of,
     in_flight_for,
@@ -168,3 +169,21 @@ def test_a_step_over_home_links_against_one_box():
     free = step("1000000/1000000", "after", rtt=0.0)
     assert free.pipeline == pytest.approx(free.one_box, rel=1e-3) and free.ratio == pytest.approx(1.0, rel=1e-2)
     assert after.up["gpu2"]["activations"] > 0 and after.up[CLIENT]["activations"] == pytest.approx(2 * 16 * act)
+
+
+def test_a_chains_output_goes_straight_to_the_client_and_its_acks_back_along_the_chain():
+    """Across 3 spans a micro-batch's forward sends 4 hidden-state-sized messages (in, hop, hop, the last hop's
+    output to the client: issue 60, item 2), not 6; the backward 3 (the output gradient in, hop, hop). The acks still
+    come back along the chain; a chain of one hop answers with its output and ack together."""
+    link = Link.parse("100/100")
+    net = Network({CLIENT: link, "a": link, "b": link, "c": link}, 0.03)
+    act = 2048 * 8192 * 2
+    stages = chain_stages([("a", range(0, 27)), ("b", range(27, 54)), ("c", range(54, 80))], 0.1, act, net)
+    sized = [stage.resources for stage in stages if stage.nbytes >= act]
+    up = [resources[0][1] for resources in sized]
+    assert len(sized) == 7 and up == [CLIENT, "a", "b", "c", CLIENT, "c", "b"]
+    assert sized[3][1] == ("down", CLIENT)  # the output: from c to the client, through no other peer
+    acks = [stage for stage in stages if 0 < stage.nbytes < act]
+    assert [stage.resources[0][1] for stage in acks[:3]] == ["c", "b", "a"]
+    one = chain_stages([("a", range(0, 80))], 0.1, act, net)
+    assert [stage.nbytes >= act for stage in one if stage.nbytes] == [True, True, True, False]
