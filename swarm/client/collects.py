@@ -24,8 +24,8 @@ WORKERS = 64  # collects at once (a pipeline has at most 32 micro-batches in fli
 class Collect:
     """One chain's output, asked of its last hop: named in the forward by ``delivery``."""
 
-    def __init__(self, calls: PeerCalls, pool: ThreadPoolExecutor, peer: PeerID, wait: float):
-        self.calls, self.peer = calls, peer
+    def __init__(self, calls: PeerCalls, pool: ThreadPoolExecutor, peer: PeerID, wait: float, reply_bytes: int):
+        self.calls, self.peer, self.reply_bytes = calls, peer, reply_bytes
         self.delivery = Delivery(uuid.uuid4().hex, min(wait, MAX_HOLD))
         self._lock = threading.Lock()
         self._call: Future | None = None  # the transport's call in flight, to cancel
@@ -33,7 +33,7 @@ class Collect:
         self._task = pool.submit(self._ask)
 
     def _ask(self) -> CollectReply:
-        request = CollectRequest(token=self.delivery.token, wait=self.delivery.hold)
+        request = CollectRequest(token=self.delivery.token, wait=self.delivery.hold, reply_bytes=self.reply_bytes)
         floor = self.delivery.hold + HOP_SLACK  # the peer refuses once its wait is over: that answer must come back
         return self.calls.ask(self.peer, request, floor=floor, measured=False, started=self._started)
 
@@ -67,9 +67,10 @@ class Collects:
         self.calls = calls
         self._pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="swarm-collect")
 
-    def start(self, last: PeerID, wait: float) -> Collect:
-        """Ask ``last`` for the output of the forward that names the returned collect's ``delivery``."""
-        return Collect(self.calls, self._pool, last, wait)
+    def start(self, last: PeerID, wait: float, reply_bytes: int) -> Collect:
+        """Ask ``last`` for the output (about ``reply_bytes`` on the wire) of the forward that names the returned
+        collect's ``delivery``."""
+        return Collect(self.calls, self._pool, last, wait, reply_bytes)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

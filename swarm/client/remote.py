@@ -5,6 +5,7 @@ themselves (a chain: swarm/net/chain.py); ``chain=False`` makes every hop a roun
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -384,7 +385,7 @@ class RemoteStack:
         while block < self.router.num_blocks:
             hops = self.wait_route(block, prefer=prefer)
             prefer, first, last = None, hops[0], hops[-1]
-            collect = None if len(hops) == 1 else self.collects.start(last.peer_id, self._chain_wait(hops, hidden))
+            collect = None if len(hops) == 1 else self._collect(hops, hidden)
             request = self._chain_forward_request(hops, hidden, mask, step, micro_batch, sample, collect)
             try:
                 reply, ran = self.chain_ask(hops, request, hidden)
@@ -440,9 +441,12 @@ class RemoteStack:
             deliver=None if collect is None else collect.delivery,
         )
 
-    def _chain_wait(self, hops: list[Hop], hidden: torch.Tensor) -> float:
-        """How long a chain's collect waits for its output (and its last hop holds it): the chain's timeout."""
-        return route_timeout(self.route_of(hops, Method.FORWARD, hidden))
+    def _collect(self, hops: list[Hop], hidden: torch.Tensor) -> Collect:
+        """The collect of a chain's output from its last hop, waiting (and the hop holding the output) at most the
+        chain's timeout."""
+        wait = route_timeout(self.route_of(hops, Method.FORWARD, hidden))
+        size = math.ceil(hidden.numel() * self.wire.value_bytes(hidden.dtype))
+        return self.collects.start(hops[-1].peer_id, wait, size)
 
     def _chain_output(self, reply: HiddenReply, ran: list[Hop], collect: Collect | None) -> torch.Tensor | Delta:
         """The output of the last hop that ran: the reply's, or the collect's (its failure: the last hop's)."""

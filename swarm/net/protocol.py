@@ -94,6 +94,9 @@ HAS_HIDDEN = "has_hidden"  # a backward: whether the hidden states come first (e
 MISSING = "missing"  # a missing_gradients refusal: block -> the micro-batches nobody could provide
 SOURCE = "source"  # a source_unavailable refusal: the peer a sync could not pull from
 BAD_HOLDERS = "bad_holders"  # a bad_gradients refusal: the peers whose gradients did not match their hashes
+# A small request whose reply is large (a collect): the bytes it expects back, so that it travels as lanes
+# (swarm/net/lanes.py) and its reply comes back spread over them, not on one stream's window.
+REPLY_BYTES = "reply_bytes"
 
 # Refusals that mean "this peer cannot serve this now", not "the request is wrong": the client goes elsewhere.
 PEER_STATE_ERRORS = frozenset(
@@ -776,15 +779,30 @@ def read_collect_wait(meta: dict, key: str) -> float:
     return value
 
 
+def read_size(meta: dict, key: str) -> int:
+    value = meta.get(key, 0)
+    if not _is_int(value) or value < 0:
+        raise RequestError(f"{key!r} must be a number of bytes")
+    return value
+
+
+def expected_reply(meta: dict) -> int:
+    """The bytes a request says its reply will carry (``REPLY_BYTES``; 0 where it does not say)."""
+    value = meta.get(REPLY_BYTES, 0)
+    return value if _is_int(value) and value > 0 else 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class CollectRequest(Request):
     """The client, to a chain's last hop, sent beside the chained forward that names ``token`` (in either order of
     arrival): the chain's output, as soon as it is computed, waited for at most ``wait`` seconds (then, or for a
-    token whose output was dropped or taken already, ``undelivered``)."""
+    token whose output was dropped or taken already, ``undelivered``). ``reply_bytes``: about what the output
+    weighs on the wire (the request then travels as lanes, and the output comes back over them)."""
 
     method: ClassVar[str] = Method.COLLECT
     token: str = wire(read_token)
     wait: float = wire(read_collect_wait)
+    reply_bytes: int = wire(read_size, default=0)
 
 
 @dataclass(frozen=True)
@@ -1427,7 +1445,7 @@ METHODS: dict[str, MethodSpec] = {
     Method.REACHABLE: MethodSpec(ReachableRequest, ReachableReply),
     Method.INFER: MethodSpec(InferRequest, HiddenReply),
     Method.END_SESSION: MethodSpec(EndSessionRequest, EndSessionReply),
-    Method.COLLECT: MethodSpec(CollectRequest, CollectReply, streamed=True),
+    Method.COLLECT: MethodSpec(CollectRequest, CollectReply),
 }
 STREAMED_REPLIES = frozenset(name for name, spec in METHODS.items() if spec.streamed)
 

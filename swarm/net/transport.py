@@ -29,6 +29,7 @@ from swarm.net.protocol import (
     Method,
     Reply,
     Request,
+    expected_reply,
     method_of,
     raise_if_error,
     read_reply,
@@ -220,19 +221,22 @@ class Transport:
         payload = payload_bytes(message.tensors)
         self.sent[str(method_of(message.meta))] += payload
         streamed = method_of(message.meta) in STREAMED_REPLIES
-        if payload > lanes.LANE_BYTES and not streamed:
+        laned = max(payload, expected_reply(message.meta))  # the larger of the request and its expected reply
+        if laned > lanes.LANE_BYTES and not streamed:
             self.laned[method_of(message.meta)] += 1
-            return await asyncio.wait_for(self._send_lanes(stub, message, payload), timeout=timeout)
+            return await asyncio.wait_for(self._send_lanes(stub, message, laned), timeout=timeout)
         parts = encode(message, self.swarm_key)
         if len(parts) == 1 and not streamed:
             reply = await stub.rpc_call(parts[0], timeout=timeout)
             return raise_if_error(decode([reply]))
         return raise_if_error(await asyncio.wait_for(self._stream(stub, parts), timeout=timeout))
 
-    async def _send_lanes(self, stub, message: Message, payload: int) -> Message:
-        """A large request as one call per chunk, all at once (see ``swarm.net.lanes``)."""
-        parts = encode(message, self.swarm_key, lanes.chunk_bytes(payload))
-        packed = lanes.pack(parts, max(1, len(parts) - 1), uuid.uuid4().hex)
+    async def _send_lanes(self, stub, message: Message, size: int) -> Message:
+        """A large request (or one that expects a large reply: ``size``, the larger) as one call per chunk of
+        ``size``, all at once (see ``swarm.net.lanes``); the reply comes back spread over the same calls."""
+        chunk = lanes.chunk_bytes(size)
+        parts = encode(message, self.swarm_key, chunk)
+        packed = lanes.pack(parts, max(1, len(parts) - 1, -(-size // chunk)), uuid.uuid4().hex)
         replies = await asyncio.gather(*(stub.rpc_lane(lane) for lane in packed))
         return raise_if_error(decode(lanes.unpack(list(replies))))
 

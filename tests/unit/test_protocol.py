@@ -68,7 +68,10 @@ EXAMPLES: dict[str, tuple[protocol.Request, protocol.Reply]] = {
         ),
         protocol.HiddenReply(HIDDEN, acks=ACKS, failure=BROKEN),
     ),
-    Method.COLLECT: (protocol.CollectRequest(token="tok-1", wait=12.5), protocol.CollectReply(HIDDEN)),
+    Method.COLLECT: (
+        protocol.CollectRequest(token="tok-1", wait=12.5, reply_bytes=HIDDEN.numel() * 4),
+        protocol.CollectReply(HIDDEN),
+    ),
     Method.BACKWARD: (
         protocol.BackwardRequest(
             adapter="run",
@@ -274,7 +277,7 @@ def test_a_missing_field_is_refused(method):
     for f in _wire_fields(type(request)):
         message = request.to_message()
         optional_field = f.default is None or f.default_factory is not MISSING  # null, or empty (a route)
-        defaulted = ("fetch_timeout", "compression", "input_grad", "relayed", "grad_scale", "norm_type")
+        defaulted = ("fetch_timeout", "compression", "input_grad", "relayed", "grad_scale", "norm_type", "reply_bytes")
         if optional_field or f.name in defaulted:
             continue  # may be left out: null, empty, or a default the schema documents
         meta = {k: v for k, v in message.meta.items() if k != f.name}
