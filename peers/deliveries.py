@@ -5,8 +5,9 @@ the output crosses one link (this peer's to the client's) instead of travelling 
 What is held is bounded: an output waits at most its hold (the chain's timeout), and at most ``max_held`` outputs
 of ``max_bytes`` in all wait for their collect (past that, ``offer`` declines and the forward answers along the
 chain with its output, as without a delivery). A collect waits at most its own ``wait``, and at most
-``max_waiting`` collects wait at once; a token whose output expired, was taken or whose collect gave up is
-remembered a while, so that a late collect or output is settled at once."""
+``max_waiting`` collects wait at once: past that the one waiting longest is answered ``undelivered`` (most likely
+one its client gave up on: its chain broke before this peer). A token whose output expired, was taken or whose
+collect gave up is remembered a while, so that a late collect or output is settled at once."""
 
 from __future__ import annotations
 
@@ -90,7 +91,11 @@ class Deliveries:
         if token in self.waiting:
             raise UndeliveredError(f"a collect of token {token} waits here already")
         if len(self.waiting) >= self.max_waiting:
-            raise UndeliveredError(f"{len(self.waiting)} collects wait here already; ask for the output again")
+            oldest = next(iter(self.waiting))
+            self.waiting.pop(oldest).set_exception(
+                UndeliveredError(f"{self.max_waiting} newer collects wait here: this one, the oldest, is let go")
+            )
+            self._end(oldest, "its collect was let go for newer ones")
         future = self.waiting[token] = asyncio.get_running_loop().create_future()
         try:
             reply = await asyncio.wait_for(future, request.wait)
@@ -101,7 +106,8 @@ class Deliveries:
                 "or broke here"
             ) from None
         finally:
-            del self.waiting[token]
+            if self.waiting.get(token) is future:
+                del self.waiting[token]
         self._end(token, "taken by its collect")
         return reply
 

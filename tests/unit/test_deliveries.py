@@ -111,15 +111,17 @@ def test_unknown_taken_and_expired_tokens_are_refused_with_what_happened():
     assert ErrorKind.UNDELIVERED in PEER_STATE_ERRORS  # the client treats it as the last hop lost
 
 
-def test_past_its_bounds_a_peer_answers_along_the_chain_and_refuses_more_waiting_collects():
+def test_past_its_bounds_a_peer_answers_along_the_chain_and_lets_the_oldest_waiting_collect_go():
     async def work(service):
         first = await service.handlers[Method.FORWARD](chain_end("held"))
         second = await service.handlers[Method.FORWARD](chain_end("over"))
-        waiting = asyncio.ensure_future(service.deliveries.collect(CollectRequest(token="w", wait=1.0)))
+        oldest = asyncio.ensure_future(service.deliveries.collect(CollectRequest(token="w", wait=5.0)))
         await asyncio.sleep(0.01)
-        with pytest.raises(UndeliveredError, match="wait here already"):
-            await service.deliveries.collect(CollectRequest(token="w2", wait=1.0))
-        waiting.cancel()
+        newer = asyncio.ensure_future(service.deliveries.collect(CollectRequest(token="w2", wait=5.0)))
+        with pytest.raises(UndeliveredError, match="the oldest, is let go"):
+            await oldest
+        assert service.deliveries.offer("w2", CollectReply(HIDDEN), 5.0)
+        assert torch.equal((await newer).outputs, HIDDEN) and not service.deliveries.waiting
         return first, second
 
     first, second = run_on_service(work, Deliveries(max_held=1, max_waiting=1))
