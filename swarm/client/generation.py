@@ -125,6 +125,8 @@ class SessionChain:
                 reply, ran = self.stack.chain_ask([h.hop for h in self.hops], request, sent)
                 if reply.failure is not None:
                     self.stack.chain_failed(reply.failure, attempts, self.hops[len(ran)].hop)
+                else:
+                    outputs = self.stack.output_of(reply, first.hop.peer_id)
             except PeerFailure as e:
                 attempts.failed(e, first.hop)
                 reply = None
@@ -137,7 +139,7 @@ class SessionChain:
                 session.length += sent.shape[1]
             self.tokens = hidden if self.tokens is None else torch.cat([self.tokens, hidden], dim=1)
             attempts.succeeded(self.step())
-            return reply.outputs.to(hidden.dtype)[:, -new:]
+            return outputs.to(hidden.dtype)[:, -new:]
 
     def _send(self, session: HopSession, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         hop, wire = session.hop, self.stack.wire
@@ -155,7 +157,7 @@ class SessionChain:
             autocast=self.stack.autocast,
         )
         units = hidden.shape[0] * hidden.shape[1] * (hop.end - hop.start)
-        return self.stack.calls.ask(hop.peer_id, request, units).outputs.to(hidden.dtype)
+        return self.stack.output_of(self.stack.calls.ask(hop.peer_id, request, units), hop.peer_id).to(hidden.dtype)
 
     def end(self, sessions: list[HopSession] | None = None) -> None:
         """Free the sessions' keys and values on their peers, all at once (best effort: an idle one expires

@@ -121,7 +121,13 @@ class RemoteStack:
             compression=wire.compression,
             autocast=self.autocast,
         )
-        return self._span_ask(hop, request, hidden).outputs.to(hidden.dtype)
+        return self.output_of(self._span_ask(hop, request, hidden), hop.peer_id).to(hidden.dtype)
+
+    def output_of(self, reply: HiddenReply, peer: PeerID) -> torch.Tensor:
+        """The hidden states a reply without a collect carries (a reply that lacks them is the peer's failure)."""
+        if not isinstance(reply.outputs, torch.Tensor):
+            raise self.calls.peer_failed(peer, "the reply lacks the hidden states of its output")
+        return reply.outputs
 
     def _backward_hop(
         self,
