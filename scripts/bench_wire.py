@@ -217,13 +217,20 @@ class ClientLink:
 
     def __init__(self):
         self.sent, self.fp32 = 0, 0
+        self.delivered: dict[str, str] = {}  # a chained forward's collect token -> the forward's compression
 
     def __call__(self, peer, message, send):
-        if message.meta.get("method") not in ("forward", "backward"):
+        method = message.meta.get("method")
+        if method not in ("forward", "backward", "collect"):
             return send(message)
-        self.count(message, message.meta.get("compression", "none"))
+        compression = message.meta.get("compression", "none")
+        if message.meta.get("deliver") is not None:  # its output comes back in the reply to a collect
+            self.delivered[message.meta["deliver"][0]] = compression
+        self.count(message, compression)
         reply = send(message)
-        self.count(reply, message.meta.get("compression", "none"))
+        if method == "collect":  # answered only after its forward went out (and was noted above)
+            compression = self.delivered.pop(message.meta["token"], "none")
+        self.count(reply, compression)
         return reply
 
     def count(self, message, compression: str) -> None:
