@@ -267,8 +267,9 @@ def test_large_micro_batches_travel_over_parallel_lanes_exactly(llama_pair, tiny
         laned = dict(model.session.transport.laned)
     finally:
         model.shutdown()
-    # one forward and one backward from the client: the chain's peers pass the hidden states on between them
-    assert laned == {"forward": 1, "backward": 1}, laned
+    # one forward and one backward from the client: the chain's peers pass the hidden states on between them; the
+    # chain's output comes back to the client's collect from the last peer, over lanes too
+    assert laned == {"forward": 1, "collect": 1, "backward": 1}, laned
     reference = local_peft(model_dir, tmp_path / "initial")
     trainable = [p for p in reference.parameters() if p.requires_grad]
     local_losses = train(reference, torch.optim.AdamW(trainable, **HPARAMS), [[batch]], accumulation=1)
