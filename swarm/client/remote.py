@@ -392,8 +392,8 @@ class RemoteStack:
             hops = self.wait_route(block, prefer=prefer)
             prefer, first, last = None, hops[0], hops[-1]
             collect = None if len(hops) == 1 else self._collect(hops, hidden)
-            request = self._chain_forward_request(hops, hidden, mask, step, micro_batch, sample, collect)
             try:
+                request = self._chain_forward_request(hops, hidden, mask, step, micro_batch, sample, collect)
                 reply, ran = self.chain_ask(hops, request, hidden)
                 outputs = self.deltas.incoming(request, ran[-1], self._chain_output(reply, ran, collect))
             except PeerFailure as e:
