@@ -6,7 +6,9 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,6 +104,25 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.get_closest_marker("slow") is None,
             min((longest_first[m.name] for m in item.iter_markers() if m.name in longest_first), default=3),
         )
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report ends with every thread's stack as it failed: a peer of this process stuck in its
+    thread (a hang seen once in a hundred runs) shows where, in the one printout CI keeps."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed:
+        report.sections.append(("threads at failure", _thread_stacks()))
+
+
+def _thread_stacks(frames_each: int = 14) -> str:
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    return "\n".join(
+        f"--- thread {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame)[-frames_each:])
+        for ident, frame in sys._current_frames().items()
+        if ident != threading.get_ident()
     )
 
 
