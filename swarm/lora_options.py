@@ -195,7 +195,10 @@ def resolve_lora_config(config: peft.LoraConfig, spec: ModelSpec) -> peft.LoraCo
     elif isinstance(resolved.target_modules, str) and resolved.target_modules.lower() == "all-linear":
         resolved.target_modules = set().union(*(linear_names(layer) for layer in layers.values()))
     try:
-        peft.inject_adapter_in_model(copy.deepcopy(resolved), BlockShell(spec, layers), low_cpu_mem_usage=True)
+        # LoRA tensors on the meta device as well, by this thread's device mode: peft's low_cpu_mem_usage would patch
+        # nn.Module for every thread of the process (a module built meanwhile elsewhere got meta weights)
+        with torch.device("meta"):
+            peft.inject_adapter_in_model(copy.deepcopy(resolved), BlockShell(spec, layers))
     except ValueError as e:
         raise AdapterConfigError(f"LoraConfig.target_modules {config.target_modules!r} on this model: {e}") from None
     return resolved

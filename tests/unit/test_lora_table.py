@@ -194,3 +194,26 @@ def test_lora_dropout_applies_to_training_forwards_and_replays_on_recompute(tiny
     eval_out = backend.forward("a", range(0, 2), 0, hidden, None)
     assert torch.equal(eval_out, backend.forward("a", range(0, 2), 0, hidden, None)), "dropout in a no-grad forward"
     assert not torch.equal(train_out, eval_out), "no dropout in a training forward"
+
+
+def test_resolving_a_config_leaves_modules_built_in_other_threads_alone(tmp_path):
+    """The client resolves its LoraConfig on meta blocks while other threads of its process build modules (in tests,
+    in-process peers loading their blocks): peft's ``low_cpu_mem_usage`` patched ``nn.Module`` for every thread, and
+    a peer's weights assigned meanwhile went to the meta device (its load failed: "Cannot copy out of meta tensor")."""
+    import threading
+
+    from swarm.testing.tiny import make_tiny_model
+
+    spec = load_spec(make_tiny_model(tmp_path / "deep", "llama", layers=48))
+    resolving = threading.Thread(
+        target=lambda: [resolve_lora_config(peft.LoraConfig(r=4, target_modules="all-linear"), spec) for _ in range(3)]
+    )
+    resolving.start()
+    built = on_meta = 0
+    while resolving.is_alive() or built == 0:
+        layer = torch.nn.Linear(4, 4, device="meta")
+        layer.weight = torch.nn.Parameter(torch.ones(4, 4))  # as load_state_dict(assign=True) sets a block's weights
+        built += 1
+        on_meta += layer.weight.is_meta
+    resolving.join()
+    assert on_meta == 0, f"{on_meta} of {built} parameters set in another thread went to the meta device"
