@@ -184,7 +184,6 @@ def cmd_convert_gguf(args: argparse.Namespace) -> None:
 
 
 def cmd_peer(args: argparse.Namespace) -> None:
-    from peers.daemon import PeerConfig, run_peer
     from swarm.hub import resolve_model
     from swarm.net.network import load_swarm_key
     from swarm.spec import load_spec
@@ -197,6 +196,8 @@ def cmd_peer(args: argparse.Namespace) -> None:
     if args.blocks and args.blocks[1] > spec.num_blocks:
         raise UsageError(f"--blocks {args.blocks[0]}:{args.blocks[1]} is outside {spec.name}'s 0:{spec.num_blocks}")
     load_swarm_key(args.swarm_key)
+    from peers.daemon import PeerConfig, run_peer  # the model stack (peft, bitsandbytes): once the options are good
+
     run_peer(
         PeerConfig(
             model=args.model if source.repo_id is None else source.repo_id,
