@@ -305,8 +305,8 @@ def test_next_move_runs_a_long_domino_chain():
     assert len(cover_plan(Snapshot(spans, 16, 2))) == 7
     # The same on an 80-block model: 40 peers, a plan of 39 moves, found at once.
     spans = {f"p{i:02d}": range(s, s + 2) for i, s in enumerate([0, 1, *range(3, 78, 2)])}
-    started = time.perf_counter()
-    assert len(cover_plan(Snapshot(spans, 80, 2))) == 39 and time.perf_counter() - started < 1.0
+    started = time.thread_time()
+    assert len(cover_plan(Snapshot(spans, 80, 2))) == 39 and time.thread_time() - started < 1.0  # CPU, not the clock
 
 
 def test_next_move_never_drops_a_block_nobody_else_serves():
@@ -350,11 +350,11 @@ def test_next_move_is_fast_on_a_thousand_peers():
         start = rng.randint(0, 80 - length)
         if 40 not in range(start, start + length):
             spans[f"peer-{len(spans):04d}"] = range(start, start + length)
-    started = time.perf_counter()
+    started = time.thread_time()
     moves = {
         p: t for p in spans if (t := next_move(Snapshot(spans, 80, 2), p, len(spans[p]), len(spans[p]))) is not None
     }
-    assert (time.perf_counter() - started) / len(spans) < 0.01
+    assert (time.thread_time() - started) / len(spans) < 0.01
     assert moves and all(40 in t for t in moves.values())
 
 
@@ -467,13 +467,14 @@ def test_no_move_once_every_block_has_its_replicas():
 def test_a_replica_plan_search_is_bounded():
     # Five 16-block peers hold 2 x 40 blocks, but two pipelines of them would need six: the search expands its
     # MAX_PLAN_STATES and finds nothing. Twelve 14-block peers on 80 blocks need a plan of five moves, which takes
-    # more than MAX_PLAN_WORK to find. Either search ends in well under a second (a few hundred ms on one core).
+    # more than MAX_PLAN_WORK to find. Either search ends in well under a second of this thread's CPU (a few hundred
+    # ms on one core; CPU time, not the clock: a busy machine once made the wall-clock one 1.4 s).
     cases = [([0, 0, 16, 24, 24], 16, 40), ([0, 4, 13, 18, 27, 32, 39, 46, 52, 60, 66, 66], 14, 80)]
     for starts, length, num_blocks in cases:
         spans = {f"p{i:02d}": range(s, s + length) for i, s in enumerate(starts)}
-        started = time.perf_counter()
+        started = time.thread_time()
         replica_plan(Snapshot(spans, num_blocks, 2))
-        assert time.perf_counter() - started < 1.0
+        assert time.thread_time() - started < 1.0
     five = {f"p{i}": range(s, s + 16) for i, s in enumerate(cases[0][0])}
     assert replica_plan(Snapshot(five, 40, 2)) == []
 
