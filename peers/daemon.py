@@ -31,11 +31,11 @@ from peers.compute import Compute
 from peers.links import LinkProber
 from peers.movecost import MoveTimer
 from peers.movelog import MoveLog
+from peers.orphans import OrphanCheck
 from peers.peer_client import PeerClient
 from peers.placement import (
     Move,
     Placement,
-    announced_again,
     decide_move,
     movers,
     others_serving,
@@ -74,12 +74,8 @@ from swarm.weights import block_digests
 logger = logging.getLogger(__name__)
 
 MIN_ROUND_GAP = 1.0  # seconds between the end of a balance round and one held early on a client's notice
+ANNOUNCE_RETRY = 2.0  # seconds before announcing again after a DHT call timed out (records live RECORD_TTL, 30 s)
 LEAVE_TIMEOUT = 20.0  # seconds past the leave grace after which a leaving peer exits whatever is stuck
-# A move over blocks that no other peer answered for waits for a second look, in which the silent peers get this long
-# to answer: a peer busy with queued work or a lost ping is not a dead one (issue 56: spans flapped every 20-40 s).
-CONFIRM_TIMEOUT = 12.0  # a silent peer's second chance to answer: past its re-announcement (RECORD_TTL / 3)
-ANNOUNCE_SLACK = 3.0  # seconds past a peer's re-announcement period before its records are read for a sign of life
-MAX_ANNOUNCE_WAIT = 15.0  # ... if that is at most this (--record-ttl 300 re-announces every 100 s: pings alone)
 DRAIN_TIMEOUT = 60.0  # seconds a move waits for the micro-batches in flight on the blocks it hands over
 DRAIN_SEEN = 6.0  # ... at least: two of a client's view refreshes (swarm/client/routing.py), so it sees them leaving
 DRAIN_QUIET = 10.0  # ... or, where no step commits, until no trainer sent work here for this long (its view refreshes
@@ -274,6 +270,7 @@ class PeerDaemon:
         self.store = CheckpointStore(config.checkpoint_dir) if config.checkpoint_dir else None
         self.writer = CheckpointWriter(self.store, config.checkpoint_every) if self.store else None
         self.view: SwarmView | None = None
+        self.orphans: OrphanCheck | None = None  # made once the transport is: what tells an orphan from a silent peer
         self.parts: PeerParts | None = None  # made by serve() once the blocks are loaded
         self.published: Published | None = None  # what the compute thread last published for readers off it
         self.maddrs: list[str] = []  # where others dial this peer: direct, or through relays
@@ -387,10 +384,19 @@ class PeerDaemon:
 
     # --- choosing, loading, moving ----------------------------------------------------------------------------
 
-    async def _observe(self) -> SwarmView:
+    async def _observe(self, retry_timeout: float | None = None) -> SwarmView:
+        """Look at the swarm (see ``observe``) and remember what was seen."""
         self.view = await observe(
-            self.dht, self.transport, self.spec.name, self.spec.num_blocks, self.identity.peer_id, self.digests
+            self.dht,
+            self.transport,
+            self.spec.name,
+            self.spec.num_blocks,
+            self.identity.peer_id,
+            self.digests,
+            retry_timeout=retry_timeout,
         )
+        if self.orphans is not None:
+            self.orphans.saw(self.view)
         return self.view
 
     async def _choose_span(self) -> range:
@@ -680,44 +686,10 @@ class PeerDaemon:
             return
         move = await self._decide_move(view)
         if move is not None and move.covers:
-            move = await self._confirmed(move, view, looked)
+            read = partial(asyncio.to_thread, read_servers, self.dht, self.spec.name, self.spec.num_blocks)
+            move = await self.orphans.confirmed(move, view, looked, self._observe, self._decide_move, read)
         if move is not None:
             await self._move(move)
-
-    async def _confirmed(self, move: Move, first: SwarmView, looked: float) -> Move | None:
-        """``move`` if it still stands after a second, patient look: it serves blocks that no other peer answered
-        for, and a peer that is only slow (its CPU busy, a ping lost) must not be taken for a dead one. The peers
-        that missed the round's ping get ``CONFIRM_TIMEOUT`` to answer; then, once a live peer has had time to
-        announce again since the round's look (``first``, begun at ``looked``), the records are read again, and a
-        peer that announced the blocks again is alive whether or not it answered (a ping to a peer its transport took
-        for gone fails at once: the look alone did not wait)."""
-        me = self.identity.peer_id
-        view = await observe(
-            self.dht,
-            self.transport,
-            self.spec.name,
-            self.spec.num_blocks,
-            me,
-            self.digests,
-            retry_timeout=CONFIRM_TIMEOUT,
-        )
-        self.view = view
-        wait = self.config.record_ttl / 3 + ANNOUNCE_SLACK  # no wait where no re-announcement could come in time
-        await asyncio.sleep(max(0.0, looked + wait - time.monotonic()) if wait <= MAX_ANNOUNCE_WAIT else 0.0)
-        records = await asyncio.to_thread(read_servers, self.dht, self.spec.name, self.spec.num_blocks)
-        again = await self._decide_move(view)
-        alive = announced_again(first.records, records, move.covers, me)
-        if again is None or again.target != move.target or alive:
-            why = f" ({', '.join(p.to_base58() for p in alive)} announced them again)" if alive else ""
-            logger.info(
-                "not moving to %d:%d: blocks %s have a live server after all%s",
-                move.target.start,
-                move.target.stop,
-                spans_text(list(move.covers)),
-                why,
-            )
-            return None
-        return again
 
     async def _decide_move(
         self, view: SwarmView, yielding: frozenset[PeerID] = frozenset(), one_at_a_time: bool = True
@@ -820,6 +792,9 @@ class PeerDaemon:
         )
         p2p = await self.dht.replicate_p2p()
         self.transport = Transport(p2p, self.swarm_key, on_unresponsive=partial(suspect, self.dht))
+        self.orphans = OrphanCheck(
+            self.identity.peer_id, self.transport, config.record_ttl, told=config.blocks is not None
+        )
         try:
             await check_access(self.transport, config.initial_peers)
             self.maddrs = await self._addresses(p2p, relays)
@@ -850,6 +825,7 @@ class PeerDaemon:
         await joining_doors.unregister(p2p)
         await self.parts.service.register(p2p)
         self.serving, self.joining, self.state = self.joining, None, ServerState.ONLINE
+        self.orphans.serving()
         timeline.mark("load and take state")
         logger.info(
             "serving blocks %d:%d of %s as %s (%s)",
@@ -868,9 +844,10 @@ class PeerDaemon:
             if time.monotonic() >= next_announce:
                 try:
                     await self._announce()
+                    next_announce = time.monotonic() + config.record_ttl / 3
                 except TimeoutError as e:  # the DHT is slow or restarting: serve on, and announce again soon
-                    logger.warning("announcing failed (will retry): %s", e)
-                next_announce = time.monotonic() + config.record_ttl / 3
+                    logger.warning("announcing failed (will retry in %.0f s): %s", ANNOUNCE_RETRY, e)
+                    next_announce = time.monotonic() + ANNOUNCE_RETRY  # before the records lapse, if it can
             woken = await self._sleep(stop, min(next_announce, next_round) - time.monotonic())
             if stop.is_set():
                 break

@@ -112,16 +112,18 @@ def movers(view: SwarmView) -> set[PeerID]:
 def announced_again(
     before: dict[int, list[ServerRecord]], after: dict[int, list[ServerRecord]], blocks: Iterable[int], me: PeerID
 ) -> list[PeerID]:
-    """Peers that announced themselves online on any of ``blocks`` between two reads of the records: alive, whatever
-    their pings said (a peer re-announces every third of its records' lifetime, through its DHT process: a peer on a
-    machine too busy to answer a ping in time still does, a dead one never)."""
+    """Peers that announced themselves online or joining (loading them) on any of ``blocks`` between two reads of the
+    records: alive, whatever their pings said (a peer re-announces every third of its records' lifetime, through its
+    DHT process: a peer on a machine too busy to answer a ping in time still does, a dead one never)."""
     then = {(b, r.peer_id): r.announced_at for b in blocks for r in before.get(b, [])}
     return sorted(
         {
             r.peer_id
             for b in blocks
             for r in after.get(b, [])
-            if r.peer_id != me and r.state == ServerState.ONLINE and r.announced_at > then.get((b, r.peer_id), -1.0)
+            if r.peer_id != me
+            and r.state in (ServerState.ONLINE, ServerState.JOINING)
+            and r.announced_at > then.get((b, r.peer_id), -1.0)
         },
         key=lambda p: p.to_bytes(),
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from peers.daemon import CONFIRM_TIMEOUT
+from peers.orphans import CONFIRM_TIMEOUT
 from swarm.net.view import PING_TIMEOUT
 from swarm.testing.inprocess import InProcessPeer
 from swarm.testing.recipe import assert_matches_local_peft, connect, train

@@ -180,3 +180,7 @@ def test_a_peer_that_announced_again_is_alive_whatever_its_pings_said():
     assert announced_again(before, records({FIRST: 100.0, SECOND: 110.0}), [0, 1], THIRD) == []  # other blocks
     assert announced_again(before, records({FIRST: 100.0, THIRD: 110.0}), [2, 3], THIRD) == []  # not itself
     assert announced_again({}, records({FIRST: 100.0}), [2], THIRD) == [FIRST]  # came since
+    loading = [ServerRecord(SECOND, ServerState.JOINING, 2, 4, 0.0, announced_at=110.0)]
+    assert announced_again(before, {2: loading}, [2], THIRD) == [SECOND]  # still loading them: alive too
+    leaving = [ServerRecord(SECOND, ServerState.LEAVING, 2, 4, 1.0, announced_at=110.0)]
+    assert announced_again(before, {2: leaving}, [2], THIRD) == []
