@@ -28,6 +28,7 @@ from peers.behaviour import Behaviour
 from peers.checkpoints import CheckpointStore, CheckpointWriter
 from peers.claim import IN_USE_HINT, ProcessClaim, lock_path_of_checkpoints, lock_path_of_identity
 from peers.compute import Compute
+from peers.leaving import LeavingBlocks
 from peers.links import LinkProber
 from peers.movecost import MoveTimer
 from peers.movelog import MoveLog
@@ -270,6 +271,7 @@ class PeerDaemon:
         self.store = CheckpointStore(config.checkpoint_dir) if config.checkpoint_dir else None
         self.writer = CheckpointWriter(self.store, config.checkpoint_every) if self.store else None
         self.view: SwarmView | None = None
+        self.leaving = LeavingBlocks(config.record_ttl)  # blocks given up lately, announced as leaving
         self.orphans: OrphanCheck | None = None  # made once the transport is: what tells an orphan from a silent peer
         self.parts: PeerParts | None = None  # made by serve() once the blocks are loaded
         self.published: Published | None = None  # what the compute thread last published for readers off it
@@ -348,11 +350,12 @@ class PeerDaemon:
     def _digests_of(self, blocks: range) -> dict[int, str]:
         return {block: self.digests[block] for block in blocks if block in self.digests}
 
-    async def _announce(self, records: list[tuple[ServerRecord, range]] | None = None) -> None:
-        for record, blocks in records if records is not None else await self._records():
-            await asyncio.to_thread(
-                announce, self.dht, self.spec.name, self.identity.owner, record, blocks, self.config.record_ttl
-            )
+    async def _announce(self, leaving: list[tuple[ServerRecord, range]] = ()) -> None:
+        """Announce what this peer serves and loads, and the blocks it gave up lately (``leaving``: just now, given
+        precedence over what it still announces there), in one value that replaces the last."""
+        entries = self.leaving.announce(leaving, await self._records(), time.monotonic())
+        ttl = self.config.record_ttl
+        await asyncio.to_thread(announce, self.dht, self.spec.name, self.identity.owner, entries, ttl)
         await asyncio.to_thread(
             announce_model, self.dht, self.spec.name, self.spec.num_blocks, self.identity.owner, self.config.record_ttl
         )
@@ -454,20 +457,6 @@ class PeerDaemon:
         me = self.identity.peer_id
         leaving = ServerRecord(me, ServerState.LEAVING, min(blocks, default=0), max(blocks, default=0) + 1, 0.0)
         await self._announce([(leaving, range(b, b + 1)) for b in blocks])
-
-    async def _withdraw_stale(self) -> None:
-        """Replace the records a previous life of this identity left on blocks it no longer serves (a crash leaves
-        them to expire) by leaving ones: a client would route and sync those blocks here until they did."""
-        me, keeping = self.identity.peer_id, set(self.joining or ()) | set(self.serving)
-        records = await asyncio.to_thread(read_servers, self.dht, self.spec.name, self.spec.num_blocks)
-        stale = sorted(
-            block
-            for block, found in records.items()
-            if block not in keeping and any(r.peer_id == me and r.state != ServerState.LEAVING for r in found)
-        )
-        if stale:
-            logger.info("withdrawing what a previous run of this peer announced: blocks %s", spans_text(stale))
-            await self._withdraw(stale)
 
     def _load(self, blocks: range) -> SpanBackend:
         """Build the backend and its adapters' store (slow: runs in a thread while the event loop keeps the P2P
@@ -614,7 +603,7 @@ class PeerDaemon:
         self.serving, self.joining, self.moving_to = target, None, None
         self.moves.add(old, target, move.reason)
         leaving = ServerRecord(me, ServerState.LEAVING, old.start, old.stop, self.throughput)
-        await self._announce([(leaving, range(b, b + 1)) for b in handed_over] + await self._records())
+        await self._announce([(leaving, range(b, b + 1)) for b in handed_over])
         await asyncio.sleep(self.config.leave_grace)
         async with self._announcing():  # a drain may outlast the records
             await self._drain(handed_over)
@@ -816,7 +805,6 @@ class PeerDaemon:
         else:
             self.joining = config.blocks
             await self._announce()
-        await self._withdraw_stale()
         timeline.mark("choose")
         async with self._announcing():
             self.parts = self._assemble(await asyncio.to_thread(self._load, self.joining))

@@ -31,6 +31,7 @@ RECORD_TTL = 30.0
 RECOVERIES_KEPT = 5  # recent recoveries a trainer publishes with its committed step
 MAX_MADDRS = 16
 MAX_DIGESTS = 1024  # blocks one record may name digests of
+MAX_ENTRIES = 64  # records one peer's announcement may hold (serving, joining, leaving blocks)
 DIGEST_HEX = re.compile(r"[0-9a-f]{64}")
 MAX_LINKS = 16  # next-hop peers one record may name a measured link to
 MAX_PEER_ID_CHARS = 64
@@ -162,7 +163,6 @@ class ServerRecord:
 
     def to_value(self) -> dict:
         value = {
-            "kind": "server",
             "state": self.state.value,
             "start": self.start,
             "end": self.end,
@@ -266,8 +266,9 @@ def read_digests(value: object) -> dict[int, str]:
     return digests
 
 
-def block_key(model: str, block: int) -> str:
-    return f"swarm:{model}:block:{block}"
+def servers_key(model: str) -> str:
+    """Where every peer serving ``model`` announces itself: one subkey (and value) per peer."""
+    return f"swarm:{model}:servers"
 
 
 MODELS_KEY = "swarm:models"
@@ -307,37 +308,65 @@ def read_models(dht: DHT) -> dict[str, int]:
     return settled(dht.run_coroutine(_read_models, return_future=True), "read the models")
 
 
-async def _store(_dht: DHT, node: DHTNode, model: str, owner: bytes, value: dict, blocks: range, ttl: float) -> None:
-    expiration = get_dht_time() + ttl
-    keys = [block_key(model, block) for block in blocks]
-    await node.store_many(keys, [value] * len(keys), expiration, subkeys=[owner] * len(keys))
+async def _store(_dht: DHT, node: DHTNode, model: str, owner: bytes, value: dict, ttl: float) -> None:
+    await node.store(servers_key(model), value, get_dht_time() + ttl, subkey=owner)
 
 
-def announce(dht: DHT, model: str, owner: bytes, record: ServerRecord, blocks: range, ttl: float = RECORD_TTL) -> None:
-    """Write (or refresh) this peer's record under every block it serves, as a subkey only its owner can sign
-    (the owner marker); records expire after ``ttl``."""
-    value = {**record.to_value(), "announced_at": get_dht_time()}
-    store = partial(_store, model=model, owner=owner, value=value, blocks=blocks, ttl=ttl)
+def announce(
+    dht: DHT, model: str, owner: bytes, entries: list[tuple[ServerRecord, range]], ttl: float = RECORD_TTL
+) -> None:
+    """Write (or refresh) this peer's whole announcement: each record with the blocks it stands for, in one value
+    under the model's servers key, as a subkey only its owner can sign (the owner marker), replacing what it
+    announced before; it expires after ``ttl``. One value per peer, not one per block: a reader's look at a 30-block
+    model fetched every block's key from every DHT node it asked, each value repeating the span's digests and the
+    signature, ~200 KB a look on two peers, more than a step's compressed activations on a trainer's link."""
+    store = partial(_store, model=model, owner=owner, value=announcement(entries, get_dht_time()), ttl=ttl)
     settled(dht.run_coroutine(store, return_future=True), "store this peer's records")
 
 
+def announcement(entries: list[tuple[ServerRecord, range]], announced_at: float) -> dict:
+    """A peer's announcement as the DHT holds it: each record with the blocks it stands for."""
+    return {"kind": "servers", "entries": [entry_value(record, blocks, announced_at) for record, blocks in entries]}
+
+
+def entry_value(record: ServerRecord, blocks: range, announced_at: float) -> dict:
+    """One record of a peer's announcement and the blocks it stands for there."""
+    return {**record.to_value(), "announced_at": announced_at, "blocks": [blocks.start, blocks.stop]}
+
+
+def read_entries(peer_id: PeerID, value: object) -> list[tuple[ServerRecord, range]]:
+    """A peer's announcement: its records and the blocks each stands for; raises TypeError or ValueError on a value
+    of another shape, and leaves out a malformed record (logged)."""
+    if not isinstance(value, dict) or value.get("kind") != "servers":
+        raise TypeError("not a servers announcement")
+    entries = value.get("entries")
+    if not isinstance(entries, list) or len(entries) > MAX_ENTRIES:
+        raise TypeError(f"entries must be a list of at most {MAX_ENTRIES} records")
+    out = []
+    for item in entries:
+        blocks = item.get("blocks") if isinstance(item, dict) else None
+        if not isinstance(blocks, list) or len(blocks) != 2 or not all(type(b) is int for b in blocks):
+            raise TypeError("each record names its blocks as [start, stop]")
+        record = ServerRecord.from_value(peer_id, item)
+        if record is not None:
+            out.append((record, range(max(blocks[0], record.start), min(blocks[1], record.end))))
+    return out
+
+
 async def _read(_dht: DHT, node: DHTNode, model: str, num_blocks: int) -> dict[int, list[ServerRecord]]:
-    keys = [block_key(model, block) for block in range(num_blocks)]
-    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
-    servers: dict[int, list[ServerRecord]] = {}
-    for block, key in enumerate(keys):
-        entry = found.get(key)
-        records = []
-        if entry is not None and isinstance(entry.value, dict):
-            for subkey, item in entry.value.items():
-                try:
-                    peer_id = peer_id_of_owner(subkey)
-                except ValueError:  # not a signed owner marker: not a record of ours
-                    continue
-                record = ServerRecord.from_value(peer_id, item.value)
-                if record is not None and record.start <= block < record.end:
-                    records.append(record)
-        servers[block] = records
+    found = await node.get(servers_key(model), sufficient_expiration_time=float("inf"))
+    servers: dict[int, list[ServerRecord]] = {block: [] for block in range(num_blocks)}
+    if found is None or not isinstance(found.value, dict):
+        return servers
+    for subkey, item in found.value.items():
+        try:
+            entries = read_entries(peer_id_of_owner(subkey), item.value)
+        except (TypeError, ValueError):  # not a signed owner marker, or not an announcement: not ours
+            continue
+        for record, blocks in entries:
+            for block in blocks:
+                if block < num_blocks:
+                    servers[block].append(record)
     return servers
 
 
@@ -440,8 +469,12 @@ class RecordSchemaValidator(RecordValidatorBase):
 
 def valid_value(value: dict) -> bool:
     kind = value.get("kind")
-    if kind == "server":
-        return ServerRecord.from_value(PeerID(b"\x00"), value) is not None
+    if kind == "servers":
+        try:
+            entries = read_entries(PeerID(b"\x00"), value)
+        except (TypeError, ValueError):
+            return False
+        return len(entries) == len(value["entries"])
     if kind == "model":
         return isinstance(value.get("name"), str) and isinstance(value.get("num_blocks"), int)
     if kind == "committed":

@@ -25,7 +25,7 @@ import torch
 
 from swarm.net.compression import WireFormat
 from swarm.testing.localswarm import LocalSwarm, Process
-from swarm.testing.netlab import Host
+from swarm.testing.netlab import Host, NetLab
 from swarm.testing.recipe import HPARAMS, LORA
 
 if TYPE_CHECKING:
@@ -225,6 +225,36 @@ def run_client(
 ) -> LinkReport:
     """``start_client`` and ``collect``: one measured client, alone on the swarm."""
     return collect(start_client(local, host, model_dir, config, name, watch), timeout)
+
+
+def transfer_bytes(config: MeterConfig, hidden: int) -> float:
+    """What a step's three transfers weigh on ``config.wire``, from their shapes alone: the hidden states in and out
+    (a delta wire's later passes: their changes) and the output's gradient, fp32 computed. The floor of the client's
+    bytes per step: everything else its link carries (records, acks, framing) is overhead."""
+    wire = WireFormat.parse(config.wire)
+    values = config.micro_batches * config.batch * config.seq * hidden
+    return values * (2 * wire.value_bytes(torch.float32) + wire.value_bytes(torch.float32, backward=True))
+
+
+def measure_wires(
+    lab: NetLab, model_dir: Path, spans: list[str], configs: dict[str, MeterConfig], workdir: Path
+) -> dict[str, LinkReport]:
+    """One swarm of a peer per span on the lab's public host; then one measuring client per config, one after the
+    other, each alone on a host of its own (so its interface counts only its own traffic)."""
+    peers_host = lab.public("swarm")
+    reports = {}
+    with LocalSwarm(workdir) as local:
+        local.start_dht(host=peers_host.ip, prefix=peers_host.command())
+        for index, span in enumerate(spans):
+            flags = ["--leave-grace", "0.2"]
+            local.start_peer(
+                model_dir, span, f"peer{index}", flags, wait=False, host="0.0.0.0", prefix=peers_host.command()
+            )
+        for process in local.processes[1:]:
+            process.wait_for_line("serving blocks", 300)
+        for name, config in configs.items():
+            reports[name] = run_client(local, lab.public(name), model_dir, config, name, timeout=600)
+    return reports
 
 
 def _watch_pair(text: str) -> tuple[str, int]:

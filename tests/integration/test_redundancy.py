@@ -434,8 +434,8 @@ def test_a_step_whose_only_server_dies_before_it_is_copied_is_committed_again(in
 
 
 def test_a_peer_restarted_on_other_blocks_withdraws_what_its_previous_run_announced(inprocess_swarm, tmp_path):
-    """Killed, a peer leaves its records to expire; restarted with the same identity on other blocks, it replaces
-    them by leaving ones before it serves, so that no client routes or syncs its old blocks there."""
+    """Killed, a peer leaves its records to expire; restarted with the same identity on other blocks, its first
+    announcement replaces them (one value per peer), so that no client routes or syncs its old blocks there."""
     swarm = inprocess_swarm()
     identity = str(tmp_path / "volunteer.key")
     swarm.start_peers({"b": "2:4"})

@@ -14,7 +14,7 @@ from hivemind.utils import get_dht_time
 import swarm
 from swarm.net.errors import RemoteError, SwarmAccessError
 from swarm.net.network import join_dht
-from swarm.net.records import ServerRecord, ServerState, announce, block_key, read_servers
+from swarm.net.records import ServerRecord, ServerState, announce, read_servers, servers_key
 from swarm.net.security import Identity, SwarmKey, keygen
 from swarm.net.transport import Transport
 from swarm.net.wire import Message
@@ -39,21 +39,21 @@ def test_records_of_another_identity_cannot_be_forged_or_overwritten(inprocess_s
     try:
         (record,) = read_servers(honest, "tiny-llama", 4)[0]
         assert record.peer_id == victim_id and record.state == ServerState.ONLINE
-        owner = next(iter(honest.get(block_key("tiny-llama", 0), latest=True).value))  # public: it's the subkey
-        forged = {"kind": "server", "state": "leaving", "start": 0, "end": 4, "throughput": 1e9, "adapters": {}}
+        owner = next(iter(honest.get(servers_key("tiny-llama"), latest=True).value))  # public: it's the subkey
+        entry = {"state": "leaving", "start": 0, "end": 4, "throughput": 1e9, "adapters": {}, "blocks": [0, 4]}
+        forged = {"kind": "servers", "entries": [entry]}
         expiration = get_dht_time() + 60
         # 1. overwrite the victim's subkey without its signature; 2. sign with another key under its subkey
-        assert not attacker.store(block_key("tiny-llama", 0), forged, expiration, subkey=owner)
+        assert not attacker.store(servers_key("tiny-llama"), forged, expiration, subkey=owner)
         signed_elsewhere = join_dht(local.initial_peers, attacker_identity, None, client_mode=True)
         try:
-            assert not signed_elsewhere.store(block_key("tiny-llama", 0), forged, expiration, subkey=owner)
+            assert not signed_elsewhere.store(servers_key("tiny-llama"), forged, expiration, subkey=owner)
             # 3. its own record is accepted, but it is bound to its own identity, not the victim's
             announce(
                 signed_elsewhere,
                 "tiny-llama",
                 attacker_identity.owner,
-                ServerRecord(victim_id, ServerState.ONLINE, 0, 4, 1.0),
-                range(0, 1),
+                [(ServerRecord(victim_id, ServerState.ONLINE, 0, 4, 1.0), range(0, 1))],
             )
         finally:
             signed_elsewhere.shutdown()
@@ -131,8 +131,7 @@ def test_an_outsider_can_neither_call_nor_read_nor_write(private_swarm, tmp_path
                 outsider_writer,
                 "tiny-llama",
                 intruder.owner,
-                ServerRecord(intruder.peer_id, ServerState.ONLINE, 0, 4, 1e9),
-                range(0, 4),
+                [(ServerRecord(intruder.peer_id, ServerState.ONLINE, 0, 4, 1e9), range(0, 4))],
             )
         finally:
             outsider_writer.shutdown()

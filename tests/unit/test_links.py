@@ -13,7 +13,7 @@ from peers.links import LinkProber
 from swarm.client.links import link_costs
 from swarm.net.errors import ErrorKind, RemoteError
 from swarm.net.protocol import PingReply, PingRequest
-from swarm.net.records import MAX_LINKS, Link, ServerRecord, ServerState, valid_value
+from swarm.net.records import MAX_LINKS, Link, ServerRecord, ServerState, announcement, valid_value
 
 
 def _peer(i: int) -> PeerID:
@@ -27,7 +27,8 @@ def _record(i: int, links: dict[PeerID, Link], announced_at: float = 0.0) -> Ser
 def test_records_carry_links_and_drop_malformed_ones():
     links = {_peer(2): Link(0.004, 2.5e7), _peer(3): Link(0.12, 1e6)}
     value = _record(1, links).to_value()
-    assert valid_value(value) and ServerRecord.from_value(_peer(1), value).links == links
+    assert valid_value(announcement([(_record(1, links), range(0, 2))], 0.0))
+    assert ServerRecord.from_value(_peer(1), value).links == links
     assert "links" not in _record(1, {}).to_value() and ServerRecord.from_value(_peer(1), _record(1, {}).to_value())
     key = _peer(2).to_base58()
     malformed = [
@@ -50,7 +51,7 @@ def test_records_carry_links_and_drop_malformed_ones():
     for links_value in malformed:
         bad = {**value, "links": links_value}
         assert ServerRecord.from_value(_peer(1), bad) is None, links_value
-        assert not valid_value(bad), links_value
+        assert not valid_value({"kind": "servers", "entries": [{**bad, "blocks": [0, 2]}]}), links_value
     most = {_peer(i).to_base58(): [0.004, 1e6] for i in range(MAX_LINKS)}
     assert len(ServerRecord.from_value(_peer(1), {**value, "links": most}).links) == MAX_LINKS
 

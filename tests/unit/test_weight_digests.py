@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from swarm import weights
-from swarm.net.records import CommittedRecord, ServerRecord, ServerState, valid_value
+from swarm.net.records import CommittedRecord, ServerRecord, ServerState, announcement, valid_value
 from swarm.spec import load_spec
 from swarm.testing.tiny import make_tiny_model
 
@@ -97,10 +97,11 @@ def test_records_carry_digests_and_refuse_malformed_ones():
     digests = {2: "a" * 64, 3: "b" * 64}
     record = ServerRecord(b"x", ServerState.ONLINE, 2, 4, 1.0, digests=digests)
     value = record.to_value()
-    assert valid_value(value) and ServerRecord.from_value(b"x", value).digests == digests
+    said = announcement([(record, range(2, 4))], 0.0)
+    assert valid_value(said) and ServerRecord.from_value(b"x", value).digests == digests
     assert not record.conflicts(digests) and record.conflicts({3: "c" * 64}) and not record.conflicts({0: "c" * 64})
     assert ServerRecord(b"x", ServerState.ONLINE, 2, 4, 1.0).conflicts(digests)  # announcing none: other weights
-    assert not valid_value({**value, "digests": {"2": "not hex"}})
+    assert not valid_value({**said, "entries": [{**said["entries"][0], "digests": {"2": "not hex"}}]})
     committed = CommittedRecord(3, {}, 1, "me", weights=digests)
     assert CommittedRecord.from_value(committed.to_value()) == committed
     assert not valid_value({**committed.to_value(), "weights": {"x": "a" * 64}})
