@@ -52,6 +52,7 @@ class OrphanCheck:
         self.me, self.transport, self.record_ttl, self.told, self.clock = me, transport, record_ttl, told, clock
         self.servers_seen: dict[PeerID, range] = {}  # the last span each other peer announced online or joining
         self.serving_since: float | None = None
+        self.told_waiting: list[int] = []  # the never-served blocks a told peer last waited for (logged once)
 
     def serving(self) -> None:
         """This peer serves from now on: the grace for blocks it never saw served counts from here."""
@@ -75,14 +76,16 @@ class OrphanCheck:
         blocks it never saw served to their own peers for ``NEVER_SERVED_GRACE``."""
         waiting = self._never_served(move.covers)
         if waiting:
-            logger.info(
-                "not moving to %d:%d yet: blocks %s have had no server since this peer started; the peers told them "
-                "may still be loading (covering them in %.0f s if still unserved)",
-                move.target.start,
-                move.target.stop,
-                spans_text(waiting),
-                NEVER_SERVED_GRACE - (self.clock() - (self.serving_since or self.clock())),
-            )
+            if waiting != self.told_waiting:  # once, not every round of the grace
+                logger.info(
+                    "not moving to %d:%d yet: blocks %s have had no server since this peer started; the peers told "
+                    "them may still be loading (covering them in %.0f s if still unserved)",
+                    move.target.start,
+                    move.target.stop,
+                    spans_text(waiting),
+                    NEVER_SERVED_GRACE - (self.clock() - self.serving_since),
+                )
+            self.told_waiting = waiting
             return None
         view = await look(CONFIRM_TIMEOUT)
         self.saw(view)
