@@ -14,11 +14,9 @@ from hivemind.p2p import PeerID
 
 from peers.placement import Move, announced_again
 from swarm.blocks import spans_text
-from swarm.net.errors import PEER_ERRORS, RequestError
-from swarm.net.protocol import InfoRequest, PeerInfo
 from swarm.net.records import ServerRecord, ServerState
 from swarm.net.transport import Transport
-from swarm.net.view import SwarmView
+from swarm.net.view import SwarmView, ping_all
 
 logger = logging.getLogger(__name__)
 
@@ -119,16 +117,10 @@ class OrphanCheck:
         named = {r.peer_id for records in view.records.values() for r in records}
         asked = [p for p, span in self.servers_seen.items() if p not in named and any(b in span for b in blocks)]
 
-        async def info(peer: PeerID) -> PeerInfo | None:
-            try:
-                return await self.transport.aask(peer, InfoRequest(), timeout=CONFIRM_TIMEOUT)
-            except (*PEER_ERRORS, RequestError) as e:
-                logger.debug("peer %s, once serving blocks %s, did not answer: %s", peer, spans_text(list(blocks)), e)
-                return None
-
-        answers = await asyncio.gather(*(info(peer) for peer in asked))
+        answers = await ping_all(self.transport, asked, CONFIRM_TIMEOUT)
         serving = []
-        for peer, answer in zip(asked, answers, strict=True):
+        for peer in asked:
+            answer = answers.get(peer)
             if answer is None:
                 del self.servers_seen[peer]
             elif answer.state != ServerState.LEAVING and any(answer.start <= b < answer.end for b in blocks):

@@ -131,18 +131,21 @@ async def observe(
     transport.learn(r for block_records in records.values() for r in block_records)
     peers = {r.peer_id for block_records in records.values() for r in block_records if r.peer_id != me}
 
-    async def ping(peer: PeerID, timeout: float) -> PeerInfo | None:
+    alive = await ping_all(transport, list(peers), PING_TIMEOUT)
+    if retry_timeout is not None:
+        alive |= await ping_all(transport, [peer for peer in peers if peer not in alive], retry_timeout)
+    return SwarmView(records=records, alive=alive)
+
+
+async def ping_all(transport: Transport, peers: list[PeerID], timeout: float) -> dict[PeerID, PeerInfo]:
+    """The ``info`` of each of ``peers`` that answers within ``timeout``, asked all at once."""
+
+    async def ping(peer: PeerID) -> PeerInfo | None:
         try:
             return await transport.aask(peer, InfoRequest(), timeout=timeout)
         except (*PEER_ERRORS, RequestError) as e:  # gone, refused, or a reply that is not a PeerInfo
             logger.debug("peer %s did not answer: %s", peer, e)
             return None
 
-    async def ping_all(peers: list[PeerID], timeout: float) -> dict[PeerID, PeerInfo]:
-        answers = await asyncio.gather(*(ping(peer, timeout) for peer in peers))
-        return {peer: info for peer, info in zip(peers, answers, strict=True) if info is not None}
-
-    alive = await ping_all(list(peers), PING_TIMEOUT)
-    if retry_timeout is not None:
-        alive |= await ping_all([peer for peer in peers if peer not in alive], retry_timeout)
-    return SwarmView(records=records, alive=alive)
+    answers = await asyncio.gather(*(ping(peer) for peer in peers))
+    return {peer: info for peer, info in zip(peers, answers, strict=True) if info is not None}
