@@ -32,6 +32,11 @@ class Behaviour:
         """Partial sums handed to another replica (``HeldGradients.partial_sums``)."""
         return sums
 
+    def sketched(self, sums: GradsByBlock) -> GradsByBlock:
+        """Partial sums with their micro-batches' sketches beside them (``HeldGradients.partial_sums``), as handed
+        on."""
+        return sums
+
     def reduced_chunks(self, found: GradsByBlock) -> GradsByBlock:
         """Chunks of reduced gradients handed to another replica (``Reduction.serve``, peers/reduction/exchange.py)."""
         return found

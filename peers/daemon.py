@@ -43,6 +43,7 @@ from peers.placement import (
     planned_throughput,
 )
 from peers.pullers import RecentPullers
+from peers.reduction.audit import AUDIT_RATE
 from peers.replication import Replicator, StandbyPolicy
 from peers.service import InfoDoors, PeerHooks, PeerService
 from swarm.blocks import spans_text
@@ -99,6 +100,7 @@ class PeerConfig:
     balance_interval: float = 5.0
     standby_blocks: int | None = None
     standby_every: int = 1
+    audit_rate: float | None = None  # the share of fetched partial sums audited; None: reduction/audit.py's AUDIT_RATE
     checkpoint_dir: str | None = None
     checkpoint_every: int = 1
     device: str = "cpu"
@@ -561,6 +563,7 @@ class PeerDaemon:
             config.max_payload_mb << 20,
             faults=self.faults,
             references=DeltaReferences(max_bytes=config.delta_references_mb << 20),
+            audit_rate=AUDIT_RATE if config.audit_rate is None else config.audit_rate,
         )
         links = LinkProber(self.transport, rng=random.Random(self.rng.random()))
         return PeerParts(backend, adapters, compute, peers, service, replicator, links, pullers)

@@ -1,6 +1,10 @@
-"""Checking what other holders hand on: fetched micro-batch gradients against the hashes their holder reported with
-its backwards, and (at ``AUDIT_RATE``) a fetched partial sum, or a chunk of one, against the sum of those gradients,
-to the bit. A holder caught is refused (``bad_gradients``, naming it) and the client bans it."""
+"""Checking what other holders hand on. Every partial sum (or chunk of one) fetched is checked against the sketches
+of its micro-batches handed with it (swarm/net/sketch.py: the sum of the sketches is the sum's sketch); at
+``AUDIT_RATE`` one of its micro-batch gradients, drawn at random, is fetched too and must hash as its holder
+reported it with its backward and project to its reported sketch. An audit costs one micro-batch gradient of one
+block, however many micro-batches the holder ran. A holder caught is refused (``bad_gradients``, naming it) and the
+client bans it. A client-driven audited commit (after replicas disagreed) still checks every partial sum against all
+its micro-batch gradients, to the bit (``audit_fully``)."""
 
 from __future__ import annotations
 
@@ -12,52 +16,93 @@ import torch
 from peers.compute import Compute
 from peers.peer_client import PeerClient
 from peers.state import GradsByBlock
+from swarm.net import sketch
 from swarm.net.errors import BadGradientsError
 from swarm.net.gradhash import grad_hash
-from swarm.net.protocol import CommitRequest, Group, NormsRequest
+from swarm.net.protocol import SKETCH, CommitRequest, Group, NormsRequest
 from swarm.net.reduction import chunk_of, partial_sum, same_bits
 
 logger = logging.getLogger(__name__)
 
-# The share of fetched partial sums a peer audits: the micro-batch gradients behind one block's sum are fetched too,
-# checked against their reported hashes and added up again. An audit costs the holder's share of the step's gradients
-# for that block, once; a holder caught lying is refused and named (``bad_gradients``), and the client bans it.
-AUDIT_RATE = 0.05
+# The share of fetched partial sums (one block of each holder's request) whose sketches a peer audits: one
+# micro-batch gradient behind the sum is fetched, drawn at random, checked against its reported hash and projected
+# again. A holder that lied on k of its m micro-batches' sketches (as it must, to hand on a wrong sum) is caught by
+# one audit with probability k / m.
+AUDIT_RATE = 0.25
+
+Partials = dict[int, dict[Group, list[torch.Tensor]]]  # block -> the holder's micro-batches -> its partial sum
 
 
 class Auditor:
-    """Audits of other holders' partial sums, drawn at ``rate`` from ``rng`` (which the chunked reduction shares, so
-    that one stream of draws decides every audit of a request)."""
+    """Checks of other holders' partial sums; audits drawn at ``rate`` from ``rng`` (which the chunked reduction
+    shares, so that one stream of draws decides every audit of a request)."""
 
     def __init__(self, compute: Compute, peers: PeerClient, rate: float, rng: random.Random) -> None:
         self.compute, self.peers, self.rate, self.random = compute, peers, rate, rng
 
-    async def audit(
+    async def check(
         self,
         request: CommitRequest | NormsRequest,
         peer: str,
-        part: dict[int, list[str]],
-        partials: dict[int, dict[Group, list[torch.Tensor]]],
-        always: bool = False,
+        partials: Partials,
+        sketches: dict[int, torch.Tensor],
+        audit: bool | None = None,
         chunk: tuple[int, int] | None = None,
     ) -> bool:
-        """With probability ``rate`` (``always``: every block): fetch the micro-batch gradients behind a block's
-        partial sum (or that ``chunk`` of it: index, count) from its holder, check them against the hashes its acks
-        reported, and check that they add up to the partial sum, to the bit. A holder that sends a partial sum other
-        than the sum of what it reported fails."""
-        if not always and self.random.random() >= self.rate:
+        """Whether ``peer``'s partial sums (or that ``chunk`` of them: index, count) agree with the sketches of
+        their micro-batches (block -> a row per micro-batch, in sorted order); then, with probability ``rate``
+        (``audit``: always or never), one micro-batch of one block is audited (``audit_sketch``)."""
+        agree = await self.compute(sketches_agree, partials, sketches)
+        if agree is not None:
+            logger.warning("%s's partial sum of block %d is not the sum of its micro-batches' sketches", peer, agree)
+            return False
+        if not (self.random.random() < self.rate if audit is None else audit):
             return True
-        blocks = sorted(partials) if always else [self.random.choice(sorted(partials))]
-        return all([await self._audit_block(request, peer, part, partials, block, chunk) for block in blocks])
+        block = self.random.choice(sorted(partials))
+        ((group, summed),) = partials[block].items()
+        index = self.random.randrange(len(group))
+        return await self.audit_sketch(request, peer, block, group[index], summed, sketches[block][index], chunk)
+
+    async def audit_sketch(
+        self,
+        request: CommitRequest | NormsRequest,
+        peer: str,
+        block: int,
+        mb: str,
+        summed: list[torch.Tensor],
+        reported: torch.Tensor,
+        chunk: tuple[int, int] | None,
+    ) -> bool:
+        """Fetch micro-batch ``mb``'s gradient of ``block`` from its holder: it must hash as the holder reported
+        with its backward, and its projection (of ``chunk`` of it) with the signs of ``summed`` must be the
+        ``reported`` sketch."""
+        wanted = {block: [mb]}
+        grads = await self.peers.fetch_grads(peer, request.adapter, request.step, wanted, request.fetch_timeout)
+        if not grads:
+            return True  # gone meanwhile (or silent): not proven wrong; its micro-batches are replayed if need be
+        matching, mismatched = await self.compute(as_reported, request, wanted, grads)
+        if mismatched or mb not in matching.get(block, {}):
+            logger.warning("audit of %s's partial sum of block %d: its gradients are not as it reported", peer, block)
+            return False
+        if await self.compute(projects_to, matching[block][mb], summed, reported, chunk):
+            return True
+        logger.warning("audit of %s's partial sum of block %d: a micro-batch's sketch is not its own", peer, block)
+        return False
+
+    async def audit_fully(
+        self, request: CommitRequest | NormsRequest, peer: str, part: dict[int, list[str]], partials: Partials
+    ) -> bool:
+        """Every block: fetch the micro-batch gradients behind its partial sum from its holder, check them against
+        the hashes its acks reported, and check that they add up to the partial sum, to the bit."""
+        return all([await self._audit_block(request, peer, part, partials, block) for block in sorted(partials)])
 
     async def _audit_block(
         self,
         request: CommitRequest | NormsRequest,
         peer: str,
         part: dict[int, list[str]],
-        partials: dict[int, dict[Group, list[torch.Tensor]]],
+        partials: Partials,
         block: int,
-        chunk: tuple[int, int] | None,
     ) -> bool:
         wanted = {block: part[block]}
         grads = await self.peers.fetch_grads(peer, request.adapter, request.step, wanted, request.fetch_timeout)
@@ -69,12 +114,40 @@ class Auditor:
             return False
         ((group, summed),) = partials[block].items()
         recomputed = await self.compute(partial_sum, matching[block], group)
-        if chunk is not None:
-            recomputed = [chunk_of(recomputed, *chunk)]
         if same_bits(recomputed, summed):
             return True
         logger.warning("audit of %s's partial sum of block %d: not the sum of its reported gradients", peer, block)
         return False
+
+
+def sketches_in(sums: GradsByBlock) -> dict[int, torch.Tensor]:
+    """The sketches a holder handed beside its partial sums (block -> a row per micro-batch); a block whose reply
+    has none, or more than one tensor there, is left out (and so fails its check)."""
+    return {block: by_key[SKETCH][0] for block, by_key in sums.items() if len(by_key.get(SKETCH, ())) == 1}
+
+
+def sketches_agree(partials: Partials, sketches: dict[int, torch.Tensor]) -> int | None:
+    """The first block whose partial sum is not the sum of its micro-batches' sketches (or has none, or a row per
+    micro-batch missing), or None. On the compute thread: it reads the tensors."""
+    for block, by_group in sorted(partials.items()):
+        ((group, summed),) = by_group.items()
+        reported = sketches.get(block)
+        if reported is None or tuple(reported.shape) != (len(group), sketch.ROWS):
+            return block
+        vector = sketch.flat(summed)
+        own = sketch.sketches([vector], sketch.seed_of(summed))[0]
+        if not sketch.sum_agrees(own, reported.to(own), summed[0].dtype):
+            return block
+    return None
+
+
+def projects_to(
+    grads: list[torch.Tensor], summed: list[torch.Tensor], reported: torch.Tensor, chunk: tuple[int, int] | None
+) -> bool:
+    """Whether one micro-batch's gradient (``chunk`` of it) projects, with the signs of ``summed``, to
+    ``reported``."""
+    vector = chunk_of(grads, *chunk) if chunk is not None else sketch.flat(grads)
+    return sketch.are_sketches(reported.unsqueeze(0), [vector], summed)
 
 
 def as_reported(

@@ -10,10 +10,12 @@ import random
 import time
 from collections.abc import Callable
 
+import torch
+
 from peers.adapters import AdapterStore
 from peers.compute import Compute
 from peers.peer_client import PeerClient
-from peers.reduction.audit import Auditor, as_reported, bad_gradients
+from peers.reduction.audit import Auditor, Partials, as_reported, bad_gradients, sketches_in
 from peers.reduction.held import HeldGradients
 from peers.reduction.scatter import ChunkedReduction
 from peers.state import GradsByBlock
@@ -56,9 +58,8 @@ class Reduction:
             for block, by_mb in request.ledger.items()
         }
         await self.compute(self.held.drop_unlike, name, step, others)
-        audit = request.audit
         groups = request.groups()
-        if audit:
+        if request.audit:
             await self.compute(self.held.drop_partials, name, step)
             self.phases.dropped(name, groups, step)
         else:
@@ -79,13 +80,27 @@ class Reduction:
         bad = []
         for (peer, part), sums in zip(wanted_from.items(), fetched, strict=True):
             partials = {block: {tuple(part[block]): by_key[SUM]} for block, by_key in sums.items() if SUM in by_key}
-            if partials and not await self.auditor.audit(request, peer, part, partials, always=audit):
+            if partials and not await self._checked(request, peer, part, partials, sketches_in(sums)):
                 bad.append(peer)
                 continue
             await self.compute(self.held.add_partials, name, step, partials)
             self.phases.fetched(name, partials, step)
         if bad:
             raise bad_gradients(step, bad)
+
+    async def _checked(
+        self,
+        request: CommitRequest | NormsRequest,
+        peer: str,
+        part: dict[int, list[str]],
+        partials: Partials,
+        sketches: dict[int, torch.Tensor],
+    ) -> bool:
+        """A holder's fetched partial sums checked against their sketches (and at times audited), or, in a commit
+        the client audits, every one against all its micro-batch gradients."""
+        if request.audit:
+            return await self.auditor.audit_fully(request, peer, part, partials)
+        return await self.auditor.check(request, peer, partials, sketches)
 
     async def checked_grads(self, request: CommitRequest) -> GradsByBlock:
         """Every micro-batch gradient of the ledger from its holder, all at once, each checked against the hash its

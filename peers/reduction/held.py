@@ -11,9 +11,10 @@ import torch
 from peers.adapters import AdapterStore
 from peers.reduction import sums
 from peers.state import BlockAdapter, GradsByBlock, Reduced
+from swarm.net import sketch
 from swarm.net.errors import RequestError
 from swarm.net.gradhash import grad_hashes
-from swarm.net.protocol import SUM, Group
+from swarm.net.protocol import SKETCH, SUM, Group
 from swarm.net.reduction import chunk_of, from_chunks, partial_chunk, partial_sum
 
 V = TypeVar("V")
@@ -66,7 +67,9 @@ class HeldGradients:
     ) -> GradsByBlock:
         """This peer's partial sum of the step on each block: the ``wanted`` micro-batches' gradients held here,
         summed in sorted order (under the key ``SUM``; with ``chunks``, only that chunk of it: see
-        swarm/net/reduction.py); a block where some are not held is left out."""
+        swarm/net/reduction.py), and beside it (under ``SKETCH``) the sketch of each of those gradients (or of that
+        chunk of them), the signs drawn from the sum as handed on (swarm/net/sketch.py); a block where some are not
+        held is left out."""
         held = self.micro_batch_grads(name, step, wanted)
         found: GradsByBlock = {}
         for block, mbs in wanted.items():
@@ -75,7 +78,13 @@ class HeldGradients:
                 summed = [partial_chunk(by_mb, group, chunk, chunks)] if chunks else partial_sum(by_mb, group)
                 found[block] = {SUM: summed}
         behaviour = self.store.behaviour
-        return found if behaviour is None else behaviour.partial_sums(found)
+        if behaviour is not None:
+            found = behaviour.partial_sums(found)
+        for block, by_key in found.items():
+            grads = [held[block][mb] for mb in sorted(wanted[block])]
+            vectors = [chunk_of(g, chunk, chunks) if chunks else sketch.flat(g) for g in grads]
+            by_key[SKETCH] = [sketch.sketches(vectors, sketch.seed_of(by_key[SUM]))]
+        return found if behaviour is None else behaviour.sketched(found)
 
     def blocks_at(self, name: str, step: int, groups: dict[int, list[Group]]) -> list[int]:
         """The ledger's blocks held here still at ``step`` (checked like a commit's: see ``ledger_states``)."""

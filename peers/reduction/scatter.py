@@ -17,7 +17,7 @@ import torch
 
 from peers.compute import Compute
 from peers.peer_client import PeerClient
-from peers.reduction.audit import Auditor
+from peers.reduction.audit import AUDIT_RATE, Auditor, sketches_in
 from peers.reduction.held import HeldGradients
 from peers.stepphase import StepPhases
 from swarm.net.errors import RequestError
@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 MAX_WAITING = 4096  # chunks asked for before this peer reduced them, at most (asks beyond it are answered "none")
 KEPT_STEPS = 2  # a reducer keeps its chunks for replicas that commit late, this many steps back
+# the share of requests in which a gathering replica checks one reducer's chunk against its parts (R - 1 chunks of
+# partial sums), at the peer's default audit rate (scaled with it)
+REDUCER_CHECK_RATE = 0.05
 
 
 class Chunk(NamedTuple):
@@ -97,6 +100,7 @@ class ChunkedReduction:
         """``auditor``: the audits of the direct exchange, whose rate and random draws these share."""
         self.whoami, self.held, self.compute, self.peers = me, held, compute, peers
         self.auditor, self.audit_rate, self.random = auditor, auditor.rate, auditor.random
+        self.check_rate = REDUCER_CHECK_RATE * auditor.rate / AUDIT_RATE  # a reducer's chunk is checked at this rate
         self.phases = phases  # a gathered block's step is reduced
         self.board = ChunkBoard()
         self.distrusted: set[str] = set()  # reducers whose chunk failed an audit here: their blocks go direct
@@ -121,7 +125,7 @@ class ChunkedReduction:
         lacking = await self.compute(self.held.missing, name, step, {block: groups[block] for block in trusted})
         reducing = [block for block, rs in plan.items() if self.me in rs]
         audited = self._audited(request, reducing)
-        checked = self.random.choice(sorted(lacking)) if lacking and self.random.random() < self.audit_rate else None
+        checked = self.random.choice(sorted(lacking)) if lacking and self.random.random() < self.check_rate else None
         bad: list[str] = []
         await asyncio.gather(
             *(
@@ -136,8 +140,8 @@ class ChunkedReduction:
 
     def _audited(self, request: CommitRequest | NormsRequest, blocks: list[int]) -> dict[str, int]:
         """The holders whose part this peer audits in this request, each on one block drawn at random: each other
-        holder with probability ``audit_rate``, as the direct exchange audits each partial sum it fetches (an audit
-        fetches the micro-batch gradients behind one block's part)."""
+        holder with probability ``audit_rate``, as the direct exchange audits the partial sums it fetches (an audit
+        fetches one micro-batch gradient behind one block's part: peers/reduction/audit.py)."""
         by_holder: dict[str, list[int]] = {}
         for block in blocks:
             for holder in sorted({held.holder for held in request.ledger[block].values()} - {self.me}):
@@ -165,8 +169,8 @@ class ChunkedReduction:
 
     async def parts(self, job: Chunk, bad: list[str], audited: dict[str, int]) -> list[torch.Tensor] | None:
         """The chunk of each group's partial sum, in order: made here where this peer can, else fetched from the
-        group's holder, audited if ``audited`` names the holder with this block (a holder that fails is added to
-        ``bad``). None if some holder did not answer or failed."""
+        group's holder and checked against its sketches, audited if ``audited`` names the holder with this block (a
+        holder that fails is added to ``bad``). None if some holder did not answer or failed."""
         request, block, groups, chunk, n = job
         name, step = request.adapter, request.step
         parts = await self.compute(self.held.chunk_parts, name, step, block, groups, chunk, n)
@@ -184,11 +188,9 @@ class ChunkedReduction:
             sums = got.get(block, {}).get(SUM)
             if sums is None or len(sums) != 1:
                 return None
-            wanted = {block: list(groups[i])}
             partials = {block: {groups[i]: sums}}
-            if audited.get(holder) == block and not await self.auditor.audit(
-                request, holder, wanted, partials, always=True, chunk=(chunk, n)
-            ):
+            audit = audited.get(holder) == block
+            if not await self.auditor.check(request, holder, partials, sketches_in(got), audit, (chunk, n)):
                 bad.append(holder)
                 return None
             parts[i] = sums[0]
@@ -198,7 +200,7 @@ class ChunkedReduction:
         self, request: CommitRequest | NormsRequest, block: int, groups: list[Group], rs: list[str], check: bool
     ) -> None:
         """Every chunk of the block from its reducer (this peer's own from the board); the whole reduced gradient
-        kept for the commit. With ``check`` (one block a request, at ``audit_rate``), one chunk of another
+        kept for the commit. With ``check`` (one block a request, at ``check_rate``), one chunk of another
         reducer's is audited: its parts fetched from their holders and added up here; a reducer whose chunk is not
         their sum is distrusted by this peer (its blocks go the direct way) and named in the log. Any chunk
         missing: nothing kept (the direct exchange)."""

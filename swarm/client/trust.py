@@ -15,10 +15,11 @@ from hivemind.p2p import PeerID
 
 from swarm.client.calls import PeerCalls, PeerFailure
 from swarm.client.routing import Hop
+from swarm.net import sketch
 from swarm.net.errors import RemoteError
 from swarm.net.gradhash import grad_hash
 from swarm.net.numerics import tolerance
-from swarm.net.protocol import SUM, GradsRequest
+from swarm.net.protocol import SKETCH, SUM, GradsRequest
 from swarm.net.reduction import partial_sum, same_bits
 
 T = TypeVar("T")
@@ -220,16 +221,20 @@ class Trust:
         self, peer: PeerID, step: int, wanted: dict[int, list[str]], hashes: dict[int, dict[str, str]]
     ) -> bool:
         """Whether ``peer`` hands on the ``wanted`` micro-batch gradients as it reported them (see
-        ``reported_grads``) and, per block, a partial sum that is theirs to the bit (swarm/net/reduction.py). Raises
-        PeerFailure or RemoteError when it does not answer."""
+        ``reported_grads``) and, per block, a partial sum that is theirs to the bit (swarm/net/reduction.py) with
+        their sketches beside it (swarm/net/sketch.py). Raises PeerFailure or RemoteError when it does not answer."""
         grads = self.reported_grads(peer, step, wanted, hashes)
         if grads is None:
             return False
         sums = self.calls.ask(peer, GradsRequest(adapter=self.adapter, step=step, wanted=wanted, summed=True)).grads
-        return all(
-            same_bits(sums.get(block, {}).get(SUM, []), partial_sum(grads[block], tuple(mbs)))
-            for block, mbs in wanted.items()
-        )
+        for block, mbs in wanted.items():
+            summed, sketches = sums.get(block, {}).get(SUM, []), sums.get(block, {}).get(SKETCH, [])
+            if not same_bits(summed, partial_sum(grads[block], tuple(mbs))) or len(sketches) != 1:
+                return False
+            vectors = [sketch.flat(grads[block][mb]) for mb in sorted(mbs)]
+            if not sketch.are_sketches(sketches[0], vectors, summed):
+                return False
+        return True
 
     def reported_grads(
         self, peer: PeerID, step: int, wanted: dict[int, list[str]], hashes: dict[int, dict[str, str]]

@@ -1071,7 +1071,8 @@ class RevertRequest(Request):
 class GradsRequest(Request):
     """The gradients of these micro-batches (block -> micro-batch ids) at a step, for a replica that lacks them. With
     ``summed``, each block's micro-batches summed in sorted order, under the key ``SUM``: the holder's partial sum of
-    the step (a block whose micro-batches are not all held is left out)."""
+    the step (a block whose micro-batches are not all held is left out), with its micro-batches' sketches under
+    ``SKETCH``."""
 
     method: ClassVar[str] = Method.GRADS
     adapter: str = wire(read_adapter)
@@ -1088,6 +1089,9 @@ class GradsRequest(Request):
 
 
 SUM = "+"  # the key of a partial sum in a GradsReply (never a micro-batch id: those are session:step:counter)
+# beside a partial sum, the key of its micro-batches' sketches (one float64 tensor, a row per micro-batch in sorted
+# order: swarm/net/sketch.py), for the audits
+SKETCH = "#"
 Group = tuple[str, ...]  # one holder's micro-batches of a block, sorted
 
 

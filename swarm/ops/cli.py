@@ -56,6 +56,17 @@ def _positive_number(unit: str, below: float) -> Callable[[str], float]:
     return parse
 
 
+def _share(text: str) -> float:
+    """An option's parser: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}")
+    return value
+
+
 _tokens_per_second = _positive_number("tokens per second", 1e12)
 _positive_seconds = _positive_number("seconds", 1e6)
 
@@ -213,6 +224,7 @@ def cmd_peer(args: argparse.Namespace) -> None:
             balance_interval=args.balance_interval,
             standby_blocks=args.standby_blocks,
             standby_every=args.standby_every,
+            audit_rate=args.audit_rate,
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
             device=args.device,
@@ -336,6 +348,13 @@ def _add_peer_copies_and_compute(peer: argparse.ArgumentParser) -> None:
         "--standby-blocks", type=int, default=None, help="blocks to keep standby state of (default: span length)"
     )
     peer.add_argument("--standby-every", type=_positive, default=1, help="refresh standby copies every K steps")
+    peer.add_argument(
+        "--audit-rate",
+        type=_share,
+        default=None,
+        help="share of other holders' partial sums whose sketches this peer audits, one micro-batch fetched each "
+        "(default 0.25)",
+    )
     peer.add_argument("--checkpoint-dir", default=None, help="write adapter + optimizer state here (and resume)")
     peer.add_argument("--checkpoint-every", type=_positive, default=1, help="checkpoint every K committed steps")
     peer.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")

@@ -9,6 +9,8 @@ import torch
 
 from peers.behaviour import Behaviour
 from peers.state import BlockAdapter, GradsByBlock
+from swarm.net import sketch
+from swarm.net.protocol import SKETCH, SUM
 
 
 class Liar(Behaviour):
@@ -61,6 +63,23 @@ class CorruptPartialSums(Liar):
 
     def partial_sums(self, sums: GradsByBlock) -> GradsByBlock:
         return self.perturbed_by_block(sums)
+
+
+class ForgedSketches(Liar):
+    """A wrong partial sum handed on with its micro-batches' sketches forged to add up to it (each carries an equal
+    share of the change, swarm/net/sketch.py): the sketches agree with the sum, and only an audit of a micro-batch
+    (its gradient fetched, hashed and projected again) tells. Its micro-batch gradients, and what it applies itself,
+    are honest."""
+
+    def partial_sums(self, sums: GradsByBlock) -> GradsByBlock:
+        return self.perturbed_by_block(sums)
+
+    def sketched(self, sums: GradsByBlock) -> GradsByBlock:
+        for by_key in sums.values():
+            summed, (reported,) = by_key[SUM], by_key[SKETCH]
+            own = sketch.sketches([sketch.flat(summed)], sketch.seed_of(summed))[0]
+            by_key[SKETCH] = [reported + (own - reported.sum(0)) / len(reported)]
+        return sums
 
 
 class CorruptReducedChunks(Liar):

@@ -6,12 +6,13 @@ two busy processes (``cpu_load``)."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 from hivemind.p2p import PeerID
 
 import swarm
-from swarm.testing.dishonest import CorruptPartialSums, CorruptServedGrads, FrameHolders
+from swarm.testing.dishonest import CorruptPartialSums, CorruptServedGrads, ForgedSketches, FrameHolders
 from swarm.testing.recipe import (
     HPARAMS,
     MAX_GRAD_NORM,
@@ -115,4 +116,54 @@ def test_a_replica_accusing_an_honest_holder_is_itself_caught(inprocess_swarm, t
         model.save_adapter(tmp_path / "final")
     finally:
         model.shutdown()
+    assert_matches_local_peft(model_dir, tmp_path, steps=3)
+
+
+def _caught_before_the_vote(local, model_dir, tmp_path, liar, adapter: str, audit_rate: float):
+    """``liar`` holds all of step 0's gradients of blocks 0:2; two honest replicas that audit at ``audit_rate``
+    join before the commit and fetch its partial sum. Returns the client's banned peers and the liar's id."""
+    peers = local.start_peers({"dishonest": "0:2", "tail": "2:4"}, behaviours={"dishonest": liar})
+    model = connect(local, model_dir, adapter=adapter)
+    try:
+        model.save_adapter(tmp_path / "initial")
+        _accumulate(model)
+        joined = local.start_peers({"honest-1": "0:2", "honest-2": "0:2"}, audit_rate=audit_rate)
+        for peer in joined.values():
+            _wait_seen(model, peer.peer_id)
+        model.clip_grad_norm_(MAX_GRAD_NORM)
+        swarm.RemoteOptimizer(model, **HPARAMS).step()
+        assert model.step == 1
+        banned = list(model.dishonest)
+        train(model, steps=3)
+        model.save_adapter(tmp_path / "final")
+    finally:
+        model.shutdown()
+    return banned, peers["dishonest"].peer_id
+
+
+def test_a_wrong_partial_sum_is_told_by_its_sketches_without_an_audit(
+    inprocess_swarm, tiny_models, tmp_path, cpu_load, caplog
+):
+    """Issue 59 item 1: the replicas audit nothing (rate 0), yet the perturbed sum does not add up with the
+    sketches of its micro-batches handed beside it: refused at the first fetch, the liar banned at step 0."""
+    model_dir = tiny_models["llama"]
+    with caplog.at_level(logging.WARNING, logger="peers.reduction.audit"):
+        banned, liar = _caught_before_the_vote(inprocess_swarm(), model_dir, tmp_path, CorruptPartialSums(), "sk", 0.0)
+    assert banned == [liar]
+    assert "is not the sum of its micro-batches' sketches" in caplog.text
+    assert_matches_local_peft(model_dir, tmp_path, steps=3)
+
+
+def test_forged_sketches_are_caught_by_an_audit_of_one_micro_batch(
+    inprocess_swarm, tiny_models, tmp_path, cpu_load, caplog
+):
+    """Issue 59 item 1: the liar's sketches are forged to add up to its wrong sum; replicas that audit every
+    fetched sum (rate 1) fetch one of its micro-batch gradients, which hashes as reported but does not project to
+    its reported sketch: the liar is banned at step 0, and the adapter equals local peft."""
+    model_dir = tiny_models["llama"]
+    with caplog.at_level(logging.WARNING, logger="peers.reduction.audit"):
+        banned, liar = _caught_before_the_vote(inprocess_swarm(), model_dir, tmp_path, ForgedSketches(), "forged", 1.0)
+    assert banned == [liar]
+    assert "a micro-batch's sketch is not its own" in caplog.text
+    assert "is not the sum of its micro-batches' sketches" not in caplog.text
     assert_matches_local_peft(model_dir, tmp_path, steps=3)
