@@ -18,6 +18,7 @@ from swarm.net.protocol import SKETCH, SUM, Group
 from swarm.net.reduction import chunk_of, from_chunks, partial_chunk, partial_sum
 
 V = TypeVar("V")
+KEPT_SKETCHES = 1024  # (micro-batches, chunk, seed) sketched lately, kept for the replicas that ask again
 
 
 class HeldGradients:
@@ -26,6 +27,9 @@ class HeldGradients:
 
     def __init__(self, store: AdapterStore) -> None:
         self.store = store
+        # the sketches handed on lately, by what they are of: every replica that fetches a sum asks for the same
+        # ones, and a commit's later round asks again (ROWS x 8 bytes a micro-batch; at most KEPT_SKETCHES kept)
+        self._sketched: dict[tuple, torch.Tensor] = {}
 
     def missing(self, name: str, step: int, groups: dict[int, list[Group]]) -> dict[int, list[str]]:
         """Micro-batches of the ledger (``groups``: block -> each holder's micro-batches, see ``ledger_groups``) whose
@@ -81,10 +85,22 @@ class HeldGradients:
         if behaviour is not None:
             found = behaviour.partial_sums(found)
         for block, by_key in found.items():
-            grads = [held[block][mb] for mb in sorted(wanted[block])]
-            vectors = [chunk_of(g, chunk, chunks) if chunks else sketch.flat(g) for g in grads]
-            by_key[SKETCH] = [sketch.sketches(vectors, sketch.seed_of(by_key[SUM]))]
+            by_key[SKETCH] = [self._sketches(held[block], sorted(wanted[block]), by_key[SUM], chunk, chunks)]
         return found if behaviour is None else behaviour.sketched(found)
+
+    def _sketches(
+        self, by_mb: dict[str, list[torch.Tensor]], mbs: list[str], summed: list[torch.Tensor], chunk: int, chunks: int
+    ) -> torch.Tensor:
+        """The sketch of each micro-batch's gradient (or that chunk of it) with the signs ``summed`` draws; one
+        computed lately for the same sum is handed on again (the seed is the sum's hash)."""
+        seed = sketch.seed_of(summed)
+        key = (tuple(mbs), chunk, chunks, seed)
+        if key not in self._sketched:
+            vectors = [chunk_of(by_mb[mb], chunk, chunks) if chunks else sketch.flat(by_mb[mb]) for mb in mbs]
+            self._sketched[key] = sketch.sketches(vectors, seed)
+            while len(self._sketched) > KEPT_SKETCHES:
+                del self._sketched[next(iter(self._sketched))]
+        return self._sketched[key]
 
     def blocks_at(self, name: str, step: int, groups: dict[int, list[Group]]) -> list[int]:
         """The ledger's blocks held here still at ``step`` (checked like a commit's: see ``ledger_states``)."""

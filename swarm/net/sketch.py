@@ -58,15 +58,22 @@ def sketches(vectors: list[torch.Tensor], seed: int) -> torch.Tensor:
     """The sketch of each flat vector (all of one length): a (vectors, ROWS) float64 tensor on their device."""
     length = vectors[0].numel()
     device = vectors[0].device
-    shifts = torch.arange(ROWS, dtype=torch.int64, device=device)
+    table = _byte_signs(device)
     out = torch.zeros(len(vectors), ROWS, dtype=torch.float64, device=device)
     for start in range(0, length, _CHUNK):
         stop = min(length, start + _CHUNK)
-        bits = (sign_words(start, stop, seed, device).unsqueeze(1) >> shifts) & 1
-        signs = (1 - 2 * bits).to(torch.float64)
+        # each word's 8 bytes (little-endian: byte k holds bits 8k..8k+7) looked up as 8 signs each
+        signs = table[sign_words(start, stop, seed, device).view(torch.uint8).long()].reshape(stop - start, ROWS)
         values = torch.stack([v[start:stop] for v in vectors]).to(torch.float64)
         out += values @ signs
     return out
+
+
+def _byte_signs(device: torch.device) -> torch.Tensor:
+    """For each byte value, the signs its 8 bits stand for (bit i set: -1), lowest bit first: unpacking a word's
+    bits by lookup costs a tenth of shifting them out one by one."""
+    bits = (torch.arange(256, device=device).unsqueeze(1) >> torch.arange(8, device=device)) & 1
+    return (1 - 2 * bits).to(torch.float64)
 
 
 def sum_agrees(summed: torch.Tensor, reported: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -127,6 +127,11 @@ class LinkReport:
         steps = self.own if name is None else self.watched[name]
         return Counters(int(statistics.median(c.rx for c in steps)), int(statistics.median(c.tx for c in steps)))
 
+    def mean(self, name: str) -> Counters:
+        """Mean bytes per step received and sent by a watched namespace."""
+        steps = self.watched[name]
+        return Counters(sum(c.rx for c in steps) // len(steps), sum(c.tx for c in steps) // len(steps))
+
     def to_json(self) -> str:
         return json.dumps(
             {
