@@ -4,14 +4,16 @@ another replica by replaying the prefix it had seen; the spans before it keep th
 
 The arguments and the result follow transformers' ``generate`` (greedy or sampling with temperature / top-k /
 top-p, stopping at the end-of-sequence token, finished rows padded), and greedy output equals local
-``PeftModel.generate`` token for token (tested).
+``PeftModel.generate`` token for token (tested). ``Generator`` is the model's ``generate``: prompts checked, the
+folder's generation config updated with the caller's arguments, the chain opened and ended around the loop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -25,10 +27,13 @@ from transformers.generation.logits_process import (
 )
 
 from swarm.client.calls import PeerFailure
+from swarm.client.localmodules import LocalModules, autocast_dtype
 from swarm.client.remote import RemoteStack
 from swarm.client.routing import Hop
+from swarm.client.session import AdapterSession, TrainingSession
 from swarm.net.errors import RemoteError
 from swarm.net.protocol import EndSessionRequest, InferRequest, Method
+from swarm.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -245,3 +250,70 @@ def generate_tokens(
         if attention_mask is not None:
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], dim=1)
     return sequences
+
+
+def folder_generation_config(spec: ModelSpec) -> GenerationConfig:
+    """The folder's generation_config.json, else what transformers derives from the model config."""
+    if (spec.path / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(spec.path)
+    return GenerationConfig.from_model_config(spec.config)
+
+
+def prompt_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The mask the sessions take: None where every prompt is whole; refused unless padded on the left."""
+    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be [batch, prompt length >= 1], got shape {list(input_ids.shape)}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must have the shape of input_ids {list(input_ids.shape)}")
+    if attention_mask is not None and not bool(attention_mask[:, -1].bool().all()):
+        raise ValueError(
+            "prompts of different lengths must be padded on the left for generation (tokenizer.padding_side = "
+            '"left"): every prompt must end with a real token'
+        )
+    return None if attention_mask is None or bool(attention_mask.bool().all()) else attention_mask.long().cpu()
+
+
+class Generator:
+    """A model's ``generate``: tokens decoded through span sessions on ``session``'s peers, embedded and scored by
+    ``local``, with the adapter's newest step or (``adapter_off``) the base model."""
+
+    def __init__(self, session: AdapterSession, local: LocalModules):
+        self.session, self.local = session, local
+        self.adapter_on = True
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        base: GenerationConfig,
+        kwargs: dict,
+    ) -> torch.Tensor:
+        """``input_ids`` continued as ``base`` updated with ``kwargs`` says (``SwarmModelForCausalLM.generate``)."""
+        mask = prompt_mask(input_ids, attention_mask)
+        config = resolve_config(base, input_ids.shape[1], kwargs)
+        session = self.session
+        if not isinstance(session, TrainingSession):
+            session.catch_up()  # a reader generates with the newest committed step
+        session.hops.autocast = autocast_dtype(self.local.device)  # the peers decode under the caller's autocast too
+        adapter = session.adapter.name if self.adapter_on else None
+        chain = SessionChain(session.hops, input_ids.shape[1] + config.max_new_tokens, adapter, lambda: session.step)
+        try:
+            return generate_tokens(
+                input_ids.to(self.local.device),
+                mask,
+                config,
+                lambda ids: self.local.embed(ids).cpu(),
+                chain,
+                self.local.logits,
+            )
+        finally:
+            chain.end()
+
+    @contextlib.contextmanager
+    def adapter_off(self) -> Iterator[None]:
+        """Inside, generation runs the base model (LoRA off on the peers)."""
+        self.adapter_on = False
+        try:
+            yield
+        finally:
+            self.adapter_on = True

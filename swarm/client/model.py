@@ -1,47 +1,42 @@
-"""The model a user trains: local embeddings, norm and LM head around a remote stack of LoRA'd blocks. It computes;
-everything about the adapter in the swarm (lease, ledger, replicas, commits, copies) is its session's."""
+"""The model a user trains: local embeddings, norm and LM head around a remote stack of LoRA'd blocks. It is the
+user's contract (transformers' and peft's names included); the work is its collaborators': the local modules
+(swarm/client/localmodules.py), the path through the remote stack (swarm/client/stackpath.py), the training step
+(swarm/client/trainstep.py), generation (swarm/client/generation.py), and everything about the adapter in the swarm
+(lease, ledger, replicas, commits, copies) its session's."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import peft
 import torch
 import transformers
 from hivemind.p2p import PeerID
-from safetensors import safe_open
 from torch import nn
 from transformers import GenerationConfig
-from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPast
 
-from swarm.blocks import lora_config_from_wire, lora_config_to_wire
+from swarm.blocks import lora_config_from_wire
 from swarm.client.calls import CallHook, Recovery
-from swarm.client.clipping import clip_factor
 from swarm.client.commit import LOST_GRACE, StepsLost
 from swarm.client.config import OPTIONS, SwarmConfig
 from swarm.client.export import save_peft_adapter
-from swarm.client.generation import SessionChain, generate_tokens, resolve_config
+from swarm.client.generation import Generator, folder_generation_config
 from swarm.client.ledger import StepLedger
-from swarm.client.pipeline import run_pipelined
-from swarm.client.remote import RemoteStackFunction
-from swarm.client.session import AdapterIdentity, AdapterSession, TrainingSession, committed_or_raise, open_session
-from swarm.hub import ModelSource, resolve_model
-from swarm.lora_options import resolve_lora_config
-from swarm.net.errors import AdapterStateLostError, CommitError
-from swarm.net.network import initial_peers_or_env, join_dht, load_swarm_key
+from swarm.client.localmodules import LocalModules, NumItems
+from swarm.client.opening import model_folder, open_adapter
+from swarm.client.session import AdapterSession, TrainingSession, training_session_of
+from swarm.client.stackpath import StackPath
+from swarm.client.trainstep import TrainStep
+from swarm.hub import ModelSource
 from swarm.net.protocol import OptimizerHParams
-from swarm.net.security import Identity
-from swarm.spec import ModelSpec, load_spec
+from swarm.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
-NumItems = int | torch.Tensor | None
 # Arguments transformers' Trainer and TRL pass that change nothing here (no cache, the output as a dataclass): with
 # these values they are accepted; any other argument is refused rather than ignored.
 HARMLESS_KWARGS = {"use_cache": None, "return_dict": True, "output_attentions": False, "output_hidden_states": False}
@@ -59,104 +54,35 @@ def check_forward_kwargs(kwargs: dict) -> None:
             raise TypeError(f"SwarmModelForCausalLM.forward supports only {name}={harmless!r}, got {value!r}")
 
 
-def label_tokens(labels: torch.Tensor) -> int:
-    """The tokens a causal LM loss counts in ``labels`` (shifted by one, -100 ignored), as transformers' Trainer
-    counts ``num_items_in_batch``."""
-    return int((labels[..., 1:] != -100).sum())
-
-
-def _check_micro_batch(batch: Mapping[str, torch.Tensor]) -> None:
-    if "input_ids" not in batch or "labels" not in batch:
-        raise ValueError(f"a micro-batch needs input_ids and labels, got keys {sorted(batch)}")
-
-
-EMBEDDINGS = "model.embed_tokens.weight"
-FINAL_NORM = "model.norm.weight"
-LM_HEAD = "lm_head.weight"
-
-
-def _read_tensors(spec: ModelSpec, names: list[str]) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for path, group in spec.files_for(names).items():
-        with safe_open(str(path), framework="pt") as f:
-            for name in group:
-                tensors[name] = f.get_tensor(name)
-    return tensors
-
-
-def _generation_config(spec: ModelSpec) -> GenerationConfig:
-    """The folder's generation_config.json, else what transformers derives from the model config."""
-    if (spec.path / "generation_config.json").is_file():
-        return GenerationConfig.from_pretrained(spec.path)
-    return GenerationConfig.from_model_config(spec.config)
-
-
-def autocast_dtype(device: torch.device | str) -> str | None:
-    """The dtype the caller's autocast computes in on ``device`` (a Trainer's ``bf16``/``fp16`` turn it on around
-    the forward), or None: the peers compute the blocks under the same autocast, as the local model would."""
-    kind = torch.device(device).type
-    if not torch.is_autocast_enabled(kind):
-        return None
-    return str(torch.get_autocast_dtype(kind)).removeprefix("torch.")
-
-
 class SwarmModelForCausalLM(nn.Module):
-    """A causal LM whose decoder blocks (and their LoRA adapter) live on swarm peers."""
+    """A causal LM whose decoder blocks (and their LoRA adapter) live on swarm peers.
+
+    size: its methods are the user's contract, documented in README.md and docs/client-api.md and scripted against:
+    ``from_pretrained``, ``forward``, ``generate``, ``train_step``, ``clip_grad_norm_``, ``commit``,
+    ``discard_step``, ``save_adapter``, ``adapter_state``, ``replica_digests``, ``in_flight``,
+    ``reserve_micro_batch`` / ``in_micro_batch`` (SwarmTrainer's), ``shutdown`` and the context manager; the
+    properties ``training_session``, ``is_trainable``, ``ledger``, ``step``, ``dishonest``, ``copies``,
+    ``steps_lost``, ``recoveries``; and what transformers' Trainer, TRL and peft read of a causal LM (``config``,
+    ``base_model``, ``get_output_embeddings``, ``add_model_tags``, ``activation_checkpointing_enable``,
+    ``disable_adapter``). Each is a thin delegation to the session or a collaborator given or made at construction:
+    the local modules, the stack path, the training step, the generator.
+    """
 
     accepts_loss_kwargs = True  # transformers' Trainer passes num_items_in_batch and leaves the loss as it is
 
     def __init__(
-        self,
-        spec: ModelSpec,
-        session: AdapterSession,
-        dtype: torch.dtype,
-        device: torch.device,
-        source: ModelSource | None = None,
+        self, spec: ModelSpec, session: AdapterSession, local: LocalModules, source: ModelSource | None = None
     ):
         super().__init__()
-        self.spec, self.session, self.dtype, self.device = spec, session, dtype, device
+        self.spec, self.session, self.local = spec, session, local  # local: the only tensors of the model read here
+        self.dtype, self.device = local.dtype, local.device
         self.source = source or ModelSource(spec.path)  # where the base model came from: what a saved adapter names
         self.adapter = session.adapter.name
         self.lora_config = lora_config_from_wire(session.adapter.lora)
-        self.generation_config = _generation_config(spec)
-        self._adapter_on = True
-        self._reserved = threading.local()  # a micro-batch id taken in data order for a forward in this thread
-        self._ids = threading.Lock()  # forwards in threads (Trainer's pipelined accumulation) take distinct ids
-        self._load_local_modules(dtype, device)
-
-    def _load_local_modules(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Embeddings, final norm and LM head: the only tensors of the model the client reads."""
-        config = self.spec.config
-        names = [EMBEDDINGS, FINAL_NORM] + ([] if config.tie_word_embeddings else [LM_HEAD])
-        tensors = _read_tensors(self.spec, names)
-        self.embed_tokens = nn.Embedding.from_pretrained(tensors[EMBEDDINGS].to(dtype), freeze=True)
-        self.norm = self.spec.family_class("RMSNorm")(config.hidden_size, eps=config.rms_norm_eps).to(dtype)
-        self.norm.weight = nn.Parameter(tensors[FINAL_NORM].to(dtype), requires_grad=False)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-        self.lm_head.weight = (
-            self.embed_tokens.weight
-            if config.tie_word_embeddings
-            else nn.Parameter(tensors[LM_HEAD].to(dtype), requires_grad=False)
-        )
-        # Gemma's scaled embeddings: a float32 scalar cast to the embeddings' dtype at each forward, as its model does
-        scale = self.spec.embed_scale
-        self.register_buffer("embed_scale", None if scale is None else torch.tensor(scale), persistent=False)
-        self.to(device)
-
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The input embeddings as the family's model computes them (Gemma: scaled by sqrt(hidden_size))."""
-        hidden = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            hidden = hidden * self.embed_scale.to(self.embed_tokens.weight.dtype)
-        return hidden
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The logits of the last block's hidden states: final norm, LM head, and (Gemma) the final soft-capping."""
-        logits = self.lm_head(self.norm(hidden.to(self.device)))
-        cap = self.spec.logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        self.generation_config = folder_generation_config(spec)
+        self.path = StackPath(session, local)
+        self.steps = TrainStep(session, self.path, local)
+        self.generator = Generator(session, local)
 
     @classmethod
     def from_pretrained(
@@ -192,77 +118,16 @@ class SwarmModelForCausalLM(nn.Module):
         config and tokenizer are fetched into the Hugging Face cache, and of its weights only the shards holding the
         embeddings, the final norm and the LM head (the blocks are the peers'); ``token`` (else ``HF_TOKEN``) for a
         gated or private repository. Peers must serve the same revision (docs/models-by-name.md).
-
-        ``patience``: seconds to wait when some blocks have no live server (or, on resume, no peer holding the
-        adapter's committed step), or when no initial peer answers yet, before raising.
-        ``min_copies``: ``opt.step()`` returns only once every block's new state is held by this many peers (live
-        replicas plus standby copies), whenever the swarm has that many; fewer is warned about, never an error.
-        ``resume``: ``"committed"`` waits for peers holding the adapter's committed step (as recorded in the swarm)
-        and raises ``AdapterStateLostError`` if it is gone; ``"latest"`` accepts the newest state the peers still
-        hold, and the steps lost are reported in ``model.steps_lost``.
-        ``unreachable_wait``: how long a peer that stopped answering but may be alive (frozen, cut off) is waited
-        for as the possible holder of the only current state of a block; a peer whose process is gone is not.
-        ``lost_grace``: how long a block whose every current copy died (its peers' processes gone, no standby copy
-        at the step) waits for them to restart from their checkpoints before its newest surviving copy, one step
-        behind, is declared current; that step is lost and listed in ``model.steps_lost`` (a pause of the whole
-        swarm costs more than one step of one span's updates). A survivor further behind is waited for up to half
-        the ``patience``: restarting holders would bring those steps back.
-        ``trainer``: who trains this adapter (default: user@host); the same trainer takes its lease back at once
-        after a restart, another one waits for the lease to expire.
-        ``swarm_key``: the key file of a private swarm (``swarm keygen``).
-        ``spot_check``: fraction of micro-batches whose every hop is also computed on other replicas; a peer
-        outvoted by two agreeing replicas is banned for good and listed in ``model.dishonest``. By default a public
-        swarm (no ``swarm_key``) checks ``PUBLIC_SPOT_CHECK`` (3 %) of them wherever a span has three replicas, and a
-        private one none; a rate given checks wherever a hop has another replica.
-        ``wire_dtype`` (``"bfloat16"``, ``"float16"``) and ``compression`` (``"blockwise8"``, ``"hadamard4"``,
-        ``"hadamard3"``, and ``"hadamard4sr"`` / ``"hadamard3sr"`` with stochastic rounding): how hidden states and
-        their gradients travel; ``grad_compression``: the gradients' own, if they should differ (default: the same).
-        All off by default (exact parity with local training), but a bf16 model's hidden states travel in bf16 (they
-        are bf16 already). They cut the bytes per step by 2x / ~4x / ~7.5x / ~9.8x at the cost of rounding the
-        activations (see BENCHMARKS.md for what that does to the loss). ``"hadamard4d3"`` (``...d4``, ``...d2``):
-        for runs that see each sample more than once, a chained forward's hidden states travel as their change since
-        the sample's last pass at 3 (4, 2) bits, a first pass at 4; client and peers keep each sample's last hidden
-        states for that (at most 1 GiB each, ``swarm peer --delta-references-mb``); everything else goes as hadamard4.
-        ``is_trainable=False`` (as in ``peft.PeftModel.from_pretrained``): a reader of an adapter that has committed
-        steps, to ``generate`` or evaluate with its newest committed step while its trainer goes on training; it
-        takes no lease and changes nothing on any peer. ``lora_config`` and ``seed`` then default to the adapter's.
-        ``chain`` (default): hidden states pass from peer to peer, so the client sends a micro-batch in and gets the
-        last span's output back, and its own link carries the same bytes whatever the number of spans; ``False``:
-        every hop is a round trip from the client (client-driven hops).
-        ``call_hook(peer, message, send)``: sees each request the client makes and returns its reply,
-        ``send(message)``, with code before or after it (a test recording requests, or killing a peer at one:
-        ``swarm.testing.faults.CallTap``); none by default.
-        ``config``: all of the options above as one ``swarm.SwarmConfig`` (the keywords then stay at their defaults:
-        passing an option both ways is refused).
-
-        size: long for its signature and this documentation, which are the public contract (23 keywords, kept equal
-        to ``SwarmConfig``'s fields by a test); what it does is the 30 lines below.
+        Every other keyword is an option of ``swarm.SwarmConfig``, under the same name and default, documented there
+        and in docs/client-api.md. ``config``: all of them as one ``swarm.SwarmConfig`` (the keywords then stay at
+        their defaults: passing an option both ways is refused).
         """
         # every keyword but model_dir and initial_peers is an option of the config (a test keeps both lists equal)
         config = SwarmConfig.given(config, {name: value for name, value in locals().items() if name in OPTIONS})
-        source = resolve_model(model_dir, config.revision, config.token)
-        spec = load_spec(source.folder, name=source.name)
-        source.fetch_client(spec.weight_files)
-        lora_config, seed = config.lora_config, config.seed
-        if lora_config is not None:
-            lora_config = resolve_lora_config(lora_config, spec)  # refused options fail here, before joining
-        peers = initial_peers_or_env(initial_peers)
-        if not peers:
-            raise ValueError("pass initial_peers=[...] (multiaddrs printed by `swarm dht`) or set SWARM_INITIAL_PEERS")
-        key = load_swarm_key(config.swarm_key)
-        identity = Identity.load_or_create(None)
-        dht = join_dht(peers, identity, key, client_mode=True, join_timeout=config.patience)
-        if lora_config is None:
-            try:
-                recorded = committed_or_raise(dht, spec, config.adapter)
-            except AdapterStateLostError:
-                dht.shutdown()
-                raise
-            lora_config, seed = lora_config_from_wire(recorded.lora), recorded.seed
-        identity_of_adapter = AdapterIdentity(config.adapter, lora_config_to_wire(lora_config), seed)
-        session = open_session(spec, dht, identity, key, peers, identity_of_adapter, config)
+        source, spec = model_folder(model_dir, config)
+        session = open_adapter(spec, initial_peers, config)
         try:
-            return cls(spec, session, config.dtype, torch.device(config.device), source)
+            return cls(spec, session, LocalModules(spec, config.dtype, torch.device(config.device)), source)
         except BaseException:
             session.close()
             raise
@@ -270,12 +135,7 @@ class SwarmModelForCausalLM(nn.Module):
     @property
     def training_session(self) -> TrainingSession:
         """The training session; a reader has none."""
-        if not isinstance(self.session, TrainingSession):
-            raise ValueError(
-                f"training needs a trainer: this client opened adapter {self.adapter!r} with is_trainable=False "
-                "(it reads the adapter and generates, while its trainer trains)"
-            )
-        return self.session
+        return training_session_of(self.session)
 
     @property
     def is_trainable(self) -> bool:
@@ -311,34 +171,6 @@ class SwarmModelForCausalLM(nn.Module):
         """Failures routed around so far (peer, during what, at which step, how long the retry took)."""
         return self.session.recoveries
 
-    def _inputs(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The stack's input hidden states and mask, on the CPU where the wire takes them; the stack takes the
-        caller's autocast too, for the peers to compute under."""
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be [batch, seq], got shape {list(input_ids.shape)}")
-        if attention_mask is not None and attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask must have the shape of input_ids {list(input_ids.shape)}")
-        hidden = self._embed(input_ids.to(self.device)).cpu()
-        mask = None if attention_mask is None else attention_mask.to(torch.int64).cpu()
-        self.session.hops.autocast = autocast_dtype(self.device)
-        return hidden, mask
-
-    def _head(
-        self, hidden: torch.Tensor, labels: torch.Tensor | None, num_items_in_batch: NumItems = None
-    ) -> CausalLMOutputWithPast:
-        logits = self._logits(hidden)
-        loss = None
-        if labels is not None:
-            loss = ForCausalLMLoss(
-                logits,
-                labels.to(self.device),
-                vocab_size=self.spec.config.vocab_size,
-                num_items_in_batch=num_items_in_batch,
-            )
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
-
     def forward(
         self,
         input_ids: torch.LongTensor,
@@ -351,62 +183,17 @@ class SwarmModelForCausalLM(nn.Module):
         whole step, as transformers' Trainer counts them), the loss is the micro-batch's summed token loss divided
         by it, so that ``loss.backward()`` per micro-batch adds up to the gradient of the step's token mean."""
         check_forward_kwargs(kwargs)
-        return self._head(self._stack(input_ids, attention_mask), labels, num_items_in_batch)
-
-    def _stack(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """The last block's hidden states: through the swarm without gradients, or, with them, as one autograd op
-        whose micro-batch id is the one reserved for this thread (``in_micro_batch``) or a fresh one."""
-        hidden, mask = self._inputs(input_ids, attention_mask)
-        if not torch.is_grad_enabled():
-            hidden, _ = self.session.hops.forward(hidden, mask, self.step, None)
-            return hidden
-        ledger = self.ledger
-        micro_batch = getattr(self._reserved, "micro_batch", None)
-        self._reserved.micro_batch = None  # one forward per reserved id; another one in the thread takes a new id
-        return self._through_stack(hidden, mask, ledger, micro_batch or self.reserve_micro_batch())
+        return self.local.output(self.path.hidden(input_ids, attention_mask), labels, num_items_in_batch)
 
     def reserve_micro_batch(self) -> str:
         """A micro-batch id of the step in progress, taken now: ids fix the order in which the peers sum gradients,
         so a caller running micro-batches in threads takes them in data order, then runs each forward inside
         ``in_micro_batch(id)`` (transformers' Trainer glue, swarm/client/trainer.py)."""
-        with self._ids:
-            return self.training_session.new_micro_batch()
+        return self.path.reserve_micro_batch()
 
-    @contextlib.contextmanager
-    def in_micro_batch(self, micro_batch: str) -> Iterator[None]:
+    def in_micro_batch(self, micro_batch: str) -> contextlib.AbstractContextManager[None]:
         """The next forward with gradients in this thread is ``micro_batch`` (from ``reserve_micro_batch``)."""
-        self._reserved.micro_batch = micro_batch
-        try:
-            yield
-        finally:
-            self._reserved.micro_batch = None
-
-    def _through_stack(
-        self, hidden: torch.Tensor, mask: torch.Tensor | None, ledger: StepLedger, micro_batch: str
-    ) -> torch.Tensor:
-        """A forward with gradients through the swarm, as one autograd op: ``backward()`` runs the peers'
-        backward and records who holds the micro-batch's gradients in the ledger."""
-        # The embeddings are frozen: the stack's input gradient would be thrown away, so it is not asked for.
-        # (The input is marked as needing one only so that autograd runs the stack's backward at all.)
-        return RemoteStackFunction.apply(
-            hidden.requires_grad_(True),
-            mask,
-            self.session.hops,
-            ledger,
-            micro_batch,
-            self.embed_tokens.weight.requires_grad,
-        )
-
-    def _trained(
-        self,
-        hidden: torch.Tensor,
-        mask: torch.Tensor | None,
-        labels: torch.Tensor | None,
-        ledger: StepLedger,
-        micro_batch: str,
-        num_items_in_batch: NumItems = None,
-    ) -> CausalLMOutputWithPast:
-        return self._head(self._through_stack(hidden, mask, ledger, micro_batch), labels, num_items_in_batch)
+        return self.path.in_micro_batch(micro_batch)
 
     # What TRL's ``add_fused_lm_head`` (SFTTrainer's loss) and transformers' Trainer read of a causal LM: the config,
     # the backbone (embeddings, the swarm's blocks, the final norm) and the LM head. TRL patches ``forward`` with its
@@ -422,12 +209,12 @@ class SwarmModelForCausalLM(nn.Module):
 
         def backbone(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> BaseModelOutput:
             check_forward_kwargs(kwargs)
-            return BaseModelOutput(last_hidden_state=self.norm(self._stack(input_ids, attention_mask).to(self.device)))
+            return BaseModelOutput(last_hidden_state=self.local.norm(self.path.hidden(input_ids, attention_mask)))
 
         return backbone
 
     def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
+        return self.local.lm_head
 
     def add_model_tags(self, tags: list[str] | str) -> None:
         """Tags for a model card, as ``PreTrainedModel.add_model_tags`` (TRL's trainers add theirs)."""
@@ -438,14 +225,9 @@ class SwarmModelForCausalLM(nn.Module):
         the blocks are the peers' to keep; the client holds none worth recomputing, so there is nothing to do."""
         logger.info("activation checkpointing: nothing to do on the client, the blocks run on the peers")
 
-    @contextlib.contextmanager
-    def disable_adapter(self) -> Iterator[None]:
+    def disable_adapter(self) -> contextlib.AbstractContextManager[None]:
         """Inside, ``generate`` runs the base model (LoRA off on the peers), as ``PeftModel.disable_adapter`` does."""
-        self._adapter_on = False
-        try:
-            yield
-        finally:
-            self._adapter_on = True
+        return self.generator.adapter_off()
 
     def generate(
         self,
@@ -463,37 +245,7 @@ class SwarmModelForCausalLM(nn.Module):
         peer that fails mid-generation is replaced by a replica that replays the prefix. Adapter state is never
         changed, so generating between training steps is safe. Prompts of different lengths are padded on the left,
         with their ``attention_mask``, as for transformers."""
-        if input_ids.ndim != 2 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids must be [batch, prompt length >= 1], got shape {list(input_ids.shape)}")
-        if attention_mask is not None and attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask must have the shape of input_ids {list(input_ids.shape)}")
-        if attention_mask is not None and not bool(attention_mask[:, -1].bool().all()):
-            raise ValueError(
-                "prompts of different lengths must be padded on the left for generation (tokenizer.padding_side = "
-                '"left"): every prompt must end with a real token'
-            )
-        mask = None if attention_mask is None or bool(attention_mask.bool().all()) else attention_mask.long().cpu()
-        config = resolve_config(generation_config or self.generation_config, input_ids.shape[1], kwargs)
-        if not self.is_trainable:
-            self.session.catch_up()  # a reader generates with the newest committed step
-        self.session.hops.autocast = autocast_dtype(self.device)  # the peers decode under the caller's autocast too
-        chain = SessionChain(
-            self.session.hops,
-            input_ids.shape[1] + config.max_new_tokens,
-            self.adapter if self._adapter_on else None,
-            lambda: self.step,
-        )
-        try:
-            return generate_tokens(
-                input_ids.to(self.device),
-                mask,
-                config,
-                lambda ids: self._embed(ids).cpu(),
-                chain,
-                self._logits,
-            )
-        finally:
-            chain.end()
+        return self.generator(input_ids, attention_mask, generation_config or self.generation_config, kwargs)
 
     def train_step(
         self,
@@ -517,43 +269,7 @@ class SwarmModelForCausalLM(nn.Module):
         Returns the sum of the weighted losses: the step's token-mean loss (or the mean of the micro-batches' mean
         losses, with ``accumulation=len(micro_batches)``).
         """
-        if accumulation is not None and num_items_in_batch is not None:
-            raise ValueError("pass accumulation or num_items_in_batch, not both")
-        if accumulation is not None and accumulation < 1:
-            raise ValueError(f"accumulation must be at least 1, got {accumulation}")
-        if accumulation is None and num_items_in_batch is None:
-            if not isinstance(micro_batches, Sized):
-                raise TypeError("pass num_items_in_batch=N (the step's label tokens) or accumulation=N for an iterable")
-            micro_batches = list(micro_batches)
-            for batch in micro_batches:
-                _check_micro_batch(batch)
-            num_items_in_batch = sum(label_tokens(batch["labels"]) for batch in micro_batches)
-        if num_items_in_batch is not None and num_items_in_batch < 1:
-            raise ValueError("the step's micro-batches have no label tokens (every label is -100): nothing to train")
-        ledger = self.ledger  # the step's: micro-batch ids come from it in order
-
-        def start(batch: Mapping[str, torch.Tensor]) -> Callable[[], torch.Tensor]:
-            _check_micro_batch(batch)
-            hidden, mask = self._inputs(batch["input_ids"], batch.get("attention_mask"))
-            micro_batch = self.training_session.new_micro_batch()  # here, in order: the canonical order of the sum
-
-            def run() -> torch.Tensor:
-                with torch.enable_grad():
-                    out = self._trained(hidden, mask, batch["labels"], ledger, micro_batch, num_items_in_batch)
-                    loss = out.loss if accumulation is None else out.loss / accumulation
-                    loss.backward()
-                return loss.detach()
-
-            return run
-
-        if max_in_flight is None:
-            tokens = (
-                max((b["input_ids"].numel() for b in micro_batches), default=None)
-                if isinstance(micro_batches, list)
-                else None
-            )
-            max_in_flight = self.in_flight(tokens)
-        return torch.stack(run_pipelined(micro_batches, start, max_in_flight)).sum()
+        return self.steps.run(micro_batches, accumulation, max_in_flight, num_items_in_batch)
 
     def in_flight(self, tokens: int | None = None) -> int:
         """How many micro-batches ``train_step`` (and ``SwarmTrainer``) keep in the swarm at once unless told: two
@@ -568,22 +284,7 @@ class SwarmModelForCausalLM(nn.Module):
         ``optimizer.step()``. torch's own clips nothing here: the LoRA weights live on the peers.
 
         A non-finite norm discards the step (nothing is applied) and raises CommitError."""
-        max_norm, norm_type = float(max_norm), float(norm_type)
-        if not max_norm >= 0 or not norm_type > 0:
-            raise ValueError(f"need max_norm >= 0 and norm_type > 0, got {max_norm} and {norm_type}")
-        session = self.training_session
-        ledger = session.ledger
-        if ledger.empty:
-            return torch.tensor(0.0)
-        norm = session.grad_norm(norm_type)
-        if not math.isfinite(norm):
-            session.discard_step()
-            raise CommitError(
-                f"the gradient norm of step {ledger.step} is {norm}: the step is discarded, nothing was applied. "
-                "Lower the learning rate, check the data for empty or broken examples, or train in float32"
-            )
-        ledger.grad_scale *= clip_factor(norm, max_norm)
-        return torch.tensor(norm)
+        return self.steps.clip(max_norm, norm_type)
 
     def commit(self, hparams: OptimizerHParams) -> int:
         """Commit the step in progress on every live replica of every block; returns the new step."""

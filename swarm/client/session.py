@@ -342,6 +342,16 @@ class TrainingSession(AdapterSession):
         super().close()
 
 
+def training_session_of(session: AdapterSession) -> TrainingSession:
+    """The trainer's session; a reader's (``is_trainable=False``) has no training: refused, saying why."""
+    if not isinstance(session, TrainingSession):
+        raise ValueError(
+            f"training needs a trainer: this client opened adapter {session.adapter.name!r} with is_trainable=False "
+            "(it reads the adapter and generates, while its trainer trains)"
+        )
+    return session
+
+
 def committed_or_raise(dht: DHT, spec: ModelSpec, adapter: str) -> CommittedRecord:
     """The adapter's committed record, which a reader needs: there is nothing to read without one."""
     recorded = read_committed(dht, spec.name, adapter)

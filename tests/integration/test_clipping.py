@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import swarm
-from swarm.client.model import label_tokens
+from swarm.client.trainstep import label_tokens
 from swarm.net.errors import CommitError
 from swarm.net.protocol import Method, method_of
 from swarm.testing.faults import CallTap
