@@ -1,51 +1,39 @@
 """The adapters a peer holds and their training state: per block LoRA, AdamW state and step (served or standby), each
-micro-batch's gradients until its step commits, the forwards kept for their backward, commits (AdamW in canonical
-order), the replicas' digests, and the moves of state in and out (peers/state.py). The span's compute
-(peers/backend.py) runs forwards and backwards on it."""
+micro-batch's gradients until its step commits, the forwards kept for their backward, and the replicas' digests
+(peers/state.py). The span's compute (peers/backend.py) runs forwards and backwards on it; a step's commit
+(peers/commits.py), the moves of state in and out (peers/transfer.py) and what a peer reports of its gradients
+(peers/reduction/reports.py) are collaborators made with the store."""
 
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Mapping
-from dataclasses import replace
 
 import torch
 from torch import nn
 
 from peers.behaviour import Behaviour
-from peers.reduction import norms, sums
-from peers.reduction.running import RunningSum
 from peers.state import (
     ActivationCache,
     Adapter,
     BlockAdapter,
     BlockState,
-    BlockUpdate,
-    GradsByBlock,
     KeptInputs,
     TokensInFlight,
-    Undo,
     session_of,
     state_digests,
 )
-from peers.update import BlockOptimizer, steps_done
+from peers.update import BlockOptimizer
 from swarm.blocks import add_lora, lora_config_from_wire, spans_text
-from swarm.net import hostsync
 from swarm.net.errors import (
     FencedError,
-    MissingGradientsError,
     NotServedError,
     RequestError,
     StaleStepError,
     UnknownAdapterError,
     WeightsMismatchError,
 )
-from swarm.net.gradhash import grad_hashes
-from swarm.net.gradnorm import GradNorm, covers_digest
-from swarm.net.protocol import AdapterInfo, Group, OptimizerHParams, lora_and_seed
-from swarm.net.reduction import add_up, partial_sum
+from swarm.net.protocol import AdapterInfo, Group, lora_and_seed
 from swarm.spec import ModelSpec
 from swarm.weights import differing
 
@@ -109,7 +97,7 @@ class AdapterStore:
         held = sum(len(a.blocks[b].grads) for a in self.by_name.values() for b in blocks if b in a.blocks)
         return held + self.kept.count_touching(set(blocks))
 
-    def _forget_forwards(self, name: str) -> None:
+    def forget_forwards(self, name: str) -> None:
         """Drop the adapter's forward graphs and kept inputs: its step was applied, taken back or replaced, so no
         backward of them can count any more."""
         self.cache.drop_adapter(name)
@@ -161,7 +149,7 @@ class AdapterStore:
             for state in adapter.blocks.values():
                 state.grads = {mb: g for mb, g in state.grads.items() if session_of(mb) == session}
                 state.partials = {}
-            self._forget_forwards(name)
+            self.forget_forwards(name)
         return adapter.steps()
 
     def check_weights(self, name: str, weights: dict[int, str]) -> None:
@@ -219,8 +207,6 @@ class AdapterStore:
                 held = [g.detach() for g in block_grads]
                 state.grads[micro_batch] = held if self.behaviour is None else self.behaviour.held_grads(held)
 
-    # --- commit ---------------------------------------------------------------------------------------------
-
     def ledger_states(self, name: str, step: int, ledger: dict[int, list[Group]]) -> dict[int, BlockAdapter]:
         """The blocks of the ledger that this peer holds, checked to be served here and at ``step`` or past it. A peer
         that restarted on other blocks may still hold the state of those it served before, one step behind or stale;
@@ -240,169 +226,7 @@ class AdapterStore:
             raise StaleStepError(f"blocks {behind} of adapter {name!r} are behind step {step}; sync them first")
         return states
 
-    def grad_norms(self, name: str, blocks: range, step: int) -> tuple[GradNorm, ...]:
-        """What a backward's reply says of its blocks: each one's gradient summed over every micro-batch held here at
-        ``step``, as a 2-norm and an inf-norm share, and which micro-batches those are."""
-        held = self._holding(name, blocks, step)
-        # one holder's sum: the step's, if it holds all; kept as the backwards come (peers/reduction/running.py)
-        summed = [state.running.of(state.grads, tuple(state.grads)) for state in held.values()]
-        return tuple(
-            GradNorm(
-                block,
-                covers_digest(state.grads),
-                math.fsum(two**2 for two, _ in by_tensor),
-                max((inf for _, inf in by_tensor), default=0.0),
-            )
-            for (block, state), by_tensor in zip(held.items(), norms.tensor_norms(summed, (2.0, math.inf)), strict=True)
-        )
-
-    def grad_hashes(self, name: str, blocks: range, step: int, micro_batch: str) -> tuple[tuple[int, str], ...]:
-        """What a backward's reply says of the micro-batch's gradients held here on each block: their hash (see
-        swarm/net/gradhash.py), which the replicas fetching them at commit check."""
-        held = {block: s.grads[micro_batch] for block, s in self._holding(name, blocks, step, micro_batch).items()}
-        return tuple(zip(held, grad_hashes(list(held.values())), strict=True))
-
-    def _holding(self, name: str, blocks: range, step: int, micro_batch: str | None = None) -> dict[int, BlockAdapter]:
-        """The blocks holding gradients at ``step`` here (of ``micro_batch``, if given)."""
-        at_step = {block: self.adapter(name).blocks.get(block) for block in blocks}
-        return {
-            block: state
-            for block, state in at_step.items()
-            if state is not None and state.step == step and (micro_batch in state.grads if micro_batch else state.grads)
-        }
-
-    def norm_parts(self, name: str, step: int, groups: dict[int, list[Group]], norm_type: float) -> dict[int, float]:
-        """Per block of the ledger held here at ``step``, its share of the step's ``norm_type``-norm (see
-        ``NormsRequest``); raises MissingGradientsError when some of the ledger's gradients are not here."""
-        states = self.ledger_states(name, step, groups)
-        missing = sums.missing(states, step, groups)
-        if missing:
-            raise MissingGradientsError(f"no gradients for {missing} at step {step}", missing)
-        at_step = {block: state for block, state in states.items() if state.step == step}
-        reduced = [sums.reduced(state, groups[block]) for block, state in at_step.items()]
-        parts = {}
-        for block, tensor_norms in zip(at_step, norms.tensor_norms(reduced, (norm_type,)), strict=True):
-            if math.isinf(norm_type):
-                parts[block] = max((n for (n,) in tensor_norms), default=0.0)
-            else:
-                parts[block] = math.fsum(n**norm_type for (n,) in tensor_norms)
-        return parts
-
-    def apply(
-        self,
-        name: str,
-        step: int,
-        groups: dict[int, list[Group]],
-        hparams: OptimizerHParams,
-        grad_scale: float = 1.0,
-    ) -> dict[int, int]:
-        """Apply step ``step``: per block, the ledger's gradients reduced (each holder's micro-batches summed in
-        sorted order, then those partial sums in the order of ``groups``: see ``ledger_groups``), scaled by the step's
-        global clipping factor, then one AdamW update. Idempotent: blocks already past ``step`` are left alone."""
-        adapter = self.adapter(name)
-        states = self.ledger_states(name, step, groups)
-        missing = sums.missing(states, step, groups)
-        if missing:
-            raise MissingGradientsError(f"no gradients for {missing} at step {step}", missing)
-        at_step = {block: state for block, state in states.items() if state.step == step}
-        summed = {block: sums.reduced(state, groups[block]) for block, state in at_step.items()}
-        for block, finite in zip(summed, norms.finite(list(summed.values())), strict=True):
-            if not finite:
-                raise RequestError(f"step {step} has non-finite gradients on block {block}; refusing to apply them")
-        if grad_scale != 1.0:
-            for grad in (g for grads in summed.values() for g in grads):
-                grad.mul_(grad_scale)
-        befores = BlockState.of_all(list(at_step.values()), with_before=False)
-        bases = state_digests([(before.step, before.entries()) for before in befores])
-        params = {block: [lp.param for lp in state.params] for block, state in at_step.items()}
-        done = steps_done([(state.optimizer, params[block]) for block, state in at_step.items()])
-        for (block, state), before, steps in zip(at_step.items(), befores, done, strict=True):
-            state.undo = Undo(before, state.grads, state.last_update, state.partials)
-            state.optimizer.step(params[block], summed[block], hparams, steps)
-        host = iter(hostsync.to_host([g for grads in summed.values() for g in grads]))
-        for state, base in zip(at_step.values(), bases, strict=True):
-            grads = {lp.name: next(host) for lp in state.params}
-            state.last_update = BlockUpdate(step, grads, hparams, base)
-            state.grads, state.partials, state.reduced, state.running = {}, {}, None, RunningSum()
-            state.step += 1
-        moved = set(at_step)
-        self._forget_forwards(name)
-        if self.behaviour is not None:
-            self.behaviour.updated([state for block, state in adapter.blocks.items() if block in moved])
-        return adapter.steps()
-
-    def revert(self, name: str, step: int) -> dict[int, int]:
-        """Take blocks that applied ``step`` back to it (a commit that other replicas could not complete yet)."""
-        adapter = self.adapter(name)
-        for block, state in adapter.blocks.items():
-            if state.step == step + 1 and state.take_back():
-                logger.info("adapter %r block %d: step %d taken back, to be redone", name, block, step)
-        self._forget_forwards(name)
-        return adapter.steps()
-
-    def tiebreak(
-        self,
-        name: str,
-        step: int,
-        groups: dict[int, list[Group]],
-        grads: GradsByBlock,
-        hparams: OptimizerHParams,
-        grad_scale: float,
-    ) -> dict[int, str]:
-        """Two replicas disagree on ``step``: apply it, as ``apply`` would, to this peer's standby copies at ``step``
-        (the ledger's gradients given, fetched from their holders), and return the digests. Nothing is kept."""
-        adapter = self.adapter(name)
-        digests = {}
-        for block, block_groups in groups.items():
-            held = adapter.standby.get(block)
-            if held is None or held.step != step:
-                raise StaleStepError(f"no standby copy of adapter {name!r} block {block} at step {step} here")
-            by_mb = grads.get(block, {})
-            missing = sorted({mb for group in block_groups for mb in group} - set(by_mb))
-            if missing:
-                raise MissingGradientsError(f"no gradients for {missing} at step {step}", {block: missing})
-            names = list(held.tensors)
-            dtypes = [held.tensors[n]["param"].dtype for n in names]
-            by_mb = {mb: [g.to(d) for g, d in zip(tensors, dtypes, strict=True)] for mb, tensors in by_mb.items()}
-            summed = add_up([partial_sum(by_mb, group) for group in block_groups])
-            if grad_scale != 1.0:
-                for grad in summed:
-                    grad.mul_(grad_scale)
-            update = BlockUpdate(step, dict(zip(names, summed, strict=True)), hparams)
-            digests[block] = update.apply_to(held).digest()
-        return digests
-
-    # --- state ----------------------------------------------------------------------------------------------
-
-    def export_state(
-        self, name: str, blocks: range, held: dict[int, int] | None = None
-    ) -> tuple[dict[int, BlockState], dict[int, BlockUpdate]]:
-        """LoRA tensors, AdamW moments and step of each block, served or standby: what another peer needs. For a
-        served block that the asking peer ``held`` one step behind, the last update instead (a third of the bytes)."""
-        adapter = self.adapter(name)
-        states: dict[int, BlockState | None] = {}  # None: a served block's, copied below
-        updates, whole = {}, []
-        for block in blocks:
-            served = adapter.blocks.get(block)
-            update = served.last_update if served is not None else None
-            if update is not None and held is not None and held.get(block) == update.step == served.step - 1:
-                updates[block] = replace(update, after=served.digest())  # what the asker's copy must reach
-            elif served is not None:
-                states[block] = None
-                whole.append(served)
-            elif block in adapter.standby:
-                states[block] = adapter.standby[block]
-        copies = iter(BlockState.of_all(whole))  # one copy to the host
-        return {block: next(copies) if state is None else state for block, state in states.items()}, updates
-
-    def import_state(self, name: str, states: dict[int, BlockState]) -> dict[int, int]:
-        """Replace this peer's state of served blocks by a current replica's (gradients in progress are dropped)."""
-        adapter = self.adapter(name)
-        for block, incoming in states.items():
-            if block in adapter.blocks:
-                incoming.load_into(adapter.blocks[block])
-        self._forget_forwards(name)
-        return adapter.steps()
+    # --- state held -----------------------------------------------------------------------------------------
 
     def keep_standby(
         self,
@@ -432,125 +256,18 @@ class AdapterStore:
                 adapter.standby[block] = state
             elif served is not None and state.step == trainer_step and served.step < state.step:
                 state.load_into(served)
-                self._forget_forwards(name)  # only then: a plain refresh must not drop graphs kept for backward
+                self.forget_forwards(name)  # only then: a plain refresh must not drop graphs kept for backward
         if keep is not None:
             for block in [b for b in adapter.standby if b not in keep]:
                 del adapter.standby[block]
         if created:
             self._fill(name, adapter)  # served blocks start from the copies just stored
 
-    def apply_updates(
-        self,
-        name: str,
-        updates: dict[int, BlockUpdate],
-        sources: Mapping[int, object] | None = None,
-        own_lineage: bool = False,
-    ) -> list[int]:
-        """Bring standby copies one step forward with their servers' last updates; returns the blocks updated (a
-        copy that is not at the update's step is left as it is: its holder pulls the whole state next time). A copy
-        at the step but not in the server's bits (``BlockUpdate.fits``) is dropped, so the next pull brings it whole.
-        A served block gets an update only where its caller asked for one (a span taken over from its deterministic
-        init, a trainer's sync): it is brought forward the same way, or left as it is; with ``own_lineage``, also
-        where its state is not the server's at the step (the server's state was found altered: see
-        ``PeerService._sync``). Where the result is not the server's state (``BlockUpdate.reaches``), the server
-        altered its adapter outside the step: the result made here is kept, and the server (``sources``: block ->
-        who sent the update) named in the log."""
-        adapter = self.adapter(name)
-        done, diverged = [], []
-        for block, update in updates.items():
-            served = adapter.blocks.get(block)
-            if served is not None:
-                at_step = served.step == update.step
-                advanced = self._advance_served(served, update, own_lineage) if at_step else None
-                if advanced is not None:
-                    self._forget_forwards(name)
-            else:
-                advanced = self._advance_copy(name, adapter, block, update)
-            if advanced is not None:
-                done.append(block)
-                if not update.reaches(advanced):
-                    diverged.append(block)
-        for source in {(sources or {}).get(block) for block in diverged}:
-            logger.error(
-                "adapter %r blocks %s: the state of %s is not its own last update applied to the step before; "
-                "refused (this peer applied the update to its own copy). It altered its adapter outside the step: "
-                "the replicas' next vote outvotes it",
-                name,
-                sorted(b for b in diverged if (sources or {}).get(b) == source),
-                source or "their server",
-            )
-        return done
-
-    @staticmethod
-    def _advance_copy(name: str, adapter: Adapter, block: int, update: BlockUpdate) -> BlockState | None:
-        held = adapter.standby.get(block)
-        if held is None or held.step != update.step:
-            return None
-        if not update.fits(held):
-            logger.warning(
-                "adapter %r block %d: the standby copy at step %d differs from its server's state; dropped, to be "
-                "pulled whole",
-                name,
-                block,
-                held.step,
-            )
-            del adapter.standby[block]
-            return None
-        advanced = adapter.standby[block] = update.apply_to(held)
-        advanced.before = replace(held, before=None)  # revertible like the server's state
-        return advanced
-
-    @staticmethod
-    def _advance_served(served: BlockAdapter, update: BlockUpdate, own_lineage: bool) -> BlockState | None:
-        """A served block one step forward with another server's update, if it holds that server's bits at the
-        step (or ``own_lineage``); it then hands the same update on itself."""
-        held = BlockState.of(served, with_before=False)
-        if not own_lineage and not update.fits(held):
-            return None
-        if own_lineage:
-            update = replace(update, base=held.digest())
-        advanced = update.apply_to(held)
-        advanced.before = held  # revertible like the server's state
-        advanced.load_into(served)
-        served.last_update = replace(update, after="")
-        return advanced
-
-    def fast_forward(self, name: str, blocks: range, step: int) -> dict[int, int]:
-        """Declare blocks whose newest surviving state is older than ``step`` current at ``step``: the updates
-        between are lost. Returns the steps lost per block (reported by the caller, never silent)."""
-        adapter = self.adapter(name)
-        lost = {}
-        for block in blocks:
-            state = adapter.blocks.get(block)
-            if state is not None and state.step < step:
-                lost[block] = step - state.step
-                logger.warning(
-                    "adapter %r block %d: newest surviving state is step %d, the trainer is at %d: %d step(s) lost",
-                    name,
-                    block,
-                    state.step,
-                    step,
-                    lost[block],
-                )
-                state.step = step
-                state.grads.clear()
-                state.last_update = state.undo = None
-        self._forget_forwards(name)
-        return lost
-
     def snapshot(self, name: str) -> dict[int, BlockState]:
         """Every block state this peer holds for the adapter (served and standby), for a checkpoint."""
         adapter = self.adapter(name)
         states = dict(zip(adapter.blocks, BlockState.of_all(list(adapter.blocks.values())), strict=True))
         return {**adapter.standby, **states}
-
-    def lora_state(self, name: str) -> dict[int, dict[str, torch.Tensor]]:
-        """LoRA tensors per block, named as inside a peft adapter file (``self_attn.q_proj.lora_A.weight``)."""
-        adapter = self.adapter(name)
-        return {
-            block: {lp.name: lp.param.detach().cpu().clone() for lp in state.params}
-            for block, state in adapter.blocks.items()
-        }
 
     def digests(self, name: str) -> dict[int, str]:
         """Each served block's state digest (the replicas' vote), from one copy of the span's state to the host."""

@@ -46,4 +46,4 @@ class Behaviour:
         return found
 
     def updated(self, states: list[BlockAdapter]) -> None:
-        """After a commit's update: the blocks it took a step on (``AdapterStore.apply``)."""
+        """After a commit's update: the blocks it took a step on (``Commits.apply``)."""

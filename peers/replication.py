@@ -20,6 +20,7 @@ from peers.balancer import choose_standby
 from peers.compute import Compute
 from peers.peer_client import PeerClient
 from peers.state import BlockState, BlockUpdate
+from peers.transfer import StateTransfer
 from swarm.blocks import spans_text
 from swarm.net.errors import PEER_ERRORS, RequestError
 from swarm.net.protocol import lora_and_seed
@@ -50,6 +51,7 @@ class Replicator:
         on_refreshed: Callable[[str], Awaitable[None]],
     ):
         self.adapters, self.compute, self.peers, self.me, self.policy = adapters, compute, peers, me, policy
+        self.transfer = StateTransfer(adapters)  # copies brought forward by their servers' updates
         self.on_refreshed = on_refreshed  # a copy changed: checkpoint it
         self.standby: list[int] = []
         # adapter -> block -> the step its trainer last asked this peer to hold a copy at (see on_committed)
@@ -126,7 +128,7 @@ class Replicator:
         unless this peer's copy is fewer than ``every`` steps behind (or another replica's notice brought it). Not
         the blocks the trainer pinned at the step before: it has them copied once the replicas' vote is in, and
         until then the copy at the step before may have to break a tie between two replicas
-        (``AdapterStore.tiebreak``). A pin the trainer did not renew at that step has lapsed (the block has enough
+        (``Commits.tiebreak``). A pin the trainer did not renew at that step has lapsed (the block has enough
         replicas again): the copy follows the commits again, where it stayed behind for good before."""
         async with self._lock:
             held = await self.compute(self._standby_steps, name)
@@ -239,7 +241,7 @@ class Replicator:
         def store() -> None:
             self.adapters.keep_standby(name, meta, states, keep, trainer_step)
             if updates:
-                self.adapters.apply_updates(name, updates, sources)
+                self.transfer.apply_updates(name, updates, sources)
 
         await self.compute(store)
 

@@ -1,5 +1,8 @@
 """RPC handlers of a peer: each takes its method's typed request (decoded and checked by the doors), runs it on the
-span's compute or the adapters' store (one at a time) and returns the typed reply."""
+span's compute or the adapters' store (one at a time) and returns the typed reply. What is more than a call lives in
+collaborators made with the service's parts: a chain's hops (peers/hops.py), a step's reduction
+(peers/reduction/), its commit (peers/commits.py), the gradients' reports (peers/reduction/reports.py) and the moves
+of state between peers (peers/statesync.py)."""
 
 from __future__ import annotations
 
@@ -8,27 +11,28 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from hivemind.p2p import PeerID
 
 from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
+from peers.commits import Commits
 from peers.compute import Compute
 from peers.deliveries import Deliveries
-from peers.peer_client import ChainBroken, PeerClient
+from peers.hops import Hops
+from peers.peer_client import PeerClient
 from peers.pullers import RecentPullers
 from peers.reduction.audit import AUDIT_RATE
 from peers.reduction.exchange import Reduction
-from peers.state import BlockState, BlockUpdate, pack_states
+from peers.reduction.reports import GradReports
+from peers.statesync import StateSync
 from peers.stepphase import StepPhases
 from swarm.blocks import lora_config_from_wire
-from swarm.net import rotated
-from swarm.net.chain import ChainFailure, HopAck
 from swarm.net.compression import DELTAS
-from swarm.net.deltas import CLIENT, Delta, DeltaReferences, ReferenceKey
-from swarm.net.errors import PEER_ERRORS, ErrorKind, RequestError, SourceUnavailableError
+from swarm.net.deltas import Delta, DeltaReferences
+from swarm.net.errors import RequestError
 from swarm.net.gradnorm import GradNorm
 from swarm.net.protocol import (
     Ack,
@@ -41,10 +45,6 @@ from swarm.net.protocol import (
     DigestRequest,
     EndSessionReply,
     EndSessionRequest,
-    ExportReply,
-    ExportRequest,
-    FastForwardReply,
-    FastForwardRequest,
     ForwardRequest,
     GradReply,
     GradsReply,
@@ -60,10 +60,7 @@ from swarm.net.protocol import (
     PeerInfo,
     ReplicateRequest,
     RevertRequest,
-    StateReply,
-    StateRequest,
     StepsReply,
-    SyncRequest,
     TieBreakRequest,
     UnservedRequest,
 )
@@ -130,12 +127,13 @@ class PeerService(InfoDoors):
         forwards (swarm.net.deltas; default: a store of at most 1 GiB). ``deliveries``: the chain outputs this peer
         holds for the client's ``collect`` (peers/deliveries.py; default: its bounds)."""
         super().__init__(info, swarm_key, max_payload_bytes, faults=faults)
-        self.backend, self.adapters, self.peers = backend, adapters, peers
-        self.references = DeltaReferences() if references is None else references
+        self.backend, self.adapters, self.compute, self.hooks = backend, adapters, compute, hooks
         self.deliveries = Deliveries() if deliveries is None else deliveries
-        self.compute, self.hooks, self.pullers = compute, hooks, pullers
         self.phases = StepPhases()  # where each block's step stands here (peers/stepphase.py)
         self.reduction = Reduction(lambda: self.me, adapters, compute, peers, self.phases, audit_rate, random.Random())
+        self.hops = Hops(lambda: self.me, peers, DeltaReferences() if references is None else references)
+        self.sync = StateSync(adapters, compute, peers, pullers, self.phases)
+        self.commits, self.reports = Commits(adapters), GradReports(adapters)
         self.handlers.update(
             {
                 Method.OPEN: self._open,
@@ -145,12 +143,12 @@ class PeerService(InfoDoors):
                 Method.NORMS: self._norms,
                 Method.REVERT: self._revert,
                 Method.GRADS: self._grads,
-                Method.EXPORT: self._export,
-                Method.SYNC: self._sync,
-                Method.STATE: self._state,
+                Method.EXPORT: self.sync.export,
+                Method.SYNC: self.sync.sync,
+                Method.STATE: self.sync.state,
                 Method.DIGEST: self._digest,
                 Method.TIEBREAK: self._tiebreak,
-                Method.FAST_FORWARD: self._fast_forward,
+                Method.FAST_FORWARD: self.sync.fast_forward,
                 Method.COMMITTED: self._committed,
                 Method.UNSERVED: self._unserved,
                 Method.REPLICATE: self._replicate,
@@ -183,14 +181,14 @@ class PeerService(InfoDoors):
                 request.adapter,
                 request.blocks,
                 request.step,
-                self._received(request),
+                self.hops.received(request),
                 request.mask,
                 request.micro_batch,
                 request.autocast,
             )
             if not delta_coded:
                 return outputs, None
-            encode = self._delta_onward if request.route else self._delta_back
+            encode = self.hops.delta_onward if request.route else self.hops.delta_back
             return outputs, encode(request, outputs)
 
         arrived = time.monotonic()
@@ -201,46 +199,21 @@ class PeerService(InfoDoors):
                 request.deliver.token, CollectReply(answer, request.compression), request.deliver.hold
             ):
                 answer = None  # straight to the client's collect: the chain carries the ack only
-            return HiddenReply(answer, request.compression, [self._ack(request.blocks, arrived, spent, (), ())])
+            return HiddenReply(answer, request.compression, [self.hops.ack(request.blocks, arrived, spent, (), ())])
         if not delta_coded:
-            carried, acks, failure = await self._chain_on(request, arrived, spent, outputs, (), (), hidden=outputs)
+            carried, acks, failure = await self.hops.chain_on(request, arrived, spent, outputs, (), (), hidden=outputs)
             return HiddenReply(carried, request.compression, acks, failure)
-        carried, acks, failure = await self._chain_on(
+        carried, acks, failure = await self.hops.chain_on(
             request,
             arrived,
             spent,
             outputs,
             (),
             (),
-            resend=lambda: {"hidden": self._delta_onward(request, outputs, value_only=True)},
+            resend=lambda: {"hidden": self.hops.delta_onward(request, outputs, value_only=True)},
             hidden=delta,
         )
         return HiddenReply(carried, request.compression, acks, failure)
-
-    def _received(self, request: ForwardRequest) -> torch.Tensor:
-        """A forward's input as sent, or rebuilt from its delta (refused where this peer lacks the reference)."""
-        if not isinstance(request.hidden, Delta):
-            return request.hidden
-        if request.sample is None or request.compression not in DELTAS:
-            raise RequestError("hidden states sent as a delta need a sample and a delta compression (hadamard4d3)")
-        key = ReferenceKey(adapter=request.adapter, sample=request.sample, boundary=request.start, sent=False)
-        return self.references.decode(key, request.hidden).to(rotated.DTYPES[request.hidden.dtype])
-
-    def _delta_onward(self, request: ForwardRequest, outputs: torch.Tensor, value_only: bool = False) -> Delta:
-        """This span's output for the next hop, as a change from the last one this peer passed that peer for the
-        sample (it refuses it if it no longer holds that one; then ``value_only``)."""
-        key = _sent_key(request, request.route[0].peer)
-        if value_only:
-            self.references.forget(key)
-        return self.references.encode(key, outputs, DELTAS[request.compression][1])[0]
-
-    def _delta_back(self, request: ForwardRequest, outputs: torch.Tensor) -> Delta:
-        """The chain's output for the client: a change from the reference it holds (``have``) where this peer holds
-        the same one, else the value itself."""
-        key = _sent_key(request, CLIENT)
-        if request.have is None or self.references.digest_of(key) != request.have:
-            self.references.forget(key)
-        return self.references.encode(key, outputs, DELTAS[request.compression][1])[0]
 
     async def _backward(self, request: BackwardRequest) -> GradReply:
         """The span's backward, then (in a chain) the spans before it, handed the gradient of this span's input."""
@@ -259,12 +232,12 @@ class PeerService(InfoDoors):
                 request.autocast,
             )
             name, blocks, step = request.adapter, request.blocks, request.step
-            norms = self.adapters.grad_norms(name, blocks, step)
-            return grad_inputs, norms, self.adapters.grad_hashes(name, blocks, step, request.micro_batch)
+            norms = self.reports.grad_norms(name, blocks, step)
+            return grad_inputs, norms, self.reports.grad_hashes(name, blocks, step, request.micro_batch)
 
         (grad_inputs, norms, hashes), spent = await self.compute.timed(backward)
         self.phases.held(request.adapter, request.blocks, request.step)
-        carried, acks, failure = await self._chain_on(
+        carried, acks, failure = await self.hops.chain_on(
             request, arrived, spent, grad_inputs, norms, hashes, grad=grad_inputs, hidden=None
         )
         return GradReply(carried, request.compression, acks, failure)
@@ -274,52 +247,8 @@ class PeerService(InfoDoors):
             raise RequestError("a generation's hidden states cannot travel as a delta; send them as they are")
         arrived = time.monotonic()
         outputs, spent = await self.compute.timed(self.backend.infer, request, request.hidden, request.mask)
-        carried, acks, failure = await self._chain_on(request, arrived, spent, outputs, (), (), hidden=outputs)
+        carried, acks, failure = await self.hops.chain_on(request, arrived, spent, outputs, (), (), hidden=outputs)
         return HiddenReply(carried, request.compression, acks, failure)
-
-    async def _chain_on(
-        self,
-        request: ForwardRequest | BackwardRequest | InferRequest,
-        arrived: float,
-        spent: float,
-        result,
-        norms: tuple[GradNorm, ...],
-        hashes: tuple[tuple[int, str], ...],
-        resend: Callable[[], dict] | None = None,
-        **onward,
-    ) -> tuple[torch.Tensor | Delta | None, list[HopAck], ChainFailure | None]:
-        """In a chain, hand the request on to the route's next hop with this hop's ``result`` (``onward``: the fields
-        that change; ``resend``: what to send instead if the next hop lacks the reference of a delta; ``spent``: this
-        hop's compute time). Returns what goes back: the tensor of the chain's end (or this hop's, where the chain
-        broke), the hops that ran (with ``norms`` and ``hashes``, this hop's gradient norms and the hashes of the
-        micro-batch's gradients after a backward), and where it broke."""
-        if not request.route:
-            return result, [self._ack(request.blocks, arrived, spent, norms, hashes)], None
-        hop, rest = request.route[0], request.route[1:]
-        onward_request = replace(request, start=hop.start, end=hop.end, route=rest, **onward)
-        try:
-            try:
-                reply = await self.peers.pass_on(hop, onward_request)
-            except ChainBroken as e:
-                if resend is None or e.failure.kind != ErrorKind.MISSING_REFERENCE:
-                    raise
-                reply = await self.peers.pass_on(hop, replace(onward_request, **resend()))
-        except ChainBroken as e:  # the client goes on from this hop's result
-            return result, [self._ack(request.blocks, arrived, spent, norms, hashes)], e.failure
-        carried = reply.grad_inputs if isinstance(reply, GradReply) else reply.outputs
-        return carried, [self._ack(request.blocks, arrived, spent, norms, hashes), *reply.acks], reply.failure
-
-    def _ack(
-        self,
-        blocks: range,
-        arrived: float,
-        spent: float,
-        norms: tuple[GradNorm, ...],
-        hashes: tuple[tuple[int, str], ...],
-    ) -> HopAck:
-        """This hop ran ``blocks``, in the seconds since the request arrived (the chain after it included), of them
-        ``spent`` computing."""
-        return HopAck(self.me, blocks.start, blocks.stop, time.monotonic() - arrived, norms, hashes, spent)
 
     async def _end_session(self, request: EndSessionRequest) -> EndSessionReply:
         return EndSessionReply(await self.compute(self.backend.sessions.end, request.session))
@@ -335,7 +264,7 @@ class PeerService(InfoDoors):
 
         def apply() -> tuple[CommitReply, list[int]]:
             before = self.adapters.adapter(name).steps()
-            steps = self.adapters.apply(name, step, groups, request.hparams, request.grad_scale)
+            steps = self.commits.apply(name, step, groups, request.hparams, request.grad_scale)
             digests = self.adapters.digests(name)
             moved = [block for block in groups if before.get(block) == step and steps.get(block) == step + 1]
             return CommitReply(steps, {block: digests[block] for block in groups if block in digests}), moved
@@ -356,7 +285,7 @@ class PeerService(InfoDoors):
         back."""
         grads = await self.reduction.checked_grads(request)
         digests = await self.compute(
-            self.adapters.tiebreak,
+            self.commits.tiebreak,
             request.adapter,
             request.step,
             request.groups(),
@@ -371,84 +300,17 @@ class PeerService(InfoDoors):
         peer lacks like a commit does (the commit then finds them here)."""
         await self.reduction.fetch_missing(request)
         groups = request.groups()
-        parts = await self.compute(self.adapters.norm_parts, request.adapter, request.step, groups, request.norm_type)
+        parts = await self.compute(self.reports.norm_parts, request.adapter, request.step, groups, request.norm_type)
         return NormsReply(parts)
 
     async def _revert(self, request: RevertRequest) -> StepsReply:
-        steps = await self.compute(self.adapters.revert, request.adapter, request.step)
+        steps = await self.compute(self.commits.revert, request.adapter, request.step)
         self.phases.taken_back(request.adapter, [b for b, at in steps.items() if at == request.step], request.step)
         self.in_background(self.hooks.after_revert(request.adapter))
         return StepsReply(steps)
 
     async def _grads(self, request: GradsRequest) -> GradsReply:
         return GradsReply(await self.reduction.serve(request))
-
-    async def _export(self, request: ExportRequest) -> ExportReply:
-        """State of blocks; with ``held`` (block -> the step of the asker's copy), the last update of served blocks
-        held one step behind instead of their whole state. A ``watcher`` is told of the next commits here."""
-        states, updates = await self.compute(self.adapters.export_state, request.adapter, request.blocks, request.held)
-        if request.watcher is not None:
-            self.pullers.note(request.watcher, request.blocks)
-        index, flat = pack_states(states)
-        update_index, update_flat = pack_states({block: u.as_state() for block, u in updates.items()})
-        return ExportReply(
-            index=index,
-            update_index=update_index,
-            hparams={block: u.hparams for block, u in updates.items()},
-            bases={block: u.base for block, u in updates.items() if u.base},
-            afters={block: u.after for block, u in updates.items() if u.after},
-            states=flat,
-            updates=update_flat,
-        )
-
-    async def _sync(self, request: SyncRequest) -> StepsReply:
-        """Pull the adapter state of some blocks from a current replica, so this peer can serve them again. Blocks
-        held here one step behind take the replica's last update instead, applied here and checked against the
-        replica's state (``AdapterStore.apply_updates``): a replica cannot hand on what it altered outside a step
-        (a liar that served a span first would otherwise seed every replica that joins it). Blocks further behind,
-        or whose state here is not the replica's at the step before, take its state."""
-        name, blocks, source = request.adapter, request.blocks, request.source
-        served = await self.compute(lambda: self.adapters.adapter(name).steps())
-        states, updates = await self._fetch_from(source, name, blocks, {b: served[b] for b in blocks if b in served})
-        advanced = await self.compute(self.adapters.apply_updates, name, updates, dict.fromkeys(updates, source))
-        unfit = [block for block in updates if block not in advanced]
-        if unfit:  # the state here is not the source's at the step before: take its state, if its update gives it
-            more, _ = await self._fetch_from(source, name, range(min(unfit), max(unfit) + 1), None)
-            explained = [block for block in unfit if block in more and updates[block].explains(more[block])]
-            states.update({block: more[block] for block in explained})
-            altered = {block: updates[block] for block in unfit if block not in states}
-            if altered:
-                logger.error(
-                    "adapter %r blocks %s: the state of %s is not its own last update applied to its state before; "
-                    "refused, and its update applied to this peer's own state instead. It altered its adapter outside "
-                    "the step: the replicas' next vote outvotes it",
-                    name,
-                    sorted(altered),
-                    source,
-                )
-                await self.compute(self.adapters.apply_updates, name, altered, None, True)
-        steps = await self.compute(self.adapters.import_state, name, states)
-        self.phases.loaded(name, {block: steps[block] for block in blocks if block in steps})
-        logger.info("synced adapter %r blocks %s from %s: steps %s", name, list(blocks), source, steps)
-        return StepsReply(steps)
-
-    async def _fetch_from(
-        self, source: PeerID, name: str, blocks: range, held: dict[int, int] | None
-    ) -> tuple[dict[int, BlockState], dict[int, BlockUpdate]]:
-        try:
-            return await self.peers.fetch_state_or_updates(source, name, blocks, held)
-        except (*PEER_ERRORS, RequestError) as e:  # the source's failure (or bad reply): the client picks another
-            raise SourceUnavailableError(
-                f"could not pull blocks {blocks.start}:{blocks.stop} from {source}: {e}", source.to_base58()
-            ) from None
-
-    async def _fast_forward(self, request: FastForwardRequest) -> FastForwardReply:
-        """No current copy of these blocks survived anywhere: the trainer declares the newest one current."""
-        name = request.adapter
-        lost = await self.compute(self.adapters.fast_forward, name, request.blocks, request.step)
-        steps = self.adapters.adapter(name).steps()
-        self.phases.loaded(name, {block: steps[block] for block in request.blocks if block in steps})
-        return FastForwardReply(steps, lost)
 
     async def _committed(self, request: CommittedRequest) -> Ack:
         """A server of blocks this peer keeps on standby committed a step: pull the new state, in the background."""
@@ -479,13 +341,5 @@ class PeerService(InfoDoors):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _state(self, request: StateRequest) -> StateReply:
-        return StateReply(await self.compute(self.adapters.lora_state, request.adapter))
-
     async def _digest(self, request: DigestRequest) -> DigestReply:
         return DigestReply(await self.compute(self.adapters.digests, request.adapter))
-
-
-def _sent_key(request: ForwardRequest, to: str) -> ReferenceKey:
-    """The key of a delta-coded forward's output (it has a sample) as this peer sends it on to ``to``."""
-    return ReferenceKey(adapter=request.adapter, sample=request.sample, boundary=request.end, sent=True, peer=to)

@@ -53,6 +53,7 @@ if str(ROOT) not in sys.path:
 
 from peers.adapters import AdapterStore  # noqa: E402
 from peers.backend import SpanBackend  # noqa: E402
+from peers.commits import Commits  # noqa: E402
 from swarm.blocks import lora_config_to_wire  # noqa: E402
 from swarm.memory import (  # noqa: E402
     ACTIVATION_CACHE_MB,
@@ -332,7 +333,7 @@ def train_step(
         grads = backend.adapters.adapter("bench").blocks[blocks.start].grads[mb]
         result.lora_grads_per_mb = sum(g.nbytes for g in grads)
     started = time.perf_counter()
-    backend.adapters.apply("bench", step, {b: [(mb,)] for b in blocks}, HPARAMS)  # one holder, one micro-batch
+    Commits(backend.adapters).apply("bench", step, {b: [(mb,)] for b in blocks}, HPARAMS)  # one holder, one micro-batch
     synchronize(backend.device)
     commit_s = time.perf_counter() - started
     return forward_s, backward_s, commit_s

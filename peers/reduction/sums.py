@@ -1,6 +1,6 @@
 """What one block's state holds of a step's reduction: which groups it can sum, whether its reduced gradient was
 gathered in chunks, the step's gradient from either, and the check every gradient handed in passes. Shared by the
-store's commit (peers/adapters.py) and the reduction's fetching (peers/reduction/held.py)."""
+commit (peers/commits.py) and the reduction's fetching (peers/reduction/held.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 A replica's state is voted on at every commit it applies, after the step. One that serves a span alone commits
 unopposed: a liar first and only server of its span alters its state after a step and nobody sees it (its
-activations and gradients stay honest). Honest replicas that join it later do not take its state (peers/adapters.py
+activations and gradients stay honest). Honest replicas that join it later do not take its state (peers/transfer.py
 checks a pulled state against its server's own update), so the next step would run through two states; the vote
 after that step bans the liar, too late: the step's micro-batches ran through its altered blocks and every block's
 gradients of the step are off. So at each step's start the client compares the digests of the current replicas of

@@ -1156,7 +1156,7 @@ class ExportRequest(Request):
     held: dict[int, int] | None = wire(
         optional(read_steps), lambda held: None if held is None else by_block(held), default=None
     )
-    # the asker keeps copies of these blocks and asks to be told of this peer's next commits (PeerService._export)
+    # the asker keeps copies of these blocks and asks to be told of this peer's next commits (StateSync.export)
     watcher: PeerID | None = wire(
         optional(read_peer), lambda peer: None if peer is None else peer.to_base58(), default=None
     )

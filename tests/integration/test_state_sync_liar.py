@@ -45,7 +45,7 @@ def test_replicas_joining_a_liar_one_step_behind_apply_its_update_themselves(
     local, liar, model = _a_liar_alone_on_2_4(inprocess_swarm(), model_dir)
     try:
         model.save_adapter(tmp_path / "initial")
-        with caplog.at_level(logging.ERROR, logger="peers.adapters"):
+        with caplog.at_level(logging.ERROR, logger="peers.transfer"):
             train(model, steps=1)  # step 0, committed by the liar alone on 2:4
             _two_honest_join(local)
         refusals = [r.getMessage() for r in caplog.records if REFUSED in r.getMessage()]

@@ -1,5 +1,6 @@
-"""peers.backend and the adapters' store it runs on (peers.adapters) in one process: standby copies, hand-over and
-catch-up, fast-forward, taking a step back, cached forwards, and refusals the client routes around."""
+"""peers.backend and the adapters' store it runs on (peers.adapters, with its commits and moves of state) in one
+process: standby copies, hand-over and catch-up, fast-forward, taking a step back, cached forwards, and refusals the
+client routes around."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import torch
 
 from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
+from peers.commits import Commits
 from peers.reduction.held import HeldGradients
 from peers.state import BlockState, BlockUpdate, SavedBytes, pack_states, unpack_states
+from peers.transfer import StateTransfer
 from swarm.blocks import lora_config_to_wire
 from swarm.net.errors import ErrorKind, MissingForwardError, NotServedError, RequestError
 from swarm.net.gradhash import grad_hash
@@ -34,7 +37,7 @@ def _train_one_step(backend: SpanBackend, name: str, blocks: range, step: int) -
     mb = f"s:{step}:0"
     backend.forward(name, blocks, step, hidden, None, mb)
     backend.backward(name, blocks, step, mb, hidden, None, torch.ones_like(hidden))
-    backend.adapters.apply(name, step, {b: [(mb,)] for b in blocks}, HPARAMS)
+    Commits(backend.adapters).apply(name, step, {b: [(mb,)] for b in blocks}, HPARAMS)
 
 
 def _server_and_copies(model_dir) -> tuple[SpanBackend, SpanBackend]:
@@ -44,7 +47,7 @@ def _server_and_copies(model_dir) -> tuple[SpanBackend, SpanBackend]:
     server.adapters.open_adapter("a", wire, seed=3, session="s")
     _train_one_step(server, "a", range(2, 4), 0)
     holder.adapters.keep_standby(
-        "a", {"lora": wire, "seed": 3}, server.adapters.export_state("a", range(2, 4))[0], keep={2, 3}
+        "a", {"lora": wire, "seed": 3}, StateTransfer(server.adapters).export_state("a", range(2, 4))[0], keep={2, 3}
     )
     return server, holder
 
@@ -57,10 +60,11 @@ def test_standby_copies_take_over_exactly_and_moves_keep_state(tiny_models):
     server.adapters.open_adapter("a", wire, seed=3, session="s")
     for step in range(2):
         _train_one_step(server, "a", range(2, 4), step)
-    exported, _ = server.adapters.export_state("a", range(2, 4))
+    exported, _ = StateTransfer(server.adapters).export_state("a", range(2, 4))
     other.adapters.keep_standby("a", {"lora": wire, "seed": 3}, exported, keep={2, 3})
     assert other.adapters.adapter("a").standby_steps() == {2: 2, 3: 2}
-    assert other.adapters.export_state("a", range(2, 4))[0][2].step == 2  # a standby copy can be passed on
+    # a standby copy can be passed on
+    assert StateTransfer(other.adapters).export_state("a", range(2, 4))[0][2].step == 2
     other.install(other.load_layers(range(2, 4)))  # takeover: the served block starts from the copy
     assert (
         other.adapters.digests("a")[2] == server.adapters.digests("a")[2]
@@ -84,7 +88,7 @@ def test_a_copy_never_changes_a_served_block_behind_the_trainers_back(tiny_model
         _train_one_step(ahead, "a", range(2, 4), step)
     _train_one_step(served, "a", range(1, 4), 0)
     before = served.adapters.digests("a")
-    exported, _ = ahead.adapters.export_state("a", range(2, 4))
+    exported, _ = StateTransfer(ahead.adapters).export_state("a", range(2, 4))
     served.adapters.keep_standby("a", {"lora": wire, "seed": 3}, exported, keep=None)
     assert served.adapters.adapter("a").steps() == {1: 1, 2: 1, 3: 1} and served.adapters.digests("a") == before
     assert served.adapters.adapter("a").standby_steps() == {}, "a served block keeps no second copy"
@@ -104,12 +108,12 @@ def test_a_copy_one_step_behind_catches_up_from_the_last_update_exactly(tiny_mod
     server, holder = _backend(tiny_models["llama"], range(2, 4)), _backend(tiny_models["llama"], range(0, 2))
     server.adapters.open_adapter("a", wire, seed=3, session="s")
     _train_one_step(server, "a", range(2, 4), 0)
-    states, updates = server.adapters.export_state("a", range(2, 4), held={})
+    states, updates = StateTransfer(server.adapters).export_state("a", range(2, 4), held={})
     assert updates == {}, "a peer holding no copy gets the whole state"
     holder.adapters.keep_standby("a", {"lora": wire, "seed": 3}, states, keep={2, 3})
     for step in (1, 2):
         _train_one_step(server, "a", range(2, 4), step)
-        states, updates = server.adapters.export_state(
+        states, updates = StateTransfer(server.adapters).export_state(
             "a", range(2, 4), held=holder.adapters.adapter("a").standby_steps()
         )
         assert states == {} and sorted(updates) == [2, 3]
@@ -118,7 +122,7 @@ def test_a_copy_one_step_behind_catches_up_from_the_last_update_exactly(tiny_mod
             b: BlockUpdate.from_state(u, updates[b].hparams, updates[b].base)
             for b, u in unpack_states(index, flat).items()
         }
-        assert holder.adapters.apply_updates("a", back) == [2, 3]
+        assert StateTransfer(holder.adapters).apply_updates("a", back) == [2, 3]
     for block in (2, 3):  # the same AdamW on the same gradients: the copy equals the server's state bit for bit
         copy, served = (
             holder.adapters.adapter("a").standby[block],
@@ -128,7 +132,7 @@ def test_a_copy_one_step_behind_catches_up_from_the_last_update_exactly(tiny_mod
         for name, entry in served.tensors.items():
             assert entry.keys() == copy.tensors[name].keys()
             assert all(torch.equal(copy.tensors[name][key], tensor) for key, tensor in entry.items()), name
-    states, updates = server.adapters.export_state("a", range(2, 4), held={2: 1, 3: 1})
+    states, updates = StateTransfer(server.adapters).export_state("a", range(2, 4), held={2: 1, 3: 1})
     assert sorted(states) == [2, 3] and updates == {}, "a copy two steps behind gets the whole state"
 
 
@@ -139,21 +143,27 @@ def test_a_copy_from_a_step_its_server_took_back_and_redid_otherwise_is_dropped_
     It is dropped instead, and the next pull brings the whole state."""
     server, holder = _server_and_copies(tiny_models["llama"])
     _train_one_step(server, "a", range(2, 4), 1)
-    _, updates = server.adapters.export_state("a", range(2, 4), held=holder.adapters.adapter("a").standby_steps())
-    assert holder.adapters.apply_updates("a", updates) == [2, 3]
-    server.adapters.revert("a", 1)
+    _, updates = StateTransfer(server.adapters).export_state(
+        "a", range(2, 4), held=holder.adapters.adapter("a").standby_steps()
+    )
+    assert StateTransfer(holder.adapters).apply_updates("a", updates) == [2, 3]
+    Commits(server.adapters).revert("a", 1)
     hidden = torch.randn(1, 6, server.spec.hidden_size, generator=torch.Generator().manual_seed(99))
     server.forward("a", range(2, 4), 1, hidden, None, "s:1:1")
     server.backward("a", range(2, 4), 1, "s:1:1", hidden, None, torch.ones_like(hidden))
-    server.adapters.apply("a", 1, {b: [("s:1:0", "s:1:1")] for b in range(2, 4)}, HPARAMS)
+    Commits(server.adapters).apply("a", 1, {b: [("s:1:0", "s:1:1")] for b in range(2, 4)}, HPARAMS)
     _train_one_step(server, "a", range(2, 4), 2)
     held = holder.adapters.adapter("a").standby_steps()
     assert held == {2: 2, 3: 2}
-    _, updates = server.adapters.export_state("a", range(2, 4), held=held)
+    _, updates = StateTransfer(server.adapters).export_state("a", range(2, 4), held=held)
     assert sorted(updates) == [2, 3] and all(u.base for u in updates.values())
-    assert holder.adapters.apply_updates("a", updates) == [], "a copy in other bits is not brought forward"
+    assert StateTransfer(holder.adapters).apply_updates("a", updates) == [], (
+        "a copy in other bits is not brought forward"
+    )
     assert holder.adapters.adapter("a").standby_steps() == {}
-    states, updates = server.adapters.export_state("a", range(2, 4), held=holder.adapters.adapter("a").standby_steps())
+    states, updates = StateTransfer(server.adapters).export_state(
+        "a", range(2, 4), held=holder.adapters.adapter("a").standby_steps()
+    )
     assert sorted(states) == [2, 3] and updates == {}
     holder.adapters.keep_standby("a", holder.adapters.adapter("a").meta, states, keep={2, 3})
     for block in (2, 3):
@@ -166,9 +176,9 @@ def test_fast_forward_declares_an_older_state_current_and_reports_the_loss(tiny_
     wire = lora_config_to_wire(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
     backend = _backend(tiny_models["llama"], range(0, 2))
     backend.adapters.open_adapter("a", wire, seed=0)
-    assert backend.adapters.fast_forward("a", range(0, 2), 3) == {0: 3, 1: 3}
+    assert StateTransfer(backend.adapters).fast_forward("a", range(0, 2), 3) == {0: 3, 1: 3}
     assert backend.adapters.adapter("a").steps() == {0: 3, 1: 3}
-    assert backend.adapters.fast_forward("a", range(0, 2), 3) == {}  # nothing lost twice
+    assert StateTransfer(backend.adapters).fast_forward("a", range(0, 2), 3) == {}  # nothing lost twice
 
 
 def test_a_backward_without_its_input_uses_the_cached_forward_and_equals_one_with_it(tiny_models):
@@ -207,25 +217,27 @@ def test_a_step_taken_back_is_redone_to_the_same_bits(tiny_models):
     before = backend.adapters.digests("a")
     _train_one_step(backend, "a", range(0, 2), 1)
     applied = backend.adapters.digests("a")
-    assert backend.adapters.revert("a", 1) == {0: 1, 1: 1}
+    assert Commits(backend.adapters).revert("a", 1) == {0: 1, 1: 1}
     assert backend.adapters.digests("a") == before, "taking a step back restores the state before it exactly"
     assert HeldGradients(backend.adapters).micro_batch_grads("a", 1, {0: ["s:1:0"]})[0].keys() == {"s:1:0"}
-    assert backend.adapters.revert("a", 1) == {0: 1, 1: 1}, "nothing to take back twice"
-    backend.adapters.apply("a", 1, {b: [("s:1:0",)] for b in range(2)}, HPARAMS)
+    assert Commits(backend.adapters).revert("a", 1) == {0: 1, 1: 1}, "nothing to take back twice"
+    Commits(backend.adapters).apply("a", 1, {b: [("s:1:0",)] for b in range(2)}, HPARAMS)
     assert backend.adapters.digests("a") == applied
 
     other = _backend(tiny_models["llama"], range(0, 2))  # a peer that syncs from it, or moves onto its blocks
     other.adapters.open_adapter("a", wire, seed=3, session="s")
-    exported, _ = backend.adapters.export_state("a", range(0, 2))
+    exported, _ = StateTransfer(backend.adapters).export_state("a", range(0, 2))
     index, flat = pack_states(exported)
-    other.adapters.import_state("a", unpack_states(index, flat))
+    StateTransfer(other.adapters).import_state("a", unpack_states(index, flat))
     assert other.adapters.digests("a") == applied
-    assert other.adapters.revert("a", 1) == {0: 1, 1: 1}, "a copy takes the step back like the replica it came from"
+    assert Commits(other.adapters).revert("a", 1) == {0: 1, 1: 1}, (
+        "a copy takes the step back like the replica it came from"
+    )
     assert other.adapters.digests("a") == before
     assert HeldGradients(other.adapters).micro_batch_grads("a", 1, {0: ["s:1:0"]}) == {0: {}}, (
         "without the gradients: a redo fetches them"
     )
-    assert other.adapters.revert("a", 1) == {0: 1, 1: 1}, "nothing to take back twice"
+    assert Commits(other.adapters).revert("a", 1) == {0: 1, 1: 1}, "nothing to take back twice"
 
 
 def test_a_request_for_blocks_a_peer_no_longer_serves_sends_the_client_elsewhere(tiny_models):
@@ -281,7 +293,7 @@ def test_forward_graphs_are_freed_after_a_backward_for_the_lora_gradients_only(t
             backend.forward("a", range(0, 2), step, hidden, None, mb)
             backend.backward("a", range(0, 2), step, mb, None, None, torch.ones_like(hidden), input_grad=False)
         backend.forward("a", range(0, 2), step, hidden, None, f"s:{step}:2")  # a forward whose backward never came
-        backend.adapters.apply("a", step, {b: [(f"s:{step}:0", f"s:{step}:1")] for b in range(2)}, HPARAMS)
+        Commits(backend.adapters).apply("a", step, {b: [(f"s:{step}:0", f"s:{step}:1")] for b in range(2)}, HPARAMS)
         assert backend.adapters.cache.bytes == 0
         assert live_graphs() == 0, f"step {step}: forward graphs outlived their commit"
 
@@ -311,12 +323,12 @@ def test_a_commit_of_blocks_held_but_no_longer_served_is_refused_not_applied(tin
     before = _backend(tiny_models["llama"], range(0, 4))
     before.adapters.open_adapter("a", lora, 0)
     _train_one_step(before, "a", range(0, 4), 0)
-    exported, _ = before.adapters.export_state("a", range(0, 4))
+    exported, _ = StateTransfer(before.adapters).export_state("a", range(0, 4))
     restarted = _backend(tiny_models["llama"], range(0, 2))
     restarted.adapters.open_adapter("a", lora, 0)
-    restarted.adapters.import_state("a", exported)
+    StateTransfer(restarted.adapters).import_state("a", exported)
     with pytest.raises(NotServedError, match=r"blocks \[2, 3\] are not served here") as refused:
-        restarted.adapters.apply("a", 1, {2: [("s:1:0",)], 3: [("s:1:0",)]}, HPARAMS)
+        Commits(restarted.adapters).apply("a", 1, {2: [("s:1:0",)], 3: [("s:1:0",)]}, HPARAMS)
     assert refused.value.kind in PEER_STATE_ERRORS
 
 
@@ -345,12 +357,16 @@ def test_a_server_that_altered_its_state_after_its_update_is_found_out_by_the_co
     server, holder = _server_and_copies(tiny_models["llama"])
     _train_one_step(server, "a", range(2, 4), 1)
     CorruptUpdates().updated([server.adapters.adapter("a").blocks[2]])  # block 2 altered after its update
-    _, updates = server.adapters.export_state("a", range(2, 4), held=holder.adapters.adapter("a").standby_steps())
+    _, updates = StateTransfer(server.adapters).export_state(
+        "a", range(2, 4), held=holder.adapters.adapter("a").standby_steps()
+    )
     assert sorted(updates) == [2, 3] and all(u.after for u in updates.values())
-    whole = server.adapters.export_state("a", range(2, 4))[0]  # the server's states, with the state before
+    # the server's states, with the state before
+    whole = StateTransfer(server.adapters).export_state("a", range(2, 4))[0]
     assert updates[3].explains(whole[3]) and not updates[2].explains(whole[2])
-    with caplog.at_level("ERROR", logger="peers.adapters"):
-        assert holder.adapters.apply_updates("a", updates, dict.fromkeys(updates, "the-server")) == [2, 3]
+    with caplog.at_level("ERROR", logger="peers.transfer"):
+        applied = StateTransfer(holder.adapters).apply_updates("a", updates, dict.fromkeys(updates, "the-server"))
+    assert applied == [2, 3]
     named = [r.getMessage() for r in caplog.records if "is not its own last update applied" in r.getMessage()]
     assert len(named) == 1 and "blocks [2]" in named[0] and "the-server" in named[0], named
     copies, digests = holder.adapters.adapter("a").standby, server.adapters.digests("a")
@@ -369,12 +385,14 @@ def test_a_served_block_takes_an_update_onto_its_own_state_only_when_told_to(tin
         _train_one_step(backend, "a", range(2, 4), 0)
     CorruptUpdates().updated(list(liar.adapters.adapter("a").blocks.values()))
     _train_one_step(liar, "a", range(2, 4), 1)
-    _, updates = liar.adapters.export_state("a", range(2, 4), held=replica.adapters.adapter("a").steps())
+    _, updates = StateTransfer(liar.adapters).export_state("a", range(2, 4), held=replica.adapters.adapter("a").steps())
     assert sorted(updates) == [2, 3]
-    assert replica.adapters.apply_updates("a", updates) == [], "the replica's state is not the liar's at step 1"
+    assert StateTransfer(replica.adapters).apply_updates("a", updates) == [], (
+        "the replica's state is not the liar's at step 1"
+    )
     served = replica.adapters.adapter("a").blocks
     before = {block: BlockState.of(state, with_before=False) for block, state in served.items()}
-    assert replica.adapters.apply_updates("a", updates, own_lineage=True) == [2, 3]
+    assert StateTransfer(replica.adapters).apply_updates("a", updates, own_lineage=True) == [2, 3]
     for block, state in replica.adapters.adapter("a").blocks.items():
         assert state.step == 2 and state.digest() == updates[block].apply_to(before[block]).digest()
         assert state.digest() != liar.adapters.digests("a")[block]

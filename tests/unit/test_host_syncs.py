@@ -14,6 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
+from peers.commits import Commits
+from peers.reduction.reports import GradReports
 from swarm.blocks import lora_config_to_wire
 from swarm.net import hostsync
 from swarm.net.protocol import OptimizerHParams
@@ -55,6 +57,7 @@ def _step(model_dir, blocks: range, r: int, targets: list[str], monkeypatch) -> 
     spec = load_spec(model_dir)
     backend = SpanBackend(spec, blocks, torch.device("cpu"), torch.float32, "none", AdapterStore(spec))
     store = backend.adapters
+    reports = GradReports(store)
     wire = lora_config_to_wire(peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets))
     store.open_adapter("a", wire, seed=3, session="s")
     per_mb, per_commit = Counter(), Counter()
@@ -66,12 +69,12 @@ def _step(model_dir, blocks: range, r: int, targets: list[str], monkeypatch) -> 
             _counting(patch, per_mb)
             backend.forward("a", blocks, 0, hidden, None, mb)
             backend.backward("a", blocks, 0, mb, None, None, torch.ones_like(hidden), False)
-            store.grad_norms("a", blocks, 0)
-            store.grad_hashes("a", blocks, 0, mb)
+            reports.grad_norms("a", blocks, 0)
+            reports.grad_hashes("a", blocks, 0, mb)
         per_mb.update(ours)
     with monkeypatch.context() as patch, _ScalarReads(per_commit), hostsync.counted() as ours:
         _counting(patch, per_commit)
-        store.apply("a", 0, {b: [tuple(mbs)] for b in blocks}, HPARAMS, grad_scale=0.5)
+        Commits(store).apply("a", 0, {b: [tuple(mbs)] for b in blocks}, HPARAMS, grad_scale=0.5)
         store.digests("a")
     per_commit.update(ours)
     assert store.adapter("a").steps() == dict.fromkeys(blocks, 1)

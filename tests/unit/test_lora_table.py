@@ -14,7 +14,9 @@ import swarm
 from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
 from peers.checkpoints import CheckpointStore
+from peers.commits import Commits
 from peers.state import pack_states, unpack_states
+from peers.transfer import StateTransfer
 from swarm.blocks import lora_config_from_wire, lora_config_to_wire
 from swarm.lora_options import HONOURED, METADATA, OPTIONAL_ON_WIRE, REFUSED, resolve_lora_config, undecided_fields
 from swarm.net.errors import AdapterConfigError
@@ -146,10 +148,10 @@ def test_a_block_that_layers_to_transform_leaves_out_serves_trains_and_moves(tin
         mb = f"s:0:{blocks.stop}"
         backend.forward("a", blocks, 0, hidden, None, mb)
         backend.backward("a", blocks, 0, mb, hidden, None, torch.ones_like(hidden), input_grad=input_grad)
-    backend.adapters.apply("a", 0, {0: [("s:0:1", "s:0:2")], 1: [("s:0:2",)]}, HPARAMS)
+    Commits(backend.adapters).apply("a", 0, {0: [("s:0:1", "s:0:2")], 1: [("s:0:2",)]}, HPARAMS)
     assert backend.adapters.adapter("a").steps() == {0: 1, 1: 1} and len(backend.adapters.digests("a")) == 2
-    assert backend.adapters.lora_state("a")[0] == {}
-    exported = unpack_states(*pack_states(backend.adapters.export_state("a", range(0, 2))[0]))
+    assert StateTransfer(backend.adapters).lora_state("a")[0] == {}
+    exported = unpack_states(*pack_states(StateTransfer(backend.adapters).export_state("a", range(0, 2))[0]))
     assert exported[0].step == 1 and exported[0].tensors == {}, "a block without LoRA must travel too"
     other = _backend(tiny_models["llama"], range(2, 3))
     other.adapters.keep_standby("a", {"lora": wire, "seed": 3}, exported, keep={0, 1})

@@ -10,6 +10,7 @@ import torch
 
 from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
+from peers.commits import Commits
 from peers.reduction.held import HeldGradients
 from peers.reduction.running import RunningSum
 from swarm.net.protocol import SUM, Held, OptimizerHParams, ledger_groups
@@ -119,7 +120,7 @@ def test_a_fetched_partial_sum_applies_the_same_bits_as_one_summed_here(tiny_mod
         "a", 0, {block: {groups[block][1]: by_key[SUM]} for block, by_key in from_b.items()}
     )
     for name in "AC":
-        replicas[name].adapters.apply("a", 0, groups, HPARAMS)
+        Commits(replicas[name].adapters).apply("a", 0, groups, HPARAMS)
     assert replicas["A"].adapters.digests("a") == replicas["C"].adapters.digests("a")
 
 
@@ -168,7 +169,7 @@ def test_a_gradient_gathered_in_chunks_applies_the_same_bits_as_the_direct_excha
         HeldGradients(replicas["D"].adapters).set_gathered("a", 0, block, groups[block], chunks)
     assert HeldGradients(replicas["D"].adapters).missing("a", 0, groups) == {}
     for name in "AD":
-        replicas[name].adapters.apply("a", 0, groups, HPARAMS)
+        Commits(replicas[name].adapters).apply("a", 0, groups, HPARAMS)
     assert replicas["A"].adapters.digests("a") == replicas["D"].adapters.digests("a")
 
 
