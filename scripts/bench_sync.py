@@ -264,7 +264,8 @@ def report(args: argparse.Namespace, runs: list[Run], took: float) -> None:
         f"goal <= {GOAL} G each way (+ hops), flat in M; (R-1)G: what the design moves each way (every replica "
         "a holder); before: the old per-micro-batch exchange (not measured here). "
         "worst/median: over peers, of each peer's median over steps; mean in/out: the worst peer's mean over steps; "
-        "max in/out: the largest single step of any peer (spikes match a 5 % audit of a partial sum: m x G / 2 here)"
+        "max in/out: the largest single step of any peer (an audit, a quarter of the fetched sums, adds one "
+        "micro-batch gradient of one block: G / 2 here)"
     )
     print()
     print_bytes([r for r in runs if not (r.cap.up or r.cap.down)], g, args)
