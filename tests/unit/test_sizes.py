@@ -20,7 +20,6 @@ STILL_OPEN = {
     "peers/service.py:PeerService",  # 27 methods
     # not split yet in the first pass either (the model's public names stay: user contracts)
     "swarm/client/model.py:SwarmModelForCausalLM",  # 39 methods, 31 of them public names
-    "peers/daemon.py:PeerDaemon",  # 44 methods
 }
 
 
