@@ -1,15 +1,18 @@
-"""One identity, one process: a peer holds an exclusive lock beside its identity file (and in its checkpoint dir) for
-as long as it runs, so that a second process started with them, at the same moment or later, stops at once.
+"""One identity, one process, in two checks. A peer holds an exclusive lock beside its identity file (and in its
+checkpoint dir) for as long as it runs, so that a second process started with them, at the same moment or later, stops
+at once. And a peer whose identity file is from before this run looks at the swarm before joining
+(``refuse_if_serving_elsewhere``): a copy of the file on another machine may be serving already.
 
-A look at the swarm (does a process answer at the addresses this identity's records announce? ``PeerDaemon``) misses
-two processes starting together on one machine, and two
-processes with one peer id are not one peer: requests for it reach either, and commits fail round after round. The
-lock is the operating system's (``flock``): it dies with its process, however that process ends, so a crashed peer
-never leaves a stale lock behind. The lock file names its holder (pid, host, addresses) for the second one's error.
+The look at the swarm (does a process answer at the addresses this identity's records announce?) misses two processes
+starting together on one machine, and two processes with one peer id are not one peer: requests for it reach either,
+and commits fail round after round. The lock is the operating system's (``flock``): it dies with its process, however
+that process ends, so a crashed peer never leaves a stale lock behind. The lock file names its holder (pid, host,
+addresses) for the second one's error.
 """
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import json
 import os
@@ -20,6 +23,11 @@ from pathlib import Path
 from hivemind.p2p import PeerID
 
 from swarm.net.errors import IdentityInUseError
+from swarm.net.network import join_dht
+from swarm.net.records import read_servers
+from swarm.net.security import Identity, SwarmKey
+from swarm.net.transport import Transport
+from swarm.spec import ModelSpec
 
 HOLDER_WAIT = 2.0  # seconds a refused process waits for the lock's holder to write who it is (it does so at once)
 IN_USE_HINT = "stop that peer first, or give this one its own --identity and --checkpoint-dir"
@@ -92,3 +100,42 @@ def _read_holder(fd: int) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError):
         return {}
     return value if isinstance(value, dict) else {}
+
+
+async def refuse_if_serving_elsewhere(
+    identity: Identity, spec: ModelSpec, initial_peers: list[str], swarm_key: SwarmKey | None
+) -> None:
+    """Stop before joining if a live process serves under ``identity``. hivemind's own check looks the peer id up in
+    libp2p's routing table, which a node that just joined may not have filled yet (it let a copy of a serving peer's
+    identity join); the swarm's records name the addresses to ask."""
+    live, where = await serving_elsewhere(identity, spec, initial_peers, swarm_key)
+    if live:
+        raise IdentityInUseError(
+            f"identity {identity.peer_id} ({identity.path}) is already in use by another process in the swarm, "
+            f"{where}: {IN_USE_HINT}"
+        )
+
+
+async def serving_elsewhere(
+    identity: Identity, spec: ModelSpec, initial_peers: list[str], swarm_key: SwarmKey | None
+) -> tuple[bool, str]:
+    """Whether a process with ``identity`` answers at the addresses its records announce, and where it serves
+    (looked at through a throwaway identity: a node with this one would be taken for it). Records a crashed
+    previous run left behind name addresses where nobody answers."""
+    throwaway = Identity.load_or_create(None)
+    dht = await asyncio.to_thread(join_dht, initial_peers, throwaway, swarm_key, client_mode=True)
+    try:
+        servers = await asyncio.to_thread(read_servers, dht, spec.name, spec.num_blocks)
+        me = identity.peer_id
+        mine = [r for records in servers.values() for r in records if r.peer_id == me]
+        if not mine:
+            return False, "which announces no blocks of this model"
+        transport = Transport(await dht.replicate_p2p(), swarm_key)
+        transport.learn(mine)
+        live = await transport.answers(me)
+    finally:
+        dht.shutdown()
+    spans = sorted({(r.start, r.end) for r in mine})
+    maddrs = sorted({m for r in mine for m in r.maddrs})
+    blocks = ", ".join(f"{a}:{b}" for a, b in spans)
+    return live, f"serving blocks {blocks} of {spec.name} at {' '.join(maddrs) or 'an unannounced address'}"

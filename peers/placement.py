@@ -55,7 +55,7 @@ def settled_spans(
     throughput times span length) on the span it moves to; a joining one has not measured it yet and counts as the
     median settled peer. ``exclude``: a peer left out (one choosing
     its own span). ``yielding``: moving peers counted where they serve now, not where they go (they give way to the
-    peer asking: see ``PeerDaemon._move``)."""
+    peer asking: see ``Mover.move``)."""
     online: dict = {}  # peer -> the spans it announces online
     going: dict = {}  # peer -> the blocks it is loading or moving to
     rates: dict = {}  # peer -> (span throughput, span length) of an online record

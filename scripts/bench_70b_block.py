@@ -1,5 +1,5 @@
 """Measure what Llama-70B-shaped blocks cost a peer against swarm/memory.py, the one memory model that sizes a peer's
-span (peers/daemon.py ``blocks_that_fit``): bytes of a loaded block, the device peak of a LoRA training step, and
+span (peers/config.py ``blocks_that_fit``): bytes of a loaded block, the device peak of a LoRA training step, and
 the seconds a block takes forward, backward and at the commit.
 
 It writes a 2-layer random model of the shape that matters most (hidden 8192, 64 heads, 8 KV heads, intermediate
@@ -281,7 +281,7 @@ def bench_case(shape: ModelShape, mode: str, blocks: int, seq: int) -> MemoryInp
 
 
 def card_case(shape: ModelShape, mode: str, seq: int, total_blocks: int) -> MemoryInputs:
-    """A CUDA peer started with the daemon's defaults for this mode (peers/daemon.py ``memory_case``), at ``seq``
+    """A CUDA peer started with the daemon's defaults for this mode (peers/config.py ``memory_case``), at ``seq``
     tokens a micro-batch, on a model of ``total_blocks`` blocks of this shape."""
     return replace(
         bench_case(replace(shape, layers=total_blocks), mode, 1, seq),

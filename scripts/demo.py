@@ -185,7 +185,7 @@ def main() -> None:
                 for name in ("peer-a1", "peer-a2"):
                     moved = [ln for ln in peers[name].log.read_text().splitlines() if "now serving blocks" in ln]
                     if moved:
-                        print(f"{name} took over: {moved[-1].split('peers.daemon: ')[-1]}")
+                        print(f"{name} took over: {moved[-1].split('peers.mover: ')[-1]}")
             for q, a in before.items():
                 print(f"Q: {q}\n   before training: {a}\n   after training:  {answer(model, tokenizer, q)}")
             adapter_dir = model.save_adapter(args.workdir / "adapter")

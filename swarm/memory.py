@@ -1,5 +1,5 @@
 """What a peer holds in memory, by what holds it: the one model of it (issue 57). The daemon sizes its default span
-with it (peers/daemon.py ``blocks_that_fit``), the plan on paper prints it (scripts/plan_swarm.py) and
+with it (peers/config.py ``blocks_that_fit``), the plan on paper prints it (scripts/plan_swarm.py) and
 scripts/bench_memory.py measures it. Nothing here measures anything.
 
 Every part follows what the code keeps. On the device: the blocks' base weights; per block its adapter (LoRA and
@@ -53,7 +53,7 @@ CUDA_CONTEXT_GIB = 0.4  # in use before a peer loads: ~23.6 GiB free on a 24 GiB
 # The load a peer sizes its default span for: micro-batches of 2048 tokens, as many in flight through it as a client
 # keeps at least (swarm/client/routing.py MIN_IN_FLIGHT, all on one pipeline), 16 a step (the seed's case).
 DEFAULT_TOKENS, DEFAULT_IN_FLIGHT, DEFAULT_MICRO_BATCHES = 2048, 4, 16
-# A peer's bounds on its activation cache, generation sessions and kept span inputs unless told (peers/daemon.py
+# A peer's bounds on its activation cache, generation sessions and kept span inputs unless told (peers/config.py
 # ``PeerConfig``: --activation-cache-mb, --max-inference-mb, --kept-inputs-mb), for plans of peers started with their
 # defaults.
 ACTIVATION_CACHE_MB, MAX_INFERENCE_MB, KEPT_INPUTS_MB = 1024, 1024, 4096
@@ -194,7 +194,7 @@ class MemoryInputs:
     """A peer's case: the model, how it computes it, the LoRA trained on it, its span, and the load on it."""
 
     shape: ModelShape
-    quant: str = "none"  # none, int8, nf4, as peers/daemon.py ``--quant``
+    quant: str = "none"  # none, int8, nf4, as peers/config.py ``--quant``
     dtype_bytes: int = 2  # the compute dtype's
     lora: Lora = Lora()
     blocks: int = 1  # the span's length

@@ -28,7 +28,8 @@ from hivemind.utils.mpfuture import MPFuture, SharedBytes
 from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
 from peers.behaviour import Behaviour
-from peers.daemon import PeerConfig, PeerDaemon, PlanHook
+from peers.config import PeerConfig
+from peers.daemon import PeerDaemon, PlanHook
 from swarm.net.records import ServerState
 from swarm.net.security import Identity, SwarmKey
 from swarm.ops.cli import start_bootstrap
@@ -87,12 +88,12 @@ class InProcessPeer:
     @property
     def backend(self) -> SpanBackend:
         """The peer's span compute, once it serves."""
-        return self.daemon.parts.backend
+        return self.daemon.standing.parts.backend
 
     @property
     def adapters(self) -> AdapterStore:
         """The peer's adapter state, once it serves."""
-        return self.daemon.parts.adapters
+        return self.daemon.standing.parts.adapters
 
     @property
     def alive(self) -> bool:
@@ -121,7 +122,7 @@ class InProcessPeer:
     def wait_serving(self, timeout: float = 60.0) -> None:
         """Until the daemon announces itself online; raise with its error if it failed to start."""
         deadline = time.monotonic() + timeout
-        while self.daemon.state is not ServerState.ONLINE:
+        while self.daemon.standing.state is not ServerState.ONLINE:
             if self._served.done():
                 error = None if self._served.cancelled() else self._served.exception()
                 raise InProcessPeerError(f"peer {self.name} stopped before serving: {error!r}") from error
@@ -193,8 +194,8 @@ class InProcessPeer:
             logger.warning("peer %s did not leave within %.0fs; killing it", self.name, timeout)
             self.kill()
             self._thread.join(timeout)
-        if self.daemon.parts is not None:
-            self.daemon.parts.service.compute.shutdown()
+        if self.daemon.standing.parts is not None:
+            self.daemon.standing.parts.service.compute.shutdown()
         dht = getattr(self.daemon, "dht", None)
         if dht is not None:
             dht.join(timeout)

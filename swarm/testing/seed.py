@@ -39,7 +39,7 @@ from swarm.testing.localswarm import LocalSwarm, Process
 logger = logging.getLogger(__name__)
 
 PEERS, SPAN, LAYERS, HIDDEN = 6, 34, 80, 32  # the seed case (docs/benchmarks/scale.md), at a tiny width
-MOVED_LINE = "now serving blocks"  # a move that finished (peers/daemon.py); "moving from blocks" starts one
+MOVED_LINE = "now serving blocks"  # a move that finished (peers/mover.py); "moving from blocks" starts one
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "up_proj"])
 HPARAMS = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
 MAX_GRAD_NORM, SEED = 1.0, 11

@@ -8,7 +8,7 @@ Real (imported, not copied): a new peer picks its span with ``choose_span``, wei
 ``planned_throughput`` makes of the records; every settled peer runs a balance round every ~5 s and calls
 ``next_move`` on what ``settled_spans`` makes of the records, span throughputs included, as
 ``PeerDaemon._balance_round`` does; a move hands its old blocks over only if ``safe_to_drop`` lets it, as
-``PeerDaemon._move`` does; pipelines come from ``Router.route()``; the records are ``ServerRecord``s in a
+``Mover.move`` does; pipelines come from ``Router.route()``; the records are ``ServerRecord``s in a
 ``SwarmView``.
 
 Simulated: the DHT (every record is seen by every peer at once: no propagation delay, no expiry), the clock, and the
@@ -95,7 +95,7 @@ CAPACITIES = (1, 2, 3, 4, 6, 8)  # blocks a peer can hold, and how common each i
 CAPACITY_WEIGHTS = (0.15, 0.3, 0.25, 0.15, 0.1, 0.05)
 SPEED_PER_CAPACITY = 250.0  # median tokens/s through one block, per block of capacity: bigger GPUs are faster
 STATE_S = 2.0  # taking the adapter state of a span from a replica
-HANDOFF_S = 1.5  # announcing the move and looking again before handing blocks over (PeerDaemon._move)
+HANDOFF_S = 1.5  # announcing the move and looking again before handing blocks over (Mover.move)
 WARMUP_S = 900.0  # the cold start, left out of the summary
 
 
@@ -159,7 +159,7 @@ class Peer:
         return bool(self.serving) and self.joining is None
 
     def records(self) -> list[tuple[ServerRecord, list[int]]]:
-        """What it announces, and under which blocks, as PeerDaemon._records: online on its span, joining on the
+        """What it announces, and under which blocks, as Announcer.records: online on its span, joining on the
         blocks it is loading."""
         found = []
         if self.serving:

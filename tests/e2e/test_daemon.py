@@ -10,7 +10,10 @@ import time
 
 import psutil
 
-from peers.daemon import PeerConfig, PeerDaemon
+from peers.announcer import Announcer
+from peers.config import PeerConfig
+from peers.movelog import MoveLog
+from peers.standing import Standing
 from swarm.net.network import join_dht
 from swarm.net.records import ServerState, read_servers
 from swarm.net.security import Identity
@@ -52,25 +55,27 @@ def test_a_peer_that_gives_up_blocks_it_announced_as_joining_withdraws_them(tiny
     name = load_spec(model_dir).name
     with LocalSwarm(tmp_path) as local:
         local.start_dht()
-        daemon = PeerDaemon(PeerConfig(model=str(model_dir), initial_peers=local.initial_peers, num_blocks=2))
-        daemon.dht = join_dht(local.initial_peers, daemon.identity, None, host="127.0.0.1")
+        config = PeerConfig(model=str(model_dir), initial_peers=local.initial_peers, num_blocks=2)
+        identity, now = Identity.load_or_create(None), Standing()
+        dht = join_dht(local.initial_peers, identity, None, host="127.0.0.1")
+        announcer = Announcer(dht, config, load_spec(model_dir), identity, now, max_blocks=2, moves=MoveLog())
         observer = join_dht(local.initial_peers, Identity.load_or_create(None), None, client_mode=True)
         try:
 
             def states() -> dict[int, set[ServerState]]:
                 servers = read_servers(observer, name, 4)
-                return {b: {r.state for r in servers[b] if r.peer_id == daemon.identity.peer_id} for b in range(4)}
+                return {b: {r.state for r in servers[b] if r.peer_id == identity.peer_id} for b in range(4)}
 
-            daemon.joining = range(1, 3)
-            asyncio.run(daemon._announce())
+            now.joining = range(1, 3)
+            asyncio.run(announcer.announce())
             assert states() == {0: set(), 1: {ServerState.JOINING}, 2: {ServerState.JOINING}, 3: set()}
-            asyncio.run(daemon._withdraw([1]))  # what _choose_span does when it switches to 2:4
-            daemon.joining = range(2, 4)
-            asyncio.run(daemon._announce())
+            asyncio.run(announcer.withdraw([1]))  # what Mover.choose_span does when it switches to 2:4
+            now.joining = range(2, 4)
+            asyncio.run(announcer.announce())
             assert states() == {0: set(), 1: {ServerState.LEAVING}, 2: {ServerState.JOINING}, 3: {ServerState.JOINING}}
         finally:
             observer.shutdown()
-            daemon.dht.shutdown()
+            dht.shutdown()
 
 
 SIGNALS = [(sig, target) for sig in (signal.SIGTERM, signal.SIGINT) for target in ("process-group", "process")]

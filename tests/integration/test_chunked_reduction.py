@@ -77,7 +77,9 @@ def test_three_replicas_reduce_a_blocks_gradient_in_chunks_to_the_bits_of_local_
     local = inprocess_swarm()
     peers = local.start_peers(REPLICAS)
     _train_and_save(local, model_dir, "chunked", tmp_path)
-    gathered = {name: peers[name].daemon.parts.service.reduction.chunked.gathered for name in ("r1", "r2", "r3")}
+    gathered = {
+        name: peers[name].daemon.standing.parts.service.reduction.chunked.gathered for name in ("r1", "r2", "r3")
+    }
     assert sum(gathered.values()) > 0, f"no replica gathered a reduced gradient in chunks: {gathered}"
     assert_matches_local_peft(model_dir, tmp_path, steps=STEPS)
     assert MICRO_BATCHES * 2 == len(_rows(0))

@@ -28,7 +28,7 @@ def test_six_peers_started_at_once_then_save_right_after_from_pretrained(inproce
     model_dir = make_tiny_model(tmp_path / "model", layers=LAYERS, seed=1)
     local = inprocess_swarm(model=model_dir, rebalance=True, balance_interval=1.0, num_blocks=SPAN)
     peers = [local.add_peer(None, f"p{i}", wait=False) for i in range(PEERS)]
-    assert not all(peer.daemon.state is ServerState.ONLINE for peer in peers)
+    assert not all(peer.daemon.standing.state is ServerState.ONLINE for peer in peers)
     model = connect(local, model_dir, f"crowd-{seed}", patience=90.0)
     try:
         model.save_adapter(tmp_path / "initial")
@@ -71,7 +71,7 @@ def _wait_until(condition: Callable[[], bool], failure: str) -> None:
 
 def _view_while_loading(peer: InProcessPeer, observer: InProcessPeer) -> SwarmView:
     """What ``observer`` sees once ``peer`` is loading blocks and its first records would have expired twice."""
-    _wait_until(lambda: peer.daemon.joining is not None, "the peer never started loading")
+    _wait_until(lambda: peer.daemon.standing.joining is not None, "the peer never started loading")
     time.sleep(2 * TTL)
     return asyncio.run_coroutine_threadsafe(observer.daemon._observe(), observer._loop).result(30.0)
 
@@ -96,7 +96,7 @@ def test_a_peer_still_loading_answers_as_joining_and_keeps_its_record(inprocess_
     finally:
         loaded.set()
     slow.wait_serving()
-    assert slow.daemon.serving == range(2, 4)
+    assert slow.daemon.standing.serving == range(2, 4)
 
 
 def test_a_peer_moving_keeps_its_records_while_it_loads(inprocess_swarm, tmp_path):
@@ -115,7 +115,7 @@ def test_a_peer_moving_keeps_its_records_while_it_loads(inprocess_swarm, tmp_pat
         assert states == {0: joining, 1: joining, 2: online, 3: online}
     finally:
         loaded.set()
-    _wait_until(lambda: mover.daemon.serving == range(0, 4), "the move did not finish")
+    _wait_until(lambda: mover.daemon.standing.serving == range(0, 4), "the move did not finish")
 
 
 SEED_PEERS, SEED_SPAN, SEED_LAYERS = 6, 34, 80  # the seed's case at tiny width: 204 block slots for the 160 of R=2
@@ -138,23 +138,26 @@ def test_six_peers_of_34_blocks_put_two_servers_on_each_of_80_blocks(inprocess_s
     def counts() -> list[int]:
         served = [0] * SEED_LAYERS
         for peer in peers:
-            if peer.daemon.moving_to is None and peer.daemon.joining is None:
-                for b in peer.daemon.serving:
+            now = peer.daemon.standing
+            if now.moving_to is None and now.joining is None:
+                for b in now.serving:
                     served[b] += 1
         return served
 
     def state() -> str:
-        peer_states = [
-            f"{p.name}: serving {p.daemon.serving}, moving to {p.daemon.moving_to}, joining {p.daemon.joining}, "
-            f"moves {[(m.target_start, m.target_end, m.reason) for m in p.daemon.moves.recent()]}"
-            for p in peers
-        ]
+        peer_states = []
+        for p in peers:
+            now, moves = p.daemon.standing, p.daemon.moves.recent()
+            peer_states.append(
+                f"{p.name}: serving {now.serving}, moving to {now.moving_to}, joining {now.joining}, "
+                f"moves {[(m.target_start, m.target_end, m.reason) for m in moves]}"
+            )
         return f"coverage {counts()}; " + "; ".join(peer_states)
 
     _wait_until_for(lambda: min(counts()) >= 2, SEED_SETTLE, state)
-    settled = {p.name: p.daemon.serving for p in peers}
+    settled = {p.name: p.daemon.standing.serving for p in peers}
     time.sleep(5 * interval)  # a few more rounds: nobody moves once every block is at R
-    assert {p.name: p.daemon.serving for p in peers} == settled
+    assert {p.name: p.daemon.standing.serving for p in peers} == settled
     moves = {p.name: [(m.target_start, m.target_end, m.reason) for m in p.daemon.moves.recent()] for p in peers}
     assert all(len(m) <= SEED_MOVES for m in moves.values()), moves
 

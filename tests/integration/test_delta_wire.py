@@ -66,7 +66,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _references(peer) -> DeltaReferences:
-    return peer.daemon.parts.service.hops.references
+    return peer.daemon.standing.parts.service.hops.references
 
 
 def test_later_passes_send_changes_that_cost_fewer_bytes_and_correct_the_first_passes_error(chained_pair, tiny_models):

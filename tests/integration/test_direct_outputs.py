@@ -36,7 +36,7 @@ def train(swarm, model_dir, out, adapter: str) -> tuple[dict[str, int], list[Rec
 
 def forwards_sent(peer) -> tuple[int, int, int]:
     """(tensor bytes of the forwards a peer passed on, of its forward replies, of its collect replies)."""
-    service, transport = peer.daemon.parts.service, peer.daemon.transport
+    service, transport = peer.daemon.standing.parts.service, peer.daemon.transport
     return transport.sent[Method.FORWARD], service.replied[Method.FORWARD], service.replied[Method.COLLECT]
 
 
@@ -92,5 +92,5 @@ def test_a_large_output_comes_back_over_lanes_with_the_same_bits(inprocess_swarm
         finally:
             model.shutdown()
         assert laned == int(chain)
-    assert peers["b"].daemon.parts.service.replied[Method.COLLECT] == 4 * 256 * HIDDEN * 4
+    assert peers["b"].daemon.standing.parts.service.replied[Method.COLLECT] == 4 * 256 * HIDDEN * 4
     assert torch.equal(logits[True], logits[False])

@@ -25,7 +25,8 @@ def test_a_busy_peer_is_not_taken_for_a_dead_one(inprocess_swarm, tmp_path):
     local = inprocess_swarm(model=model_dir, rebalance=True, balance_interval=1.0)
     first = local.add_peer("0:2", "first")
     busy = local.add_peer("2:4", "busy")
-    held = busy.daemon.parts.compute.executor.submit(time.sleep, BUSY)  # a queue of forwards, as under a trainer
+    compute = busy.daemon.standing.parts.compute
+    held = compute.executor.submit(time.sleep, BUSY)  # a queue of forwards, as under a trainer
     started = time.monotonic()
     seen = asyncio.run_coroutine_threadsafe(first.daemon._observe(), first._loop).result(30.0)
     assert busy.peer_id in seen.alive, "a peer whose compute thread is busy does not answer info within PING_TIMEOUT"
@@ -34,7 +35,7 @@ def test_a_busy_peer_is_not_taken_for_a_dead_one(inprocess_swarm, tmp_path):
     time.sleep(2.0)  # rounds decided while it was busy have finished their moves by now
     assert first.daemon.moves.recent() == [], f"the idle peer moved: {first.daemon.moves.recent()}"
     assert busy.daemon.moves.recent() == []
-    assert (first.daemon.serving, busy.daemon.serving) == (range(0, 2), range(2, 4))
+    assert (first.daemon.standing.serving, busy.daemon.standing.serving) == (range(0, 2), range(2, 4))
 
 
 def test_a_told_peer_takes_over_an_orphan_and_goes_back_once(inprocess_swarm, tmp_path):
@@ -45,9 +46,10 @@ def test_a_told_peer_takes_over_an_orphan_and_goes_back_once(inprocess_swarm, tm
     first = local.add_peer("0:2", "first", max_blocks=4)
     second = local.add_peer("2:4", "second")
     second.kill()
-    _wait_until(lambda: first.daemon.serving == range(0, 4), 90.0, "the told peer did not take the orphans over")
+    now = first.daemon.standing
+    _wait_until(lambda: now.serving == range(0, 4), 90.0, "the told peer did not take the orphans over")
     local.add_peer("2:4", "back")
-    _wait_until(lambda: first.daemon.serving == range(0, 2), 90.0, "the told peer did not go back to its span")
+    _wait_until(lambda: now.serving == range(0, 2), 90.0, "the told peer did not go back to its span")
     time.sleep(5.0)  # a few more rounds: it stays
     moves = first.daemon.moves.recent()
     assert [(m.target_start, m.target_end) for m in moves] == [(0, 4), (0, 2)], moves
@@ -92,7 +94,7 @@ class Shuttle:
         pass
 
     def decided(self, target: range | None) -> range | None:
-        serving = self.peer.daemon.serving if self.peer is not None else range(2, 4)
+        serving = self.peer.daemon.standing.serving if self.peer is not None else range(2, 4)
         return range(0, 4) if serving == range(2, 4) else range(2, 4)
 
 

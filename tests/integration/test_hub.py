@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 import swarm
-from peers.daemon import PeerConfig, PeerDaemon
+from peers.config import PeerConfig
+from peers.daemon import PeerDaemon
 from peers.movecost import ASSUMED_DOWNLOAD_RATE
 from peers.placement import Move
 from swarm.hub import model_name, resolve_model, shards_for_blocks, shards_for_client
@@ -80,36 +81,37 @@ def test_a_span_fetches_the_small_files_and_only_its_shards(hub, weight_map):
 
 
 def test_a_move_fetches_just_the_new_shards_and_refreshes_the_digests(hub, weight_map, tmp_path):
-    """The daemon's own fetch: before loading a span (start or move) it downloads that span's shards, then holds the
-    digests of every block now here, as it announces them."""
+    """The peer's own fetch (its loader's): before loading a span (start or move) it downloads that span's shards,
+    then holds the digests of every block now here, as it announces them."""
     daemon = PeerDaemon(
         PeerConfig(model=REPO, initial_peers=[], blocks=range(2, 4), identity=str(tmp_path / "peer.key"))
     )
     assert daemon.spec.name == model_name(REPO, hub.repos[REPO].refs["main"])
-    daemon.digests = block_digests(daemon.spec)
-    assert daemon.digests == {}  # only the small files so far
+    loader, now = daemon.loader, daemon.standing
+    now.digests = block_digests(daemon.spec)
+    assert now.digests == {}  # only the small files so far
     local = block_digests(load_spec(hub.repos[REPO].commits[daemon.source.commit].folder))
 
-    before = daemon.timer.cost()  # what it would announce: every block downloaded first, none on disk
+    before = loader.timer.cost()  # what it would announce: every block downloaded first, none on disk
     assert before.on_disk == () and before.fetch > before.load
     assert before.fetch == pytest.approx(daemon.source.bytes_per_block(4) / ASSUMED_DOWNLOAD_RATE)
 
     hub.clear()
-    daemon.digests = daemon._fetch(range(2, 4))
+    now.digests = loader.fetch(range(2, 4))
     first = set(hub.fetched())
     assert first == set(shards_for_blocks(weight_map, range(2, 4)))
-    assert daemon._digests_of(range(2, 4)) == {2: local[2], 3: local[3]}
+    assert now.digests_of(range(2, 4)) == {2: local[2], 3: local[3]}
     whole = {b for b in range(4) if set(shards_for_blocks(weight_map, [b])) <= first}
     assert {2, 3} <= whole and set(daemon.source.blocks_on_disk(daemon.spec.weight_files, 4)) == whole
-    after = daemon.timer.cost()
+    after = loader.timer.cost()
     assert after.seconds(range(0, 2), range(2, 4)) == 2 * after.load < before.seconds(range(0, 2), range(2, 4))
 
     hub.clear()
-    daemon.digests = daemon._fetch(range(0, 2))
+    now.digests = loader.fetch(range(0, 2))
     assert set(hub.fetched()) == set(shards_for_blocks(weight_map, range(0, 2))) - first
-    assert daemon.digests == local
+    assert now.digests == local
     hub.clear()
-    assert daemon._fetch(range(1, 3)) is None and hub.fetched() == {}  # all here: nothing fetched or hashed
+    assert loader.fetch(range(1, 3)) is None and hub.fetched() == {}  # all here: nothing fetched or hashed
 
 
 def test_a_client_fetches_only_the_shards_outside_the_blocks(hub, weight_map):
@@ -214,15 +216,17 @@ def test_peers_and_a_client_from_the_hub_id_train_like_local_peft(
 
     hub.clear()
     b = peers["b"]
-    asyncio.run_coroutine_threadsafe(b.daemon._move(Move(range(0, 4), "a test moves it")), b._loop).result(timeout=60)
-    assert b.daemon.serving == range(0, 4)
+    moved = b.daemon.mover.move(Move(range(0, 4), "a test moves it"))
+    asyncio.run_coroutine_threadsafe(moved, b._loop).result(timeout=60)
+    now = b.daemon.standing
+    assert now.serving == range(0, 4)
     assert shards(hub) == set(shards_for_blocks(weight_map, range(2, 4))) - set(
         shards_for_blocks(weight_map, range(0, 2))
     )
     local_digests = block_digests(load_spec(repo_folder))
-    assert b.daemon._digests_of(b.daemon.serving) == local_digests  # what it announces for its new span
+    assert now.digests_of(now.serving) == local_digests  # what it announces for its new span
     assert b.adapters.weight_digests == local_digests  # what it checks adapters' pins against
-    (announced, _), *_ = asyncio.run_coroutine_threadsafe(b.daemon._records(), b._loop).result(timeout=10)
+    (announced, _), *_ = asyncio.run_coroutine_threadsafe(b.daemon.announcer.records(), b._loop).result(timeout=10)
     assert announced.cost is not None and announced.cost.on_disk == ((0, 4),)  # a move back downloads nothing
 
     # the client on a machine of its own: a cache of its own, where only the shards it reads arrive

@@ -303,10 +303,10 @@ def test_a_client_that_connects_while_peers_start_waits_for_them_and_trains_equa
     model_dir = tiny_models["llama"]
     local = inprocess_swarm()
     peers = [local.add_peer("0:2", "a", wait=False), local.add_peer("2:4", "b", wait=False)]
-    assert not any(peer.daemon.state is ServerState.ONLINE for peer in peers)
+    assert not any(peer.daemon.standing.state is ServerState.ONLINE for peer in peers)
     model = connect(local, model_dir, "impatient", patience=60.0)
     try:
-        assert all(peer.daemon.state is ServerState.ONLINE for peer in peers)
+        assert all(peer.daemon.standing.state is ServerState.ONLINE for peer in peers)
         model.save_adapter(tmp_path / "initial")
         train_recipe(model, steps=2)
         model.save_adapter(tmp_path / "final")

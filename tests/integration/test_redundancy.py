@@ -311,7 +311,7 @@ def _both_servers_of_2_4_killed(
     finally:
         model.shutdown()
     assert lost == []
-    assert taker.daemon.serving == range(0, 4)
+    assert taker.daemon.standing.serving == range(0, 4)
     assert_matches_local_peft(model_dir, out)
     return taker
 
@@ -429,7 +429,7 @@ def test_a_step_whose_only_server_dies_before_it_is_copied_is_committed_again(in
     lost = train(swarm, model_dir, tmp_path, adapter, min_copies=2, patience=60.0)
     assert fault.wait_fired(0) and x.killed
     assert lost == []
-    assert z.daemon.serving == range(0, 4)
+    assert z.daemon.standing.serving == range(0, 4)
     assert_matches_local_peft(model_dir, tmp_path)
 
 

@@ -117,7 +117,7 @@ def test_restart_times_are_read_from_each_restarted_process_log(tmp_path):
         "Failed to load CPU gemm_4bit_forward\n"
         "2026-12-02 00:53:35,570 INFO peers.daemon: announcing addresses /ip4/127.0.0.1/tcp/1/p2p/Qm\n"
         "2026-12-02 00:53:41,817 INFO peers.daemon: serving blocks 3:6 of model as Qm\n"
-        "2026-12-02 00:54:37,749 INFO peers.daemon: now serving blocks 2:5, 28110 tokens/s\n"
+        "2026-12-02 00:54:37,749 INFO peers.mover: now serving blocks 2:5, 28110 tokens/s\n"
     )
     crashed = tmp_path / "peer3.5.log"
     crashed.write_text("2026-12-02 00:53:20,000 INFO peers.daemon: announcing addresses /ip4/127.0.0.1\n")

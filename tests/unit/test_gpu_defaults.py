@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from peers.daemon import PeerConfig, default_dtype
+from peers.config import PeerConfig, default_dtype
 
 
 def test_a_cpu_peer_computes_in_float32_unless_told():

@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 
 from peers.adapters import AdapterStore
 from peers.backend import SpanBackend
-from peers.daemon import PeerConfig, blocks_that_fit
+from peers.config import PeerConfig, blocks_that_fit
 from peers.state import SavedBytes
 from swarm.blocks import lora_config_to_wire
 from swarm.client.routing import MIN_IN_FLIGHT

@@ -39,7 +39,7 @@ def _target(move: Move | None) -> range | None:
 
 def _decision(me: PeerID) -> range | None:
     view = _view()
-    later = frozenset(p for p in movers(view) if p.to_bytes() > me.to_bytes())  # as PeerDaemon._move asks
+    later = frozenset(p for p in movers(view) if p.to_bytes() > me.to_bytes())  # as Mover.move asks
     return _target(decide_move(view, me, range(2, 4), 100.0, PLACEMENT, later))
 
 
@@ -138,7 +138,7 @@ def test_a_move_for_replicas_waits_while_another_peer_joins_or_moves():
         (_record(THIRD, ServerState.LEAVING, range(0, 2)), range(0, 2)),
     ]
     assert busy_peers(_swarm(*draining), FIRST) == set()
-    # Decided again after its own load (PeerDaemon._move), a move begun at rest stands.
+    # Decided again after its own load (Mover.move), a move begun at rest stands.
     view = _swarm(joining)
     assert _target(decide_move(view, FIRST, range(2, 4), 100.0, PLACEMENT, one_at_a_time=False)) == range(0, 2)
 

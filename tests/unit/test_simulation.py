@@ -91,7 +91,7 @@ def _record(
 
 def test_settled_spans_counts_moving_peers_where_they_go():
     settled, other, joining, moving, dead = (PeerID(bytes([i + 1]) * 8) for i in range(5))
-    announced = [  # (record, the blocks it is announced under), as PeerDaemon._records does
+    announced = [  # (record, the blocks it is announced under), as Announcer.records does
         (_record(settled, ServerState.ONLINE, range(0, 2), throughput=30.0), range(0, 2)),
         (_record(other, ServerState.ONLINE, range(0, 1), throughput=50.0), range(0, 1)),
         (_record(joining, ServerState.JOINING, range(2, 4)), range(2, 4)),

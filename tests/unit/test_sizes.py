@@ -13,12 +13,6 @@ MAX_METHODS = 25
 MAX_LINES = 60
 MARKER = "size:"
 
-# Issue 58, item 7 is still open for these: each is to be split into collaborators (or say why); remove an entry once
-# it passes (the second test says when).
-STILL_OPEN = {
-    "peers/daemon.py:PeerDaemon",  # 44 methods
-}
-
 
 def _methods(node: ast.ClassDef) -> int:
     return sum(isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) for item in node.body)
@@ -68,17 +62,8 @@ def test_no_class_or_function_too_large_without_saying_why():
     for package in ("swarm", "peers"):
         for file in sorted((ROOT / package).rglob("*.py")):
             path = file.relative_to(ROOT).as_posix()
-            found += [entry for entry in oversized(path, file.read_text()) if entry.split(" (")[0] not in STILL_OPEN]
+            found += oversized(path, file.read_text())
     assert found == [], "split these into collaborators or named steps, or say why with 'size:' (issue 58, item 7)"
-
-
-def test_the_allow_list_names_only_what_is_still_too_large():
-    """An entry that passes on its own is taken off the list, so that the list shrinks as the issue closes."""
-    still = set()
-    for entry in STILL_OPEN:
-        path = entry.split(":")[0]
-        still |= {found.split(" (")[0] for found in oversized(path, (ROOT / path).read_text())}
-    assert sorted(STILL_OPEN - still) == [], "these pass now: take them off STILL_OPEN"
 
 
 def test_the_marker_is_read_from_a_docstring_or_the_comment_above():

@@ -11,7 +11,7 @@ import pytest
 from hivemind.p2p import PeerID
 from transformers import LlamaConfig
 
-from peers.daemon import PeerConfig, max_tokens_in_flight
+from peers.config import PeerConfig, max_tokens_in_flight
 from peers.state import TokensInFlight
 from swarm.client.routing import MIN_IN_FLIGHT, Router, RouterOptions
 from swarm.memory import (

@@ -3,9 +3,12 @@ shows; with the daemon's default span sizing."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hivemind.p2p import PeerID
 
-from peers.daemon import PeerConfig, StartTimeline, blocks_that_fit
+from peers.config import PeerConfig, blocks_that_fit, max_blocks, span_length
+from peers.daemon import StartTimeline
 from swarm.net.protocol import AdapterInfo, PeerInfo
 from swarm.net.records import ServerRecord, ServerState
 from swarm.net.view import SwarmView
@@ -80,6 +83,19 @@ def test_records_carry_a_move_and_span_sizing_fits_the_model(tiny_models):
     assert ServerRecord.from_value(roomy.peer_id, roomy.to_value()).max_blocks == 6
     config = PeerConfig(model=str(tiny_models["llama"]), initial_peers=[])
     assert blocks_that_fit(load_spec(tiny_models["llama"]), config) == 4  # a tiny model fits whole
+
+
+def test_a_peer_grows_as_far_as_told_or_as_fits(tiny_models):
+    """The span a peer serves and how far it may grow over orphans: ``--max-blocks`` as told (never below its span);
+    a peer told a smaller span than fits may grow to what fits; one sized by memory is full already."""
+    spec, free = load_spec(tiny_models["llama"]), 1 << 40  # 4 blocks, all of which fit
+    sized = PeerConfig(model=str(tiny_models["llama"]), initial_peers=[])
+    assert span_length(spec, sized, free) == 4 and max_blocks(spec, sized, 4, free) == 4
+    told = replace(sized, blocks=range(0, 2))
+    assert span_length(spec, told, free) == 2 and max_blocks(spec, told, 2, free) == 4
+    assert max_blocks(spec, replace(told, max_blocks=3), 2, free) == 3
+    counted = replace(sized, num_blocks=3, max_blocks=1)
+    assert span_length(spec, counted, free) == 3 and max_blocks(spec, counted, 3, free) == 3
 
 
 def test_a_peer_says_where_its_start_went(monkeypatch):
