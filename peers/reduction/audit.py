@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+from enum import Enum
 
 import torch
 
@@ -33,6 +34,16 @@ AUDIT_RATE = 0.25
 Partials = dict[int, dict[Group, list[torch.Tensor]]]  # block -> the holder's micro-batches -> its partial sum
 
 
+class Verdict(Enum):
+    """What a check of a holder's partial sums found."""
+
+    PASSED = "passed"
+    FAILED = "failed"  # shown wrong: the holder is refused (``bad_gradients``) and the client judges it
+    # its micro-batch gradients could not be had (gone, silent, or refusing): the sums are not taken, their
+    # micro-batches stay missing and the client replays them elsewhere; a liar cannot pass by staying silent
+    UNCHECKED = "unchecked"
+
+
 class Auditor:
     """Checks of other holders' partial sums; audits drawn at ``rate`` from ``rng`` (which the chunked reduction
     shares, so that one stream of draws decides every audit of a request)."""
@@ -48,16 +59,16 @@ class Auditor:
         sketches: dict[int, torch.Tensor],
         audit: bool | None = None,
         chunk: tuple[int, int] | None = None,
-    ) -> bool:
+    ) -> Verdict:
         """Whether ``peer``'s partial sums (or that ``chunk`` of them: index, count) agree with the sketches of
         their micro-batches (block -> a row per micro-batch, in sorted order); then, with probability ``rate``
         (``audit``: always or never), one micro-batch of one block is audited (``audit_sketch``)."""
         agree = await self.compute(sketches_agree, partials, sketches)
         if agree is not None:
             logger.warning("%s's partial sum of block %d is not the sum of its micro-batches' sketches", peer, agree)
-            return False
+            return Verdict.FAILED
         if not (self.random.random() < self.rate if audit is None else audit):
-            return True
+            return Verdict.PASSED
         block = self.random.choice(sorted(partials))
         ((group, summed),) = partials[block].items()
         index = self.random.randrange(len(group))
@@ -72,29 +83,31 @@ class Auditor:
         summed: list[torch.Tensor],
         reported: torch.Tensor,
         chunk: tuple[int, int] | None,
-    ) -> bool:
+    ) -> Verdict:
         """Fetch micro-batch ``mb``'s gradient of ``block`` from its holder: it must hash as the holder reported
         with its backward, and its projection (of ``chunk`` of it) with the signs of ``summed`` must be the
         ``reported`` sketch."""
         wanted = {block: [mb]}
         grads = await self.peers.fetch_grads(peer, request.adapter, request.step, wanted, request.fetch_timeout)
-        if not grads:
-            return True  # gone meanwhile (or silent): not proven wrong; its micro-batches are replayed if need be
+        if not grads.get(block):
+            logger.warning("audit of %s's partial sum of block %d: its gradient did not come; not taken", peer, block)
+            return Verdict.UNCHECKED
         matching, mismatched = await self.compute(as_reported, request, wanted, grads)
         if mismatched or mb not in matching.get(block, {}):
             logger.warning("audit of %s's partial sum of block %d: its gradients are not as it reported", peer, block)
-            return False
+            return Verdict.FAILED
         if await self.compute(projects_to, matching[block][mb], summed, reported, chunk):
-            return True
+            return Verdict.PASSED
         logger.warning("audit of %s's partial sum of block %d: a micro-batch's sketch is not its own", peer, block)
-        return False
+        return Verdict.FAILED
 
     async def audit_fully(
         self, request: CommitRequest | NormsRequest, peer: str, part: dict[int, list[str]], partials: Partials
-    ) -> bool:
+    ) -> Verdict:
         """Every block: fetch the micro-batch gradients behind its partial sum from its holder, check them against
         the hashes its acks reported, and check that they add up to the partial sum, to the bit."""
-        return all([await self._audit_block(request, peer, part, partials, block) for block in sorted(partials)])
+        verdicts = [await self._audit_block(request, peer, part, partials, block) for block in sorted(partials)]
+        return min(verdicts, key=[Verdict.FAILED, Verdict.UNCHECKED, Verdict.PASSED].index)
 
     async def _audit_block(
         self,
@@ -103,21 +116,22 @@ class Auditor:
         part: dict[int, list[str]],
         partials: Partials,
         block: int,
-    ) -> bool:
+    ) -> Verdict:
         wanted = {block: part[block]}
         grads = await self.peers.fetch_grads(peer, request.adapter, request.step, wanted, request.fetch_timeout)
-        if not grads:
-            return True  # gone meanwhile (or silent): not proven wrong; its micro-batches are replayed if need be
+        if not grads.get(block):
+            logger.warning("audit of %s's partial sum of block %d: none of its gradients came; not taken", peer, block)
+            return Verdict.UNCHECKED
         matching, mismatched = await self.compute(as_reported, request, wanted, grads)
         if mismatched or set(matching.get(block, {})) != set(part[block]):
             logger.warning("audit of %s's partial sum of block %d: its gradients are not as it reported", peer, block)
-            return False
+            return Verdict.FAILED
         ((group, summed),) = partials[block].items()
         recomputed = await self.compute(partial_sum, matching[block], group)
         if same_bits(recomputed, summed):
-            return True
+            return Verdict.PASSED
         logger.warning("audit of %s's partial sum of block %d: not the sum of its reported gradients", peer, block)
-        return False
+        return Verdict.FAILED
 
 
 def sketches_in(sums: GradsByBlock) -> dict[int, torch.Tensor]:

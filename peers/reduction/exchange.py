@@ -15,7 +15,7 @@ import torch
 from peers.adapters import AdapterStore
 from peers.compute import Compute
 from peers.peer_client import PeerClient
-from peers.reduction.audit import Auditor, Partials, as_reported, bad_gradients, sketches_in
+from peers.reduction.audit import Auditor, Partials, Verdict, as_reported, bad_gradients, sketches_in
 from peers.reduction.held import HeldGradients
 from peers.reduction.scatter import ChunkedReduction
 from peers.state import GradsByBlock
@@ -80,9 +80,11 @@ class Reduction:
         bad = []
         for (peer, part), sums in zip(wanted_from.items(), fetched, strict=True):
             partials = {block: {tuple(part[block]): by_key[SUM]} for block, by_key in sums.items() if SUM in by_key}
-            if partials and not await self._checked(request, peer, part, partials, sketches_in(sums)):
+            verdict = await self._checked(request, peer, part, partials, sketches_in(sums)) if partials else None
+            if verdict is Verdict.FAILED:
                 bad.append(peer)
-                continue
+            if verdict is not Verdict.PASSED:
+                continue  # unchecked sums are not taken: their micro-batches stay missing (the client replays them)
             await self.compute(self.held.add_partials, name, step, partials)
             self.phases.fetched(name, partials, step)
         if bad:
@@ -95,7 +97,7 @@ class Reduction:
         part: dict[int, list[str]],
         partials: Partials,
         sketches: dict[int, torch.Tensor],
-    ) -> bool:
+    ) -> Verdict:
         """A holder's fetched partial sums checked against their sketches (and at times audited), or, in a commit
         the client audits, every one against all its micro-batch gradients."""
         if request.audit:

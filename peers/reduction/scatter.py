@@ -17,7 +17,7 @@ import torch
 
 from peers.compute import Compute
 from peers.peer_client import PeerClient
-from peers.reduction.audit import AUDIT_RATE, Auditor, sketches_in
+from peers.reduction.audit import AUDIT_RATE, Auditor, Verdict, sketches_in
 from peers.reduction.held import HeldGradients
 from peers.stepphase import StepPhases
 from swarm.net.errors import RequestError
@@ -190,8 +190,10 @@ class ChunkedReduction:
                 return None
             partials = {block: {groups[i]: sums}}
             audit = audited.get(holder) == block
-            if not await self.auditor.check(request, holder, partials, sketches_in(got), audit, (chunk, n)):
+            verdict = await self.auditor.check(request, holder, partials, sketches_in(got), audit, (chunk, n))
+            if verdict is Verdict.FAILED:
                 bad.append(holder)
+            if verdict is not Verdict.PASSED:
                 return None
             parts[i] = sums[0]
         return parts
