@@ -74,6 +74,7 @@ REFUSED: dict[str, str] = {
     "use_bdlora": "BD-LoRA is not supported; leave it None",
     "arrow_config": "Arrow routing is not supported; leave it None",
     "kasa_config": "KaSA is not supported; leave it None",
+    "astra_config": "ASTRA initialisation is not supported; leave it None",
     "ensure_weight_tying": "the swarm never adapts embeddings or the LM head, so nothing to tie; leave it False",
 }
 

@@ -46,6 +46,7 @@ REFUSED_VALUES = {
     "use_bdlora": {"r": 2},
     "arrow_config": {"top_k": 2},
     "kasa_config": {"k": 2},
+    "astra_config": {"rank": 2},
     "ensure_weight_tying": True,
 }
 
