@@ -250,6 +250,7 @@ class AdapterStore:
             adapter = self.by_name[name] = Adapter(config_wire=lora, seed=seed)
         elif adapter.config_wire != lora or adapter.seed != seed:
             raise RequestError(f"adapter {name!r} exists here with another LoRA config or seed")
+        before = sorted(adapter.standby)
         for block, state in states.items():
             served, held = adapter.blocks.get(block), adapter.standby.get(block)
             if served is None and (held is None or held.step <= state.step):
@@ -260,6 +261,8 @@ class AdapterStore:
         if keep is not None:
             for block in [b for b in adapter.standby if b not in keep]:
                 del adapter.standby[block]
+        if sorted(adapter.standby) != before:  # what an operator (and the churn test) reads as this peer's copies
+            logger.info("adapter %r: holding standby copies of blocks %s", name, spans_text(sorted(adapter.standby)))
         if created:
             self._fill(name, adapter)  # served blocks start from the copies just stored
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psutil
 
+from swarm.blocks import spans_text
 from swarm.net.protocol import Method
 from swarm.testing.localswarm import LocalSwarm, Process
 
@@ -42,6 +43,7 @@ LAGGED = (Method.REPLICATE, CHECKPOINT)
 # A peer-side phase: the strike waits (at most MOVE_WAIT s) for a peer to start moving to other blocks, and hits it.
 MOVE, MOVE_WAIT = "move", 30.0
 SPAN_LINE = re.compile(r"(?:now )?serving blocks (\d+):(\d+)")
+COPIES_LINE = re.compile(r"holding standby copies of blocks ([\d:,]+|nothing)")
 MOVE_LINE = re.compile(r"moving from blocks (\d+):(\d+) to (\d+):(\d+)")
 TORN_WRITE_LINE = "discarding an interrupted checkpoint write"
 JOINED_LINE, SERVING_LINE = "peers.daemon: announcing addresses", "peers.daemon: serving blocks"
@@ -115,13 +117,20 @@ def chaos_schedule(seed: int, duration: float, mean_interval: float, names: list
 
 @dataclass
 class Outage:
-    """A peer down (crashed, frozen or left) from ``since`` until it serves again (``until``)."""
+    """A peer down (crashed, frozen or left) from ``since`` until it serves again (``until``). ``copies``: the blocks
+    it held standby copies of when struck: it was one of their state's holders too."""
 
     name: str
     blocks: range
     since: float
     pid: int  # the process struck: the outage of a crash ends when another process of that name serves
     until: float | None = None
+    copies: frozenset[int] = frozenset()
+
+    @property
+    def held(self) -> set[int]:
+        """Every block whose state it held: served or on standby."""
+        return {*self.blocks, *self.copies}
 
 
 class ChaosPeers:
@@ -195,6 +204,14 @@ class ChaosPeers:
         found = SPAN_LINE.findall(self.log_text(name))
         return range(int(found[-1][0]), int(found[-1][1])) if found else range(0)
 
+    def copies(self, name: str) -> frozenset[int]:
+        """The blocks the peer's log says it holds standby copies of now (of the adapter it last logged)."""
+        found = COPIES_LINE.findall(self.log_text(name))
+        if not found or found[-1] == "nothing":
+            return frozenset()
+        runs = [run.split(":") for run in found[-1].split(",")]
+        return frozenset(b for start, end in runs for b in range(int(start), int(end)))
+
     def name_of(self, peer_id: str) -> str | None:
         for name in list(self.processes):
             if f" as {peer_id}" in self.log_text(name):
@@ -217,12 +234,12 @@ class ChurnStats:
         self.applied[what] = self.applied.get(what, 0) + 1
 
     def shared_outages(self) -> list[tuple[Outage, Outage]]:
-        """Pairs of overlapping outages of peers that served a common block: the only case where a step may be
-        lost (every block's state lives on at least two peers)."""
+        """Pairs of overlapping outages of peers that held a common block's state (served, or as a standby copy): the
+        only case where a step may be lost (every block's state lives on at least two peers)."""
         pairs = []
         for a, b in itertools.combinations(self.outages, 2):
             overlap = a.since < (b.until or float("inf")) and b.since < (a.until or float("inf"))
-            if overlap and a.name != b.name and set(a.blocks) & set(b.blocks):
+            if overlap and a.name != b.name and a.held & b.held:
                 pairs.append((a, b))
         return pairs
 
@@ -378,7 +395,9 @@ class ChaosDriver:
         for name in names:
             self._outage(name)
             process = self.peers.processes[name]
-            logger.info("chaos t=%.1fs: %s %s (blocks %s)", self.now(), kind, name, _span_text(self.peers.span(name)))
+            copies = sorted(self.peers.copies(name))
+            held = f"blocks {_span_text(self.peers.span(name))}" + (f", copies {spans_text(copies)}" if copies else "")
+            logger.info("chaos t=%.1fs: %s %s (%s)", self.now(), kind, name, held)
             if kind == "freeze":
                 process.signal(signal.SIGSTOP)
                 then = signal.SIGCONT if event.thaw else signal.SIGKILL
@@ -425,7 +444,8 @@ class ChaosDriver:
     def _outage(self, name: str) -> None:
         with self.lock:
             pid = self.peers.processes[name].pid
-            self.stats.outages.append(Outage(name, self.peers.span(name), self.now(), pid))
+            outage = Outage(name, self.peers.span(name), self.now(), pid, copies=self.peers.copies(name))
+            self.stats.outages.append(outage)
 
     def _recovered(self, name: str) -> None:
         with self.lock:
