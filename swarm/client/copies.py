@@ -45,13 +45,17 @@ class CopyKeeper:
 
     def ensure(self, step: int, replicas: dict[PeerID, range]) -> dict[int, int]:
         """Make every block's state at ``step`` held by ``min_copies`` peers: ``replicas`` (current at ``step``)
-        plus standby holders. Returns the copies per block; a shortfall is warned about once, never raised."""
-        num_blocks = self.calls.router.num_blocks
-        servers = {b: [p for p, span in replicas.items() if b in span] for b in range(num_blocks)}
+        plus standby holders. Returns the copies per block; a shortfall is warned about once, never raised. Only
+        peers not banned when they acknowledged count (a replica applied the step, a holder answered with the copy):
+        a peer banned for failing may be gone with its copy, one banned for good holds nothing the trainer trusts."""
+        router = self.calls.router
+        num_blocks = router.num_blocks
+        trusted = {p: span for p, span in replicas.items() if not router.banned(p)}
+        servers = {b: [p for p, span in trusted.items() if b in span] for b in range(num_blocks)}
         confirmed: dict[int, list[PeerID]] = {b: [] for b in range(num_blocks)}
         asked: set[int] = set()
         if self.min_copies > 1:
-            candidates = sorted(self.calls.router.live_servers(eligible_only=False), key=lambda p: p.to_bytes())
+            candidates = sorted(router.live_servers(eligible_only=False), key=lambda p: p.to_bytes())
             failed: set[PeerID] = set()  # holders that did not answer; one that answered short may try another source
             for attempt in range(MAX_ROUNDS):
                 plan = self._plan(servers, confirmed, [p for p in candidates if p not in failed])
@@ -59,10 +63,10 @@ class CopyKeeper:
                     break
                 asked.update(b for blocks in plan.values() for b in blocks)
                 replies = self._pool.map(
-                    lambda item, attempt=attempt: self._replicate(*item, step, replicas, attempt), plan.items()
+                    lambda item, attempt=attempt: self._replicate(*item, step, trusted, attempt), plan.items()
                 )
                 for (holder, blocks), held in zip(plan.items(), replies, strict=True):
-                    if held is None:
+                    if held is None or router.banned(holder):
                         failed.add(holder)
                         continue
                     for block in blocks:

@@ -213,6 +213,14 @@ class Router:
         logger.warning("peer %s failed (%s); banned for %.0fs", peer, reason, seconds)
         return seconds
 
+    def banned(self, peer: PeerID) -> bool:
+        """Whether ``peer`` is banned now and has not answered since: for good, or for a while after failing (one
+        that answered a call since its ban is alive, whatever the ban's time left)."""
+        health = self._health(peer)
+        return health.banned_until == float("inf") or (
+            health.banned_until > time.monotonic() and health.failing_since is not None
+        )
+
     def distrust(self, peer: PeerID, reason: str) -> None:
         """Never use this peer again in this client (it returned results its replicas disagree with)."""
         self._health(peer).banned_until = float("inf")

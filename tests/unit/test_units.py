@@ -18,7 +18,7 @@ from swarm.client.copies import CopyKeeper
 from swarm.client.ledger import Segment, StepLedger
 from swarm.client.routing import NoRouteError, Router, RouterOptions
 from swarm.net.errors import AdapterConfigError, ModelFolderError, RequestError
-from swarm.net.protocol import Held, OpenRequest
+from swarm.net.protocol import Held, OpenRequest, StepsReply
 from swarm.net.records import CommittedRecord, ServerRecord, ServerState, valid_value
 from swarm.net.transport import Transport
 from swarm.net.wire import Message, WireError, decode, encode
@@ -154,6 +154,58 @@ def test_blocks_no_holder_could_copy_died_when_none_of_their_servers_answers():
         assert len(pinged) == 2
     finally:
         keeper.close()
+
+
+def test_a_durable_ack_counts_no_copy_on_a_peer_banned_when_it_acknowledged():
+    """min_copies=2 over a (0:2) and b (0:2), with c and d free to hold copies. b is banned for good: its state is
+    not counted, so a holder is asked for each block (c for block 0, d for 1). c is banned as it answers with its
+    copy (caught lying meanwhile): its copy is not counted, and d is asked for block 0 too. A peer banned for
+    failing that answered a call since counts again."""
+    a, b, c, d = (PeerID(bytes([i]) * 34) for i in (1, 2, 3, 4))
+    banned: set[PeerID] = {b}
+
+    class Swarm:
+        num_blocks = 2
+
+        def live_servers(self, eligible_only: bool = True) -> dict[PeerID, range]:
+            return {p: range(0, 2) for p in (a, b, c, d) if p not in banned}
+
+        def banned(self, peer: PeerID) -> bool:
+            return peer in banned
+
+    class Calls:
+        router, adapter, asked = Swarm(), "n", []
+
+        def ask(self, peer: PeerID, request, units: int = 1) -> StepsReply:
+            self.asked.append(peer)
+            if peer == c:
+                banned.add(c)
+            return StepsReply(steps={block: request.step for source, _ in request.sources for block in source})
+
+    class Replicas:
+        def note_standby(self, peer: PeerID, steps: dict[int, int]) -> None:
+            pass
+
+    calls = Calls()
+    keeper = CopyKeeper(calls=calls, replicas=Replicas(), min_copies=2, lora={}, seed=0)
+    try:
+        assert keeper.ensure(3, {a: range(0, 2), b: range(0, 2)}) == {0: 2, 1: 2}
+        assert calls.asked == [c, d, d], "block 0 to c, block 1 to d; then block 0 to d"
+        assert keeper.holders == {0: [d], 1: [d]}
+        banned.clear()
+        calls.asked.clear()
+        assert keeper.ensure(4, {a: range(0, 2), b: range(0, 2)}) == {0: 2, 1: 2} and calls.asked == []
+    finally:
+        keeper.close()
+
+    router = Router(dht=None, transport=Transport(p2p=None), model="m", num_blocks=2)
+    router.ban(a, "a timeout")
+    assert router.banned(a)
+    router.succeeded(a, "commit", 1.0, 0.1)  # it answered since: alive
+    assert not router.banned(a)
+    router.distrust(a, "caught")
+    router.succeeded(a, "commit", 1.0, 0.1)
+    assert router.banned(a)
 
 
 def test_committed_records_are_schema_checked():
