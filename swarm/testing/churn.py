@@ -8,9 +8,9 @@ SIGSTOP then SIGCONT or SIGKILL, SIGTERM, two SIGKILLs at once, a new peer joini
 phase: the peer the client calls with a forward, backward or commit, a peer pulling the standby copy the client
 asked for, a peer applying a commit and writing its checkpoint, or a peer starting a move. Stricken peers restart
 2 s later from their checkpoint dir. Printed per run: committed steps per minute (and the ratio to the run without
-churn), steps lost (and whether a loss had an excuse: two holders of a block down at once), the longest pauses
-between commits, moves and takeovers, checkpoint writes the strikes tore, and whether the final adapter equals
-local peft trained on the same batches.
+churn), steps lost (and whether a loss had an excuse: two holders of a block's state, servers or keepers of its
+standby copies, down at once), the longest pauses between commits, moves and takeovers, checkpoint writes the strikes
+tore, and whether the final adapter equals local peft trained on the same batches.
 
 The runs and their table; ``scripts/bench_churn.py`` is the command, ``tests/e2e/test_churn.py`` runs it short.
 """
@@ -103,7 +103,8 @@ class ChurnRun:
 
     @property
     def excused(self) -> bool:
-        """Whether two holders of one block were down at once (the only failure a step may be lost to)."""
+        """Whether two holders of one block's state (served or on standby) were down at once (the only failure a step
+        may be lost to)."""
         return bool(self.chaos and self.chaos.shared_outages())
 
 

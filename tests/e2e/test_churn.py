@@ -3,8 +3,9 @@ checkpoint dirs and join, one event every 2.5 s on average, two at once sometime
 backward, commit, standby pull, checkpoint write, move), while a client that connected at once trains with
 sub-second steps. Two of the five peers run torch's portable CPU kernels (``ATEN_CPU_CAPABILITY=default``), in every
 life, as older machines would. What must hold is not a speed but the promises: the training loop never sees an
-exception, nobody is named dishonest, no step is lost unless two holders of a block were down at once (and then the
-loss is reported), and the adapter ends equal to local peft on the same batches.
+exception, nobody is named dishonest, no step is lost unless two holders of a block's state (its servers, the peers
+keeping its standby copies) were down at once (and then the loss is reported), and the adapter ends equal to local
+peft on the same batches.
 The same driver, longer and with a no-churn run beside it, is scripts/bench_churn.py.
 """
 
