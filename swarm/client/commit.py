@@ -333,6 +333,42 @@ class ReplicaSet:
     def peers(self, step: int) -> dict[PeerID, range]:
         return {p: s for p, s in self.calls.router.live_servers().items() if self.current.get(p) == step}
 
+    def declared(self, block: int, step: int) -> PeerID | None:
+        """The survivor this client declared current for ``block`` at ``step`` when every current copy was lost
+        (``_adopt_survivors``), if it did: what the block's state at ``step`` is from then on."""
+        return next((lost.peer for lost in reversed(self.lost) if block in lost.blocks and lost.at_step == step), None)
+
+    def realign(self, block: int, step: int, opinions: Mapping[PeerID, str]) -> dict[PeerID, str]:
+        """Replicas of ``block`` that disagree (``opinions``: peer -> digest) with nobody to break the tie, where this
+        client declared a survivor current at ``step`` (``declared``): a holder that came back with the lost state
+        after the loss was declared holds, at the same step, a state the trainer no longer has (a churn run's
+        replicas so disagreed and the commit failed). Those that differ from the survivor take its state; returns
+        their digests after (empty if there is no declared survivor among them)."""
+        source = self.declared(block, step)
+        if source is None or source not in opinions:
+            return {}
+        calls, stale = self.calls, [p for p, digest in opinions.items() if digest != opinions[source]]
+
+        def attempt(peer: PeerID) -> str | None:
+            try:
+                calls.ask(peer, SyncRequest(adapter=calls.adapter, source=source, start=block, end=block + 1))
+                return calls.ask(peer, DigestRequest(adapter=calls.adapter)).digests.get(block, "")
+            except (PeerFailure, RemoteError) as e:
+                logger.warning("peer %s could not take block %d from %s: %s", peer, block, source, e)
+                return None
+
+        digests = {p: d for p, d in zip(stale, self.each(attempt, stale), strict=True) if d is not None}
+        if digests:
+            logger.warning(
+                "block %d: %d replica(s) came back with a state lost before the trainer declared %s's current at "
+                "step %d: they took its state",
+                block,
+                len(digests),
+                source,
+                step,
+            )
+        return digests
+
     def split_over(self, blocks: list[int], step: int) -> bool:
         """Whether a live peer, found in the last refresh, holds one of ``blocks`` at ``step`` and other blocks past
         it: it took those over from a replica that had applied the step (the holders of ``blocks`` died in the
@@ -584,8 +620,10 @@ def _vote(
     votes: Mapping[PeerID, CommitReply],
 ) -> dict[PeerID, range]:
     """The replicas' vote on the step: per block, the digests of the replicas that report it applied (the same step:
-    a replica elsewhere is not compared). One outvoted by two that agree is banned for good; two that disagree alone
-    are judged by a standby copy holder that applies the same ledger (``TieBreakRequest``). Without one, the step is
+    a replica elsewhere is not compared). Where this client declared a survivor current at the step, replicas that
+    differ from it take its state first (``ReplicaSet.realign``: they came back with the state it lost). One
+    outvoted by two that agree is banned for good; two that disagree alone are judged by a standby copy holder that
+    applies the same ledger (``TieBreakRequest``). Without one, the step is
     taken back everywhere and ReplicasDisagreeError raised. Returns the replicas of ``applied`` that kept their vote."""
     calls, step = hops.calls, ledger.step
     # Asked again: a replica counted without a reply of this call (it was lost), and one whose reply lacks blocks it
@@ -606,6 +644,7 @@ def _vote(
             for peer, reply in votes.items()
             if peer in applied and block in applied[peer] and reply.steps.get(block, step + 1) == step + 1
         }
+        opinions.update(replicas.realign(block, step, opinions))
         verdict = tally(opinions)
         if verdict.undecided:
             opinions.update(_tiebreak(hops, replicas, ledger, hparams, block, opinions))

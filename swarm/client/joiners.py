@@ -46,6 +46,10 @@ def judge_joiners(trust: Trust, replicas: ReplicaSet, step: int, judged: Iterabl
     if blocks:
         voters = [p for p, span in current.items() if blocks.intersection(span)]
         digests = _digests(trust, replicas, {p: current[p] for p in voters})
+        for block in sorted(blocks):  # where this client declared a survivor current, the others take its state
+            opinions = {p: held[block] for p, held in digests.items() if block in held}
+            for peer, digest in replicas.realign(block, step, opinions).items():
+                digests[peer] = {**digests[peer], block: digest}
         outvoted, undecided = _outvoted(digests, sorted(blocks))
         for peer, block in outvoted.items():
             reason = f"its state of block {block} at step {step} disagrees with the majority of its replicas'"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from hivemind.p2p import PeerID
 
-from swarm.client.commit import ReplicaSet, commit, take_back_abandoned
+from swarm.client.commit import ReplicaSet, StepsLost, commit, take_back_abandoned
 from swarm.client.current import CurrentPeers
 from swarm.client.ledger import StepLedger
 from swarm.net.errors import CommitError, SwarmUnavailableError
@@ -53,6 +53,34 @@ class _Stack:
     def ask(self, peer: PeerID, request: SyncRequest) -> StepsReply:
         self.sent.append((peer, request.source.to_base58(), request.start, request.end))
         return StepsReply({b: 1 for b in self.router.servers[peer]})
+
+
+def test_a_holder_back_with_a_lost_state_takes_the_declared_survivors():
+    """Every current copy of block 2 died; after lost_grace the client declared survivor s current at step 5 (a
+    StepsLost). Then r came back from its checkpoint with block 2 at step 5 too, in the state s lost: the two differ
+    and nobody breaks the tie. r takes s's state of block 2 (a sync from s), and its digest after is s's. Where the
+    client declared nothing, or at another step, nothing is synced."""
+    survivor, back = PeerID(b"s" * 8), PeerID(b"r" * 8)
+    digests = {survivor: "declared", back: "lost"}
+
+    class _Digests(_Stack):
+        def ask(self, peer: PeerID, request: Request):
+            if isinstance(request, DigestRequest):
+                return DigestReply({2: digests[peer]})
+            digests[peer] = digests[request.source]
+            return super().ask(peer, request)
+
+    stack = _Digests(_Router({survivor: range(2, 4), back: range(2, 4)}))
+    replicas = ReplicaSet(stack, CurrentPeers(0, exact=True), open_on=lambda peer: ({}, {}))
+    try:
+        opinions = dict(digests)
+        assert replicas.realign(2, 5, opinions) == {} and stack.sent == [], "no survivor declared"
+        replicas.lost.append(StepsLost(survivor, (2,), 3, 5))
+        assert replicas.realign(2, 6, opinions) == {} and replicas.realign(3, 5, opinions) == {}
+        assert replicas.realign(2, 5, opinions) == {back: "declared"}
+    finally:
+        replicas.close()
+    assert stack.sent == [(back, survivor.to_base58(), 2, 3)]
 
 
 def test_a_takeover_holding_part_of_its_span_current_syncs_only_the_rest():

@@ -33,6 +33,16 @@ class FakeSwarm:
     def each(self, ask: Callable[[str], object], peers: list[str]) -> list[object]:
         return [ask(peer) for peer in peers]
 
+    def realign(self, block: int, step: int, opinions: dict[str, str]) -> dict[str, str]:
+        """As ReplicaSet.realign, with ``declared`` (block -> peer) standing for the survivors declared at the step."""
+        source = getattr(self, "declared", {}).get(block)
+        if source not in opinions:
+            return {}
+        stale = [p for p, digest in opinions.items() if digest != opinions[source]]
+        for peer in stale:
+            self.digests[peer] = {**self.digests[peer], block: opinions[source]}
+        return {peer: opinions[source] for peer in stale}
+
 
 def _swarm(liar_digest: str, spans: dict[str, range] = SPANS) -> FakeSwarm:
     digests = {peer: {b: HONEST[b] for b in span} for peer, span in spans.items()}
@@ -61,3 +71,13 @@ def test_two_that_disagree_alone_ban_nobody():
     judgement = judge_joiners(swarm, swarm, step=1, judged={"head", "liar"})
     assert judgement.judged == {"head", "liar", "honest-1"} and judgement.undecided == [2]
     assert swarm.banned == []
+
+
+def test_two_that_disagree_where_a_survivor_was_declared_take_its_state_and_nobody_is_banned():
+    """The client declared ``liar`` (here an honest survivor) current for block 2 after a loss; honest-1 came back
+    with the state lost before: it takes the survivor's state, and the tie is gone without a ban."""
+    swarm = _swarm(liar_digest="declared", spans={p: span for p, span in SPANS.items() if p != "honest-2"})
+    swarm.declared = {2: "liar"}
+    judgement = judge_joiners(swarm, swarm, step=1, judged={"head", "liar"})
+    assert judgement.undecided == [] and swarm.banned == []
+    assert swarm.digests["honest-1"][2] == "declared"
