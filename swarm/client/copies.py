@@ -13,6 +13,7 @@ replication in a database: an acknowledged step survives the loss of any single 
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from hivemind.p2p import PeerID
@@ -50,7 +51,7 @@ class CopyKeeper:
         a peer banned for failing may be gone with its copy, one banned for good holds nothing the trainer trusts."""
         router = self.calls.router
         num_blocks = router.num_blocks
-        trusted = {p: span for p, span in replicas.items() if not router.banned(p)}
+        trusted = {p: span for p, span in replicas.items() if not self._written_off(p)}
         servers = {b: [p for p, span in trusted.items() if b in span] for b in range(num_blocks)}
         confirmed: dict[int, list[PeerID]] = {b: [] for b in range(num_blocks)}
         asked: set[int] = set()
@@ -66,7 +67,7 @@ class CopyKeeper:
                     lambda item, attempt=attempt: self._replicate(*item, step, trusted, attempt), plan.items()
                 )
                 for (holder, blocks), held in zip(plan.items(), replies, strict=True):
-                    if held is None or router.banned(holder):
+                    if held is None or self._written_off(holder):
                         failed.add(holder)
                         continue
                     for block in blocks:
@@ -77,6 +78,11 @@ class CopyKeeper:
         self.unconfirmed = {b for b in asked if not confirmed[b]}
         self._warn_if_short(step)
         return self.copies
+
+    def _written_off(self, peer: PeerID) -> bool:
+        """Whether ``peer`` is banned now and silent since (``PeerHealth.written_off``)."""
+        health = self.calls.router.health.get(peer)
+        return health is not None and health.written_off(time.monotonic())
 
     def died_uncopied(self, replicas: dict[PeerID, range]) -> list[int]:
         """Blocks whose new state nobody holds any more: no holder could copy it (``unconfirmed``), and none of

@@ -58,6 +58,11 @@ class PeerHealth:
     seconds_per_unit: dict[str, float] = field(default_factory=dict)
     compute_per_unit: dict[str, float] = field(default_factory=dict)
 
+    def written_off(self, now: float) -> bool:
+        """Banned at ``now`` and silent since: for good, or for a while after failing (one that answered a call
+        since its ban is alive, whatever the ban's time left)."""
+        return self.banned_until == float("inf") or (self.banned_until > now and self.failing_since is not None)
+
 
 # Small requests that never wait for compute beyond a moment: a peer that does not answer them within this time is
 # not worth waiting for (a dial to a dead address would otherwise take libp2p ~20 s to give up).
@@ -212,14 +217,6 @@ class Router:
         health.banned_until = time.monotonic() + seconds
         logger.warning("peer %s failed (%s); banned for %.0fs", peer, reason, seconds)
         return seconds
-
-    def banned(self, peer: PeerID) -> bool:
-        """Whether ``peer`` is banned now and has not answered since: for good, or for a while after failing (one
-        that answered a call since its ban is alive, whatever the ban's time left)."""
-        health = self._health(peer)
-        return health.banned_until == float("inf") or (
-            health.banned_until > time.monotonic() and health.failing_since is not None
-        )
 
     def distrust(self, peer: PeerID, reason: str) -> None:
         """Never use this peer again in this client (it returned results its replicas disagree with)."""

@@ -29,7 +29,10 @@ def _swarm(digests_now: dict[PeerID, dict[int, str]]):
     hops = SimpleNamespace(calls=calls, dishonest=set(), ban_dishonest=lambda peer, reason: None)
     taken_back: list[PeerID] = []
     replicas = SimpleNamespace(
-        standby={}, standby_holders=lambda block, step: [], take_back=lambda peers, step: taken_back.extend(peers)
+        standby={},
+        standby_holders=lambda block, step: [],
+        take_back=lambda peers, step: taken_back.extend(peers),
+        realign=lambda block, step, opinions: {},  # no survivor declared current
     )
     return hops, replicas, SimpleNamespace(step=STEP), asked, taken_back
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from dataclasses import replace
 
 import peft
@@ -16,7 +17,7 @@ import swarm
 from swarm.blocks import add_lora, load_block, lora_config_from_wire, lora_config_to_wire
 from swarm.client.copies import CopyKeeper
 from swarm.client.ledger import Segment, StepLedger
-from swarm.client.routing import NoRouteError, Router, RouterOptions
+from swarm.client.routing import NoRouteError, PeerHealth, Router, RouterOptions
 from swarm.net.errors import AdapterConfigError, ModelFolderError, RequestError
 from swarm.net.protocol import Held, OpenRequest, StepsReply
 from swarm.net.records import CommittedRecord, ServerRecord, ServerState, valid_value
@@ -162,16 +163,13 @@ def test_a_durable_ack_counts_no_copy_on_a_peer_banned_when_it_acknowledged():
     copy (caught lying meanwhile): its copy is not counted, and d is asked for block 0 too. A peer banned for
     failing that answered a call since counts again."""
     a, b, c, d = (PeerID(bytes([i]) * 34) for i in (1, 2, 3, 4))
-    banned: set[PeerID] = {b}
+    for_good = PeerHealth(banned_until=float("inf"))
 
     class Swarm:
-        num_blocks = 2
+        num_blocks, health = 2, {b: for_good}
 
         def live_servers(self, eligible_only: bool = True) -> dict[PeerID, range]:
-            return {p: range(0, 2) for p in (a, b, c, d) if p not in banned}
-
-        def banned(self, peer: PeerID) -> bool:
-            return peer in banned
+            return {p: range(0, 2) for p in (a, b, c, d) if p not in self.health}
 
     class Calls:
         router, adapter, asked = Swarm(), "n", []
@@ -179,7 +177,7 @@ def test_a_durable_ack_counts_no_copy_on_a_peer_banned_when_it_acknowledged():
         def ask(self, peer: PeerID, request, units: int = 1) -> StepsReply:
             self.asked.append(peer)
             if peer == c:
-                banned.add(c)
+                self.router.health[c] = for_good
             return StepsReply(steps={block: request.step for source, _ in request.sources for block in source})
 
     class Replicas:
@@ -192,7 +190,7 @@ def test_a_durable_ack_counts_no_copy_on_a_peer_banned_when_it_acknowledged():
         assert keeper.ensure(3, {a: range(0, 2), b: range(0, 2)}) == {0: 2, 1: 2}
         assert calls.asked == [c, d, d], "block 0 to c, block 1 to d; then block 0 to d"
         assert keeper.holders == {0: [d], 1: [d]}
-        banned.clear()
+        calls.router.health.clear()
         calls.asked.clear()
         assert keeper.ensure(4, {a: range(0, 2), b: range(0, 2)}) == {0: 2, 1: 2} and calls.asked == []
     finally:
@@ -200,12 +198,12 @@ def test_a_durable_ack_counts_no_copy_on_a_peer_banned_when_it_acknowledged():
 
     router = Router(dht=None, transport=Transport(p2p=None), model="m", num_blocks=2)
     router.ban(a, "a timeout")
-    assert router.banned(a)
+    assert router.health[a].written_off(time.monotonic())
     router.succeeded(a, "commit", 1.0, 0.1)  # it answered since: alive
-    assert not router.banned(a)
+    assert not router.health[a].written_off(time.monotonic())
     router.distrust(a, "caught")
     router.succeeded(a, "commit", 1.0, 0.1)
-    assert router.banned(a)
+    assert router.health[a].written_off(time.monotonic())
 
 
 def test_committed_records_are_schema_checked():
