@@ -339,11 +339,11 @@ class ReplicaSet:
         return next((lost.peer for lost in reversed(self.lost) if block in lost.blocks and lost.at_step == step), None)
 
     def realign(self, block: int, step: int, opinions: Mapping[PeerID, str]) -> dict[PeerID, str]:
-        """Replicas of ``block`` that disagree (``opinions``: peer -> digest) with nobody to break the tie, where this
-        client declared a survivor current at ``step`` (``declared``): a holder that came back with the lost state
-        after the loss was declared holds, at the same step, a state the trainer no longer has (a churn run's
-        replicas so disagreed and the commit failed). Those that differ from the survivor take its state; returns
-        their digests after (empty if there is no declared survivor among them)."""
+        """Replicas of ``block`` (``opinions``: peer -> digest) that differ from the survivor this client declared
+        current at ``step`` (``declared``) take its state: a holder that came back with the lost state after the loss
+        was declared holds, at the same step, a state the trainer no longer has (a churn run's replicas so
+        disagreed, nobody broke the tie, and the commit failed). Returns their digests after (empty if no survivor
+        was declared there, or it is not among them)."""
         source = self.declared(block, step)
         if source is None or source not in opinions:
             return {}
